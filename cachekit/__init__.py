@@ -1,0 +1,26 @@
+"""cachekit: a content-addressed, process-safe preprocessing cache for PyTorch pipelines.
+
+``cachekit.Cache(...).images(df["img_path"], size=32)`` decodes and resizes the images once
+into a uint8 memmap that every later process maps in milliseconds.
+"""
+
+from ._version import __version__
+from .cache import Cache, Entry
+from .errors import (
+    CacheCorruptError,
+    CachekitError,
+    ImageDecodeError,
+    LockTimeout,
+    ReadOnlyCacheError,
+)
+
+__all__ = [
+    "Cache",
+    "CacheCorruptError",
+    "CachekitError",
+    "Entry",
+    "ImageDecodeError",
+    "LockTimeout",
+    "ReadOnlyCacheError",
+    "__version__",
+]

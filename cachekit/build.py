@@ -1,0 +1,187 @@
+"""Fill a .npy memmap from a per-row function, in parallel, in order, in fixed-size chunks.
+
+Rows run on a thread pool: Pillow releases the GIL while it decodes and resizes, so threads
+scale without pickling rows or results across processes. At most a few rows per worker are
+in flight, and each result is written into the memmap as soon as it is ready, so peak memory
+does not grow with the number of rows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import store
+from .errors import Failure
+
+CHUNK_ROWS = 1024
+"""Rows per chunk: the unit of progress reports and of flushing to disk."""
+
+RowFunction = Callable[[Any], Any]
+ChunkCallback = Callable[[int, int], None]
+
+
+@dataclass
+class Filled:
+    """What a fill produced: the array's shape and dtype, and the rows that failed."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    failures: list[Failure] = field(default_factory=list)
+
+
+class RowFailed(Exception):
+    """Raised by a row function for a row it cannot produce; the fill records and goes on."""
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def fill(
+    out_path: Path,
+    values: Sequence[Any],
+    row_fn: RowFunction,
+    *,
+    workers: int,
+    record: Callable[[Exception], bool],
+    template: tuple[tuple[int, ...], np.dtype] | None = None,
+    on_chunk: ChunkCallback | None = None,
+    progress: bool = False,
+    description: str = "cachekit build",
+) -> Filled:
+    """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file at ``out_path``.
+
+    ``template`` gives the per-row shape and dtype; without it the first row that succeeds
+    fixes them, and a later row of another shape or dtype raises ValueError naming both.
+    ``record(exc)`` decides for an exception from ``row_fn``: True records the row as a
+    failure (its row stays zeros), False re-raises it unchanged. ``on_chunk(done, total)``
+    is called each time another CHUNK_ROWS rows are written and flushed.
+    """
+    n = len(values)
+    failures: list[Failure] = []
+    start, first_result = 0, None
+    if template is None:
+        start, first_result = _first_success(values, row_fn, record, failures)
+        template = (first_result.shape, first_result.dtype)
+    array = store.create_array(out_path, (n, *template[0]), np.dtype(template[1]))
+    writer = _RowWriter(array, values, record, failures, on_chunk)
+    bar = _progress_bar(n, progress, description)
+    try:
+        if first_result is not None:
+            writer.advance(start)  # the rows before the first success all failed
+            writer.put(start, first_result)
+            start += 1
+        bar.update(start)
+        window = 4 * max(1, workers)
+        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cachekit")
+        try:
+            in_flight: deque[tuple[int, Future]] = deque()
+            for row in range(start, n):
+                in_flight.append((row, pool.submit(row_fn, values[row])))
+                if len(in_flight) >= window:
+                    writer.take(*in_flight.popleft())
+                    bar.update(1)
+            while in_flight:
+                writer.take(*in_flight.popleft())
+                bar.update(1)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        array.flush()
+    finally:
+        bar.close()
+    return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
+
+
+class _RowWriter:
+    """Checks each finished row and writes it into the memmap, in row order."""
+
+    def __init__(self, array, values, record, failures, on_chunk) -> None:
+        self.array = array
+        self.values = values
+        self.record = record
+        self.failures = failures
+        self.on_chunk = on_chunk
+        self.done = 0
+
+    def take(self, row: int, future: Future) -> None:
+        try:
+            result = future.result()
+        except Exception as exc:
+            if not self.record(exc):
+                raise
+            self.failures.append((row, str(self.values[row]), _reason(exc)))
+            self.advance(1)
+        else:
+            self.put(row, result)
+
+    def put(self, row: int, result: Any) -> None:
+        result = _as_array(result)
+        expected = self.array.shape[1:], self.array.dtype
+        if (result.shape, result.dtype) != expected:
+            raise ValueError(
+                f"row {row} gave shape {result.shape} dtype {result.dtype}, but earlier rows "
+                f"gave shape {expected[0]} dtype {expected[1]}; every row must have one shape"
+            )
+        self.array[row] = result
+        self.advance(1)
+
+    def advance(self, rows: int) -> None:
+        before, self.done = self.done, self.done + rows
+        total = len(self.array)
+        if self.on_chunk is not None and rows and (
+            before // CHUNK_ROWS != self.done // CHUNK_ROWS or self.done == total
+        ):
+            self.array.flush()
+            self.on_chunk(self.done, total)
+
+
+def _first_success(values, row_fn, record, failures) -> tuple[int, np.ndarray]:
+    """Run rows in order until one succeeds; its shape and dtype fix the array's."""
+    for row, value in enumerate(values):
+        try:
+            return row, _as_array(row_fn(value))
+        except Exception as exc:
+            if not record(exc):
+                raise
+            failures.append((row, str(value), _reason(exc)))
+    raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
+
+
+def _as_array(result: Any) -> np.ndarray:
+    """Accept numpy arrays and torch tensors (or anything numpy can view) as a row."""
+    if isinstance(result, np.ndarray):
+        return result
+    if hasattr(result, "detach") and hasattr(result, "cpu"):
+        return result.detach().cpu().numpy()
+    return np.asarray(result)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or repr(exc)
+    return text if isinstance(exc, RowFailed) else f"{type(exc).__name__}: {text}"
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, show: bool, description: str):
+    if not show:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=description, unit="img", dynamic_ncols=True, smoothing=0.1)

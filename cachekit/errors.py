@@ -1,0 +1,93 @@
+"""The exception tree of cachekit.
+
+::
+
+    CachekitError                       root: catch this to catch everything cachekit raises
+    +-- LockTimeout (TimeoutError)      another process held a build lock past lock_timeout
+    +-- ImageDecodeError (ValueError)   rows that could not be decoded; .failures lists them all
+    +-- CacheCorruptError (OSError)     an entry on disk disagrees with its manifest
+    +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
+
+Every exception carries the path or rows it is about, says how to fix it, and survives
+pickling, because errors cross process and thread pools.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence, Tuple
+
+Failure = Tuple[int, str, str]
+"""One bad row: (row position, path, reason)."""
+
+
+class CachekitError(Exception):
+    """Root of every error cachekit raises."""
+
+
+class LockTimeout(CachekitError, TimeoutError):
+    """Waited ``timeout`` seconds for another process's build of ``key`` and gave up."""
+
+    def __init__(self, lock_path: str | Path, timeout: float, owner: str = "unknown") -> None:
+        self.lock_path = str(lock_path)
+        self.timeout = timeout
+        self.owner = owner
+        super().__init__(
+            f"gave up after {timeout:g} s waiting for the build lock {self.lock_path} "
+            f"(held by {owner}); raise lock_timeout, or remove the lock file if its owner is dead"
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.lock_path, self.timeout, self.owner))
+
+
+class ImageDecodeError(CachekitError, ValueError):
+    """Some rows could not be decoded; nothing was published.
+
+    ``failures`` lists every bad row as ``(row, path, reason)``, not only the first.
+    """
+
+    def __init__(self, failures: Sequence[Failure]) -> None:
+        self.failures = [(int(r), str(p), str(why)) for r, p, why in failures]
+        shown = "\n".join(f"  row {r}: {p!r}: {why}" for r, p, why in self.failures[:10])
+        more = len(self.failures) - 10
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        super().__init__(
+            f"{len(self.failures)} row(s) could not be decoded:\n{shown}{tail}\n"
+            "fix or drop these rows, or pass on_error='zero' to store them as zeros"
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.failures,))
+
+
+class CacheCorruptError(CachekitError, OSError):
+    """An entry's files disagree with its manifest; its bytes are never returned."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        # OSError treats a 2-tuple of args as (errno, strerror): pass one message instead.
+        super().__init__(
+            f"corrupt cache entry {self.path}: {reason}; "
+            "remove it with `cachekit clear KEY` and it will be rebuilt on next use"
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.path, self.reason))
+
+
+class ReadOnlyCacheError(CachekitError, PermissionError):
+    """A miss needed a build, but the cache root cannot be written."""
+
+    def __init__(self, root: str | Path, key: str) -> None:
+        self.root = str(root)
+        self.key = key
+        super().__init__(
+            f"cache root {self.root} is read-only, and entry {key} is not in it; "
+            "build it where the root is writable (`cachekit build`), or point CACHEKIT_DIR "
+            "at a writable directory"
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.root, self.key))

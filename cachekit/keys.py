@@ -1,0 +1,204 @@
+"""Canonical byte encoding of key material, and the hex content address made from it.
+
+A key is ``blake2b(KEY_DOMAIN + encode(material), digest_size=16)``. The encoding is written
+down here and pinned by known-value tests, so that two processes, two machines and two
+pandas versions agree: it never uses ``hash()`` or pickle. Every value is a one-byte tag
+followed by a length-prefixed body, so no two different values share an encoding.
+
+========  =========================================================================
+tag       body
+========  =========================================================================
+``N``     None
+``T/F``   True / False
+``i``     int as signed decimal, then ``;``
+``f``     float as 8 bytes IEEE-754 big-endian
+``s``     str as ``<len>:`` then UTF-8
+``b``     bytes as ``<len>:`` then the bytes
+``l/t``   list / tuple as ``<count>:`` then each item
+``d``     dict as ``<count>:`` then (key, value) pairs sorted by the key's encoding
+``a``     numpy array: dtype string, shape tuple, then ``<nbytes>:`` C-order bytes
+``P``     pandas Series: name, dtype, then the ``hash_pandas_object`` row hashes as ``a``
+``D``     pandas DataFrame: column names, dtypes, then the row hashes as ``a``
+``X``     torch tensor: as ``a`` of its CPU numpy view
+========  =========================================================================
+
+pandas and torch are only touched when the caller already imported them, so importing
+this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import struct
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+KEY_DOMAIN = b"cachekit-key\x00v1\x00"
+KEY_HEX_LENGTH = 32
+_READ_BLOCK = 1 << 20
+
+Write = Callable[[bytes], Any]
+
+
+def encode(value: Any) -> bytes:
+    """Return the canonical encoding of ``value`` (see the module docstring)."""
+    parts: list[bytes] = []
+    _feed(parts.append, value)
+    return b"".join(parts)
+
+
+def digest(value: Any) -> str:
+    """Return the hex content address of ``value``."""
+    hasher = hashlib.blake2b(KEY_DOMAIN, digest_size=KEY_HEX_LENGTH // 2)
+    _feed(hasher.update, value)
+    return hasher.hexdigest()
+
+
+def _feed(write: Write, value: Any) -> None:
+    if value is None:
+        write(b"N")
+    elif value is True or value is False:
+        write(b"T" if value else b"F")
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, np.bool_):
+        write(b"i%d;" % int(value))
+    elif isinstance(value, (float, np.floating)):
+        write(b"f" + struct.pack(">d", float(value)))
+    elif isinstance(value, str):
+        raw = value.encode("utf-8", "surrogatepass")
+        write(b"s%d:" % len(raw) + raw)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        write(b"b%d:" % len(raw) + raw)
+    elif isinstance(value, (list, tuple)):
+        write((b"l" if isinstance(value, list) else b"t") + b"%d:" % len(value))
+        for item in value:
+            _feed(write, item)
+    elif isinstance(value, dict):
+        pairs = sorted((encode(k), v) for k, v in value.items())
+        write(b"d%d:" % len(pairs))
+        for encoded_key, item in pairs:
+            write(encoded_key)
+            _feed(write, item)
+    elif isinstance(value, np.bool_):
+        write(b"T" if value else b"F")
+    elif isinstance(value, np.ndarray):
+        _feed_array(write, value)
+    elif _is_pandas(value, "Series"):
+        write(b"P")
+        _feed(write, value.name)
+        _feed(write, str(value.dtype))
+        _feed_array(write, pandas_row_hashes(value))
+    elif _is_pandas(value, "DataFrame"):
+        write(b"D")
+        _feed(write, [c for c in value.columns])
+        _feed(write, [str(t) for t in value.dtypes])
+        _feed_array(write, pandas_row_hashes(value))
+    elif "torch" in sys.modules and isinstance(value, sys.modules["torch"].Tensor):
+        write(b"X")
+        _feed_array(write, value.detach().cpu().contiguous().numpy())
+    else:
+        raise TypeError(f"cannot encode a {type(value).__qualname__} into a cache key")
+
+
+def _feed_array(write: Write, array: np.ndarray) -> None:
+    if array.dtype.hasobject:
+        raise TypeError("cannot encode a numpy array of Python objects into a cache key")
+    array = np.ascontiguousarray(array)
+    write(b"a")
+    _feed(write, array.dtype.str)
+    _feed(write, tuple(int(n) for n in array.shape))
+    write(b"%d:" % array.nbytes)
+    write(memoryview(array.reshape(-1)).cast("B"))
+
+
+def _is_pandas(value: Any, name: str) -> bool:
+    pandas = sys.modules.get("pandas")
+    return pandas is not None and isinstance(value, getattr(pandas, name))
+
+
+def pandas_row_hashes(obj: Any) -> np.ndarray:
+    """Per-row uint64 hashes of a Series or DataFrame, in row order, little-endian.
+
+    ``hash_pandas_object(index=False, categorize=False)`` gives the same hashes for the
+    same strings whether the column is ``object`` or ``str`` dtype; ``categorize=False``
+    is equal and faster on unique paths.
+    """
+    import pandas as pd
+
+    hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False)
+    return np.ascontiguousarray(hashes.to_numpy(dtype=np.uint64)).astype("<u8", copy=False)
+
+
+def stat_signature(paths: Sequence[str]) -> np.ndarray:
+    """(size, mtime_ns) of each file as an int64 (N, 2) array; (-1, -1) where stat fails."""
+    out = np.full((len(paths), 2), -1, dtype="<i8")
+    for row, path in enumerate(paths):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out[row] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def content_signature(paths: Sequence[str], workers: int) -> np.ndarray:
+    """A 16-byte blake2b of each file's bytes as a (N, 16) uint8 array; zeros where unreadable."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        digests = list(pool.map(_file_digest, paths))
+    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(paths), 16)
+
+
+def _file_digest(path: str) -> bytes:
+    hasher = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(_READ_BLOCK), b""):
+                hasher.update(block)
+    except OSError:
+        return bytes(16)
+    return hasher.digest()
+
+
+def is_key(text: str) -> bool:
+    """True when ``text`` is a well-formed full key (safe to use as a directory name)."""
+    return len(text) == KEY_HEX_LENGTH and all(c in "0123456789abcdef" for c in text)
+
+
+
+def function_identity(fn: Callable[..., Any], version: Any = None) -> dict[str, Any]:
+    """Key material naming a function's behaviour: module, qualified name, a hash of its
+    source, its captured values and defaults, and the caller's ``version``.
+
+    Any source change, even to a comment, changes the key (a rebuild, never a stale hit).
+    Globals the function reads are not covered: bump ``version`` when they change. When the
+    source or a captured value cannot be read or encoded, ``version`` is required.
+    """
+    if not callable(fn):
+        raise TypeError(f"expected a function, got {type(fn).__qualname__}")
+    if version is not None and not isinstance(version, (str, int)):
+        raise TypeError(f"version must be a str or int, not {type(version).__qualname__}")
+    qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+    identity: dict[str, Any] = {
+        "module": getattr(fn, "__module__", None),
+        "qualname": qualname,
+        "version": version,
+    }
+    try:
+        source = inspect.getsource(fn)
+        captured = [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
+        identity["source"] = hashlib.blake2b(source.encode(), digest_size=16).hexdigest()
+        identity["captured"] = digest(captured)
+        identity["defaults"] = digest([getattr(fn, "__defaults__", None),
+                                       getattr(fn, "__kwdefaults__", None)])
+    except (OSError, TypeError, ValueError) as e:
+        if version is None:
+            raise TypeError(
+                f"cannot key function {qualname}: {e}; pass version='...' to name its "
+                "behaviour yourself (and change it whenever the function changes)"
+            ) from None
+    return identity

@@ -1,0 +1,196 @@
+"""On-disk layout of a cache root, and reading entries back safely.
+
+::
+
+    ROOT/
+      entries/KEY/manifest.json   published, immutable entries (manifest is written last)
+      entries/KEY/data.npy        the array, a standard .npy file
+      tmp/KEY.HOST.PID.UUID/      private build directories, renamed into entries/ when done
+      locks/KEY.lock              per-key build locks (they only save duplicate work)
+
+Opening an entry checks the manifest's schema, the .npy header against the manifest, and
+the file size against header + prod(shape) x itemsize, so misread bytes are never returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _fs
+from .errors import CacheCorruptError
+from .keys import is_key
+
+FORMAT_VERSION = 1
+DATA_FILE = "data.npy"
+MANIFEST_FILE = "manifest.json"
+_CHECKSUM_BLOCK = 16 << 20
+
+# Manifest fields every reader relies on, with their JSON types.
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "format": int,
+    "key": str,
+    "kind": str,
+    "rows": int,
+    "shape": list,
+    "dtype": str,
+    "created": (int, float),
+    "checksum": str,
+    "failed_rows": list,
+}
+
+
+def default_root() -> Path:
+    """$CACHEKIT_DIR, else $XDG_CACHE_HOME/cachekit, else ~/.cache/cachekit."""
+    explicit = os.environ.get("CACHEKIT_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "cachekit"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each kind of file of one cache root lives."""
+
+    root: Path
+
+    @property
+    def entries(self) -> Path:
+        return self.root / "entries"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
+
+    def entry_dir(self, key: str) -> Path:
+        if not is_key(key):
+            raise ValueError(f"not a cache key: {key!r}")
+        return self.entries / key
+
+    def lock_path(self, key: str) -> Path:
+        return self.locks / f"{self.entry_dir(key).name}.lock"
+
+    def build_dirs(self, key: str) -> list[Path]:
+        """Temporary build directories for ``key`` (live or left by a dead builder)."""
+        try:
+            return sorted(p for p in self.tmp.iterdir() if p.name.startswith(f"{key}."))
+        except FileNotFoundError:
+            return []
+
+    def new_build_dir(self, key: str) -> Path:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        path = self.tmp / f"{self.entry_dir(key).name}.{_fs.unique_suffix()}"
+        path.mkdir()
+        return path
+
+
+def read_manifest(entry_dir: Path) -> dict[str, Any]:
+    """Parse and schema-check ``entry_dir/manifest.json``.
+
+    Raises FileNotFoundError when the entry does not exist and CacheCorruptError when the
+    manifest is unreadable or malformed.
+    """
+    path = entry_dir / MANIFEST_FILE
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
+    check_manifest(manifest, path)
+    return manifest
+
+
+def check_manifest(manifest: Any, path: Path) -> None:
+    """Raise CacheCorruptError unless ``manifest`` has every field with the right type."""
+    if not isinstance(manifest, dict):
+        raise CacheCorruptError(path, "manifest is not a JSON object")
+    for field, kind in _REQUIRED.items():
+        value = manifest.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CacheCorruptError(path, f"manifest field {field!r} is missing or not {kind}")
+    if manifest["format"] != FORMAT_VERSION:
+        raise CacheCorruptError(path, f"format {manifest['format']} is not {FORMAT_VERSION}")
+    if manifest["key"] != path.parent.name:
+        raise CacheCorruptError(path, f"manifest key {manifest['key']} != directory name")
+    shape = manifest["shape"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise CacheCorruptError(path, f"bad shape {shape!r}")
+    if not shape or shape[0] != manifest["rows"]:
+        raise CacheCorruptError(path, f"shape {shape} does not start with rows {manifest['rows']}")
+    try:
+        dtype = np.dtype(manifest["dtype"])
+    except TypeError:
+        raise CacheCorruptError(path, f"bad dtype {manifest['dtype']!r}") from None
+    if dtype.hasobject:
+        raise CacheCorruptError(path, "object dtype is never stored")
+    for failure in manifest["failed_rows"]:
+        if not (isinstance(failure, list) and len(failure) == 3 and isinstance(failure[0], int)
+                and 0 <= failure[0] < manifest["rows"]):
+            raise CacheCorruptError(path, f"bad failed_rows item {failure!r}")
+
+
+def create_array(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> np.memmap:
+    """Create a zero-filled .npy file of ``shape`` and map it for writing."""
+    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+
+
+def data_offset(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Validate ``path``'s .npy header and size against shape/dtype; return the data offset."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                header = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                header = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
+            offset = f.tell()
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise CacheCorruptError(path, "data file is missing") from None
+    except (OSError, ValueError) as e:
+        raise CacheCorruptError(path, f"unreadable .npy header ({e})") from None
+    file_shape, fortran_order, file_dtype = header
+    if fortran_order or tuple(file_shape) != tuple(shape) or file_dtype != dtype:
+        raise CacheCorruptError(
+            path, f"header says {file_dtype} {tuple(file_shape)}, manifest says {dtype} {shape}"
+        )
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != expected:
+        raise CacheCorruptError(path, f"file is {size} bytes, expected {expected}")
+    return offset
+
+
+def open_array(entry_dir: Path, manifest: dict[str, Any], mode: str = "r") -> np.ndarray:
+    """Map an entry's data read-only (``mode="r"``) or copy-on-write (``mode="c"``)."""
+    path = entry_dir / DATA_FILE
+    shape = tuple(manifest["shape"])
+    dtype = np.dtype(manifest["dtype"])
+    offset = data_offset(path, shape, dtype)
+    if 0 in shape:
+        return np.zeros(shape, dtype)  # mmap cannot map zero bytes; there is nothing to read
+    return np.memmap(path, dtype=dtype, mode=mode, offset=offset, shape=shape)
+
+
+def checksum(path: Path) -> str:
+    """blake2b-128 of the whole data file (header included), read in large blocks."""
+    hasher = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHECKSUM_BLOCK), b""):
+            hasher.update(block)
+    return "blake2b-128:" + hasher.hexdigest()
