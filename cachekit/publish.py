@@ -151,8 +151,9 @@ def _build_and_publish(layout, key, build, waited) -> Outcome:
     try:
         on_chunk(0, 0)
         fields = build(build_dir, on_chunk)
-        data_path = build_dir / store.DATA_FILE
-        _fs.fsync_file(data_path)
+        _fs.remove_file(build_dir / JOURNAL_FILE)
+        for path in build_dir.iterdir():
+            _fs.fsync_file(path)
         manifest = {
             **fields,
             "format": store.FORMAT_VERSION,
@@ -161,9 +162,8 @@ def _build_and_publish(layout, key, build, waited) -> Outcome:
             "build_seconds": round(time.monotonic() - started, 3),
             "builder": {"host": _fs.host(), "pid": os.getpid()},
             "cachekit_version": __version__,
-            "checksum": store.checksum(data_path),
+            "checksum": store.checksum(build_dir / store.DATA_FILE),
         }
-        _fs.remove_file(build_dir / JOURNAL_FILE)
         _fs.write_json_atomic(build_dir / store.MANIFEST_FILE, manifest)  # last file written
         _fs.fsync_dir(build_dir)
         entry_dir = layout.entry_dir(key)
