@@ -1,0 +1,149 @@
+"""Decode, orient, convert and resize one image file: pure ``path -> ndarray`` functions.
+
+The build code calls :func:`load_image` once per row, in threads, so everything here is
+stateless and thread-safe: no global Pillow settings are changed and no warning filters are
+touched.  Argument values are validated by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import ExifTags, Image, ImageOps
+
+__all__ = ["FITS", "MODES", "RESAMPLES", "load_image"]
+
+MODES: dict[str, int] = {"RGB": 3, "L": 1, "RGBA": 4}
+"""Target mode -> number of channels."""
+
+FITS: tuple[str, ...] = ("stretch", "crop", "pad")
+
+RESAMPLES: dict[str, Image.Resampling] = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+    "box": Image.Resampling.BOX,
+}
+
+# EXIF orientations 5-8 swap width and height (transpose, rotate 90/270, transverse).
+_SWAPS_AXES = frozenset({5, 6, 7, 8})
+
+
+def load_image(
+    path: str,
+    size: tuple[int, int],
+    mode: str = "RGB",
+    fit: str = "stretch",
+    resample: str = "bilinear",
+    draft: bool = False,
+) -> np.ndarray:
+    """Decode one image file into a (C, H, W) uint8 C-contiguous array. size is (height, width).
+
+    Steps: first frame only (animated GIF/WebP); EXIF orientation applied; pixels converted
+    like ``Image.convert(mode)`` (see :func:`_convert`); then resized by ``fit``:
+
+    - ``"stretch"``: ``im.resize((w, h), resample)``, the exact pixels of torchvision
+      ``Resize((h, w), interpolation=...)`` on the converted PIL image.
+    - ``"crop"``: ``ImageOps.fit(im, (w, h), resample)``: the largest centered box of the
+      target aspect ratio, in float coordinates (no rounding of the intermediate size or
+      offset), is resampled to (w, h) in one pass with ``resize(..., box=box)``.
+    - ``"pad"``: the pixels of ``ImageOps.pad(im, (w, h), resample, color=0)``: resized to
+      fit inside with ``ImageOps.contain`` (aspect kept, the free side rounded), placed at
+      offset ``round(free * 0.5)`` (Python's half-to-even) on zeros, i.e. transparent
+      black for RGBA.
+
+    ``draft=True`` lets libjpeg decode JPEGs at 1/2, 1/4 or 1/8 scale (``Image.draft``), the
+    smallest scale still at least as large as the resize needs; other formats ignore it.
+    Faster but not pixel-identical; ``draft=False`` is the exact path.
+    measured: 32x32 2.0x (554 -> 1125 img/s), mean |d| 1.75, max 119, PSNR 34.9 dB; 64x64
+    2.0x (497 -> 976 img/s), mean |d| 1.22, max 106, PSNR 37.6 dB (one thread, bilinear RGB,
+    300 generated 200-500 x 300-700 q90 covers: gradient, panels, text-like strokes, noise;
+    best of 3 rounds; |d| pooled over all pixels; entropy decoding is not scaled, hence 2x).
+
+    Any read or decode failure raises (``OSError``, ``UnidentifiedImageError``,
+    ``DecompressionBombError``, ...); truncated files raise because ``load()`` is forced
+    and ``ImageFile.LOAD_TRUNCATED_IMAGES`` is left False.  The returned array may be
+    read-only (for "L" it shares the buffer Pillow produced); copy it to modify it.
+    """
+    height, width = size
+    with Image.open(path) as im:
+        orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
+        if draft:
+            im.draft(None, _draft_request(im.size, (width, height), fit, orientation))
+        im.load()
+        ImageOps.exif_transpose(im, in_place=True)
+        # Everything stays inside `with`: _convert may return `im` itself, and a closed
+        # image is not guaranteed to keep its pixels.
+        converted = _convert(im, mode)
+        filt = RESAMPLES[resample]
+        if fit == "stretch":
+            return _chw(np.asarray(converted.resize((width, height), filt)))
+        if fit == "crop":
+            return _chw(np.asarray(ImageOps.fit(converted, (width, height), filt)))
+        return _pad(converted, (width, height), filt)
+
+
+def _convert(im: Image.Image, mode: str) -> Image.Image:
+    """Return ``im.convert(mode)`` pixels without the warnings Pillow emits on the way.
+
+    A "P" image whose transparency is per-palette-entry bytes (PNG tRNS) makes Pillow warn
+    "should be converted to RGBA images" on conversion to "L" or "RGB", then drop the
+    transparency.  Going through "RGBA" (the conversion that warning names) gives the same
+    pixels, because RGBA -> L/RGB ignores alpha, without the warning.  Every other source
+    mode Image.open produces (1, L, LA, P, RGB, RGBA, CMYK, YCbCr, I;16*, I, F, and LAB via
+    littlecms) converts directly in Pillow 13; "I", "I;16" and "F" are clipped to 0..255,
+    not rescaled.
+    """
+    if im.mode == mode:
+        return im
+    if im.mode == "P" and mode != "RGBA" and isinstance(im.info.get("transparency"), bytes):
+        im = im.convert("RGBA")
+    elif im.mode == "LAB" and mode == "L":
+        # Pillow converts LAB only to/from RGB(A) (through littlecms); LAB -> L raises
+        # "conversion from LAB to RGB not supported".  Go through RGB explicitly.
+        im = im.convert("RGB")
+    return im.convert(mode)
+
+
+def _pad(im: Image.Image, size: tuple[int, int], filt: Image.Resampling) -> np.ndarray:
+    """Resize to fit inside ``size`` (w, h) and center on zeros, as ImageOps.pad(color=0)."""
+    width, height = size
+    resized = np.asarray(ImageOps.contain(im, size, filt))
+    if resized.ndim == 2:
+        resized = resized[:, :, None]
+    h, w, channels = resized.shape
+    out = np.zeros((channels, height, width), dtype=np.uint8)
+    # Same offsets as ImageOps.pad, including Python's round-half-to-even.
+    top, left = round((height - h) * 0.5), round((width - w) * 0.5)
+    out[:, top : top + h, left : left + w] = resized.transpose(2, 0, 1)
+    return out
+
+
+def _chw(hwc: np.ndarray) -> np.ndarray:
+    """(H, W) or (H, W, C) -> C-contiguous (C, H, W); no copy for single-channel images."""
+    if hwc.ndim == 2:
+        return hwc[None]
+    return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+
+
+def _draft_request(
+    src: tuple[int, int], target: tuple[int, int], fit: str, orientation: int
+) -> tuple[int, int]:
+    """The (w, h), in stored (pre-EXIF) orientation, that the resize step will sample.
+
+    ``JpegImageFile.draft`` picks the largest scale 1/s (s in 8, 4, 2, 1) with
+    ``s <= min(src_w // req_w, src_h // req_h)``, so the drafted image is never smaller
+    than this request: for "stretch" the target itself, for "crop" the image scaled until
+    its shorter side covers the target, for "pad" the image scaled to fit inside it.
+    """
+    src_w, src_h = src
+    tw, th = target
+    if orientation in _SWAPS_AXES:
+        tw, th = th, tw
+    if fit == "stretch":
+        return tw, th
+    pick = max if fit == "crop" else min
+    scale = pick(tw / src_w, th / src_h)
+    return math.ceil(src_w * scale), math.ceil(src_h * scale)

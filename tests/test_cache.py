@@ -1,0 +1,265 @@
+"""Cache.images end to end in one process: keys, hits, errors, entries and their checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import store
+from cachekit.images import load_image
+
+MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], name="img_path")
+
+
+def published(root: Path) -> list[str]:
+    entries = root / "entries"
+    return sorted(p.name for p in entries.iterdir()) if entries.exists() else []
+
+
+def leftovers(root: Path) -> list[str]:
+    tmp = root / "tmp"
+    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
+
+
+def test_pinned_key_for_a_fixed_column_and_parameters(cache_root):
+    entry = cachekit.Cache(cache_root).images(MISSING, (8, 6), on_error="zero")
+    assert entry.key == "089719b41ff8d365eeae0f429e83c23b"
+
+
+def test_build_then_hit_returns_the_same_pixels(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root, workers=2)
+    column = pd.Series(cover_paths, name="img_path")
+    built = cache.images(column, (16, 12))
+    assert not built.hit and built.array.shape == (12, 3, 16, 12)
+    assert built.array.dtype == np.uint8 and not built.array.flags.writeable
+    for row in (0, 5, 11):
+        np.testing.assert_array_equal(built.array[row], load_image(cover_paths[row], (16, 12)))
+    again = cachekit.Cache(cache_root).images(column, (16, 12))
+    assert again.hit and again.key == built.key and again.path == built.path
+    np.testing.assert_array_equal(np.asarray(again.array), np.asarray(built.array))
+    assert len(again) == 12 and again.valid.all()
+    manifest = again.manifest
+    assert manifest["column"] == "img_path" and manifest["rows"] == 12
+    assert manifest["params"]["size"] == [16, 12] and manifest["builder"]["pid"] == os.getpid()
+    assert manifest["checksum"] == store.checksum(again.path / store.DATA_FILE)
+
+
+def test_object_and_str_columns_share_one_entry(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    first = cache.images(pd.Series(cover_paths, dtype=object), 8)
+    second = cache.images(pd.Series(cover_paths, dtype="str"), 8)
+    assert second.hit and second.key == first.key
+
+
+def test_row_order_changes_key_and_result_follows_row_order(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    forward = cache.images(pd.Series(cover_paths), 8)
+    backward = cache.images(pd.Series(cover_paths[::-1]), 8)
+    assert backward.key != forward.key and not backward.hit
+    np.testing.assert_array_equal(np.asarray(backward.array), np.asarray(forward.array)[::-1])
+
+
+@pytest.mark.parametrize("change", [
+    {"size": 9}, {"size": (8, 9)}, {"mode": "L"}, {"mode": "RGBA"}, {"fit": "crop"},
+    {"fit": "pad"}, {"resample": "nearest"}, {"resample": "lanczos"}, {"on_error": "zero"},
+    {"validate": "stat"}, {"validate": "content"}, {"draft": True},
+])
+def test_each_parameter_changes_the_key(cache_root, cover_paths, change):
+    cache = cachekit.Cache(cache_root)
+    base = {"size": 8}
+    assert cache.images(pd.Series(cover_paths[:2]), **{**base, **change}).key != \
+        cache.images(pd.Series(cover_paths[:2]), **base).key
+
+
+def test_rewritten_file_changes_stat_and_content_keys(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    column = pd.Series(cover_paths[:3])
+    path_key = cache.images(column, 8).key
+    stat_key = cache.images(column, 8, validate="stat").key
+    content_key = cache.images(column, 8, validate="content").key
+    target = Path(cover_paths[1])
+    before = target.stat()
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0xFF  # same size: only the content differs
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert cache.images(column, 8).key == path_key
+    assert cache.images(column, 8, validate="stat").key == stat_key
+    assert cache.images(column, 8, validate="content").key != content_key
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert cache.images(column, 8, validate="stat").key != stat_key
+
+
+def test_hit_takes_no_lock_and_decodes_nothing(cache_root, cover_paths, monkeypatch):
+    cache = cachekit.Cache(cache_root)
+    built = cache.images(pd.Series(cover_paths), 8)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a hit must not lock or decode")
+
+    monkeypatch.setattr("cachekit.publish.filelock.FileLock", forbidden)
+    monkeypatch.setattr("cachekit.images.load_image", forbidden)
+    hit = cache.images(pd.Series(cover_paths), 8)
+    assert hit.hit and hit.key == built.key
+
+
+@pytest.fixture
+def bad_files(tmp_path, cover_paths) -> dict[str, str]:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "empty.jpg").write_bytes(b"")
+    whole = Path(cover_paths[0]).read_bytes()
+    (bad / "truncated.jpg").write_bytes(whole[: len(whole) // 2])
+    (bad / "text.jpg").write_text("this is not an image\n")
+    (bad / "folder.jpg").mkdir()
+    return {"missing": str(bad / "missing.jpg"), "empty": str(bad / "empty.jpg"),
+            "truncated": str(bad / "truncated.jpg"), "text": str(bad / "text.jpg"),
+            "directory": str(bad / "folder.jpg")}
+
+
+def test_on_error_raise_lists_every_bad_row_and_publishes_nothing(cache_root, cover_paths,
+                                                                  bad_files):
+    paths = [cover_paths[0], *bad_files.values(), cover_paths[1]]
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cachekit.Cache(cache_root).images(pd.Series(paths), 8)
+    failures = caught.value.failures
+    assert [row for row, _, _ in failures] == [1, 2, 3, 4, 5]
+    assert [path for _, path, _ in failures] == list(bad_files.values())
+    assert all(reason for _, _, reason in failures)
+    assert isinstance(caught.value, ValueError) and "on_error='zero'" in str(caught.value)
+    assert published(cache_root) == [] and leftovers(cache_root) == []
+    clone = pickle.loads(pickle.dumps(caught.value))
+    assert clone.failures == failures
+
+
+def test_on_error_zero_stores_zeros_and_marks_rows_invalid(cache_root, cover_paths, bad_files):
+    paths = [cover_paths[0], *bad_files.values(), cover_paths[1]]
+    entry = cachekit.Cache(cache_root).images(pd.Series(paths), 8, on_error="zero")
+    assert entry.valid.tolist() == [True, False, False, False, False, False, True]
+    assert not np.asarray(entry.array[1:6]).any()
+    assert np.asarray(entry.array[0]).any() and np.asarray(entry.array[6]).any()
+    assert [row for row, _, _ in entry.manifest["failed_rows"]] == [1, 2, 3, 4, 5]
+    assert cachekit.Cache(cache_root).images(pd.Series(paths), 8, on_error="zero").hit
+
+
+def test_truncated_data_file_raises_cache_corrupt_error(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    entry = cache.images(pd.Series(cover_paths), 8)
+    data = entry.path / store.DATA_FILE
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 100)
+    with pytest.raises(cachekit.CacheCorruptError, match="bytes, expected") as caught:
+        cache.images(pd.Series(cover_paths), 8)
+    assert str(data) in str(caught.value) and isinstance(caught.value, OSError)
+
+
+def test_manifest_shape_disagreeing_with_data_raises(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    entry = cache.images(pd.Series(cover_paths), 8)
+    manifest_path = entry.path / store.MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shape"] = [12, 3, 4, 16]  # same byte count, other shape
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(cachekit.CacheCorruptError, match="manifest says"):
+        cache.images(pd.Series(cover_paths), 8)
+
+
+def test_tensor_shares_the_file_without_a_warning(cache_root, cover_paths):
+    import torch
+
+    entry = cachekit.Cache(cache_root).images(pd.Series(cover_paths), 8)
+    tensor = entry.tensor()  # filterwarnings=error turns a non-writable warning into a failure
+    assert tensor.dtype == torch.uint8 and tuple(tensor.shape) == entry.array.shape
+    assert torch.equal(tensor, torch.from_numpy(np.array(entry.array)))
+    tensor[0] = 0  # copy-on-write: the cache file stays intact
+    assert np.asarray(entry.array[0]).any()
+    assert store.checksum(entry.path / store.DATA_FILE) == entry.manifest["checksum"]
+
+
+@pytest.mark.parametrize("paths, error, words", [
+    (pd.Series([], dtype=object), ValueError, "empty"),
+    (pd.Series(["a.jpg", None]), ValueError, "rows [1]"),
+    (pd.Series(["a.jpg", float("nan")]), ValueError, "rows [1]"),
+    (pd.Series(["a.jpg", 3]), TypeError, "row 1"),
+    ("a.jpg", TypeError, "Series"),
+])
+def test_bad_path_columns_are_rejected(cache_root, paths, error, words):
+    with pytest.raises(error) as caught:
+        cachekit.Cache(cache_root).images(paths, 8)
+    assert words in str(caught.value)
+    assert published(cache_root) == []
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"size": 0}, ValueError, "size"), ({"size": (8, -1)}, ValueError, "size"),
+    ({"size": (8,)}, TypeError, "size"), ({"size": 8.0}, TypeError, "size"),
+    ({"size": True}, TypeError, "size"),
+    ({"mode": "CMYK"}, ValueError, "'RGB', 'L', 'RGBA'"),
+    ({"fit": "zoom"}, ValueError, "'stretch', 'crop', 'pad'"),
+    ({"resample": "cubic"}, ValueError, "'bilinear'"),
+    ({"on_error": "skip"}, ValueError, "'raise', 'zero'"),
+    ({"validate": "mtime"}, ValueError, "'path', 'stat', 'content'"),
+    ({"draft": "yes"}, TypeError, "draft"),
+])
+def test_bad_arguments_name_the_argument_and_allowed_values(cache_root, kwargs, error, words):
+    with pytest.raises(error) as caught:
+        cachekit.Cache(cache_root).images(MISSING, **{"size": 8, **kwargs})
+    assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"lock_timeout": -1}, {"lock_timeout": "1"},
+                                    {"workers": 0}, {"workers": 1.5}, {"progress": "yes"}])
+def test_bad_cache_options_are_rejected(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        cachekit.Cache("/tmp/unused", **kwargs)
+
+
+def test_root_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("CACHEKIT_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cachekit.Cache().root == tmp_path / "explicit"
+    assert cachekit.Cache(tmp_path / "given").root == tmp_path / "given"
+    monkeypatch.delenv("CACHEKIT_DIR")
+    assert cachekit.Cache().root == tmp_path / "xdg" / "cachekit"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cachekit.Cache().root == tmp_path / "home" / ".cache" / "cachekit"
+
+
+def test_lock_timeout_when_another_process_holds_the_build_lock(cache_root):
+    import filelock
+
+    cache = cachekit.Cache(cache_root, lock_timeout=0.5)
+    lock_path = store.Layout(cache_root).lock_path(
+        cachekit.Cache(cache_root.parent / "probe").images(MISSING, 8, on_error="zero").key)
+    lock_path.parent.mkdir(parents=True)
+    with filelock.FileLock(str(lock_path)):
+        with pytest.raises(cachekit.LockTimeout) as caught:
+            cache.images(MISSING, 8, on_error="zero")
+    assert isinstance(caught.value, TimeoutError) and str(lock_path) in str(caught.value)
+    assert pickle.loads(pickle.dumps(caught.value)).lock_path == str(lock_path)
+    assert cache.images(MISSING, 8, on_error="zero").valid.tolist() == [False] * 3
+
+
+def test_errors_pickle_and_subclass_the_stdlib_types():
+    corrupt = cachekit.CacheCorruptError("/x/data.npy", "file is 3 bytes")
+    clone = pickle.loads(pickle.dumps(corrupt))
+    assert (clone.path, clone.reason, str(clone)) == (corrupt.path, corrupt.reason, str(corrupt))
+    assert isinstance(corrupt, OSError) and isinstance(corrupt, cachekit.CachekitError)
+    assert issubclass(cachekit.LockTimeout, TimeoutError)
+    assert issubclass(cachekit.ImageDecodeError, ValueError)
+
+
+def test_public_names_match_all():
+    public = {name for name in dir(cachekit) if not name.startswith("_")} - {
+        "cache", "errors", "keys", "store", "publish", "build", "images", "samples", "dataset",
+        "maintenance", "memoize", "cli", "locks", "units", "demo",
+    }
+    assert public <= set(cachekit.__all__)
