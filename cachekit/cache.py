@@ -14,12 +14,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import build, keys, publish, store
+from . import _wandb, build, keys, options, publish, store
 from .errors import ImageDecodeError
 
 PathLike = Union[str, "os.PathLike[str]"]
-ON_ERROR = ("raise", "zero")
-VALIDATE = ("path", "stat", "content")
 
 
 class Entry:
@@ -37,13 +35,25 @@ class Entry:
         self.hit = hit
         self.wait_seconds = wait_seconds
         self.array: np.ndarray = store.open_array(self.path, manifest)
-        valid = np.ones(manifest["rows"], dtype=bool)
-        valid[[row for row, _, _ in manifest["failed_rows"]]] = False
-        valid.flags.writeable = False
-        self.valid = valid
+        self.valid = _valid_rows(manifest)
 
     def __len__(self) -> int:
         return int(self.manifest["rows"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the location and manifest only, a few KiB whatever N (DataLoader workers
+        get entries this way); ``array`` and ``valid`` are re-made on first use."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("array", "valid")}
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when normal lookup fails: for the attributes __getstate__ dropped.
+        if name == "array":
+            self.array = store.open_array(self.path, self.manifest)
+            return self.array
+        if name == "valid":
+            self.valid = _valid_rows(self.manifest)
+            return self.valid
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         how = "hit" if self.hit else "built"
@@ -65,6 +75,14 @@ class Entry:
         from .dataset import EntryDataset
 
         return EntryDataset(self, targets=targets, transform=transform)
+
+
+def _valid_rows(manifest: dict[str, Any]) -> np.ndarray:
+    """Read-only (N,) bool array: False for the rows the manifest lists as failed."""
+    valid = np.ones(manifest["rows"], dtype=bool)
+    valid[[row for row, _, _ in manifest["failed_rows"]]] = False
+    valid.flags.writeable = False
+    return valid
 
 
 class Cache:
@@ -112,15 +130,13 @@ class Cache:
         ``draft=True`` lets JPEGs decode at a reduced DCT scale first: much faster, close to
         but not identical with the exact pixels (see README); it is part of the key.
         """
-        from . import images
-
         paths = _path_column(paths)
         height, width = _image_size(size)
-        _choose("mode", mode, tuple(images.MODES))
-        _choose("fit", fit, images.FITS)
-        _choose("resample", resample, tuple(images.RESAMPLES))
-        _choose("on_error", on_error, ON_ERROR)
-        _choose("validate", validate, VALIDATE)
+        _choose("mode", mode, tuple(options.MODES))
+        _choose("fit", fit, options.FITS)
+        _choose("resample", resample, options.RESAMPLE_NAMES)
+        _choose("on_error", on_error, options.ON_ERROR)
+        _choose("validate", validate, options.VALIDATE)
         if not isinstance(draft, bool):
             raise TypeError(f"draft must be True or False, not {draft!r}")
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
@@ -133,15 +149,17 @@ class Cache:
             material["content"] = keys.content_signature(values, self.workers)
 
         def row(path: str) -> np.ndarray:
+            from . import images  # Pillow is imported only when a build decodes
+
             return images.load_image(path, (height, width), mode, fit, resample, draft)
 
-        channels = images.MODES[mode]
+        channels = options.MODES[mode]
         return self._rows("images", values, row, params, material, column=paths.name,
                           template=((channels, height, width), np.dtype(np.uint8)),
                           collect_errors=True, on_error=on_error)
 
-    def map(self, fn: Callable[[Any], Any], values: Any, *, version: Optional[str] = None,
-            on_error: str = "raise") -> Entry:
+    def map(self, fn: Callable[[Any], Any], values: Any, *,
+            version: Optional[Union[str, int]] = None, on_error: str = "raise") -> Entry:
         """Run ``fn`` on every value (in parallel threads) and stack the results to (N, ...).
 
         The first result fixes the row shape and dtype. The key covers ``fn``'s module,
@@ -150,12 +168,28 @@ class Cache:
         published; with ``"zero"`` the row is stored as zeros and marked invalid.
         """
         column = _value_column(values)
-        _choose("on_error", on_error, ON_ERROR)
+        _choose("on_error", on_error, options.ON_ERROR)
         params = {"function": keys.function_identity(fn, version), "on_error": on_error}
-        material = {"rows": keys.pandas_row_hashes(column), "dtype": _dtype_family(column)}
-        return self._rows("map", column.to_numpy(dtype=object), fn, params, material,
+        material: dict[str, Any] = {"rows": keys.pandas_row_hashes(column),
+                                    "dtype": _dtype_family(column)}
+        if material["dtype"] == "object":  # pandas hashes 1 and "1" alike in object columns
+            material["types"] = [type(v).__qualname__ for v in column]
+        return self._rows("map", column.to_numpy(dtype=object), _array_rows(fn), params, material,
                           column=column.name, template=None, collect_errors=False,
                           on_error=on_error)
+
+    def memoize(self, fn: Optional[Callable[..., Any]] = None, *,
+                version: Optional[Union[str, int]] = None,
+                ignore: Union[str, Sequence[str]] = ()) -> Any:
+        """Decorator caching a whole function's returned arrays, keyed by its identity,
+        ``version`` and arguments (``ignore`` names arguments left out of the key).
+
+        Use as ``@cache.memoize`` or ``@cache.memoize(version="2", ignore=("verbose",))``;
+        see :mod:`cachekit.memoize`. Every call returns the stored structure memory-mapped.
+        """
+        from .memoize import memoize
+
+        return memoize(self, fn, version=version, ignore=ignore)
 
     def _rows(self, kind: str, values: Sequence[Any], row_fn: Callable[[Any], Any],
               params: dict[str, Any], material: dict[str, Any], *, column: Any,
@@ -165,9 +199,12 @@ class Cache:
                            "n": len(values), **material})
         record_failures = collect_errors or on_error == "zero"
 
+        def record(exc: Exception) -> bool:
+            return record_failures and not isinstance(exc, NotAnArray)
+
         def build_entry(build_dir: Path, on_chunk: publish.ChunkCallback) -> dict[str, Any]:
             filled = build.fill(build_dir / store.DATA_FILE, values, row_fn,
-                                workers=self.workers, record=lambda exc: record_failures,
+                                workers=self.workers, record=record,
                                 template=template, on_chunk=on_chunk,
                                 progress=self._show_progress(), description=f"cachekit {kind}")
             if filled.failures and on_error == "raise":
@@ -180,8 +217,73 @@ class Cache:
 
         outcome = publish.obtain(self._layout, key, build_entry, lock_timeout=self.lock_timeout,
                                  announce=self.progress is not False)
-        return Entry(outcome.entry_dir, outcome.manifest, hit=outcome.hit,
-                     wait_seconds=outcome.wait_seconds)
+        entry = Entry(outcome.entry_dir, outcome.manifest, hit=outcome.hit,
+                      wait_seconds=outcome.wait_seconds)
+        _wandb.report(entry)  # into the user's active wandb run, if any; never raises
+        return entry
+
+    # Inspection and maintenance: thin wrappers over cachekit.maintenance/removal/integrity.
+
+    def entries(self) -> list:
+        """Every published entry as a frozen ``EntryInfo`` (key, kind, rows, shape, dtype,
+        bytes, created, last_used, path, ...), oldest first. Unreadable entries are listed
+        with ``problem`` set instead of aborting the listing."""
+        from .maintenance import list_entries
+
+        return list_entries(self._layout)[0]
+
+    def clear(self, keys: Optional[Sequence[str]] = None, *,
+              older_than: Optional[Any] = None):
+        """Remove published entries: all, or ``keys`` (full keys or unique prefixes); with
+        ``older_than`` (seconds, a timedelta or "7d") only those unused for that long.
+        Orphaned build directories of dead builders go too. Safe while other processes read;
+        builds in progress are never touched. Returns a ``RemovalReport`` (removed, skipped)."""
+        from .removal import plan_clear
+        from .units import seconds
+
+        if isinstance(keys, str):
+            keys = [keys]
+        age = None if older_than is None else seconds(older_than)
+        return plan_clear(self._layout, keys, older_than=age).execute()
+
+    def prune(self, max_bytes: Union[int, str]):
+        """Remove least recently used entries until the cache holds at most ``max_bytes``
+        (an int, or a size like "10G"). Returns a ``RemovalReport``."""
+        from .removal import plan_prune
+        from .units import byte_count
+
+        return plan_prune(self._layout, byte_count(max_bytes)).execute()
+
+    def verify(self, keys: Optional[Sequence[str]] = None) -> list:
+        """Fully check entries (all, or ``keys``): manifest, headers, sizes and the data
+        checksums. Returns a list of ``Problem`` (key, path, message); [] when healthy."""
+        from .integrity import verify
+
+        if isinstance(keys, str):
+            keys = [keys]
+        return verify(self._layout, keys)
+
+
+class NotAnArray(TypeError):
+    """A ``map`` function returned something other than an array or tensor: a bug in the
+    function, so it is raised even with ``on_error="zero"``."""
+
+
+def _array_rows(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Wrap ``fn`` so a row that is not a plain-dtype array or tensor fails with a clear error."""
+
+    def row(value: Any) -> Any:
+        result = fn(value)
+        torch = sys.modules.get("torch")
+        if isinstance(result, (np.ndarray, np.generic)) and not result.dtype.hasobject:
+            return result
+        if torch is not None and isinstance(result, torch.Tensor):
+            return result
+        raise NotAnArray(f"map: {getattr(fn, '__qualname__', fn)} returned "
+                         f"{type(result).__qualname__} {str(result)[:80]} for {value!r}; it must "
+                         "return a numpy array (not of Python objects) or a torch tensor")
+
+    return row
 
 
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:

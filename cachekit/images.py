@@ -12,19 +12,12 @@ import math
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
+from .options import FITS, MODES, RESAMPLE_NAMES
+
 __all__ = ["FITS", "MODES", "RESAMPLES", "load_image"]
 
-MODES: dict[str, int] = {"RGB": 3, "L": 1, "RGBA": 4}
-"""Target mode -> number of channels."""
-
-FITS: tuple[str, ...] = ("stretch", "crop", "pad")
-
 RESAMPLES: dict[str, Image.Resampling] = {
-    "nearest": Image.Resampling.NEAREST,
-    "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC,
-    "lanczos": Image.Resampling.LANCZOS,
-    "box": Image.Resampling.BOX,
+    name: Image.Resampling[name.upper()] for name in RESAMPLE_NAMES
 }
 
 # EXIF orientations 5-8 swap width and height (transpose, rotate 90/270, transverse).

@@ -1,0 +1,117 @@
+"""``cachekit demo``: sweep agents racing on one image column, end to end, in under a minute.
+
+It generates cover-like sample JPEGs once (kept under ROOT/demo-images), then starts fresh
+Python processes that each call ``cache.images`` on the same column at the same moment, as
+W&B sweep agents would: one builds, the others wait for it and map its file. A second wave
+of agents then starts on the warm cache and only hits. The race runs in a temporary cache
+so that every run of the demo shows it; the temporary cache is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from . import _fs, store
+from .samples import write_sample_images
+
+SIZE = (32, 32)
+
+
+def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
+    """Run the demo; return the process exit code."""
+    if images < 1 or agents < 1:
+        print("cachekit demo: --images and --agents must be at least 1", file=sys.stderr)
+        return 2
+    root = Path(root) if root is not None else store.default_root()
+    sample_dir = root / "demo-images"
+    print(f"cachekit demo: {images} cover-like JPEGs (200-500 x 300-700 px) in {sample_dir}")
+    started = time.perf_counter()
+    paths = write_sample_images(sample_dir, images, seed=0)
+    print(f"  ready in {time.perf_counter() - started:.1f} s (generated once, reused later)\n")
+
+    with tempfile.TemporaryDirectory(prefix="cachekit-demo-") as scratch:
+        paths_file = Path(scratch) / "paths.txt"
+        paths_file.write_text("\n".join(paths), encoding="utf-8")
+        cache_dir = Path(scratch) / "cache"
+        print(f"{agents} sweep agents start at once on an empty cache "
+              f"(cache.images(df['img_path'], size={SIZE})):")
+        cold = _race(cache_dir, paths_file, agents)
+        _print_wave(cold)
+        print(f"\n{agents} more agents start on the warm cache:")
+        warm = _race(cache_dir, paths_file, agents)
+        _print_wave(warm)
+
+    builders = [r for r in cold if not r["hit"]]
+    if len(builders) != 1 or any(not r["hit"] for r in warm):
+        print("\nunexpected: the cache did not build exactly once", file=sys.stderr)
+        return 1
+    build = builders[0]["seconds"]
+    hit = statistics.median(r["seconds"] for r in warm)
+    print(f"\nbuilt once: {build:.2f} s for {images} images ({images / build:.0f} images/s); "
+          f"a hit took {hit * 1000:.1f} ms (median), {build / hit:.0f}x faster than decoding.")
+    print(f"{agents * 2 - 1} of {agents * 2} agents decoded nothing.")
+    return 0
+
+
+def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:
+    """Start ``agents`` fresh interpreters behind a start barrier; collect their reports."""
+    start = cache_dir.parent / f"start-{_fs.unique_suffix()}"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "cachekit.demo", str(cache_dir), str(paths_file),
+                          str(start)], stdout=subprocess.PIPE, text=True)
+        for _ in range(agents)
+    ]
+    ready = [cache_dir.parent / f"{start.name}.ready.{p.pid}" for p in procs]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    start.touch()
+    reports = []
+    for number, proc in enumerate(procs, 1):
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"demo agent {number} (pid {proc.pid}) failed")
+        reports.append({"agent": number, **json.loads(out)})
+    return reports
+
+
+def _print_wave(reports: list[dict]) -> None:
+    for r in reports:
+        if not r["hit"]:
+            role = f"built the entry      {r['seconds']:7.2f} s"
+        elif r["waited"] > 0.05:
+            role = f"waited, then mapped  {r['seconds']:7.2f} s (waited {r['waited']:.2f} s)"
+        else:
+            role = f"hit                  {r['seconds'] * 1000:7.1f} ms"
+        print(f"  agent {r['agent']} (pid {r['pid']}): {role}")
+
+
+def _agent(cache_dir: str, paths_file: str, start: str) -> None:
+    """One sweep agent: wait for the start barrier, then ask for the column's entry."""
+    import pandas as pd
+
+    import cachekit
+
+    column = pd.Series(Path(paths_file).read_text(encoding="utf-8").splitlines(),
+                       name="img_path")
+    cache = cachekit.Cache(cache_dir, progress=False)
+    Path(f"{start}.ready.{os.getpid()}").touch()
+    while not os.path.exists(start):
+        time.sleep(0.002)
+    began = time.perf_counter()
+    entry = cache.images(column, SIZE)
+    seconds = time.perf_counter() - began
+    print(json.dumps({"pid": os.getpid(), "hit": entry.hit, "seconds": seconds,
+                      "waited": entry.wait_seconds, "key": entry.key}))
+
+
+if __name__ == "__main__":
+    _agent(*sys.argv[1:4])
