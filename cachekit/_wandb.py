@@ -1,0 +1,86 @@
+"""Record cache use in the active Weights & Biases run, when the user has one.
+
+A sweep's runs table then shows, per agent, which entry it trained on, whether it built or
+hit, and how long it built or waited for another agent. This only happens when the user's
+code already imported wandb and a run is active: cachekit never imports wandb itself (it
+takes about 1.5 s and is an optional extra). ``CACHEKIT_WANDB=0`` turns it off. Nothing here
+ever raises into the user's code: a failure is reported once as a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cache import Entry
+
+ENV = "CACHEKIT_WANDB"
+PREFIX = "cachekit/"
+_OFF = ("0", "false", "no", "off")
+
+_warned = False
+_totals: dict[str, Any] = {}  # running totals over the entries of the current run
+
+
+def enabled() -> bool:
+    """False when ``CACHEKIT_WANDB`` is set to 0, false, no or off."""
+    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+
+
+def report(entry: Entry) -> None:
+    """Put ``entry``'s cache use into the active wandb run's summary, if there is one."""
+    if not enabled():
+        return
+    wandb = sys.modules.get("wandb")
+    if wandb is None:
+        return
+    try:
+        run = getattr(wandb, "run", None)
+        if run is None:
+            return
+        run.summary.update(summary_fields(entry, getattr(run, "id", None)))
+    except Exception as exc:  # wandb trouble must never break training
+        _warn_once(exc)
+
+
+def summary_fields(entry: Entry, run_id: Any = None) -> dict[str, Any]:
+    """The summary items for ``entry``: the latest entry's fields, and totals for the run.
+
+    ``build_seconds`` is this process's build (0 on a hit); ``wait_seconds`` is the time
+    spent waiting for another process's build of the same entry.
+    """
+    built = 0.0 if entry.hit else float(entry.manifest.get("build_seconds", 0.0))
+    waited = round(float(entry.wait_seconds), 3)
+    if _totals.get("run") != run_id:  # a new run in the same process (wandb.agent(function=))
+        _totals.clear()
+        _totals.update(run=run_id, entries=0, build=0.0, wait=0.0)
+    _totals["entries"] += 1
+    _totals["build"] += built
+    _totals["wait"] += waited
+    fields = {
+        "key": entry.key,
+        "hit": bool(entry.hit),
+        "build_seconds": built,
+        "wait_seconds": waited,
+        "rows": int(entry.manifest["rows"]),
+        "shape": [int(n) for n in entry.manifest["shape"]],
+        "bytes": int(entry.array.nbytes),
+        "entries": _totals["entries"],
+        "build_seconds_total": round(_totals["build"], 3),
+        "wait_seconds_total": round(_totals["wait"], 3),
+    }
+    return {PREFIX + name: value for name, value in fields.items()}
+
+
+def _warn_once(exc: Exception) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    # stacklevel: 1 here, 2 report, 3 Cache._rows, 4 Cache.images, 5 the user's call
+    warnings.warn(f"cachekit could not record cache use in the wandb run "
+                  f"({type(exc).__name__}: {exc}); training goes on. "
+                  f"Set {ENV}=0 to stop trying.", RuntimeWarning, stacklevel=5)

@@ -1,0 +1,308 @@
+"""Run reporting into wandb (cachekit/_wandb.py) and the sweep example with real agents.
+
+The reporting tests put a stand-in ``wandb`` module into ``sys.modules``, the way a user's
+``import wandb`` would, so they run without wandb installed. The sweep test starts four fresh
+interpreters the way ``wandb agent`` does and needs the real wandb (the ``wandb`` extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import _wandb
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wandb_sweep.py"
+FIELDS = ("key", "hit", "build_seconds", "wait_seconds", "rows", "shape", "bytes")
+
+
+def _row(value: int) -> np.ndarray:
+    return np.full((2, 3), value, dtype=np.int16)
+
+
+class _Summary(dict):
+    def update(self, *args: Any, **kwargs: Any) -> None:  # wandb's summary has update()
+        super().update(*args, **kwargs)
+
+
+class _BrokenSummary:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+        raise ConnectionError("wandb-core went away")
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in for an imported wandb with an active run, and a fresh reporter state."""
+    module = types.ModuleType("wandb")
+    module.run = types.SimpleNamespace(id="run-1", summary=_Summary())  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    monkeypatch.delenv(_wandb.ENV, raising=False)
+    monkeypatch.setattr(_wandb, "_warned", False)
+    monkeypatch.setattr(_wandb, "_totals", {})
+    return module
+
+
+def test_a_miss_then_a_hit_are_recorded_in_the_run_summary(fake_wandb, cache_root):
+    cache = cachekit.Cache(cache_root, progress=False)
+    built = cache.map(_row, pd.Series([1, 2, 3]))
+    summary = fake_wandb.run.summary
+    assert summary["cachekit/key"] == built.key
+    assert summary["cachekit/hit"] is False
+    assert summary["cachekit/build_seconds"] == built.manifest["build_seconds"]
+    assert summary["cachekit/rows"] == 3
+    assert summary["cachekit/shape"] == [3, 2, 3]
+    assert summary["cachekit/bytes"] == 3 * 2 * 3 * 2
+    assert summary["cachekit/entries"] == 1
+
+    hit = cache.map(_row, pd.Series([1, 2, 3]))
+    assert hit.hit
+    assert summary["cachekit/hit"] is True
+    assert summary["cachekit/build_seconds"] == 0.0  # nothing was built by this call
+    assert summary["cachekit/wait_seconds"] == 0.0
+    assert summary["cachekit/entries"] == 2
+    assert summary["cachekit/build_seconds_total"] == built.manifest["build_seconds"]
+    assert set(summary) == {f"cachekit/{name}" for name in FIELDS} | {
+        "cachekit/entries", "cachekit/build_seconds_total", "cachekit/wait_seconds_total"}
+
+
+def test_totals_start_again_with_a_new_run(fake_wandb, cache_root):
+    cache = cachekit.Cache(cache_root, progress=False)
+    cache.map(_row, pd.Series([1]))
+    cache.map(_row, pd.Series([2]))
+    assert fake_wandb.run.summary["cachekit/entries"] == 2
+    fake_wandb.run = types.SimpleNamespace(id="run-2", summary=_Summary())  # wandb.agent(function=)
+    cache.map(_row, pd.Series([1]))
+    assert fake_wandb.run.summary["cachekit/entries"] == 1
+    assert fake_wandb.run.summary["cachekit/build_seconds_total"] == 0.0
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
+def test_the_environment_variable_turns_reporting_off(fake_wandb, cache_root, monkeypatch,
+                                                      value):
+    monkeypatch.setenv("CACHEKIT_WANDB", value)
+    cachekit.Cache(cache_root, progress=False).map(_row, pd.Series([1]))
+    assert fake_wandb.run.summary == {}
+
+
+def test_nothing_is_recorded_without_an_active_run(fake_wandb, cache_root):
+    fake_wandb.run = None  # imported, but no wandb.init() (or after run.finish())
+    entry = cachekit.Cache(cache_root, progress=False).map(_row, pd.Series([1]))
+    assert len(entry) == 1
+
+
+def test_a_failing_wandb_warns_once_and_never_raises(fake_wandb, cache_root):
+    broken = _BrokenSummary()
+    fake_wandb.run = types.SimpleNamespace(id="run-1", summary=broken)
+    cache = cachekit.Cache(cache_root, progress=False)
+    with pytest.warns(RuntimeWarning, match="could not record.*ConnectionError") as caught:
+        entry = cache.map(_row, pd.Series([1, 2]))
+    assert caught[0].filename == __file__  # points at the user's call
+    assert entry.array.shape == (2, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second failure is silent
+        assert cache.map(_row, pd.Series([1, 2])).hit
+    assert broken.calls == 2
+
+
+HIT_WITHOUT_WANDB = textwrap.dedent("""
+    import sys
+    import cachekit
+    assert "wandb" not in sys.modules
+    cache = cachekit.Cache(sys.argv[1], progress=False)
+    cache.images(sys.argv[2:], size=8)
+    assert "wandb" not in sys.modules, "a build imported wandb"
+    assert cache.images(sys.argv[2:], size=8).hit
+    assert "wandb" not in sys.modules, "a hit imported wandb"
+    print("ok")
+""")
+
+
+def test_cachekit_never_imports_wandb(cache_root, cover_paths):
+    done = subprocess.run([sys.executable, "-c", HIT_WITHOUT_WANDB, str(cache_root),
+                           *cover_paths[:3]], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------------------
+# Four `wandb agent`-style interpreters on an empty cache, with the real wandb, offline.
+
+AGENT = textwrap.dedent("""
+    import importlib.util, json, os, sys, time
+    example, csv, decoded, ready, start, out = sys.argv[1:7]
+    import wandb
+    import cachekit.images
+
+    decode = cachekit.images.load_image
+
+    def counted(path, *args, **kwargs):
+        with open(decoded, "a") as f:  # one line per decoded image, from any agent
+            f.write(f"{os.getpid()} {path}\\n")
+        return decode(path, *args, **kwargs)
+
+    cachekit.images.load_image = counted
+    spec = importlib.util.spec_from_file_location("wandb_sweep", example)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    run = wandb.init(mode="offline", project="cachekit-test",
+                     config={"steps": 3, "batch_size": 16, "channels": 4})
+    open(ready, "w").close()
+    while not os.path.exists(start):  # start barrier: every agent asks at the same moment
+        time.sleep(0.005)
+    result = sweep.train(csv)
+    run.finish()
+    with open(out, "w") as f:
+        json.dump({"pid": os.getpid(), "result": result}, f)
+""")
+
+
+def test_four_sweep_agents_build_once_and_record_it(tmp_path):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed "
+                                        "(pip install -e '.[wandb]')")
+    sweep = _load_example()
+    csv = sweep.make_data(str(tmp_path / "data"), count=120)
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    decoded, start = tmp_path / "decoded.txt", tmp_path / "start"
+    agents = []
+    for i in range(4):
+        home = tmp_path / f"agent{i}"
+        home.mkdir()
+        env = {**os.environ, "CACHEKIT_DIR": str(tmp_path / "cache"), "WANDB_DIR": str(home),
+               "WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
+               "WANDB_DATA_DIR": str(home / "data"), "WANDB_MODE": "offline",
+               "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_ERROR_REPORTING": "false",
+               "OMP_NUM_THREADS": "1"}
+        env.pop("CACHEKIT_WANDB", None)
+        agents.append(subprocess.Popen(
+            [sys.executable, str(script), str(EXAMPLE), str(csv), str(decoded),
+             str(home / "ready"), str(start), str(home / "out.json")],
+            env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    _wait_until_ready(agents, [tmp_path / f"agent{i}" / "ready" for i in range(4)])
+    start.touch()
+    for agent in agents:
+        _, err = agent.communicate(timeout=300)
+        assert agent.returncode == 0, err
+
+    outs = [json.loads((tmp_path / f"agent{i}" / "out.json").read_text()) for i in range(4)]
+    summaries = [_offline_summary(tmp_path / f"agent{i}") for i in range(4)]
+    for summary, out in zip(summaries, outs):
+        assert {f"cachekit/{name}" for name in FIELDS} <= set(summary)
+        assert summary["data_blake2b"] == out["result"]["data_blake2b"]
+        assert np.isfinite(summary["loss"])
+
+    keys = {s["cachekit/key"] for s in summaries}
+    assert len(keys) == 1
+    key = keys.pop()
+    misses = [out["pid"] for s, out in zip(summaries, outs) if s["cachekit/hit"] is False]
+    assert len(misses) == 1  # exactly one agent built; the others waited or hit
+    manifest = json.loads((tmp_path / "cache" / "entries" / key / "manifest.json").read_text())
+    assert manifest["builder"]["pid"] == misses[0]
+    lines = decoded.read_text().splitlines()
+    assert len(lines) == 120 and {line.split()[0] for line in lines} == {str(misses[0])}
+    for summary in summaries:
+        built = summary["cachekit/build_seconds"]
+        assert built == (0 if summary["cachekit/hit"] else manifest["build_seconds"])
+        assert summary["cachekit/rows"] == 120
+        assert summary["cachekit/shape"] == [120, 3, 32, 32]
+        assert summary["cachekit/bytes"] == 120 * 3 * 32 * 32
+
+    # Identical training data everywhere, and equal to what the cache holds.
+    entry = cachekit.Cache(tmp_path / "cache", progress=False).images(
+        pd.read_csv(csv)["img_path"], size=32)
+    expected = hashlib.blake2b(np.ascontiguousarray(entry.array), digest_size=16)
+    expected.update(pd.read_csv(csv)["label"].to_numpy(dtype=np.int64).tobytes())
+    assert {s["data_blake2b"] for s in summaries} == {expected.hexdigest()}
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+
+
+def _load_example() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("wandb_sweep_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wait_until_ready(agents: list[subprocess.Popen], ready: list[Path]) -> None:
+    """Block until every agent has imported and started its run; fail if one died."""
+    deadline = time.monotonic() + 240  # a hang guard only, never an assertion on speed
+    while not all(path.exists() for path in ready):
+        for agent in agents:
+            if agent.poll() is not None:
+                _, err = agent.communicate()
+                pytest.fail(f"an agent exited early with {agent.returncode}:\n{err}")
+        assert time.monotonic() < deadline, "agents did not start"
+        time.sleep(0.05)
+
+
+def _offline_summary(wandb_dir: Path) -> dict[str, Any]:
+    """The summary of the one offline run under ``wandb_dir``, read from its files.
+
+    Older wandb writes ``files/wandb-summary.json``; wandb-core (0.31) keeps the summary only
+    in the run's transaction log ``run-ID.wandb``: LevelDB-log framed protobuf ``Record``s.
+    """
+    (run_dir,) = (wandb_dir / "wandb").glob("offline-run-*")
+    summary_file = run_dir / "files" / "wandb-summary.json"
+    if summary_file.exists():
+        return json.loads(summary_file.read_text())
+    from wandb.proto import wandb_internal_pb2
+
+    (log,) = run_dir.glob("run-*.wandb")
+    summary: dict[str, Any] = {}
+    for raw in _leveldb_records(log.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") != "summary":
+            continue
+        for item in record.summary.update:
+            name = item.key or ".".join(item.nested_key)
+            summary[name] = json.loads(item.value_json)
+        for item in record.summary.remove:
+            summary.pop(item.key or ".".join(item.nested_key), None)
+    return summary
+
+
+def _leveldb_records(data: bytes):
+    """Records of a LevelDB log: 32 KiB blocks of (crc32, length, type) framed chunks."""
+    block, header = 32768, 7
+    assert data[:4] == b":W&B", "not a wandb transaction log"
+    position, pending = header, b""
+    while position + header <= len(data):
+        left = block - position % block
+        if left < header:  # a block's tail too short for a header is zero padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + header])
+        chunk = data[position + header:position + header + length]
+        position += header + length
+        if kind == 1:  # FULL
+            yield chunk
+        elif kind == 2:  # FIRST
+            pending = chunk
+        elif kind == 3:  # MIDDLE
+            pending += chunk
+        elif kind == 4:  # LAST
+            yield pending + chunk
+        elif kind == 0 and length == 0:  # zero padding to the end of the block
+            position += left - header
