@@ -43,13 +43,23 @@ class Outcome:
 
 
 def find(layout: store.Layout, key: str) -> Optional[Outcome]:
-    """The published entry for ``key``, or None. Takes no lock."""
+    """The published entry for ``key``, or None. Takes no lock; records the use."""
     entry_dir = layout.entry_dir(key)
     try:
         manifest = store.read_manifest(entry_dir)
     except FileNotFoundError:
         return None
+    mark_used(entry_dir)
     return Outcome(entry_dir, manifest, hit=True)
+
+
+def mark_used(entry_dir: Path) -> None:
+    """Record a use as the entry directory's mtime (`cachekit prune` removes the least
+    recently used first): one syscall, no lock, the immutable entry is not rewritten."""
+    try:
+        os.utime(entry_dir)
+    except OSError:
+        pass  # a read-only or foreign-owned cache root must still serve hits
 
 
 def obtain(

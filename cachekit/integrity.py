@@ -1,0 +1,58 @@
+"""The full integrity check of published entries: manifest, .npy headers and sizes, checksums.
+
+Opening an entry already checks the manifest, header and size; only this check also reads
+every byte, to compare each data file with the checksum its manifest recorded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from . import store
+from .errors import CacheCorruptError
+from .maintenance import Problem, list_entries, resolve_keys
+
+
+def verify(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
+           on_bytes: Optional[Callable[[int], None]] = None) -> list[Problem]:
+    """Fully check entries (all, or ``keys`` and unique prefixes of them); return the
+    problems found, [] when all is well. Without ``keys``, items in ``entries/`` that are
+    not entries count as problems too.
+
+    ``on_bytes(n)`` is called after each entry with its size, for a progress bar.
+    """
+    entries, problems = list_entries(layout)
+    if keys is not None:
+        wanted = set(resolve_keys(keys, [e.key for e in entries]))
+        entries = [e for e in entries if e.key in wanted]
+        problems = [p for p in problems if p.key in wanted]
+    for entry in entries:
+        if entry.problem is None:  # else list_entries reported it already
+            problem = check_entry(entry.path)
+            if problem is not None:
+                problems.append(problem)
+        if on_bytes is not None:
+            on_bytes(entry.bytes)
+    return problems
+
+
+def check_entry(path: Path) -> Optional[Problem]:
+    """The problem with the entry at ``path``, or None when every file matches its manifest."""
+    try:
+        manifest = store.read_manifest(path)
+        for name, shape, dtype, expected in store.entry_files(manifest):
+            store.open_file(path / name, shape, dtype)  # checks the .npy header and the size
+            actual = store.checksum(path / name)
+            if actual != expected:
+                return Problem(path.name, path, f"checksum mismatch in {name}: manifest says "
+                                                f"{expected}, the file has {actual}")
+    except FileNotFoundError:
+        if not path.exists():
+            return None  # removed while we checked
+        return Problem(path.name, path, f"{store.MANIFEST_FILE} is missing")
+    except CacheCorruptError as e:
+        return Problem(path.name, path, e.reason)
+    except OSError as e:
+        return Problem(path.name, path, f"unreadable: {e}")
+    return None

@@ -1,0 +1,319 @@
+"""Looking at a cache root without changing it: what is there, who is building, what is broken.
+
+Inspection returns frozen dataclasses; a scan never aborts on a broken entry or a stray file,
+it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.removal`, the full
+integrity check in :mod:`cachekit.integrity`.
+
+An entry's last use is its directory's mtime: every hit sets it with one ``os.utime`` (see
+:func:`cachekit.publish.find`), without a lock and without rewriting the immutable entry.
+
+Temporary directories under ``tmp/`` are in one of four states:
+
+- ``building``: a live builder owns it (it holds ``locks/KEY.lock``, or its process is
+  alive); nothing ever touches it.
+- ``orphaned``: its builder died or gave up; removable (else the next build of the key
+  resumes from it).
+- ``deleting``: an entry or orphan being removed by a live process right now.
+- ``leftover``: a removal that was interrupted; removable.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from . import _fs, locks, publish, store
+from .errors import CacheCorruptError
+from .keys import KEY_HEX_LENGTH, is_key
+
+DELETING_PREFIX = "deleting."
+STALE_FOREIGN_SECONDS = 24 * 3600
+"""A build directory of another host whose journal has not moved for this long is orphaned
+(its pid cannot be checked from here)."""
+
+BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
+REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One published entry. Manifest fields are None when ``problem`` says it is unreadable."""
+
+    key: str
+    kind: Optional[str]
+    rows: Optional[int]
+    shape: Optional[tuple[int, ...]]
+    dtype: Optional[str]
+    bytes: int
+    created: float
+    last_used: float
+    path: Path
+    column: Optional[str] = None
+    failed_rows: int = 0
+    params: Optional[dict[str, Any]] = None
+    problem: Optional[str] = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the objects of ``cachekit ls --json``)."""
+        return {
+            "key": self.key, "kind": self.kind, "rows": self.rows,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "dtype": self.dtype, "bytes": self.bytes, "created": self.created,
+            "last_used": self.last_used, "path": str(self.path), "column": self.column,
+            "failed_rows": self.failed_rows, "params": self.params, "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True)
+class TempDir:
+    """A directory under ``tmp/``: a build in progress or left by a dead builder, or a removal."""
+
+    key: str
+    path: Path
+    state: str
+    bytes: int
+    modified: float
+    owner: str
+    """Who made it, e.g. ``pid 4242 on node7 (2048/10000 rows)``."""
+
+    @property
+    def removable(self) -> bool:
+        return self.state in REMOVABLE_STATES
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong on disk: a corrupt entry, or an item cachekit did not put there."""
+
+    key: Optional[str]
+    path: Path
+    message: str
+
+
+@dataclass(frozen=True)
+class Scan:
+    """Everything under one cache root at one moment."""
+
+    root: Path
+    entries: tuple[EntryInfo, ...]
+    temp_dirs: tuple[TempDir, ...]
+    problems: tuple[Problem, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self.entries) + sum(t.bytes for t in self.temp_dirs)
+
+
+def scan(layout: store.Layout) -> Scan:
+    """Describe every entry and temporary directory of ``layout``; never raises for bad items."""
+    entries, problems = list_entries(layout)
+    temp_dirs, temp_problems = list_temp_dirs(layout)
+    return Scan(layout.root, tuple(entries), tuple(temp_dirs), tuple(problems + temp_problems))
+
+
+def list_entries(layout: store.Layout) -> tuple[list[EntryInfo], list[Problem]]:
+    """Published entries (sorted by creation), and problems met on the way."""
+    entries: list[EntryInfo] = []
+    problems: list[Problem] = []
+    for item in _children(layout.entries):
+        if not is_key(item.name) or not item.is_dir():
+            problems.append(Problem(None, item, "not a cache entry (cachekit did not make it)"))
+            continue
+        info = entry_info(item)
+        if info is None:
+            continue  # removed while we looked
+        entries.append(info)
+        if info.problem is not None:
+            problems.append(Problem(info.key, info.path, info.problem))
+    entries.sort(key=lambda e: (e.created, e.key))
+    return entries, problems
+
+
+def entry_info(path: Path) -> Optional[EntryInfo]:
+    """Describe the entry directory ``path``; None when it no longer exists."""
+    try:
+        used = path.stat().st_mtime
+        size = _tree_bytes(path)
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = store.read_manifest(path)
+    except FileNotFoundError:
+        if not path.exists():
+            return None
+        problem = f"{store.MANIFEST_FILE} is missing"
+    except CacheCorruptError as e:
+        problem = e.reason
+    else:
+        column = manifest.get("column")
+        params = manifest.get("params")
+        return EntryInfo(
+            key=path.name, kind=manifest["kind"], rows=manifest["rows"],
+            shape=tuple(manifest["shape"]), dtype=np.dtype(manifest["dtype"]).name, bytes=size,
+            created=float(manifest["created"]), last_used=used, path=path,
+            column=column if isinstance(column, str) else None,
+            failed_rows=len(manifest["failed_rows"]),
+            params=params if isinstance(params, dict) else None,
+        )
+    return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
+                     created=used, last_used=used, path=path, problem=problem)
+
+
+def list_temp_dirs(layout: store.Layout) -> tuple[list[TempDir], list[Problem]]:
+    """Directories under ``tmp/`` with their state, and problems met on the way."""
+    temp_dirs: list[TempDir] = []
+    problems: list[Problem] = []
+    for item in _children(layout.tmp):
+        info = temp_dir_info(layout, item)
+        if info is None:
+            if item.exists():
+                problems.append(Problem(None, item, "not a cachekit temporary directory"))
+            continue
+        temp_dirs.append(info)
+    temp_dirs.sort(key=lambda t: (t.modified, t.path.name))
+    return temp_dirs, problems
+
+
+def temp_dir_info(layout: store.Layout, path: Path, *,
+                  holding_lock: bool = False) -> Optional[TempDir]:
+    """Describe ``tmp/KEY.HOST.PID.UUID`` or ``tmp/deleting.KEY.HOST.PID.UUID``; else None.
+
+    ``holding_lock``: the caller holds the key's build lock, so no other process does.
+    """
+    deleting = path.name.startswith(DELETING_PREFIX)
+    name = path.name[len(DELETING_PREFIX):] if deleting else path.name
+    key, host, pid = _parse_temp_name(name)
+    if key is None or not _fs.is_plain_dir(path):
+        return None
+    try:
+        modified = path.stat().st_mtime
+        size = _tree_bytes(path)
+    except FileNotFoundError:
+        return None
+    if deleting:
+        alive = _fs.owner_state({"host": host, "pid": pid}) == "alive"
+        return TempDir(key, path, DELETING if alive else LEFTOVER, size, modified,
+                       f"removal by pid {pid} on {host}")
+    journal = publish.read_journal(path) or {}
+    owner = journal if "pid" in journal and "host" in journal else {"host": host, "pid": pid}
+    done, total = journal.get("done"), journal.get("total")
+    progress = f" ({done}/{total} rows)" if isinstance(total, int) and total else ""
+    description = f"pid {owner.get('pid')} on {owner.get('host')}{progress}"
+    if journal.get("abandoned") is True:  # interrupted; any later builder may resume it
+        return TempDir(key, path, ORPHANED, size, modified, description + ", abandoned")
+    updated = journal.get("updated")
+    updated = max(modified, updated) if isinstance(updated, (int, float)) else modified
+    lock = None if holding_lock else build_lock(layout, key)
+    held = False if holding_lock else lock_is_held(lock)
+    exclusive = True if holding_lock else lock.exclusive
+    live = build_is_live(held, exclusive, _fs.owner_state(owner), updated)
+    return TempDir(key, path, BUILDING if live else ORPHANED, size, modified, description)
+
+
+def build_is_live(held: Optional[bool], exclusive: bool, owner_state: str,
+                  updated: float) -> bool:
+    """Whether a builder may still be working in its directory; when unsure, True.
+
+    ``held``: whether the key's build lock is held (None: cannot tell). A held lock means a
+    builder, or a waiter about to resume this directory. Otherwise the owner decides
+    (``_fs.owner_state``: alive, dead, or unknown on another host); an unknown owner counts
+    as gone when a working lock is free, as publish itself judges, and else once its
+    journal is STALE_FOREIGN_SECONDS old.
+    """
+    if held or owner_state == "alive":
+        return True
+    if owner_state == "dead":
+        return False
+    if held is False and exclusive:
+        return False
+    return time.time() - updated < STALE_FOREIGN_SECONDS
+
+
+def build_lock(layout: store.Layout, key: str) -> locks.BuildLock:
+    """The build lock of ``key``, of the kind builders use ($CACHEKIT_LOCK)."""
+    return locks.make_lock(layout.lock_path(key))
+
+
+def try_lock(layout: store.Layout, key: str) -> Optional[locks.BuildLock]:
+    """The build lock of ``key``, acquired without waiting; None when another process holds it.
+
+    Raises OSError when the lock cannot be taken at all (e.g. a read-only cache root).
+    """
+    lock = build_lock(layout, key)
+    return lock if lock.acquire(timeout=0) else None
+
+
+def lock_is_held(lock: locks.BuildLock) -> Optional[bool]:
+    """True when a process holds ``lock``; None when that cannot be told."""
+    if not lock.exclusive:
+        return None  # CACHEKIT_LOCK=none: there is no lock to ask
+    if not lock.path.exists():
+        return False  # a builder creates its lock file before its build directory
+    try:
+        if not lock.acquire(timeout=0):
+            return True
+    except OSError:
+        return None
+    lock.release()
+    return False
+
+
+def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
+    """Expand each key or unique key prefix to a full key among ``known``, in order.
+
+    Raises ValueError for text that is not hex or for an ambiguous prefix (naming every
+    match), and KeyError when nothing matches.
+    """
+    known = sorted(set(known))
+    resolved: list[str] = []
+    for prefix in prefixes:
+        text = prefix.lower()
+        if not text or len(text) > KEY_HEX_LENGTH or any(c not in string.hexdigits for c in text):
+            raise ValueError(f"not a cache key or key prefix: {prefix!r} "
+                             f"(keys are {KEY_HEX_LENGTH} hex digits, see `cachekit ls`)")
+        matches = [k for k in known if k.startswith(text)]
+        if not matches:
+            raise KeyError(f"no cache entry matches {prefix!r} (see `cachekit ls`)")
+        if len(matches) > 1:
+            raise ValueError(f"key prefix {prefix!r} is ambiguous; it matches "
+                             f"{', '.join(matches)}")
+        if matches[0] not in resolved:
+            resolved.append(matches[0])
+    return resolved
+
+
+def _parse_temp_name(name: str) -> tuple[Optional[str], str, Optional[int]]:
+    """(key, host, pid) from ``KEY.HOST.PID.UUID`` (the host may hold dots); key None if not."""
+    key, _, rest = name.partition(".")
+    parts = rest.rsplit(".", 2)
+    if not is_key(key) or len(parts) != 3:
+        return None, "", None
+    host, pid, _ = parts
+    return key, host, int(pid) if pid.isdigit() else None
+
+
+def _children(directory: Path) -> list[Path]:
+    try:
+        return sorted(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _tree_bytes(path: Path) -> int:
+    """Total size of the files under ``path`` (the path itself when it is a file)."""
+    if not path.is_dir():
+        return path.lstat().st_size
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total

@@ -1,0 +1,94 @@
+"""Sizes and durations as people type and read them: ``10G``, ``1.2 GB``, ``7d``, ``3 d ago``.
+
+Parsing follows GNU coreutils (``du``, ``sort -h``): a bare suffix or an ``iB`` suffix is a
+power of 1024 (``10G`` = ``10GiB``), a ``B`` suffix is a power of 1000 (``10GB``). Display
+uses powers of 1000 with a ``B`` suffix (``1.2 GB``), so a size copied from ``cachekit ls``
+parses back to the same number of bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from typing import Union
+
+_PREFIXES = "KMGTP"
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?b)?|(b))?\s*", re.IGNORECASE)
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)", re.IGNORECASE)
+
+Duration = Union[int, float, str, datetime.timedelta]
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``512``, ``512B``, ``10G``/``10GiB`` (1024-based), ``1.2 GB`` (1000-based)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"not a size: {text!r}; use a number with an optional unit, e.g. 500M, 10G, 1.5GB, 512KiB"
+        )
+    number, prefix, suffix, _ = match.groups()
+    if prefix is None:
+        return int(float(number))
+    base = 1000 if suffix is not None and suffix.lower() == "b" else 1024
+    return int(float(number) * base ** (_PREFIXES.index(prefix.upper()) + 1))
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.2 GB``, ``345 MB`` (powers of 1000)."""
+    if n < 1000:
+        return f"{n} B"
+    value = float(n)
+    for prefix in _PREFIXES:
+        value /= 1000
+        if value < 999.5 or prefix == _PREFIXES[-1]:
+            return f"{value:.1f} {prefix}B" if value < 99.95 else f"{value:.0f} {prefix}B"
+    raise AssertionError("unreachable")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a number with an s/m/h/d/w unit, or several (``1d12h``); bare = s."""
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text):
+        raise ValueError(
+            f"not a duration: {text!r}; use a number with a unit s, m, h, d or w, e.g. 7d, 12h, 1d12h"
+        )
+    return float(sum(float(n) * _DURATION_UNITS[(u or "s").lower()] for n, u in parts))
+
+
+def seconds(value: Duration) -> float:
+    """A duration given as seconds, a ``timedelta`` or a string like ``7d``, in seconds."""
+    if isinstance(value, datetime.timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, str):
+        result = parse_duration(value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise TypeError(f"a duration must be seconds, a timedelta or a string like '7d', not {value!r}")
+    if result < 0:
+        raise ValueError(f"a duration must not be negative: {value!r}")
+    return result
+
+
+def byte_count(value: Union[int, str]) -> int:
+    """A size given as an int or a string like ``10G``, in bytes."""
+    if isinstance(value, str):
+        result = parse_size(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        result = value
+    else:
+        raise TypeError(f"a size must be an int of bytes or a string like '10G', not {value!r}")
+    if result < 0:
+        raise ValueError(f"a size must not be negative: {value!r}")
+    return result
+
+
+def format_age(age: float) -> str:
+    """An age in seconds for people: ``just now``, ``42 s ago``, ``5 min ago``, ``3 d ago``."""
+    if age < 1:
+        return "just now"
+    for unit, span in (("w", 7 * 86400), ("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= span * (2 if unit == "w" else 1):
+            return f"{int(age // span)} {unit} ago"
+    return f"{int(age)} s ago"

@@ -1,0 +1,384 @@
+"""Cache.entries/clear/prune/verify and the scans under them, on real entries and real files;
+dead and live builders are real processes."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import maintenance, removal, store, units
+from cachekit.integrity import verify
+
+DAY = 86400.0
+
+
+def block(value: int) -> np.ndarray:
+    """One 4x8 uint8 row per value: 32 bytes, so entry sizes are easy to reason about."""
+    return np.full((4, 8), value % 256, dtype=np.uint8)
+
+
+def make_entry(cache: cachekit.Cache, start: int, rows: int = 8) -> cachekit.Entry:
+    return cache.map(block, pd.Series(range(start, start + rows)))
+
+
+def set_last_used(entry_path: Path, when: float) -> None:
+    os.utime(entry_path, (when, when))
+
+
+def flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+# -- units ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("512", 512), ("512B", 512), ("10K", 10 * 1024), ("10k", 10 * 1024), ("10KiB", 10 * 1024),
+    ("10KB", 10_000), ("1.5G", int(1.5 * 1024**3)), ("1.2 GB", 1_200_000_000),
+    ("2T", 2 * 1024**4), ("512KiB", 512 * 1024), ("3 M", 3 * 1024**2), (" 7mb ", 7_000_000),
+])
+def test_parse_size(text, expected):
+    assert units.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "G", "-1G", "10X", "10 GiBs", "1e3", "ten"])
+def test_parse_size_rejects_garbage_with_an_example(text):
+    with pytest.raises(ValueError, match="10G"):
+        units.parse_size(text)
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (999, "999 B"), (1000, "1.0 KB"), (1_234_567, "1.2 MB"),
+    (45_600_000, "45.6 MB"), (345_000_000, "345 MB"), (1_200_000_000, "1.2 GB"),
+    (999_999, "1.0 MB"), (5 * 10**15, "5.0 PB"),
+])
+def test_format_size(n, text):
+    assert units.format_size(n) == text
+
+
+def test_a_displayed_size_parses_back_to_about_the_same_bytes():
+    for n in (1_234, 987_654_321, 12 * 10**12):
+        assert abs(units.parse_size(units.format_size(n)) - n) <= n * 0.05
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 30), ("30s", 30), ("5m", 300), ("2h", 7200), ("7d", 7 * DAY), ("1w", 7 * DAY),
+    ("1.5h", 5400), ("1d12h", 1.5 * DAY), ("3 d", 3 * DAY), ("2W", 14 * DAY),
+])
+def test_parse_duration(text, seconds):
+    assert units.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "d", "7x", "7 days", "-1d", "1d-2h"])
+def test_parse_duration_rejects_garbage(text):
+    with pytest.raises(ValueError, match="7d"):
+        units.parse_duration(text)
+
+
+@pytest.mark.parametrize("age, text", [
+    (0.2, "just now"), (42, "42 s ago"), (300, "5 min ago"), (3 * 3600 + 5, "3 h ago"),
+    (3 * DAY + 100, "3 d ago"), (10 * DAY, "10 d ago"), (15 * DAY, "2 w ago"),
+])
+def test_format_age(age, text):
+    assert units.format_age(age) == text
+
+
+def test_durations_and_sizes_in_the_api_forms():
+    assert units.seconds(datetime.timedelta(days=2)) == 2 * DAY
+    assert units.seconds("2d") == units.seconds(2 * DAY) == 2 * DAY
+    assert units.byte_count("1K") == units.byte_count(1024) == 1024
+    for bad in (True, None, [1]):
+        with pytest.raises(TypeError):
+            units.seconds(bad)
+        with pytest.raises(TypeError):
+            units.byte_count(bad)
+    with pytest.raises(ValueError):
+        units.seconds(-1)
+    with pytest.raises(ValueError):
+        units.byte_count(-1)
+
+
+# -- entries -------------------------------------------------------------------------------
+
+def test_entries_describe_images_and_map_entries(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root, progress=False)
+    images = cache.images(pd.Series(cover_paths[:3], name="img_path"), (8, 6))
+    mapped = make_entry(cache, 0, rows=5)
+    found = {e.key: e for e in cache.entries()}
+    assert set(found) == {images.key, mapped.key}
+    info = found[images.key]
+    assert isinstance(info, maintenance.EntryInfo)
+    assert (info.kind, info.rows, info.shape, info.dtype) == ("images", 3, (3, 3, 8, 6), "uint8")
+    assert info.column == "img_path" and info.params["size"] == [8, 6]
+    assert info.path == images.path and info.problem is None and info.failed_rows == 0
+    assert info.bytes == sum(p.stat().st_size for p in images.path.iterdir())
+    assert info.created == images.manifest["created"] and info.last_used >= info.created - 1
+    assert found[mapped.key].shape == (5, 4, 8) and found[mapped.key].kind == "map"
+    with pytest.raises(Exception):
+        info.rows = 4  # frozen
+    as_json = info.to_json()
+    assert {"key", "kind", "rows", "shape", "dtype", "bytes", "created", "last_used",
+            "path"} <= set(as_json) and as_json["shape"] == [3, 3, 8, 6]
+
+
+def test_a_hit_records_its_use_without_a_lock(cache_root):
+    cache = cachekit.Cache(cache_root)
+    entry = make_entry(cache, 0)
+    set_last_used(entry.path, time.time() - 30 * DAY)
+    assert time.time() - cache.entries()[0].last_used > 29 * DAY
+    with mock.patch("cachekit.publish.locks.make_lock", side_effect=AssertionError("locked")):
+        assert make_entry(cache, 0).hit
+    assert time.time() - cache.entries()[0].last_used < DAY
+
+
+def test_a_hit_on_a_root_that_refuses_utime_still_serves(cache_root):
+    cache = cachekit.Cache(cache_root)
+    built = make_entry(cache, 0)
+    with mock.patch("cachekit.publish.os.utime", side_effect=PermissionError(13, "read-only")):
+        again = make_entry(cache, 0)
+    assert again.hit and np.array_equal(again.array, built.array)
+
+
+def test_scan_lists_broken_entries_and_strays_instead_of_aborting(cache_root):
+    cache = cachekit.Cache(cache_root)
+    good, broken, empty = (make_entry(cache, i * 10) for i in range(3))
+    (broken.path / store.MANIFEST_FILE).write_text("{not json")
+    (empty.path / store.MANIFEST_FILE).unlink()
+    (cache_root / "entries" / "notes.txt").write_text("hello")
+    (cache_root / "tmp").mkdir(exist_ok=True)
+    (cache_root / "tmp" / "random-dir").mkdir()
+    found = maintenance.scan(store.Layout(cache_root))
+    by_key = {e.key: e for e in found.entries}
+    assert set(by_key) == {good.key, broken.key, empty.key}
+    assert by_key[good.key].problem is None
+    assert "unreadable manifest" in by_key[broken.key].problem and by_key[broken.key].rows is None
+    assert "manifest.json is missing" in by_key[empty.key].problem
+    stray = {p.path.name for p in found.problems if p.key is None}
+    assert stray == {"notes.txt", "random-dir"}
+    assert len(cache.entries()) == 3
+
+
+def test_resolve_keys_by_unique_prefix():
+    known = ["ab" + "0" * 30, "ab" + "1" * 30, "cd" + "2" * 30]
+    assert maintenance.resolve_keys(["cd", "AB0"], known) == [known[2], known[0]]
+    with pytest.raises(ValueError, match="ambiguous.*" + known[0] + ".*" + known[1]):
+        maintenance.resolve_keys(["ab"], known)
+    for bad in ("", "../ab", "ab/cd", "xyz", "a" * 33, ".."):
+        with pytest.raises(ValueError, match="not a cache key"):
+            maintenance.resolve_keys([bad], known)
+    with pytest.raises(KeyError):
+        maintenance.resolve_keys(["ef"], known)
+
+
+# -- clear and prune -----------------------------------------------------------------------
+
+def test_clear_by_prefix_then_all(cache_root):
+    cache = cachekit.Cache(cache_root)
+    a, b, c = (make_entry(cache, i * 10) for i in range(3))
+    report = cache.clear([a.key[:6]])
+    assert [e.key for e in report.removed_entries] == [a.key]
+    assert report.freed_bytes == report.removed_entries[0].bytes > 0
+    assert {e.key for e in cache.entries()} == {b.key, c.key}
+    assert not a.path.exists()
+    report = cache.clear()
+    assert {e.key for e in report.removed_entries} == {b.key, c.key}
+    assert cache.entries() == [] and list((cache_root / "tmp").iterdir()) == []
+    with pytest.raises(KeyError):
+        cache.clear([a.key])
+
+
+def test_clear_older_than_uses_last_use(cache_root):
+    cache = cachekit.Cache(cache_root)
+    old, fresh = make_entry(cache, 0), make_entry(cache, 10)
+    set_last_used(old.path, time.time() - 8 * DAY)
+    assert cache.clear(older_than="9d").removed_entries == ()
+    report = cache.clear(older_than=datetime.timedelta(days=7))
+    assert [e.key for e in report.removed_entries] == [old.key]
+    assert [e.key for e in cache.entries()] == [fresh.key]
+
+
+def test_a_plan_removes_nothing_until_executed(cache_root):
+    cache = cachekit.Cache(cache_root)
+    entry = make_entry(cache, 0)
+    layout = store.Layout(cache_root)
+    plan = removal.plan_clear(layout)
+    assert [e.key for e in plan.entries] == [entry.key] and plan.bytes > 0
+    assert entry.path.exists()
+    assert len(plan.execute().removed_entries) == 1 and not entry.path.exists()
+    assert plan.execute().skipped[0].reason == "already removed by another process"
+
+
+def test_an_entry_used_after_an_age_based_plan_is_spared(cache_root):
+    cache = cachekit.Cache(cache_root)
+    entry = make_entry(cache, 0)
+    set_last_used(entry.path, time.time() - 10 * DAY)
+    plan = removal.plan_clear(store.Layout(cache_root), older_than=7 * DAY)
+    assert len(plan.entries) == 1
+    assert make_entry(cache, 0).hit  # a sweep agent uses it while the user reads the prompt
+    report = plan.execute()
+    assert report.removed_entries == () and "used since" in report.skipped[0].reason
+    assert entry.path.exists()
+
+
+def test_prune_removes_least_recently_used_first(cache_root):
+    cache = cachekit.Cache(cache_root)
+    first, second, third = (make_entry(cache, i * 10) for i in range(3))
+    now = time.time()
+    set_last_used(first.path, now - 10)  # the oldest entry is the most recently used
+    set_last_used(second.path, now - 300)
+    set_last_used(third.path, now - 200)
+    size = {e.key: e.bytes for e in cache.entries()}
+    total = sum(size.values())
+    assert cache.prune(total).removed_entries == ()
+    report = cache.prune(total - 1)
+    assert [e.key for e in report.removed_entries] == [second.key]
+    report = cache.prune(str(size[first.key] + size[third.key] - 1))
+    assert [e.key for e in report.removed_entries] == [third.key]
+    assert [e.key for e in cache.entries()] == [first.key]
+    assert [e.key for e in cache.prune(0).removed_entries] == [first.key]
+
+
+def test_a_mapped_reader_keeps_its_bytes_after_clear(cache_root):
+    cache = cachekit.Cache(cache_root)
+    entry = make_entry(cache, 3, rows=50)
+    expected = np.stack([block(v) for v in range(3, 53)])
+    view = entry.array
+    cache.clear()
+    assert not entry.path.exists()
+    np.testing.assert_array_equal(view, expected)
+
+
+# -- builders: dead ones leave orphans, live ones are never touched --------------------------
+
+BUILDER = textwrap.dedent('''
+    import os, sys, time
+    from pathlib import Path
+    import numpy as np, pandas as pd
+    import cachekit
+
+    root, started, go, crash = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+
+    def slow(v):
+        if v == 3:
+            started.touch()
+            if crash == "crash":
+                os._exit(3)  # dies mid-build, as a killed sweep agent would
+            deadline = time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return np.full(4, v, dtype=np.int32)
+
+    entry = cachekit.Cache(root, workers=1, progress=False).map(slow, pd.Series(range(40)))
+    assert not entry.hit
+    print(entry.key)
+''')
+
+
+def start_builder(tmp_path: Path, cache_root: Path, crash: bool) -> tuple[subprocess.Popen, Path]:
+    """A builder process blocked inside its build (row 3) until ``go`` exists, or dead there."""
+    script = tmp_path / "builder.py"
+    script.write_text(BUILDER)
+    started, go = tmp_path / "started", tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, str(script), str(cache_root), str(started), str(go),
+                             "crash" if crash else "wait"], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert proc.poll() is None or crash, "the builder died before it started building"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return proc, go
+
+
+def test_a_dead_builders_directory_is_reported_and_cleared(tmp_path, cache_root):
+    proc, _ = start_builder(tmp_path, cache_root, crash=True)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 3
+    layout = store.Layout(cache_root)
+    (temp,) = maintenance.scan(layout).temp_dirs
+    assert temp.state == maintenance.ORPHANED and temp.removable
+    assert f"pid {proc.pid}" in temp.owner
+    report = cachekit.Cache(cache_root).clear()
+    assert [t.path for t in report.removed_temp_dirs] == [temp.path]
+    assert list(layout.tmp.iterdir()) == []
+
+
+def test_an_interrupted_removal_is_finished_by_clear(cache_root):
+    cache = cachekit.Cache(cache_root)
+    entry = make_entry(cache, 0)
+    dead_pid = 2**22 + 12345  # above Linux's pid_max limit: no such process
+    leftover = cache_root / "tmp" / f"deleting.{entry.key}.{cachekit._fs.host()}.{dead_pid}.abc"
+    (cache_root / "tmp").mkdir(exist_ok=True)
+    os.rename(entry.path, leftover)
+    (temp,) = maintenance.scan(store.Layout(cache_root)).temp_dirs
+    assert temp.state == maintenance.LEFTOVER
+    assert [t.path for t in cache.clear().removed_temp_dirs] == [leftover]
+    assert not leftover.exists()
+
+
+def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_root):
+    cache = cachekit.Cache(cache_root)
+    other = make_entry(cache, 100)
+    proc, go = start_builder(tmp_path, cache_root, crash=False)
+    try:
+        layout = store.Layout(cache_root)
+        (temp,) = maintenance.scan(layout).temp_dirs
+        assert temp.state == maintenance.BUILDING and not temp.removable
+        report = cache.prune(0)
+        assert [e.key for e in report.removed_entries] == [other.key]
+        assert [s.path for s in report.skipped] == [temp.path]
+        report = cache.clear()
+        assert report.removed_temp_dirs == () and "being built by pid" in report.skipped[0].reason
+        assert temp.path.exists()
+    finally:
+        go.touch()
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    key = out.strip()
+    (info,) = cache.entries()
+    assert info.key == key and info.rows == 40
+    assert cache.verify() == []
+    opened = store.open_array(info.path, store.read_manifest(info.path))
+    np.testing.assert_array_equal(opened[:, 0], np.arange(40))
+
+
+# -- verify --------------------------------------------------------------------------------
+
+def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root):
+    cache = cachekit.Cache(cache_root)
+    healthy, flipped, truncated, garbled = (make_entry(cache, i * 10) for i in range(4))
+    assert cache.verify() == []
+    flip_last_byte(flipped.path / store.DATA_FILE)
+    with open(truncated.path / store.DATA_FILE, "r+b") as f:
+        f.truncate(100)
+    (garbled.path / store.MANIFEST_FILE).write_text('{"format": 1}')
+    problems = {p.key: p for p in cache.verify()}
+    assert set(problems) == {flipped.key, truncated.key, garbled.key}
+    assert "checksum mismatch in data.npy" in problems[flipped.key].message
+    assert "unreadable .npy header" in problems[truncated.key].message or \
+        "expected" in problems[truncated.key].message
+    assert "manifest field" in problems[garbled.key].message
+    assert problems[flipped.key].path == flipped.path
+    assert cache.verify([healthy.key[:8]]) == []
+    assert [p.key for p in cache.verify(flipped.key)] == [flipped.key]
+
+
+def test_verify_reports_progress_per_entry(cache_root):
+    cache = cachekit.Cache(cache_root)
+    entries = [make_entry(cache, i * 10) for i in range(2)]
+    seen: list[int] = []
+    assert verify(store.Layout(cache_root), on_bytes=seen.append) == []
+    assert sorted(seen) == sorted(e.bytes for e in cache.entries()) and len(entries) == 2
