@@ -1,0 +1,192 @@
+"""A torch ``Dataset`` over a cache entry, fast enough that the DataLoader is not the bottleneck.
+
+``EntryDataset`` reads a whole DataLoader batch with one sorted fancy index on the memmap
+(``__getitems__``), and pickles to worker processes as the entry's location only: each
+process maps the file itself on first use (again after a fork), so K workers share one copy
+of the data in the page cache and the pickle stays small whatever the number of rows.
+
+This is the only cachekit module that imports torch at import time.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from . import store
+from .errors import CacheCorruptError
+
+if TYPE_CHECKING:
+    from .cache import Entry
+
+__all__ = ["DatasetCorruptError", "EntryDataset"]
+
+_ENTRY_PATH = re.compile(r"corrupt cache entry (.+?): ")
+
+
+class DatasetCorruptError(CacheCorruptError):
+    """The entry behind a Dataset is corrupt or was removed: raised where the rows are read.
+
+    torch re-raises a DataLoader worker's exception in the main process as
+    ``type(exc)(message)`` and falls back to ``RuntimeError`` when that call fails, so this
+    class also accepts that one message: ``except cachekit.CacheCorruptError`` then works the
+    same with ``num_workers=0`` and ``num_workers>0``.
+    """
+
+    def __init__(self, path: str | Path, reason: Optional[str] = None) -> None:
+        if reason is not None:
+            self._message_only = False
+            super().__init__(path, reason)
+            return
+        # torch's re-raise: `path` is the whole message, with the worker's traceback.
+        message = str(path)
+        found = _ENTRY_PATH.findall(message)
+        self._message_only = True
+        self.path = found[-1] if found else ""
+        self.reason = message
+        OSError.__init__(self, message)
+
+    def __reduce__(self):  # type: ignore[override]
+        if self._message_only:
+            return (type(self), (self.reason,))
+        return (type(self), (self.path, self.reason))
+
+
+class EntryDataset(Dataset):
+    """Map-style Dataset over ``entry``: item i -> the row as a tensor, or (tensor, target).
+
+    For an images entry the row is a (C, H, W) uint8 tensor. ``targets`` (array, list,
+    pandas Series or tensor of length N) adds ``targets[i]``; ``transform`` is applied to
+    each row tensor (torchvision.transforms.v2 transforms work). Returned tensors are the
+    caller's own copies: changing one never changes the cache or a later item.
+    """
+
+    def __init__(self, entry: Entry, targets: Any = None,
+                 transform: Optional[Callable[[torch.Tensor], Any]] = None) -> None:
+        _check_torch_dtype(np.dtype(entry.manifest["dtype"]))
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, not {type(transform).__name__}")
+        self.entry = entry
+        self.targets = _as_targets(targets, len(entry))
+        self.transform = transform
+        self._rows: Optional[np.ndarray] = None
+        self._pid: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.entry)
+
+    def __repr__(self) -> str:
+        extra = "" if self.targets is None else " with targets"
+        return f"<cachekit.EntryDataset of {len(self)} rows of {self.entry.key}{extra}>"
+
+    def __getitem__(self, index: Any) -> Any:
+        i = operator.index(index)
+        row = torch.from_numpy(np.array(self._array()[i]))  # a copy: the caller may write it
+        return self._sample(row, None if self.targets is None else self.targets[i])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples of ``indices``, in that order, read with one sorted fancy index.
+
+        torch's DataLoader calls this with each batch's indices (auto-collation) and passes
+        the returned list of samples to ``collate_fn``.
+        """
+        wanted = np.asarray(indices, dtype=np.intp).reshape(-1)
+        if wanted.size == 0:
+            return []
+        n = len(self)
+        wanted = np.where(wanted < 0, wanted + n, wanted)
+        if wanted.min() < 0 or wanted.max() >= n:
+            bad = wanted[(wanted < 0) | (wanted >= n)][0]
+            raise IndexError(f"index {int(bad)} is out of range for {n} rows")
+        order = np.argsort(wanted, kind="stable")
+        # Sorted reads walk the file forwards (readahead-friendly); the fancy index copies,
+        # so the tensors are writable and never alias the cache.
+        ascending = torch.from_numpy(self._array()[wanted[order]]).unbind(0)
+        position = np.empty_like(order)
+        position[order] = np.arange(order.size)
+        rows = [ascending[k] for k in position.tolist()]
+        if self.targets is None:
+            return [self._sample(row, None) for row in rows]
+        targets = _take(self.targets, wanted)
+        return [self._sample(row, target) for row, target in zip(rows, targets)]
+
+    def _sample(self, row: torch.Tensor, target: Any) -> Any:
+        if self.transform is not None:
+            row = self.transform(row)
+        return row if self.targets is None else (row, target)
+
+    def _array(self) -> np.ndarray:
+        """The entry's rows, mapped read-only on first use in this process."""
+        pid = os.getpid()
+        if self._rows is None or self._pid != pid:
+            try:
+                self._rows = store.open_array(self.entry.path, self.entry.manifest)
+            except CacheCorruptError as e:
+                reason = e.reason
+                if not self.entry.path.exists():
+                    reason = ("the entry was removed (cachekit clear/prune?) after this Dataset "
+                              "was made; call cache.images/cache.map again to rebuild it")
+                raise DatasetCorruptError(e.path, reason) from None
+            self._pid = pid
+        return self._rows
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The entry pickles as its location and manifest; the mapping is re-made lazily.
+        state = self.__dict__.copy()
+        state["_rows"] = None
+        state["_pid"] = None
+        return state
+
+
+def _as_targets(targets: Any, rows: int) -> Any:
+    """Targets as a tensor or a numpy array of length ``rows``, indexed by position."""
+    if targets is None:
+        return None
+    if isinstance(targets, torch.Tensor):
+        if targets.dim() == 0:
+            raise ValueError("targets is a 0-d tensor; pass one target per row")
+        found = targets
+    elif hasattr(targets, "to_numpy") and hasattr(targets, "iloc"):  # pandas, by position
+        found = targets.to_numpy()
+    elif isinstance(targets, (str, bytes)) or not hasattr(targets, "__len__"):
+        raise TypeError("targets must be an array, list, pandas Series or tensor, "
+                        f"not {type(targets).__name__}")
+    else:
+        found = _as_array(targets)
+    if len(found) != rows:
+        raise ValueError(f"targets has {len(found)} items but the entry has {rows} rows; "
+                         "pass one target per row, in row order")
+    return found
+
+
+def _as_array(values: Any) -> np.ndarray:
+    try:
+        array = np.asarray(values)
+    except ValueError:  # ragged, e.g. lists of different lengths: keep them as objects
+        array = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):
+            array[i] = value
+    if array.ndim == 0:
+        raise ValueError("targets is a scalar; pass one target per row")
+    return array
+
+
+def _take(targets: Any, rows: np.ndarray) -> Sequence[Any]:
+    if isinstance(targets, torch.Tensor):
+        return targets[torch.from_numpy(rows)].unbind(0)
+    return list(targets[rows])
+
+
+def _check_torch_dtype(dtype: np.dtype) -> None:
+    try:
+        torch.from_numpy(np.zeros(0, dtype))
+    except TypeError:
+        raise TypeError(f"entries of dtype {dtype} cannot be torch tensors; read entry.array "
+                        "with numpy instead") from None
