@@ -30,6 +30,7 @@ from .keys import is_key
 FORMAT_VERSION = 1
 DATA_FILE = "data.npy"
 MANIFEST_FILE = "manifest.json"
+MEMOIZE_KIND = "memoize"
 _CHECKSUM_BLOCK = 16 << 20
 
 # Manifest fields every reader relies on, with their JSON types.
@@ -127,20 +128,68 @@ def check_manifest(manifest: Any, path: Path) -> None:
     if manifest["key"] != path.parent.name:
         raise CacheCorruptError(path, f"manifest key {manifest['key']} != directory name")
     shape = manifest["shape"]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise CacheCorruptError(path, f"bad shape {shape!r}")
-    if not shape or shape[0] != manifest["rows"]:
+    _check_shape_dtype(shape, manifest["dtype"], path)
+    # A memoized function may return a 0-d array first; it counts as one row.
+    scalar_ok = manifest["kind"] == MEMOIZE_KIND and shape == [] and manifest["rows"] == 1
+    if not scalar_ok and (not shape or shape[0] != manifest["rows"]):
         raise CacheCorruptError(path, f"shape {shape} does not start with rows {manifest['rows']}")
-    try:
-        dtype = np.dtype(manifest["dtype"])
-    except TypeError:
-        raise CacheCorruptError(path, f"bad dtype {manifest['dtype']!r}") from None
-    if dtype.hasobject:
-        raise CacheCorruptError(path, "object dtype is never stored")
+    if manifest["kind"] == MEMOIZE_KIND:
+        _check_leaves(manifest, path)
     for failure in manifest["failed_rows"]:
         if not (isinstance(failure, list) and len(failure) == 3 and isinstance(failure[0], int)
                 and 0 <= failure[0] < manifest["rows"]):
             raise CacheCorruptError(path, f"bad failed_rows item {failure!r}")
+
+
+def _check_shape_dtype(shape: Any, dtype: Any, path: Path) -> None:
+    if not isinstance(shape, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise CacheCorruptError(path, f"bad shape {shape!r}")
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        raise CacheCorruptError(path, f"bad dtype {dtype!r}") from None
+    if parsed.hasobject:
+        raise CacheCorruptError(path, "object dtype is never stored")
+
+
+def _check_leaves(manifest: dict[str, Any], path: Path) -> None:
+    """A memoize entry: one .npy file per returned array, ``data.npy`` first, each named in
+    ``leaves`` (and checksummed in ``checksums``), arranged by ``structure``."""
+    leaves, checksums = manifest.get("leaves"), manifest.get("checksums")
+    if not isinstance(leaves, list) or not leaves or not isinstance(checksums, dict):
+        raise CacheCorruptError(path, "memoize manifest needs a non-empty 'leaves' list and "
+                                      "a 'checksums' object")
+    if "structure" not in manifest:
+        raise CacheCorruptError(path, "memoize manifest has no 'structure'")
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, dict) or leaf.get("file") != leaf_file(i):
+            raise CacheCorruptError(path, f"leaf {i} must be stored in {leaf_file(i)}")
+        if leaf.get("kind") not in ("numpy", "torch"):
+            raise CacheCorruptError(path, f"leaf {i} has unknown kind {leaf.get('kind')!r}")
+        _check_shape_dtype(leaf.get("shape"), leaf.get("dtype"), path)
+        if i and not isinstance(checksums.get(leaf["file"]), str):
+            raise CacheCorruptError(path, f"leaf {i} has no checksum")
+    if leaves[0]["shape"] != manifest["shape"] or leaves[0]["dtype"] != manifest["dtype"]:
+        raise CacheCorruptError(path, "leaf 0 disagrees with the manifest's shape and dtype")
+
+
+def leaf_file(index: int) -> str:
+    """File name of a memoize entry's ``index``-th array; the first is the usual data file."""
+    return DATA_FILE if index == 0 else f"leaf_{index}.npy"
+
+
+def entry_files(manifest: dict[str, Any]) -> list[tuple[str, tuple[int, ...], np.dtype, str]]:
+    """Every data file of a checked manifest as (name, shape, dtype, expected checksum)."""
+    if manifest["kind"] != MEMOIZE_KIND:
+        return [(DATA_FILE, tuple(manifest["shape"]), np.dtype(manifest["dtype"]),
+                 manifest["checksum"])]
+    return [
+        (leaf["file"], tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
+         manifest["checksum"] if i == 0 else manifest["checksums"][leaf["file"]])
+        for i, leaf in enumerate(manifest["leaves"])
+    ]
 
 
 def create_array(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> np.memmap:
@@ -178,12 +227,17 @@ def data_offset(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
 
 def open_array(entry_dir: Path, manifest: dict[str, Any], mode: str = "r") -> np.ndarray:
     """Map an entry's data read-only (``mode="r"``) or copy-on-write (``mode="c"``)."""
-    path = entry_dir / DATA_FILE
-    shape = tuple(manifest["shape"])
-    dtype = np.dtype(manifest["dtype"])
+    return open_file(entry_dir / DATA_FILE, tuple(manifest["shape"]),
+                     np.dtype(manifest["dtype"]), mode)
+
+
+def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "r") -> np.ndarray:
+    """Map one validated .npy file read-only (``mode="r"``) or copy-on-write (``mode="c"``)."""
     offset = data_offset(path, shape, dtype)
-    if 0 in shape:
-        return np.zeros(shape, dtype)  # mmap cannot map zero bytes; there is nothing to read
+    if 0 in shape:  # mmap cannot map zero bytes; there is nothing to read
+        empty = np.zeros(shape, dtype)
+        empty.flags.writeable = mode != "r"
+        return empty
     return np.memmap(path, dtype=dtype, mode=mode, offset=offset, shape=shape)
 
 
