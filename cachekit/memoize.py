@@ -1,0 +1,208 @@
+"""``@cache.memoize``: cache a whole preprocessing function's arrays, keyed by its arguments.
+
+The key is the function's identity (:func:`cachekit.keys.function_identity`: module,
+qualified name, source, ``version``) plus each argument, bound with ``inspect.signature``
+and defaults applied, so ``f(df)`` and ``f(df, size=32)`` share an entry. The entry is built
+through :func:`cachekit.publish.obtain` like every other entry, so concurrent callers share
+one execution. The return value is stored as one ``.npy`` file per array (``data.npy``,
+``leaf_1.npy``, ...) and a JSON ``structure`` in the manifest that nests them::
+
+    {"array": 0}                      leaf 0 (its kind, numpy or torch, is in "leaves")
+    {"tuple": [node, ...]}            also "list"
+    {"dict": [[key, node], ...]}      str keys, in the returned order
+
+Every call, hit or miss, returns that structure memory-mapped from the entry: numpy arrays
+as read-only memmaps, tensors as tensors over a copy-on-write mapping of the same pages.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import numpy as np
+
+from . import keys, publish, store
+from .errors import CacheCorruptError
+
+Node = dict  # a JSON structure node, see the module docstring
+
+
+def memoize(cache: Any, fn: Optional[Callable[..., Any]] = None, *,
+            version: Optional[Union[str, int]] = None,
+            ignore: Union[str, Iterable[str]] = ()) -> Any:
+    """Decorate ``fn`` (or return a decorator when ``fn`` is None) to cache its result."""
+    if fn is None:
+        return lambda f: memoize(cache, f, version=version, ignore=ignore)
+    if not callable(fn):
+        raise TypeError(f"memoize decorates a function, not {type(fn).__qualname__} "
+                        f"{fn!r}; pass a version as memoize(version=...)")
+    signature = inspect.signature(fn)
+    ignored = _ignored_names(ignore, signature, fn)
+    identity = keys.function_identity(fn, version)  # now: a bad closure fails at decoration
+    qualname = getattr(fn, "__qualname__", None) or repr(fn)
+
+    def key_of(args: tuple, kwargs: dict) -> tuple[str, dict[str, str]]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = {}
+        for name, value in bound.arguments.items():
+            if name in ignored:
+                continue
+            try:
+                arguments[name] = keys.digest(value)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(
+                    f"cannot key argument {name!r} of {qualname}: {e}; pass "
+                    f"ignore=({name!r},) to memoize if it does not change the result"
+                ) from None
+        key = keys.digest({"kind": store.MEMOIZE_KIND, "format": store.FORMAT_VERSION,
+                           "function": identity, "arguments": arguments})
+        return key, arguments
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        key, arguments = key_of(args, kwargs)
+
+        def build_entry(build_dir: Path, on_chunk: publish.ChunkCallback) -> dict[str, Any]:
+            result = fn(*args, **kwargs)
+            structure, leaves = _flatten(result, qualname)
+            return {"params": {"function": identity, "arguments": arguments},
+                    **_write_leaves(build_dir, leaves), "structure": structure}
+
+        outcome = publish.obtain(cache._layout, key, build_entry, lock_timeout=cache.lock_timeout,
+                                 announce=cache.progress is not False)
+        return load(outcome.entry_dir, outcome.manifest)
+
+    def cache_key(*args: Any, **kwargs: Any) -> str:
+        """The entry key these arguments map to, without calling the function."""
+        return key_of(args, kwargs)[0]
+
+    wrapper.cache_key = cache_key  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _ignored_names(ignore: Union[str, Iterable[str]], signature: inspect.Signature,
+                   fn: Callable[..., Any]) -> frozenset[str]:
+    names = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    unknown = [n for n in names if n not in signature.parameters]
+    if unknown:
+        raise ValueError(f"ignore names {unknown} that are not parameters of "
+                         f"{getattr(fn, '__qualname__', fn)}{signature}")
+    return frozenset(names)
+
+
+def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, str]]]:
+    """Split a return value into its JSON structure and its arrays, checking every type
+    before anything is written."""
+    leaves: list[tuple[np.ndarray, str]] = []
+
+    def walk(item: Any, where: str) -> Node:
+        kind = type(item)
+        if kind in (np.ndarray, np.memmap):
+            leaves.append((_storable(item, where), "numpy"))
+            return {"array": len(leaves) - 1}
+        if _is_tensor(item):
+            leaves.append((_storable(_tensor_array(item, where), where), "torch"))
+            return {"array": len(leaves) - 1}
+        if kind in (tuple, list):
+            return {kind.__name__: [walk(x, f"{where}[{i}]") for i, x in enumerate(item)]}
+        if kind is dict:
+            bad = [k for k in item if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"{qualname} returned a dict with key {bad[0]!r} at {where}; "
+                                "only str keys can be stored")
+            return {"dict": [[k, walk(v, f"{where}[{k!r}]")] for k, v in item.items()]}
+        raise TypeError(
+            f"{qualname} returned {kind.__qualname__} at {where}; memoize stores a numpy "
+            "array, a torch tensor, or a tuple/list/dict of them (convert it, e.g. "
+            "np.asarray(...), or cache only the arrays)"
+        )
+
+    structure = walk(value, "result")
+    if not leaves:
+        raise TypeError(f"{qualname} returned no arrays at all; there is nothing to store")
+    return structure, leaves
+
+
+def _storable(array: np.ndarray, where: str) -> np.ndarray:
+    if array.dtype.hasobject:
+        raise TypeError(f"the array at {where} holds Python objects; only plain dtypes can "
+                        "be memory-mapped")
+    return array
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _tensor_array(tensor: Any, where: str) -> np.ndarray:
+    try:
+        return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"the tensor at {where} has no numpy equivalent ({e}); convert it, "
+                        "e.g. .float()") from None
+
+
+def _write_leaves(build_dir: Path, leaves: list[tuple[np.ndarray, str]]) -> dict[str, Any]:
+    """Write each array to its own .npy file; return the manifest fields that describe them."""
+    described, checksums = [], {}
+    for i, (array, kind) in enumerate(leaves):
+        path = build_dir / store.leaf_file(i)
+        out = store.create_array(path, array.shape, array.dtype)
+        if array.size:
+            out[...] = array  # any memory layout in, C order out
+            out.flush()
+        del out
+        described.append({"file": path.name, "shape": list(array.shape),
+                          "dtype": array.dtype.str, "kind": kind})
+        if i:  # publish checksums data.npy itself into "checksum"
+            checksums[path.name] = store.checksum(path)
+    first = described[0]
+    return {"kind": store.MEMOIZE_KIND, "leaves": described, "checksums": checksums,
+            "rows": first["shape"][0] if first["shape"] else 1,
+            "shape": first["shape"], "dtype": first["dtype"], "failed_rows": []}
+
+
+def load(entry_dir: Path, manifest: dict[str, Any]) -> Any:
+    """Rebuild a memoize entry's return value from its files, each validated and mapped."""
+    path = entry_dir / store.MANIFEST_FILE
+    if manifest.get("kind") != store.MEMOIZE_KIND:
+        raise CacheCorruptError(path, f"entry is a {manifest.get('kind')!r} entry, not memoize")
+    leaves = manifest["leaves"]
+    opened: dict[int, Any] = {}
+
+    def leaf(index: Any) -> Any:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(leaves):
+            raise CacheCorruptError(path, f"structure refers to a missing leaf {index!r}")
+        if index not in opened:
+            spec = leaves[index]
+            shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
+            if spec["kind"] == "torch":
+                import torch
+
+                mapped = store.open_file(entry_dir / spec["file"], shape, dtype, mode="c")
+                opened[index] = torch.from_numpy(mapped)
+            else:
+                opened[index] = store.open_file(entry_dir / spec["file"], shape, dtype)
+        return opened[index]
+
+    def build(node: Any) -> Any:
+        if isinstance(node, dict) and len(node) == 1:
+            (tag, body), = node.items()
+            if tag == "array":
+                return leaf(body)
+            if tag in ("tuple", "list") and isinstance(body, list):
+                items = [build(x) for x in body]
+                return tuple(items) if tag == "tuple" else items
+            if tag == "dict" and isinstance(body, list) and all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in body
+            ):
+                return {k: build(v) for k, v in body}
+        raise CacheCorruptError(path, f"malformed structure node {node!r}")
+
+    return build(manifest["structure"])
