@@ -1,0 +1,439 @@
+"""The ``cachekit`` command line (also ``python -m cachekit``): look at, check, clean and
+prebuild a cache.
+
+Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage error.
+Errors are one line on stderr. Destructive commands show what they will remove, ask on a
+terminal, and refuse without ``--yes`` when there is none. This module only parses,
+formats and confirms: the work is done by :mod:`cachekit.maintenance`,
+:mod:`cachekit.removal` and :mod:`cachekit.integrity`, and nothing here imports torch or
+pandas except ``build``, which reads a CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+from . import _version, maintenance, options, store, units
+from .errors import CachekitError, ImageDecodeError
+
+SHORT_KEY = 12
+SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; return the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+        return args.run(args)
+    except SystemExit as e:  # --help and --version
+        return e.code if isinstance(e.code, int) else 0
+    except UsageError as e:
+        return _fail(str(e), 2)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except BrokenPipeError:  # e.g. `cachekit ls | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (CachekitError, OSError) as e:
+        return _fail(str(e).splitlines()[0], 1)
+    except ValueError as e:  # a bad setting, e.g. CACHEKIT_LOCK
+        return _fail(str(e), 2)
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"cachekit: error: {message}", file=sys.stderr)
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
+    root_help = "cache root (default: $CACHEKIT_DIR, else ~/.cache/cachekit)"
+    parser = _Parser(prog="cachekit",
+                     description="Inspect, check, clean and prebuild a cachekit cache.")
+    parser.add_argument("--root", metavar="DIR", default=None, help=root_help)
+    # Also accepted after the command; SUPPRESS keeps a --root given before it.
+    common = _Parser(add_help=False)
+    common.add_argument("--root", metavar="DIR", default=argparse.SUPPRESS, help=root_help)
+    parser.add_argument("--version", action="version", version=f"cachekit {_version.__version__}")
+    sub = parser.add_subparsers(metavar="COMMAND", required=True)
+
+    def command(name: str, run: Callable[[argparse.Namespace], int], text: str):
+        p = sub.add_parser(name, parents=[common], help=text, description=text)
+        p.set_defaults(run=run)
+        return p
+
+    command("dir", _dir, "print the cache root")
+    p = command("ls", _ls, "list entries, builds in progress and leftovers")
+    p.add_argument("--json", action="store_true", help="print a JSON array of entries")
+    p.add_argument("--sort", choices=tuple(SORTS), default="used",
+                   help="newest use, largest, or newest entry first (default: used)")
+    p = command("info", _info, "show one entry in full")
+    p.add_argument("key", metavar="KEY", help="a key or a unique prefix of one")
+    p = command("clear", _clear, "remove entries (safe while other processes read)")
+    p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
+    p.add_argument("--all", action="store_true", help="remove every entry")
+    p.add_argument("--older-than", metavar="AGE", type=_duration,
+                   help="only entries unused for this long, e.g. 7d, 12h, 1w")
+    _destructive(p)
+    p = command("prune", _prune, "remove least recently used entries down to a size")
+    p.add_argument("--max-size", metavar="SIZE", type=_size, required=True,
+                   help="size to shrink to, e.g. 10G (GiB), 500MB, 2.5T")
+    _destructive(p)
+    p = command("verify", _verify, "check entries fully, data checksums included")
+    p.add_argument("keys", metavar="KEY", nargs="*", help="keys or prefixes (default: all)")
+    p = command("build", _build, "decode and resize a CSV's image column into the cache")
+    p.add_argument("csv", metavar="CSV", help="CSV file with a column of image paths")
+    p.add_argument("--column", required=True, help="the image path column, e.g. img_path")
+    p.add_argument("--size", required=True, type=_image_size, help="HxW, e.g. 32x32, or N")
+    p.add_argument("--mode", choices=tuple(options.MODES), default="RGB")
+    p.add_argument("--fit", choices=options.FITS, default="stretch")
+    p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
+    p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: CPUs)")
+    p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
+    p.add_argument("--validate", choices=options.VALIDATE, default="path")
+    p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
+    p = command("demo", _demo, "the end-to-end demo on generated sample images")
+    p.add_argument("--images", type=_positive, default=2000)
+    p.add_argument("--agents", type=_positive, default=4)
+    return parser
+
+
+def _destructive(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+
+
+def _duration(text: str) -> float:
+    try:
+        return units.parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected HxW such as 32x32, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _layout(args: argparse.Namespace) -> store.Layout:
+    return store.Layout((Path(args.root).expanduser() if args.root else store.default_root()).absolute())
+
+
+def _dir(args: argparse.Namespace) -> int:
+    print(_layout(args).root)
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    found = maintenance.scan(layout)
+    entries = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
+    if args.json:
+        print(json.dumps([e.to_json() for e in entries], indent=1))
+    elif not entries:
+        print(f"no entries in {layout.root}")
+    else:
+        now = time.time()
+        rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST USED", "")]
+        rows += [(e.key[:SHORT_KEY], e.kind or "?", _text(e.rows), _row_shape(e), e.dtype or "?",
+                  units.format_size(e.bytes), units.format_age(now - e.created),
+                  units.format_age(now - e.last_used), _note(e)) for e in entries]
+        _table(rows, right=(2, 5))
+        total = sum(e.bytes for e in entries)
+        print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
+              f"{units.format_size(total)} in {layout.root}")
+    _report_temp_dirs(found.temp_dirs)
+    for problem in found.problems:
+        if problem.key is None:
+            print(f"warning: {problem.path}: {problem.message}", file=sys.stderr)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    found = maintenance.scan(layout)
+    key = _resolve([args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
+    entry = next((e for e in found.entries if e.key == key), None)
+    if entry is not None:
+        _print_entry(entry)
+    _report_temp_dirs([t for t in found.temp_dirs if t.key == key], out=sys.stdout)
+    return 0
+
+
+def _print_entry(e: maintenance.EntryInfo) -> None:
+    now = time.time()
+    fields: list[tuple[str, Any]] = [("key", e.key), ("path", e.path), ("kind", e.kind)]
+    if e.problem is not None:
+        fields.append(("PROBLEM", f"{e.problem} (remove it with `cachekit clear {e.key[:SHORT_KEY]}`)"))
+    else:
+        fields += [("rows", e.rows), ("shape", f"{_shape(e.shape)} {e.dtype}"),
+                   ("column", e.column), ("failed rows", e.failed_rows)]
+    fields += [("size", f"{units.format_size(e.bytes)} ({e.bytes} bytes)"),
+               ("created", _when(e.created, now)), ("last used", _when(e.last_used, now))]
+    manifest: dict[str, Any] = {}
+    if e.problem is None:
+        try:
+            manifest = store.read_manifest(e.path)
+        except (OSError, CachekitError):
+            pass
+    builder = manifest.get("builder") or {}
+    if builder:
+        fields.append(("built by", f"pid {builder.get('pid')} on {builder.get('host')} in "
+                                   f"{manifest.get('build_seconds', '?')} s with cachekit "
+                                   f"{manifest.get('cachekit_version', '?')}"))
+    if e.params is not None:
+        fields += [(f"  {name}", json.dumps(value, sort_keys=True))
+                   for name, value in sorted(e.params.items())]
+    if manifest.get("checksum"):
+        fields.append(("checksum", manifest["checksum"]))
+    fields = [(name, value) for name, value in fields if value is not None]
+    width = max(len(name) for name, _ in fields) + 1
+    for name, value in fields:
+        print(f"{name + ':':<{width}} {value}")
+    failed = manifest.get("failed_rows") or []
+    for row, path, reason in failed[:20]:
+        print(f"  failed row {row}: {path}: {reason}")
+    if len(failed) > 20:
+        print(f"  ... and {len(failed) - 20} more")
+
+
+def _clear(args: argparse.Namespace) -> int:
+    if args.all and args.keys:
+        raise UsageError("give KEYs or --all, not both")
+    if not (args.all or args.keys or args.older_than is not None):
+        raise UsageError("say what to clear: KEY ..., --all, or --older-than AGE")
+    _check_can_confirm(args)
+    from .removal import plan_clear
+
+    layout = _layout(args)
+    try:
+        plan = plan_clear(layout, args.keys or None, older_than=args.older_than)
+    except (KeyError, ValueError) as e:
+        raise UsageError(e.args[0]) from None
+    return _carry_out(plan, args, f"in {layout.root}")
+
+
+def _prune(args: argparse.Namespace) -> int:
+    _check_can_confirm(args)
+    from .removal import plan_prune
+
+    layout = _layout(args)
+    plan = plan_prune(layout, args.max_size)
+    return _carry_out(plan, args, f"to bring {layout.root} to at most "
+                                  f"{units.format_size(args.max_size)}")
+
+
+def _check_can_confirm(args: argparse.Namespace) -> None:
+    if not (args.dry_run or args.yes or sys.stdin.isatty()):
+        raise UsageError("refusing to remove anything without confirmation: stdin is not a "
+                         "terminal; pass --yes (or --dry-run to see what would go)")
+
+
+def _carry_out(plan, args: argparse.Namespace, goal: str) -> int:
+    """Show ``plan``, confirm it, execute it, and report what happened."""
+    for skipped in plan.skipped:
+        print(f"skipping {skipped.path.name}: {skipped.reason}")
+    if not len(plan):
+        print(f"nothing to remove {goal}")
+        return 0
+    now = time.time()
+    for e in plan.entries:
+        print(f"  {e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
+              f"last used {units.format_age(now - e.last_used)}")
+    for t in plan.temp_dirs:
+        print(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
+    what = _count(len(plan.entries), "entry", "entries")
+    if plan.temp_dirs:
+        what += f" and {_count(len(plan.temp_dirs), 'leftover directory', 'leftover directories')}"
+    summary = f"{what} ({units.format_size(plan.bytes)}) {goal}"
+    if args.dry_run:
+        print(f"would remove {summary} (dry run: nothing removed)")
+        return 0
+    if not args.yes and not _confirm(f"remove {summary}? [y/N] "):
+        print("nothing removed")
+        return 0
+    report = plan.execute()
+    for skipped in report.skipped[len(plan.skipped):]:
+        print(f"skipped {skipped.path.name}: {skipped.reason}")
+    print(f"removed {_count(len(report.removed_entries), 'entry', 'entries')}"
+          + (f" and {_count(len(report.removed_temp_dirs), 'leftover directory', 'leftover directories')}"
+             if report.removed_temp_dirs else "")
+          + f", freed {units.format_size(report.freed_bytes)}")
+    for failed in report.failed:
+        print(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+def _confirm(question: str) -> bool:
+    print(question, end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .integrity import verify
+
+    layout = _layout(args)
+    entries = maintenance.list_entries(layout)[0]
+    bar = _bytes_bar(sum(e.bytes for e in entries))
+    try:
+        problems = verify(layout, args.keys or None, on_bytes=bar.update if bar else None)
+    except (KeyError, ValueError) as e:
+        raise UsageError(e.args[0]) from None
+    finally:
+        if bar:
+            bar.close()
+    for problem in problems:
+        print(f"{problem.key or problem.path}: {problem.message}")
+    checked = len(args.keys) if args.keys else len(entries)
+    if not args.keys:
+        _report_temp_dirs(maintenance.list_temp_dirs(layout)[0])
+    if problems:
+        print(f"{_count(len(problems), 'problem', 'problems')} in "
+              f"{_count(checked, 'entry', 'entries')}; remove a broken entry with "
+              "`cachekit clear KEY` (it is rebuilt on next use)")
+        return 1
+    print(f"{_count(checked, 'entry', 'entries')} verified, no problems")
+    return 0
+
+
+def _bytes_bar(total: int):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="cachekit verify", leave=False)
+
+
+def _build(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from .cache import Cache
+
+    try:
+        frame = pd.read_csv(args.csv)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {args.csv}: {e}") from None
+    if args.column not in frame.columns:
+        raise UsageError(f"{args.csv} has no column {args.column!r}; its columns are "
+                         f"{', '.join(map(str, frame.columns))}")
+    cache = Cache(_layout(args).root, workers=args.workers)
+    height, width = args.size
+    print(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
+          f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
+    try:
+        entry = cache.images(frame[args.column], args.size, mode=args.mode, fit=args.fit,
+                             resample=args.resample, on_error=args.on_error,
+                             validate=args.validate, draft=args.draft)
+    except ImageDecodeError as e:
+        print(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
+              "row(s) could not be decoded:", file=sys.stderr)
+        for row, path, reason in e.failures:
+            print(f"  row {row}: {path}: {reason}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as e:
+        return _fail(f"build failed: {e}", 1)
+    failed = entry.manifest["failed_rows"]
+    for row, path, reason in failed:
+        print(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
+    how = "already cached" if entry.hit else "built"
+    print(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
+          f"{units.format_size(entry.array.nbytes)}"
+          + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
+    print(entry.key)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(Path(args.root).expanduser() if args.root else None,
+               images=args.images, agents=args.agents)
+
+
+def _resolve(prefixes: Sequence[str], known: Sequence[str]) -> list[str]:
+    try:
+        return maintenance.resolve_keys(prefixes, known)
+    except (KeyError, ValueError) as e:
+        raise UsageError(e.args[0]) from None
+
+
+def _report_temp_dirs(temp_dirs, out=sys.stderr) -> None:
+    for t in temp_dirs:
+        size = units.format_size(t.bytes)
+        if t.state == maintenance.BUILDING:
+            print(f"build in progress: {t.key[:SHORT_KEY]} by {t.owner}, {size} so far", file=out)
+        elif t.state == maintenance.DELETING:
+            print(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
+        else:
+            print(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
+                  f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
+
+
+def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip())
+
+
+def _note(e: maintenance.EntryInfo) -> str:
+    if e.problem is not None:
+        return f"PROBLEM: {e.problem}"
+    parts = [f"column {e.column}"] if e.column else []
+    if e.failed_rows:
+        parts.append(f"{e.failed_rows} failed rows")
+    return ", ".join(parts)
+
+
+def _row_shape(e: maintenance.EntryInfo) -> str:
+    return "?" if e.shape is None else _shape(e.shape[1:]) or "-"
+
+
+def _shape(shape: Optional[Sequence[int]]) -> str:
+    return "?" if shape is None else "x".join(str(n) for n in shape)
+
+
+def _text(value: Any) -> str:
+    return "?" if value is None else str(value)
+
+
+def _when(t: float, now: float) -> str:
+    stamp = datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{stamp} ({units.format_age(now - t)})"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"

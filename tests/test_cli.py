@@ -1,0 +1,436 @@
+"""The ``cachekit`` command line, run as the real console script (and ``python -m cachekit``)
+in subprocesses against real cache roots."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import store
+from cachekit.cli import main
+
+SCRIPT = Path(sys.executable).with_name("cachekit")
+DAY = 86400.0
+
+pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="console script not installed")
+
+
+def cachekit_cmd(*args: str, root: Path | None = None, stdin: str | None = "",
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``cachekit [--root ROOT] ARGS`` with stdin not a terminal."""
+    argv = [str(SCRIPT)] + (["--root", str(root)] if root is not None else []) + list(args)
+    result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **(env or {})})
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def in_process(capsys, *args: str, root: Path | None = None) -> tuple[int, str, str]:
+    """Run ``cachekit.cli.main`` here (same code as the script, no interpreter start-up):
+    for the many argument checks; every command also runs through the script below."""
+    status = main((["--root", str(root)] if root is not None else []) + list(args))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def block(value: int) -> np.ndarray:
+    return np.full((2, 4), value % 256, dtype=np.uint8)
+
+
+def make_entry(root: Path, start: int, rows: int = 6) -> cachekit.Entry:
+    return cachekit.Cache(root).map(block, pd.Series(range(start, start + rows)))
+
+
+def keys_in(root: Path) -> set[str]:
+    return {e.key for e in cachekit.Cache(root).entries()}
+
+
+@pytest.fixture
+def three(cache_root: Path) -> list[cachekit.Entry]:
+    """Three entries, used 300, 200 and 10 s ago (the first made is the least recently used)."""
+    entries = [make_entry(cache_root, i * 10) for i in range(3)]
+    now = time.time()
+    for entry, age in zip(entries, (300, 200, 10)):
+        os.utime(entry.path, (now - age, now - age))
+    return entries
+
+
+# -- dir, help, python -m ------------------------------------------------------------------
+
+def test_dir_prints_the_root_from_option_or_environment(tmp_path):
+    assert cachekit_cmd("dir", root=tmp_path / "a").stdout.strip() == str(tmp_path / "a")
+    assert cachekit_cmd("dir", "--root", str(tmp_path / "b")).stdout.strip() == str(tmp_path / "b")
+    result = cachekit_cmd("dir", env={"CACHEKIT_DIR": str(tmp_path / "c")})
+    assert result.returncode == 0 and result.stdout.strip() == str(tmp_path / "c")
+
+
+def test_python_dash_m_is_the_same_command_line(cache_root, three):
+    via_m = subprocess.run([sys.executable, "-m", "cachekit", "--root", str(cache_root), "ls",
+                            "--json"], capture_output=True, text=True, timeout=120)
+    via_script = cachekit_cmd("ls", "--json", root=cache_root)
+    assert via_m.returncode == via_script.returncode == 0
+    assert json.loads(via_m.stdout) == json.loads(via_script.stdout)
+    bad = subprocess.run([sys.executable, "-m", "cachekit", "frobnicate"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2
+
+
+def test_help_and_usage_errors(cache_root, capsys):
+    result = cachekit_cmd("--help")
+    assert result.returncode == 0
+    for command in ("dir", "ls", "info", "clear", "prune", "verify", "build", "demo"):
+        assert command in result.stdout
+    result = cachekit_cmd("ls", "--sort", "name", root=cache_root)
+    assert result.returncode == 2 and result.stderr.startswith("cachekit: error: argument --sort")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert in_process(capsys, "demo", "--help")[0] == 0
+    for args in (["frobnicate"], [], ["prune"],
+                 ["prune", "--max-size", "lots", "--yes"], ["clear", "--older-than", "7x", "--yes"],
+                 ["build", "x.csv", "--column", "p", "--size", "3by3"],
+                 ["build", "x.csv", "--column", "p", "--size", "8", "--workers", "0"],
+                 ["demo", "--images", "-3"]):
+        status, _, err = in_process(capsys, *args, root=cache_root)
+        assert status == 2, args
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("cachekit: error:"), err
+
+
+def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
+    probe = textwrap.dedent(f"""
+        import sys
+        import cachekit.cli
+        assert cachekit.cli.main(["--root", {str(cache_root)!r}, "ls"]) == 0
+        assert cachekit.cli.main(["--root", {str(cache_root)!r}, "ls", "--json"]) == 0
+        assert cachekit.cli.main(["--root", {str(cache_root)!r}, "verify"]) == 0
+        heavy = sorted(m for m in ("torch", "pandas", "PIL", "torchvision") if m in sys.modules)
+        assert not heavy, heavy
+    """)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+# -- ls and info ---------------------------------------------------------------------------
+
+def test_ls_on_an_empty_or_missing_root(tmp_path):
+    result = cachekit_cmd("ls", root=tmp_path / "none")
+    assert result.returncode == 0 and "no entries" in result.stdout
+    assert json.loads(cachekit_cmd("ls", "--json", root=tmp_path / "none").stdout) == []
+
+
+def test_ls_table_and_json(cache_root, three, cover_paths):
+    images = cachekit.Cache(cache_root).images(pd.Series(cover_paths[:2], name="img_path"), 8)
+    table = cachekit_cmd("ls", root=cache_root)
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED",
+                                "LAST", "USED"]
+    row = next(line for line in lines if line.startswith(images.key[:12]))
+    assert "images" in row and "3x8x8" in row and "uint8" in row and "column img_path" in row
+    assert any(line.startswith(three[0].key[:12]) and "5 min ago" in line for line in lines)
+    assert lines[-1].startswith("4 entries,") and str(cache_root) in lines[-1]
+    listed = json.loads(cachekit_cmd("ls", "--json", root=cache_root).stdout)
+    assert {e["key"] for e in listed} == {images.key} | {e.key for e in three}
+    first = next(e for e in listed if e["key"] == images.key)
+    assert first["kind"] == "images" and first["rows"] == 2 and first["shape"] == [2, 3, 8, 8]
+    assert first["dtype"] == "uint8" and first["path"] == str(images.path)
+    assert first["bytes"] == sum(p.stat().st_size for p in images.path.iterdir())
+    assert isinstance(first["created"], float) and isinstance(first["last_used"], float)
+
+
+@pytest.mark.parametrize("sort, order", [("used", [2, 1, 0]), ("created", [2, 1, 0]),
+                                         ("size", None)])
+def test_ls_sort(cache_root, three, sort, order):
+    listed = json.loads(cachekit_cmd("ls", "--json", "--sort", sort, root=cache_root).stdout)
+    if order is not None:
+        assert [e["key"] for e in listed] == [three[i].key for i in order]
+    else:
+        sizes = [e["bytes"] for e in listed]
+        assert sizes == sorted(sizes, reverse=True)
+
+
+def test_ls_sort_size_puts_the_largest_first(cache_root):
+    small, large = make_entry(cache_root, 0, rows=2), make_entry(cache_root, 10, rows=400)
+    listed = json.loads(cachekit_cmd("ls", "--json", "--sort", "size", root=cache_root).stdout)
+    assert [e["key"] for e in listed] == [large.key, small.key]
+
+
+def test_ls_flags_a_broken_entry_and_goes_on(cache_root, three):
+    (three[1].path / store.MANIFEST_FILE).write_text("{")
+    result = cachekit_cmd("ls", root=cache_root)
+    assert result.returncode == 0 and "PROBLEM: unreadable manifest" in result.stdout
+    assert "3 entries" in result.stdout
+
+
+def test_info_by_unique_prefix(cache_root, three):
+    result = cachekit_cmd("info", three[0].key[:5], root=cache_root)
+    assert result.returncode == 0
+    assert f"key:" in result.stdout and three[0].key in result.stdout
+    assert "shape:" in result.stdout and "6x2x4 uint8" in result.stdout
+    assert "checksum:" in result.stdout and str(three[0].path) in result.stdout
+
+
+def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
+    twin = cache_root / "entries" / (three[0].key[:4] + "f" * 28)
+    twin.mkdir()
+    for item in three[0].path.iterdir():
+        (twin / item.name).write_bytes(item.read_bytes())
+    manifest = json.loads((twin / store.MANIFEST_FILE).read_text())
+    (twin / store.MANIFEST_FILE).write_text(json.dumps({**manifest, "key": twin.name}))
+    result = cachekit_cmd("info", three[0].key[:4], root=cache_root)
+    assert result.returncode == 2 and "ambiguous" in result.stderr
+    assert three[0].key in result.stderr and twin.name in result.stderr
+    assert in_process(capsys, "info", three[0].key[:5], root=cache_root)[0] == 0
+    result = cachekit_cmd("info", "../entries", root=cache_root)
+    assert result.returncode == 2 and "not a cache key" in result.stderr
+    for bad in ("ab/cd", "xyz", "..", three[0].key + "0", "", "-"):
+        status, _, err = in_process(capsys, "info", "--", bad, root=cache_root)
+        assert status == 2 and "not a cache key" in err, bad
+    missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
+    status, _, err = in_process(capsys, "info", missing, root=cache_root)
+    assert status == 2 and "no cache entry matches" in err
+
+
+# -- clear ---------------------------------------------------------------------------------
+
+def test_clear_needs_a_selection_and_confirmation(cache_root, three, capsys):
+    for args in (["clear", "--yes"], ["clear", three[0].key, "--all", "--yes"]):
+        assert in_process(capsys, *args, root=cache_root)[0] == 2
+    result = cachekit_cmd("clear", "--all", root=cache_root)  # stdin is not a terminal
+    assert result.returncode == 2 and "--yes" in result.stderr
+    assert len(keys_in(cache_root)) == 3
+
+
+def test_clear_dry_run_removes_nothing(cache_root, three):
+    result = cachekit_cmd("clear", "--all", "--dry-run", root=cache_root)
+    assert result.returncode == 0 and "would remove 3 entries" in result.stdout
+    assert all(e.key[:12] in result.stdout for e in three)
+    assert len(keys_in(cache_root)) == 3
+
+
+def test_clear_keys_by_prefix(cache_root, three):
+    result = cachekit_cmd("clear", three[0].key[:6], three[2].key, "--yes", root=cache_root)
+    assert result.returncode == 0 and "removed 2 entries" in result.stdout
+    assert keys_in(cache_root) == {three[1].key}
+    assert cachekit_cmd("clear", three[0].key, "--yes", root=cache_root).returncode == 2
+
+
+def test_clear_older_than(cache_root, three):
+    old = time.time() - 8 * DAY
+    os.utime(three[1].path, (old, old))
+    result = cachekit_cmd("clear", "--older-than", "7d", "--yes", root=cache_root)
+    assert result.returncode == 0 and "removed 1 entry" in result.stdout
+    assert keys_in(cache_root) == {three[0].key, three[2].key}
+    result = cachekit_cmd("clear", "--older-than", "1w", "--yes", root=cache_root)
+    assert "nothing to remove" in result.stdout and len(keys_in(cache_root)) == 2
+    result = cachekit_cmd("clear", "--all", "--older-than", "250s", "-y", root=cache_root)
+    assert keys_in(cache_root) == {three[2].key}
+
+
+def test_clear_all(cache_root, three):
+    result = cachekit_cmd("clear", "--all", "--yes", root=cache_root)
+    assert result.returncode == 0 and "removed 3 entries" in result.stdout
+    assert keys_in(cache_root) == set()
+    assert list((cache_root / "tmp").iterdir()) == []
+
+
+def run_on_terminal(args: list[str], answer: bytes) -> subprocess.CompletedProcess:
+    """Run the console script with a pseudo-terminal as stdin, typing ``answer``."""
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([str(SCRIPT), *args], stdin=slave, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        os.close(slave)
+        os.write(master, answer)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def test_clear_asks_on_a_terminal(cache_root, three):
+    declined = run_on_terminal(["--root", str(cache_root), "clear", "--all"], b"n\n")
+    assert declined.returncode == 0 and "[y/N]" in declined.stderr
+    assert "nothing removed" in declined.stdout and len(keys_in(cache_root)) == 3
+    accepted = run_on_terminal(["--root", str(cache_root), "clear", three[0].key[:8]], b"y\n")
+    assert accepted.returncode == 0 and "removed 1 entry" in accepted.stdout
+    assert len(keys_in(cache_root)) == 2
+
+
+def test_a_reader_that_mapped_an_entry_keeps_reading_after_clear(cache_root):
+    entry = make_entry(cache_root, 7, rows=300)
+    view = entry.array  # mapped by this process before another process clears the cache
+    assert cachekit_cmd("clear", "--all", "--yes", root=cache_root).returncode == 0
+    assert not entry.path.exists() and keys_in(cache_root) == set()
+    np.testing.assert_array_equal(view, np.stack([block(v) for v in range(7, 307)]))
+
+
+BUILDER = textwrap.dedent('''
+    import sys, time
+    from pathlib import Path
+    import numpy as np, pandas as pd
+    import cachekit
+
+    root, started, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+
+    def slow(v):
+        if v == 3:  # mid-build: tell the test, then wait for its go-ahead
+            started.touch()
+            deadline = time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return np.full(8, v, dtype=np.int64)
+
+    entry = cachekit.Cache(root, workers=1, progress=False).map(slow, pd.Series(range(64)))
+    assert not entry.hit
+    print(entry.key)
+''')
+
+
+def test_clear_all_while_another_process_builds(tmp_path, cache_root):
+    other = make_entry(cache_root, 500)
+    script = tmp_path / "builder.py"
+    script.write_text(BUILDER)
+    started, go = tmp_path / "started", tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, str(script), str(cache_root), str(started), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "builder did not start"
+            time.sleep(0.01)
+        listing = cachekit_cmd("ls", root=cache_root)
+        assert f"build in progress:" in listing.stderr and f"pid {proc.pid}" in listing.stderr
+        result = cachekit_cmd("clear", "--all", "--yes", root=cache_root)
+        assert result.returncode == 0, result.stderr
+        assert "removed 1 entry" in result.stdout
+        assert f"being built by pid {proc.pid}" in result.stdout
+        assert keys_in(cache_root) == set() and other.key not in keys_in(cache_root)
+        pruned = cachekit_cmd("prune", "--max-size", "0", "--yes", root=cache_root)
+        assert pruned.returncode == 0 and f"being built by pid {proc.pid}" in pruned.stdout
+    finally:
+        go.touch()
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    key = out.strip()
+    assert keys_in(cache_root) == {key}
+    assert cachekit_cmd("verify", root=cache_root).returncode == 0
+    entry = cachekit.Cache(cache_root).entries()[0]
+    data = store.open_array(entry.path, store.read_manifest(entry.path))
+    np.testing.assert_array_equal(data, np.repeat(np.arange(64)[:, None], 8, axis=1))
+
+
+# -- prune ---------------------------------------------------------------------------------
+
+def test_prune_removes_the_least_recently_used_first(cache_root, three):
+    sizes = {e.key: e.bytes for e in cachekit.Cache(cache_root).entries()}
+    keep_two = sizes[three[1].key] + sizes[three[2].key]
+    dry = cachekit_cmd("prune", "--max-size", str(keep_two), "--dry-run", root=cache_root)
+    assert dry.returncode == 0 and "would remove 1 entry" in dry.stdout
+    assert three[0].key[:12] in dry.stdout and len(keys_in(cache_root)) == 3
+    assert cachekit_cmd("prune", "--max-size", str(keep_two), root=cache_root).returncode == 2
+    result = cachekit_cmd("prune", "--max-size", str(keep_two), "--yes", root=cache_root)
+    assert result.returncode == 0 and "removed 1 entry" in result.stdout
+    assert keys_in(cache_root) == {three[1].key, three[2].key}
+    result = cachekit_cmd("prune", "--max-size", "1K", "--yes", root=cache_root)
+    assert keys_in(cache_root) == {three[2].key}
+    result = cachekit_cmd("prune", "--max-size", "10G", "--yes", root=cache_root)
+    assert result.returncode == 0 and "nothing to remove" in result.stdout
+
+
+# -- verify --------------------------------------------------------------------------------
+
+def test_verify_passes_a_healthy_cache_and_fails_on_a_flipped_byte(cache_root, three):
+    healthy = cachekit_cmd("verify", root=cache_root)
+    assert healthy.returncode == 0 and "3 entries verified, no problems" in healthy.stdout
+    data = three[1].path / store.DATA_FILE
+    with open(data, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0x01]))
+    result = cachekit_cmd("verify", root=cache_root)
+    assert result.returncode == 1
+    assert f"{three[1].key}: checksum mismatch in data.npy" in result.stdout
+    assert "1 problem in 3 entries" in result.stdout
+    assert cachekit_cmd("verify", three[0].key[:6], three[2].key, root=cache_root).returncode == 0
+    assert cachekit_cmd("verify", three[1].key[:6], root=cache_root).returncode == 1
+    assert cachekit_cmd("verify", "zz", root=cache_root).returncode == 2
+
+
+# -- build ---------------------------------------------------------------------------------
+
+def write_csv(path: Path, paths: list[str]) -> Path:
+    pd.DataFrame({"img_path": paths, "label": range(len(paths))}).to_csv(path, index=False)
+    return path
+
+
+def test_build_prints_the_key_that_training_code_will_hit(tmp_path, cache_root, cover_paths):
+    csv = write_csv(tmp_path / "train.csv", cover_paths[:4])
+    result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "12x10",
+                          root=cache_root)
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip()
+    assert "built: 4 rows 4x3x12x10 uint8" in result.stderr
+    entry = cachekit.Cache(cache_root).images(pd.read_csv(csv)["img_path"], (12, 10))
+    assert entry.hit and entry.key == key
+    again = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "12x10",
+                         root=cache_root)
+    assert again.stdout.strip() == key and "already cached" in again.stderr
+
+
+def test_build_passes_every_option(tmp_path, cache_root, cover_paths):
+    csv = write_csv(tmp_path / "train.csv", cover_paths[:3])
+    result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "9",
+                          "--mode", "L", "--fit", "crop", "--resample", "nearest",
+                          "--workers", "1", "--on-error", "zero", "--validate", "stat",
+                          "--draft", root=cache_root)
+    assert result.returncode == 0, result.stderr
+    entry = cachekit.Cache(cache_root).images(
+        pd.read_csv(csv)["img_path"], 9, mode="L", fit="crop", resample="nearest",
+        on_error="zero", validate="stat", draft=True)
+    assert entry.hit and entry.key == result.stdout.strip()
+    assert entry.array.shape == (3, 1, 9, 9)
+
+
+def test_a_failed_build_lists_the_bad_rows_and_publishes_nothing(tmp_path, cache_root,
+                                                                  cover_paths):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not a jpeg")
+    csv = write_csv(tmp_path / "train.csv",
+                    [cover_paths[0], str(tmp_path / "missing.jpg"), cover_paths[1], str(broken)])
+    result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8x8",
+                          root=cache_root)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "2 row(s) could not be decoded" in result.stderr
+    assert f"row 1: {tmp_path / 'missing.jpg'}" in result.stderr
+    assert f"row 3: {broken}" in result.stderr
+    assert keys_in(cache_root) == set()
+    zeroed = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8x8",
+                          "--on-error", "zero", root=cache_root)
+    assert zeroed.returncode == 0 and "2 failed rows stored as zeros" in zeroed.stderr
+    assert keys_in(cache_root) == {zeroed.stdout.strip()}
+
+
+def test_build_usage_errors(tmp_path, cache_root, cover_paths, capsys):
+    csv = write_csv(tmp_path / "train.csv", cover_paths[:1])
+    result = cachekit_cmd("build", str(csv), "--column", "path", "--size", "8", root=cache_root)
+    assert result.returncode == 2 and "img_path" in result.stderr
+    status, _, err = in_process(capsys, "build", str(tmp_path / "nope.csv"), "--column",
+                                "img_path", "--size", "8", root=cache_root)
+    assert status == 2 and "nope.csv" in err
+    status, _, err = in_process(capsys, "build", str(csv), "--column", "img_path", "--size",
+                                "8", "--mode", "CMYK", root=cache_root)
+    assert status == 2 and "--mode" in err
+    assert keys_in(cache_root) == set()
