@@ -10,11 +10,14 @@ import json
 import os
 import shutil
 import socket
+import stat
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Mapping, Optional
 
 _HOST = socket.gethostname()
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def host() -> str:
@@ -88,19 +91,147 @@ def remove_file(path: Path) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a directory tree; a tree that is already gone is not an error."""
+    """Delete a directory tree; a tree that is already gone is not an error.
+
+    A symlink is unlinked, never followed: a tampered cache cannot make us delete elsewhere.
+    """
     try:
-        shutil.rmtree(path)
+        if os.path.islink(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
     except FileNotFoundError:
         pass
 
 
+def is_plain_dir(path: Path) -> bool:
+    """True for a real directory (not a symlink to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open a regular file for reading without following a final symlink or blocking on a FIFO.
+
+    Raises FileNotFoundError when it is missing and OSError when it is not a regular file, so
+    a tampered entry can neither point a reader outside the cache nor hang it.
+    """
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def umask() -> int:
+    """The process umask, read without changing it where the platform allows."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    current = os.umask(0o022)  # not thread-safe, hence only a fallback off Linux
+    os.umask(current)
+    return current
+
+
+def file_mode() -> int:
+    """The permission bits a new file gets under the umask (0o664 under ``umask 002``)."""
+    return 0o666 & ~umask()
+
+
+def preallocate(path: Path) -> None:
+    """Reserve the blocks of ``path`` now, so a full disk fails here with ENOSPC.
+
+    Without it a sparse memmap hits the full disk on a page write, and the kernel kills the
+    process with SIGBUS instead of raising. Filesystems that cannot preallocate are skipped.
+    """
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
-    """True when a process with this pid exists on this host."""
+    """True when a process with this pid exists on this host (zombies count as dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    stat_fields = _proc_stat(pid)
+    return stat_fields is None or stat_fields[0] != "Z"
+
+
+def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
+    """(state, start time in clock ticks since boot) from /proc, or None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+        fields = text[text.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_namespace() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+_PIDNS = _pid_namespace()
+
+
+def owner() -> dict[str, Any]:
+    """This process as the owner of a build or lock: host, pid, pid namespace, start time.
+
+    The namespace and start time let another process on the host tell a dead owner from a
+    live one across containers (same host name, other pid numbering) and pid reuse.
+    """
+    pid = os.getpid()
+    fields = _proc_stat(pid)
+    return {"host": _HOST, "pid": pid, "pidns": _PIDNS,
+            "start": fields[1] if fields else None}
+
+
+def owner_state(record: Mapping[str, Any]) -> str:
+    """"dead", "alive" or "unknown" for an owner recorded by :func:`owner`.
+
+    Only an owner on this host and in this pid namespace can be judged; one elsewhere is
+    "unknown", and the caller decides (trust a working lock, or wait for a lease).
+    """
+    pid = record.get("pid")
+    if record.get("host") != _HOST or not isinstance(pid, int) or isinstance(pid, bool):
+        return "unknown"
+    if pid <= 0:
+        return "unknown"
+    pidns = record.get("pidns")
+    if pidns is not None and _PIDNS is not None and pidns != _PIDNS:
+        return "unknown"
+    if not pid_alive(pid):
+        return "dead"
+    start = record.get("start")
+    fields = _proc_stat(pid)
+    if isinstance(start, int) and fields is not None and fields[1] != start:
+        return "dead"  # the pid was reused by another process
+    return "alive"

@@ -4,24 +4,34 @@ Rows run on a thread pool: Pillow releases the GIL while it decodes and resizes,
 scale without pickling rows or results across processes. At most a few rows per worker are
 in flight, and each result is written into the memmap as soon as it is ready, so peak memory
 does not grow with the number of rows.
+
+A fill is resumable: after each chunk the memmap is flushed (msync) and only then a
+checkpoint next to the file records how many rows are done, so a checkpoint never claims
+rows that are not on disk. A later fill of the same rows into the same file continues from
+there. publish.py decides whether a dead builder's file may be reused at all.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import store
+from . import _fs, store
 from .errors import Failure
 
 CHUNK_ROWS = 1024
-"""Rows per chunk: the unit of progress reports and of flushing to disk."""
+"""Rows per chunk: the unit of progress reports, of flushing to disk and of resuming."""
+
+CHECKPOINT_SUFFIX = ".progress.json"
+_CHECKPOINT_FORMAT = 1
+_CHECKPOINT_LIMIT = 256 << 20
 
 RowFunction = Callable[[Any], Any]
 ChunkCallback = Callable[[int, int], None]
@@ -34,6 +44,17 @@ class Filled:
     shape: tuple[int, ...]
     dtype: np.dtype
     failures: list[Failure] = field(default_factory=list)
+    resumed_from: int = 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Rows [0, done) of a partly filled .npy are on disk; ``failures`` are those that failed."""
+
+    done: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    failures: tuple[Failure, ...]
 
 
 class RowFailed(Exception):
@@ -47,6 +68,44 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def checkpoint_path(out_path: Path) -> Path:
+    """Where the checkpoint of a fill into ``out_path`` lives (removed before publishing)."""
+    return out_path.with_name(out_path.name + CHECKPOINT_SUFFIX)
+
+
+def read_checkpoint(out_path: Path) -> Optional[Checkpoint]:
+    """The checkpoint of a partly filled ``out_path``, or None when there is no usable one.
+
+    Usable: well-formed, and the file's .npy header and size agree with its shape and dtype.
+    """
+    try:
+        with _fs.open_regular(checkpoint_path(out_path)) as f:
+            raw = json.loads(f.read(_CHECKPOINT_LIMIT))
+        if not isinstance(raw, dict) or raw.get("format") != _CHECKPOINT_FORMAT:
+            return None
+        shape, done, failures = raw["shape"], raw["done"], raw["failures"]
+        if not (isinstance(shape, list) and shape and all(_is_count(n) for n in shape)
+                and _is_count(done) and done <= shape[0] and isinstance(failures, list)):
+            return None
+        dtype = np.dtype(raw["dtype"])
+        if dtype.hasobject:
+            return None
+        rows = []
+        for item in failures:
+            if not (isinstance(item, list) and len(item) == 3 and _is_count(item[0])
+                    and item[0] < done and isinstance(item[1], str) and isinstance(item[2], str)):
+                return None
+            rows.append((item[0], item[1], item[2]))
+        store.data_offset(out_path, tuple(shape), dtype)  # CacheCorruptError is an OSError
+    except (OSError, ValueError, KeyError, TypeError, SyntaxError, RecursionError):
+        return None
+    return Checkpoint(done, tuple(shape), dtype, tuple(rows))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def fill(
     out_path: Path,
     values: Sequence[Any],
@@ -58,6 +117,7 @@ def fill(
     on_chunk: ChunkCallback | None = None,
     progress: bool = False,
     description: str = "cachekit build",
+    resume: bool = True,
 ) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file at ``out_path``.
 
@@ -66,15 +126,31 @@ def fill(
     ``record(exc)`` decides for an exception from ``row_fn``: True records the row as a
     failure (its row stays zeros), False re-raises it unchanged. ``on_chunk(done, total)``
     is called each time another CHUNK_ROWS rows are written and flushed.
+
+    With ``resume`` and a usable checkpoint for ``out_path`` of the same row count (and the
+    same ``template``, if given), rows before the checkpoint are kept and not recomputed;
+    ``Filled.resumed_from`` says how many. The caller vouches that those rows came from the
+    same values and row function (publish.py checks the key and cachekit version).
     """
     n = len(values)
+    checkpoint = read_checkpoint(out_path) if resume else None
+    if checkpoint is not None and not _fits(checkpoint, n, template):
+        checkpoint = None
     failures: list[Failure] = []
     start, first_result = 0, None
-    if template is None:
-        start, first_result = _first_success(values, row_fn, record, failures)
-        template = (first_result.shape, first_result.dtype)
-    array = store.create_array(out_path, (n, *template[0]), np.dtype(template[1]))
-    writer = _RowWriter(array, values, record, failures, on_chunk)
+    if checkpoint is not None:
+        array = np.lib.format.open_memmap(out_path, mode="r+")
+        failures.extend(checkpoint.failures)
+        start = checkpoint.done
+    else:
+        _fs.remove_file(checkpoint_path(out_path))
+        if template is None:
+            start, first_result = _first_success(values, row_fn, record, failures)
+            template = (first_result.shape, first_result.dtype)
+        array = store.create_array(out_path, (n, *template[0]), np.dtype(template[1]))
+        _fs.preallocate(out_path)
+    writer = _RowWriter(array, out_path, values, record, failures, on_chunk,
+                        done=start if checkpoint is not None else 0)
     bar = _progress_bar(n, progress, description)
     try:
         if first_result is not None:
@@ -99,19 +175,28 @@ def fill(
         array.flush()
     finally:
         bar.close()
-    return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
+    return Filled(shape=array.shape, dtype=array.dtype, failures=failures,
+                  resumed_from=checkpoint.done if checkpoint is not None else 0)
+
+
+def _fits(checkpoint: Checkpoint, n: int, template: Any) -> bool:
+    if checkpoint.shape[0] != n:
+        return False
+    return template is None or (tuple(template[0]) == checkpoint.shape[1:]
+                                and np.dtype(template[1]) == checkpoint.dtype)
 
 
 class _RowWriter:
     """Checks each finished row and writes it into the memmap, in row order."""
 
-    def __init__(self, array, values, record, failures, on_chunk) -> None:
+    def __init__(self, array, out_path, values, record, failures, on_chunk, done) -> None:
         self.array = array
+        self.out_path = out_path
         self.values = values
         self.record = record
         self.failures = failures
         self.on_chunk = on_chunk
-        self.done = 0
+        self.done = done
 
     def take(self, row: int, future: Future) -> None:
         try:
@@ -138,11 +223,18 @@ class _RowWriter:
     def advance(self, rows: int) -> None:
         before, self.done = self.done, self.done + rows
         total = len(self.array)
-        if self.on_chunk is not None and rows and (
-            before // CHUNK_ROWS != self.done // CHUNK_ROWS or self.done == total
-        ):
-            self.array.flush()
-            self.on_chunk(self.done, total)
+        if rows and (before // CHUNK_ROWS != self.done // CHUNK_ROWS or self.done == total):
+            self.array.flush()  # msync: the rows are on disk before a checkpoint names them
+            self.checkpoint()
+            if self.on_chunk is not None:
+                self.on_chunk(self.done, total)
+
+    def checkpoint(self) -> None:
+        # Not fsynced: a checkpoint lost in a power cut only makes a resume redo rows.
+        _fs.write_json_atomic(checkpoint_path(self.out_path), {
+            "format": _CHECKPOINT_FORMAT, "done": self.done, "shape": list(self.array.shape),
+            "dtype": self.array.dtype.str, "failures": [list(f) for f in self.failures],
+        }, durable=False)
 
 
 def _first_success(values, row_fn, record, failures) -> tuple[int, np.ndarray]:

@@ -5,10 +5,17 @@ in a private directory, its data fsynced, its manifest written last, and the dir
 renamed into ``entries/`` in one atomic step; a published entry is complete by construction.
 If a broken lock lets two builders race, the first rename wins and the loser discards its
 copy and uses the winner's. Readers of published entries never take a lock.
+
+A build killed part way leaves its directory in ``tmp/`` with a journal (key, cachekit
+version, owner, progress) and the fill's checkpoint. The next builder of the key claims a
+dead builder's directory by renaming it to its own name (so two resumers never share one)
+and continues from the checkpoint. A builder is dead when it is a gone process on this
+host, or, for one on another host, when we hold a lock that works (``os`` or ``soft``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -17,15 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import filelock
+import filelock  # noqa: F401  (tests patch cachekit.publish.filelock.FileLock; locks.py uses it)
 
-from . import _fs, store
+from . import _fs, build, locks, store
 from ._version import __version__
 from .errors import LockTimeout, ReadOnlyCacheError
 
 JOURNAL_FILE = "journal.json"
 POLL_SECONDS = 0.25
 WAIT_REPORT_SECONDS = 10.0
+_JOURNAL_LIMIT = 1 << 20
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 ChunkCallback = Callable[[int, int], None]
 BuildFunction = Callable[[Path, ChunkCallback], "dict[str, Any]"]
@@ -40,6 +49,8 @@ class Outcome:
     manifest: dict[str, Any]
     hit: bool
     wait_seconds: float = 0.0
+    resumed_from: int = 0
+    """Rows a dead builder had finished that this call kept instead of recomputing."""
 
 
 def find(layout: store.Layout, key: str) -> Optional[Outcome]:
@@ -69,15 +80,19 @@ def obtain(
     *,
     lock_timeout: Optional[float],
     announce: bool = True,
+    lock: Optional[str] = None,
 ) -> Outcome:
-    """Return the entry for ``key``, building it with ``build`` if no process has yet."""
+    """Return the entry for ``key``, building it with ``build`` if no process has yet.
+
+    ``lock``: "os", "soft" or "none" (see :mod:`cachekit.locks`); None reads $CACHEKIT_LOCK.
+    """
     found = find(layout, key)
     if found is not None:
         return found
+    build_lock = locks.make_lock(layout.lock_path(key), lock)
     _ensure_writable(layout, key)
-    lock = filelock.FileLock(str(layout.lock_path(key)))
     started = time.monotonic()
-    found = _wait_for_lock(layout, key, lock, lock_timeout, announce)
+    found = _wait_for_lock(layout, key, build_lock, lock_timeout, announce)
     waited = time.monotonic() - started
     if found is not None:
         return Outcome(found.entry_dir, found.manifest, hit=True, wait_seconds=waited)
@@ -85,9 +100,9 @@ def obtain(
         found = find(layout, key)  # another process may have published while we waited
         if found is not None:
             return Outcome(found.entry_dir, found.manifest, hit=True, wait_seconds=waited)
-        return _build_and_publish(layout, key, build, waited)
+        return _build_and_publish(layout, key, build, waited, build_lock.exclusive, announce)
     finally:
-        lock.release()
+        build_lock.release()
 
 
 def _ensure_writable(layout: store.Layout, key: str) -> None:
@@ -99,7 +114,7 @@ def _ensure_writable(layout: store.Layout, key: str) -> None:
     except PermissionError:
         raise ReadOnlyCacheError(layout.root, key) from None
     except OSError as e:
-        if e.errno == 30:  # EROFS: a read-only mount
+        if e.errno == errno.EROFS:
             raise ReadOnlyCacheError(layout.root, key) from None
         raise
 
@@ -110,16 +125,14 @@ def _wait_for_lock(layout, key, lock, lock_timeout, announce) -> Optional[Outcom
     next_report = started + POLL_SECONDS * 4
     while True:
         remaining = None if lock_timeout is None else lock_timeout - (time.monotonic() - started)
-        try:
-            lock.acquire(timeout=POLL_SECONDS if remaining is None else max(0.0, min(POLL_SECONDS, remaining)))
+        slice_ = POLL_SECONDS if remaining is None else max(0.0, min(POLL_SECONDS, remaining))
+        if lock.acquire(timeout=slice_):
             return None
-        except filelock.Timeout:
-            pass
         found = find(layout, key)
         if found is not None:
             return found
         if remaining is not None and remaining <= POLL_SECONDS:
-            raise LockTimeout(layout.lock_path(key), lock_timeout, describe_builder(layout, key))
+            raise LockTimeout(lock.path, lock_timeout, describe_builder(layout, key))
         if announce and time.monotonic() >= next_report:
             waited = time.monotonic() - started
             print(
@@ -133,25 +146,38 @@ def _wait_for_lock(layout, key, lock, lock_timeout, announce) -> Optional[Outcom
 
 def describe_builder(layout: store.Layout, key: str) -> str:
     """Who is building ``key`` and how far it got, from the newest build journal."""
-    journals = []
-    for build_dir in layout.build_dirs(key):
-        try:
-            with open(build_dir / JOURNAL_FILE, encoding="utf-8") as f:
-                journals.append(json.load(f))
-        except (OSError, ValueError):
-            continue
-    journals = [j for j in journals if isinstance(j, dict)]
+    journals = [j for j in (read_journal(d) for d in layout.build_dirs(key)) if j is not None]
     if not journals:
         return "another process"
-    j = max(journals, key=lambda j: j.get("updated", 0))
+    j = max(journals, key=lambda j: j.get("updated", 0) if _is_number(j.get("updated")) else 0)
     done, total = j.get("done", 0), j.get("total", 0)
-    share = f", {100 * done / total:.0f}%" if total else ""
+    known = _is_number(done) and _is_number(total) and total
+    share = f", {100 * done / total:.0f}%" if known else ""
     return f"pid {j.get('pid')} on {j.get('host')} ({done}/{total} rows{share})"
 
 
-def _build_and_publish(layout, key, build, waited) -> Outcome:
-    build_dir = layout.new_build_dir(key)
-    journal = {"key": key, "host": _fs.host(), "pid": os.getpid(), "started": time.time()}
+def read_journal(build_dir: Path) -> Optional[dict[str, Any]]:
+    """The journal of a build directory (owner, key, progress), or None when unreadable."""
+    try:
+        with _fs.open_regular(build_dir / JOURNAL_FILE) as f:
+            journal = json.loads(f.read(_JOURNAL_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return journal if isinstance(journal, dict) else None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Outcome:
+    claimed = _claim_dead_build(layout, key, exclusive)
+    build_dir, resumed_from = claimed if claimed is not None else (layout.new_build_dir(key), 0)
+    if resumed_from and announce:
+        print(f"cachekit: resuming the build of entry {key[:12]} from row {resumed_from}, "
+              "where a builder that died stopped", file=sys.stderr, flush=True)
+    journal = {"key": key, "format": store.FORMAT_VERSION, "cachekit_version": __version__,
+               **_fs.owner(), "started": time.time(), "resumed_from": resumed_from}
 
     def on_chunk(done: int, total: int) -> None:
         journal.update(done=done, total=total, updated=time.time())
@@ -159,11 +185,12 @@ def _build_and_publish(layout, key, build, waited) -> Outcome:
 
     started = time.monotonic()
     try:
-        on_chunk(0, 0)
-        fields = build(build_dir, on_chunk)
-        _fs.remove_file(build_dir / JOURNAL_FILE)
-        for path in build_dir.iterdir():
+        on_chunk(resumed_from, 0)
+        fields = build_fn(build_dir, on_chunk)
+        for path in _published_files(build_dir):
             _fs.fsync_file(path)
+        data_checksum = store.checksum(build_dir / store.DATA_FILE)
+        _remove_build_state(build_dir)  # from here on a crash means starting over
         manifest = {
             **fields,
             "format": store.FORMAT_VERSION,
@@ -172,7 +199,7 @@ def _build_and_publish(layout, key, build, waited) -> Outcome:
             "build_seconds": round(time.monotonic() - started, 3),
             "builder": {"host": _fs.host(), "pid": os.getpid()},
             "cachekit_version": __version__,
-            "checksum": store.checksum(build_dir / store.DATA_FILE),
+            "checksum": data_checksum,
         }
         _fs.write_json_atomic(build_dir / store.MANIFEST_FILE, manifest)  # last file written
         _fs.fsync_dir(build_dir)
@@ -184,7 +211,118 @@ def _build_and_publish(layout, key, build, waited) -> Outcome:
                 raise FileNotFoundError(f"entry {key} vanished after another builder published it")
             return Outcome(winner.entry_dir, winner.manifest, hit=False, wait_seconds=waited)
         _fs.fsync_dir(layout.entries)
-    except BaseException:
-        _fs.remove_tree(build_dir)
+    except KeyboardInterrupt:
+        _abandon(build_dir, journal)  # keep the finished chunks for the next run
         raise
-    return Outcome(entry_dir, manifest, hit=False, wait_seconds=waited)
+    except BaseException as e:
+        _fs.remove_tree(build_dir)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            raise OSError(e.errno, f"{e.strerror} while building cache entry {key} under "
+                          f"{layout.root}; nothing was published. Free space there, or point "
+                          "CACHEKIT_DIR at a larger disk", e.filename) from e
+        raise
+    return Outcome(entry_dir, manifest, hit=False, wait_seconds=waited, resumed_from=resumed_from)
+
+
+def _is_build_state(name: str) -> bool:
+    """Files of a build in progress that are never published."""
+    return (name == JOURNAL_FILE or name.endswith(build.CHECKPOINT_SUFFIX)
+            or (name.startswith(".") and name.endswith(".tmp")))
+
+
+def _published_files(build_dir: Path) -> list[Path]:
+    return [p for p in build_dir.iterdir() if not _is_build_state(p.name)]
+
+
+def _remove_build_state(build_dir: Path) -> None:
+    for path in build_dir.iterdir():
+        if _is_build_state(path.name):
+            _fs.remove_file(path)
+
+
+def _abandon(build_dir: Path, journal: dict[str, Any]) -> None:
+    """Mark an interrupted build as free for any later builder to resume (best effort)."""
+    try:
+        _fs.write_json_atomic(build_dir / JOURNAL_FILE, {**journal, "abandoned": True},
+                              durable=False)
+    except OSError:
+        _fs.remove_tree(build_dir)
+
+
+def _claim_dead_build(layout: store.Layout, key: str,
+                      exclusive: bool) -> Optional[tuple[Path, int]]:
+    """Take over the most advanced resumable directory a dead builder of ``key`` left.
+
+    Returns (our directory, rows done) or None. Dead builders' directories that cannot be
+    resumed are removed. Each directory is claimed by renaming it to a name of our own, so
+    when two processes try at once exactly one gets it.
+    """
+    candidates: list[tuple[int, Path]] = []
+    for build_dir in layout.build_dirs(key):
+        if not _fs.is_plain_dir(build_dir):
+            continue  # not ours to touch (remove_tree would unlink a symlink, nothing more)
+        journal = read_journal(build_dir)
+        if not _builder_gone(build_dir, journal, key, exclusive):
+            continue
+        checkpoint = build.read_checkpoint(build_dir / store.DATA_FILE)
+        if journal is not None and _same_build(journal, key) and checkpoint is not None:
+            candidates.append((checkpoint.done, build_dir))
+            continue
+        mine = _claim(layout, key, build_dir)
+        if mine is not None:
+            _fs.remove_tree(mine)
+    for done, build_dir in sorted(candidates, key=lambda c: c[0], reverse=True):
+        mine = _claim(layout, key, build_dir)
+        if mine is None:
+            continue  # another process claimed it first
+        _remove_build_state_except_checkpoints(mine)
+        checkpoint = build.read_checkpoint(mine / store.DATA_FILE)  # re-read: it is ours now
+        if checkpoint is None:
+            _fs.remove_tree(mine)
+            continue
+        return mine, checkpoint.done
+    return None
+
+
+def _claim(layout: store.Layout, key: str, build_dir: Path) -> Optional[Path]:
+    mine = layout.tmp / f"{key}.{_fs.unique_suffix()}"
+    try:
+        os.rename(build_dir, mine)
+    except FileNotFoundError:
+        return None
+    return mine
+
+
+def _remove_build_state_except_checkpoints(build_dir: Path) -> None:
+    for path in build_dir.iterdir():
+        if _is_build_state(path.name) and not path.name.endswith(build.CHECKPOINT_SUFFIX):
+            _fs.remove_file(path)
+
+
+def _same_build(journal: dict[str, Any], key: str) -> bool:
+    """The journal is of this key, written by this cachekit version and entry format."""
+    return (journal.get("key") == key and journal.get("cachekit_version") == __version__
+            and journal.get("format") == store.FORMAT_VERSION)
+
+
+def _builder_gone(build_dir: Path, journal: Optional[dict[str, Any]], key: str,
+                  exclusive: bool) -> bool:
+    """Whether the process that made ``build_dir`` can no longer be writing to it."""
+    if journal is not None and journal.get("abandoned") is True:
+        return True
+    owner = journal if journal is not None else _owner_from_name(build_dir.name, key)
+    state = _fs.owner_state(owner) if owner is not None else "unknown"
+    if state == "unknown":
+        return exclusive  # on another host: trust a working lock, which we hold
+    if state == "alive" and owner is not None and owner.get("pid") == os.getpid():
+        return exclusive  # our own process: under the lock, no thread of ours builds it
+    return state == "dead"
+
+
+def _owner_from_name(name: str, key: str) -> Optional[dict[str, Any]]:
+    """Host and pid from a build directory name KEY.HOST.PID.UUID (the host may hold dots)."""
+    rest = name[len(key) + 1:]
+    parts = rest.rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return {"host": parts[0], "pid": int(parts[1])}

@@ -1,0 +1,248 @@
+"""Build locks: which one process builds a missing entry while the others wait.
+
+A lock only saves duplicate work; correctness never depends on it (see publish.py). Choose
+one with the environment variable ``CACHEKIT_LOCK``, the same way for every process that
+shares a cache root:
+
+``os`` (default)
+    ``filelock.FileLock``: flock(2), released by the kernel when its holder dies. Right for
+    local disks and for network filesystems whose locks work.
+``soft``
+    A lock file created with O_EXCL that records its owner (host, pid) and whose mtime the
+    holder refreshes from a heartbeat thread. It is stale, and taken over, when its owner is
+    a dead process on this host, or when its heartbeat is older than the lease
+    (``CACHEKIT_LOCK_LEASE`` seconds, default 60). For filesystems where flock is absent or
+    silently ineffective (some NFS, Lustre and GPFS mounts).
+``none``
+    No lock: processes that miss at once all build, and the first to publish wins.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import filelock
+
+from . import _fs
+
+LOCK_ENV = "CACHEKIT_LOCK"
+LEASE_ENV = "CACHEKIT_LOCK_LEASE"
+KINDS = ("os", "soft", "none")
+DEFAULT_LEASE_SECONDS = 60.0
+SOFT_SUFFIX = ".soft"
+_POLL_SECONDS = 0.05
+_RECORD_LIMIT = 4096
+
+
+def kind_from_env() -> str:
+    """The lock kind named by $CACHEKIT_LOCK (default "os"); ValueError for anything else."""
+    kind = os.environ.get(LOCK_ENV, "").strip().lower() or "os"
+    if kind not in KINDS:
+        raise ValueError(f"{LOCK_ENV}={os.environ[LOCK_ENV]!r} is not one of "
+                         f"{', '.join(KINDS)}")
+    return kind
+
+
+def lease_from_env() -> float:
+    """Seconds without a heartbeat after which a soft lock is stale ($CACHEKIT_LOCK_LEASE)."""
+    text = os.environ.get(LEASE_ENV, "").strip()
+    if not text:
+        return DEFAULT_LEASE_SECONDS
+    try:
+        lease = float(text)
+    except ValueError:
+        lease = -1.0
+    if not 0 < lease < float("inf"):
+        raise ValueError(f"{LEASE_ENV}={text!r} must be a positive number of seconds")
+    return lease
+
+
+class BuildLock:
+    """What publish needs from a lock. ``exclusive``: holding it keeps other builders out."""
+
+    exclusive = True
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def acquire(self, timeout: float) -> bool:
+        """Try for up to ``timeout`` seconds; True once held."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+class OsLock(BuildLock):
+    """flock(2) through filelock; the lock file respects the umask (for shared caches)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._lock = filelock.FileLock(str(path), mode=_fs.file_mode())
+
+    def acquire(self, timeout: float) -> bool:
+        try:
+            self._lock.acquire(timeout=timeout)
+        except filelock.Timeout:
+            return False
+        return True
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+class NoLock(BuildLock):
+    """Always free: every process that misses builds; the first rename wins."""
+
+    exclusive = False
+
+    def acquire(self, timeout: float) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+class SoftLock(BuildLock):
+    """An O_EXCL lock file with an owner record and a heartbeat (its mtime).
+
+    Staleness is judged by the waiter: the owner is a dead process on this host, or the
+    file has not changed for a lease as seen on the waiter's own monotonic clock, or its
+    mtime is a lease older than the waiter's wall clock (hosts' clocks must agree to well
+    within a lease). A stale file is moved aside by rename, so of two waiters that judge it
+    stale only one removes it; one that finds it moved a live lock instead puts it back.
+    """
+
+    def __init__(self, path: Path, lease: Optional[float] = None) -> None:
+        super().__init__(path)
+        self.lease = lease_from_env() if lease is None else lease
+        self._fd: Optional[int] = None
+        self._identity: Optional[tuple[int, int]] = None
+        self._stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+        self._seen: Optional[tuple[tuple[int, int, int], float]] = None
+
+    def acquire(self, timeout: float) -> bool:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            if self._try_create():
+                return True
+            self._break_if_stale()
+            if self._try_create():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(_POLL_SECONDS, remaining))
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        if self._fd is None:
+            return
+        try:
+            current = os.lstat(self.path)
+            if (current.st_dev, current.st_ino) == self._identity:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass  # taken over after our lease ran out; nothing of ours to remove
+        finally:
+            os.close(self._fd)
+            self._fd = self._identity = None
+
+    def owner(self) -> Optional[dict[str, Any]]:
+        """The record of the current holder, or None when free or unreadable."""
+        try:
+            with _fs.open_regular(self.path) as f:
+                record = json.loads(f.read(_RECORD_LIMIT))
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _try_create(self) -> bool:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.path, flags, _fs.file_mode())
+        except FileExistsError:
+            return False
+        try:
+            record = {**_fs.owner(), "lease": self.lease, "acquired": time.time()}
+            os.write(fd, json.dumps(record).encode() + b"\n")
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            _fs.remove_file(self.path)
+            raise
+        self._fd, self._identity = fd, (st.st_dev, st.st_ino)
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(fd, self._stop),
+                                           name="cachekit-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
+        return True
+
+    def _beat(self, fd: int, stop: threading.Event) -> None:
+        while not stop.wait(self.lease / 4):
+            try:
+                if os.utime in os.supports_fd:
+                    os.utime(fd)
+                else:
+                    os.utime(self.path)
+            except OSError:
+                pass  # a transient error; the next beat tries again well within the lease
+
+    def _break_if_stale(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        now = time.monotonic()
+        if self._seen is None or self._seen[0] != seen:
+            self._seen = (seen, now)
+        record = self.owner()
+        stale = (
+            (record is not None and _fs.owner_state(record) == "dead")
+            or now - self._seen[1] >= self.lease
+            or time.time() - st.st_mtime >= self.lease
+        )
+        if stale:
+            self._take_over(st)
+
+    def _take_over(self, judged: os.stat_result) -> None:
+        aside = self.path.with_name(f"{self.path.name}.stale.{_fs.unique_suffix()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another waiter moved it first
+        try:
+            moved = os.lstat(aside)
+            if (moved.st_ino, moved.st_mtime_ns) != (judged.st_ino, judged.st_mtime_ns):
+                # It changed between our look and the rename: a live lock. Put it back.
+                try:
+                    os.link(aside, self.path)
+                except OSError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+        finally:
+            _fs.remove_file(aside)
+        self._seen = None
+
+
+def make_lock(path: Path, kind: Optional[str] = None) -> BuildLock:
+    """The build lock of ``kind`` (None: from $CACHEKIT_LOCK) for the OS lock path ``path``."""
+    kind = kind_from_env() if kind is None else kind
+    if kind == "os":
+        return OsLock(path)
+    if kind == "soft":
+        return SoftLock(Path(path).with_name(Path(path).name + SOFT_SUFFIX))
+    if kind == "none":
+        return NoLock(path)
+    raise ValueError(f"lock kind must be one of {', '.join(KINDS)}, not {kind!r}")
