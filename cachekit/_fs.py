@@ -115,19 +115,24 @@ def is_plain_dir(path: Path) -> bool:
 def open_regular(path: Path) -> BinaryIO:
     """Open a regular file for reading without following a final symlink or blocking on a FIFO.
 
-    Raises FileNotFoundError when it is missing and OSError when it is not a regular file, so
-    a tampered entry can neither point a reader outside the cache nor hang it.
+    Raises FileNotFoundError when it is missing and OSError when it is a symlink (ELOOP) or
+    not a regular file, so a tampered entry can neither point a reader outside the cache
+    nor hang it. The file object keeps ``path`` as its name (numpy's memmap records it).
     """
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        if _NONBLOCK:
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+
+    def opener(name: str, flags: int) -> int:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(name))
+            if _NONBLOCK:
+                os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    return open(path, "rb", opener=opener)
 
 
 def umask() -> int:

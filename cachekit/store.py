@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -32,6 +33,7 @@ DATA_FILE = "data.npy"
 MANIFEST_FILE = "manifest.json"
 MEMOIZE_KIND = "memoize"
 _CHECKSUM_BLOCK = 16 << 20
+_MANIFEST_LIMIT = 256 << 20  # a tampered manifest must not exhaust memory
 
 # Manifest fields every reader relies on, with their JSON types.
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -105,11 +107,18 @@ def read_manifest(entry_dir: Path) -> dict[str, Any]:
     """
     path = entry_dir / MANIFEST_FILE
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read())
+        if os.path.islink(entry_dir):
+            raise CacheCorruptError(entry_dir, "an entry is never a symlink")
+        with _fs.open_regular(path) as f:  # no symlink, no FIFO: never read outside the root
+            raw = f.read(_MANIFEST_LIMIT + 1)
+        if len(raw) > _MANIFEST_LIMIT:
+            raise ValueError(f"larger than {_MANIFEST_LIMIT} bytes")
+        manifest = json.loads(raw)
     except FileNotFoundError:
         raise
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
+        if isinstance(e, CacheCorruptError):
+            raise
         raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
     check_manifest(manifest, path)
     return manifest
@@ -148,7 +157,7 @@ def _check_shape_dtype(shape: Any, dtype: Any, path: Path) -> None:
         raise CacheCorruptError(path, f"bad shape {shape!r}")
     try:
         parsed = np.dtype(dtype)
-    except TypeError:
+    except Exception:  # numpy raises TypeError, ValueError, even SyntaxError (",,")
         raise CacheCorruptError(path, f"bad dtype {dtype!r}") from None
     if parsed.hasobject:
         raise CacheCorruptError(path, "object dtype is never stored")
@@ -199,27 +208,40 @@ def create_array(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> np.memm
 
 def data_offset(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
     """Validate ``path``'s .npy header and size against shape/dtype; return the data offset."""
+    with _open_data(path) as f:
+        return _validated_offset(f, path, shape, dtype)
+
+
+def _open_data(path: Path) -> BinaryIO:
     try:
-        with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                header = np.lib.format.read_array_header_1_0(f)
-            elif version == (2, 0):
-                header = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise ValueError(f"unsupported .npy version {version}")
-            offset = f.tell()
-            size = os.fstat(f.fileno()).st_size
+        return _fs.open_regular(path)  # no symlink, no FIFO: never read outside the root
     except FileNotFoundError:
         raise CacheCorruptError(path, "data file is missing") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise CacheCorruptError(path, f"data file cannot be opened ({e})") from None
+
+
+def _validated_offset(f: BinaryIO, path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Check an open .npy file's header and size against shape/dtype; return the offset."""
+    try:
+        f.seek(0)
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            header = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            header = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+        offset = f.tell()
+        size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, TypeError, SyntaxError) as e:
         raise CacheCorruptError(path, f"unreadable .npy header ({e})") from None
     file_shape, fortran_order, file_dtype = header
     if fortran_order or tuple(file_shape) != tuple(shape) or file_dtype != dtype:
         raise CacheCorruptError(
             path, f"header says {file_dtype} {tuple(file_shape)}, manifest says {dtype} {shape}"
         )
-    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = offset + math.prod(shape) * dtype.itemsize  # Python ints: no overflow
     if size != expected:
         raise CacheCorruptError(path, f"file is {size} bytes, expected {expected}")
     return offset
@@ -233,18 +255,20 @@ def open_array(entry_dir: Path, manifest: dict[str, Any], mode: str = "r") -> np
 
 def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "r") -> np.ndarray:
     """Map one validated .npy file read-only (``mode="r"``) or copy-on-write (``mode="c"``)."""
-    offset = data_offset(path, shape, dtype)
-    if 0 in shape:  # mmap cannot map zero bytes; there is nothing to read
-        empty = np.zeros(shape, dtype)
-        empty.flags.writeable = mode != "r"
-        return empty
-    return np.memmap(path, dtype=dtype, mode=mode, offset=offset, shape=shape)
+    # One descriptor is validated and mapped, so the file cannot be swapped in between.
+    with _open_data(path) as f:
+        offset = _validated_offset(f, path, shape, dtype)
+        if 0 in shape:  # mmap cannot map zero bytes; there is nothing to read
+            empty = np.zeros(shape, dtype)
+            empty.flags.writeable = mode != "r"
+            return empty
+        return np.memmap(f, dtype=dtype, mode=mode, offset=offset, shape=shape)
 
 
 def checksum(path: Path) -> str:
     """blake2b-128 of the whole data file (header included), read in large blocks."""
     hasher = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with _fs.open_regular(path) as f:
         for block in iter(lambda: f.read(_CHECKSUM_BLOCK), b""):
             hasher.update(block)
     return "blake2b-128:" + hasher.hexdigest()
