@@ -144,6 +144,19 @@ def test_cachekit_never_imports_wandb(cache_root, cover_paths):
     assert done.stdout.strip() == "ok"
 
 
+def test_a_cli_prebuild_is_a_hit_for_the_train_function(tmp_path, cover_paths):
+    """README: `cachekit build CSV --column img_path --size 32x32` before launching agents."""
+    csv = tmp_path / "train.csv"
+    pd.DataFrame({"img_path": cover_paths, "label": 0}).to_csv(csv, index=False)
+    root = tmp_path / "cache"
+    done = subprocess.run([sys.executable, "-m", "cachekit", "--root", str(root), "build",
+                           str(csv), "--column", "img_path", "--size", "32x32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    entry = cachekit.Cache(root, progress=False).images(pd.read_csv(csv)["img_path"], size=32)
+    assert entry.hit and entry.key == done.stdout.strip()
+
+
 # ---------------------------------------------------------------------------------------
 # Four `wandb agent`-style interpreters on an empty cache, with the real wandb, offline.
 
