@@ -141,12 +141,12 @@ class Cache:
             raise TypeError(f"draft must be True or False, not {draft!r}")
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
-        values = paths.to_numpy(dtype=object)
         material: dict[str, Any] = {"rows": keys.pandas_row_hashes(paths)}
         if validate == "stat":
-            material["stat"] = keys.stat_signature(values)
+            material["stat"] = keys.stat_signature(paths.to_numpy(dtype=object))
         elif validate == "content":
-            material["content"] = keys.content_signature(values, self.workers)
+            material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
+                                                         self.workers)
 
         def row(path: str) -> np.ndarray:
             from . import images  # Pillow is imported only when a build decodes
@@ -154,7 +154,7 @@ class Cache:
             return images.load_image(path, (height, width), mode, fit, resample, draft)
 
         channels = options.MODES[mode]
-        return self._rows("images", values, row, params, material, column=paths.name,
+        return self._rows("images", paths, row, params, material,
                           template=((channels, height, width), np.dtype(np.uint8)),
                           collect_errors=True, on_error=on_error)
 
@@ -171,12 +171,9 @@ class Cache:
         _choose("on_error", on_error, options.ON_ERROR)
         params = {"function": keys.function_identity(fn, version), "on_error": on_error}
         material: dict[str, Any] = {"rows": keys.pandas_row_hashes(column),
-                                    "dtype": _dtype_family(column)}
-        if material["dtype"] == "object":  # pandas hashes 1 and "1" alike in object columns
-            material["types"] = [type(v).__qualname__ for v in column]
-        return self._rows("map", column.to_numpy(dtype=object), _array_rows(fn), params, material,
-                          column=column.name, template=None, collect_errors=False,
-                          on_error=on_error)
+                                    "dtype": keys.column_dtype(column)}
+        return self._rows("map", column, _array_rows(fn), params, material, template=None,
+                          collect_errors=False, on_error=on_error)
 
     def memoize(self, fn: Optional[Callable[..., Any]] = None, *,
                 version: Optional[Union[str, int]] = None,
@@ -191,18 +188,19 @@ class Cache:
 
         return memoize(self, fn, version=version, ignore=ignore)
 
-    def _rows(self, kind: str, values: Sequence[Any], row_fn: Callable[[Any], Any],
-              params: dict[str, Any], material: dict[str, Any], *, column: Any,
+    def _rows(self, kind: str, column: Any, row_fn: Callable[[Any], Any],
+              params: dict[str, Any], material: dict[str, Any], *,
               template: Optional[tuple], collect_errors: bool, on_error: str) -> Entry:
         """Key, then obtain: the one path every per-row entry takes."""
         key = keys.digest({"kind": kind, "format": store.FORMAT_VERSION, "params": params,
-                           "n": len(values), **material})
+                           "n": len(column), **material})
         record_failures = collect_errors or on_error == "zero"
 
         def record(exc: Exception) -> bool:
             return record_failures and not isinstance(exc, NotAnArray)
 
         def build_entry(build_dir: Path, on_chunk: publish.ChunkCallback) -> dict[str, Any]:
+            values = column.to_numpy(dtype=object)  # only a build needs the values themselves
             filled = build.fill(build_dir / store.DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record,
                                 template=template, on_chunk=on_chunk,
@@ -210,7 +208,7 @@ class Cache:
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures)
             return {"kind": kind, "params": params,
-                    "column": column if isinstance(column, str) else None,
+                    "column": column.name if isinstance(column.name, str) else None,
                     "rows": len(values), "shape": list(filled.shape),
                     "dtype": filled.dtype.str,
                     "failed_rows": [list(f) for f in filled.failures]}
@@ -330,12 +328,3 @@ def _path_column(paths: Any):
         raise TypeError(f"paths must hold str; row {bad} is {type(column.iloc[bad]).__name__} "
                         f"{column.iloc[bad]!r} (convert with .astype(str))")
     return column
-
-
-def _dtype_family(column: Any) -> str:
-    """The column's dtype for the key, with object-of-str and str dtypes counted as one."""
-    import pandas as pd
-
-    if pd.api.types.infer_dtype(column, skipna=True) == "string":
-        return "string"
-    return str(column.dtype)

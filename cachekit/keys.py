@@ -17,8 +17,8 @@ tag       body
 ``l/t``   list / tuple as ``<count>:`` then each item
 ``d``     dict as ``<count>:`` then (key, value) pairs sorted by the key's encoding
 ``a``     numpy array: dtype string, shape tuple, then ``<nbytes>:`` C-order bytes
-``P``     pandas Series: name, dtype, then the ``hash_pandas_object`` row hashes as ``a``
-``D``     pandas DataFrame: column names, dtypes, then the row hashes as ``a``
+``P``     pandas Series: name, dtype (:func:`column_dtype`), then the ``hash_pandas_object`` row hashes as ``a``
+``D``     pandas DataFrame: column names, column dtypes, then the row hashes as ``a``
 ``X``     torch tensor: as ``a`` of its CPU numpy view
 ========  =========================================================================
 
@@ -94,12 +94,12 @@ def _feed(write: Write, value: Any) -> None:
     elif _is_pandas(value, "Series"):
         write(b"P")
         _feed(write, value.name)
-        _feed(write, str(value.dtype))
+        _feed(write, column_dtype(value))
         _feed_array(write, pandas_row_hashes(value))
     elif _is_pandas(value, "DataFrame"):
         write(b"D")
         _feed(write, [c for c in value.columns])
-        _feed(write, [str(t) for t in value.dtypes])
+        _feed(write, [column_dtype(value.iloc[:, i]) for i in range(value.shape[1])])
         _feed_array(write, pandas_row_hashes(value))
     elif "torch" in sys.modules and isinstance(value, sys.modules["torch"].Tensor):
         write(b"X")
@@ -135,6 +135,22 @@ def pandas_row_hashes(obj: Any) -> np.ndarray:
 
     hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False)
     return np.ascontiguousarray(hashes.to_numpy(dtype=np.uint64)).astype("<u8", copy=False)
+
+
+def column_dtype(column: Any) -> Any:
+    """A column's dtype as key material.
+
+    ``str``/``string`` columns and ``object`` columns of str count as one ("string"), so the
+    same values give the same key whichever dtype pandas picked. Other ``object`` columns
+    add each value's type, because ``hash_pandas_object`` hashes ``1`` and ``"1"`` alike.
+    """
+    import pandas as pd
+
+    if pd.api.types.infer_dtype(column, skipna=True) == "string":
+        return "string"
+    if column.dtype == object:
+        return ["object", [type(v).__qualname__ for v in column]]
+    return str(column.dtype)
 
 
 def stat_signature(paths: Sequence[str]) -> np.ndarray:

@@ -71,3 +71,17 @@ def test_is_key_accepts_only_full_hex_keys():
     assert keys.is_key("0" * 32)
     for bad in ["", "0" * 31, "../" + "0" * 29, "A" * 32, "0" * 31 + "/"]:
         assert not keys.is_key(bad)
+
+
+def test_series_and_frames_key_alike_for_object_and_str_dtypes():
+    values = ["a.jpg", "b.jpg"]
+    assert keys.digest(pd.Series(values, dtype=object)) == keys.digest(pd.Series(values, dtype="str"))
+    frame = pd.DataFrame({"img_path": values, "label": [1, 2]})
+    assert keys.digest(frame) == keys.digest(frame.astype({"img_path": "str"}))
+    assert keys.digest(frame) != keys.digest(frame.astype({"img_path": object, "label": "int32"}))
+
+
+def test_mixed_object_columns_key_on_value_types():
+    # pandas hashes 1 and "1" alike inside an object column; the key must not.
+    assert keys.digest(pd.Series([1, "x"], dtype=object)) != \
+        keys.digest(pd.Series(["1", "x"], dtype=object))
