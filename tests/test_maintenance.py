@@ -382,3 +382,18 @@ def test_verify_reports_progress_per_entry(cache_root):
     seen: list[int] = []
     assert verify(store.Layout(cache_root), on_bytes=seen.append) == []
     assert sorted(seen) == sorted(e.bytes for e in cache.entries()) and len(entries) == 2
+
+
+def two_arrays(n: int):
+    return np.arange(n, dtype=np.int32), np.ones((n, 3), dtype=np.float32)
+
+
+def test_verify_checks_every_file_of_a_memoize_entry(cache_root):
+    cache = cachekit.Cache(cache_root)
+    first, second = cache.memoize(two_arrays)(50)
+    (info,) = cache.entries()
+    assert info.kind == "memoize" and cache.verify() == []
+    leaf = info.path / store.leaf_file(1)
+    flip_last_byte(leaf)
+    (problem,) = cache.verify()
+    assert problem.key == info.key and f"checksum mismatch in {leaf.name}" in problem.message
