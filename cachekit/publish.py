@@ -190,7 +190,6 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
         for path in _published_files(build_dir):
             _fs.fsync_file(path)
         data_checksum = store.checksum(build_dir / store.DATA_FILE)
-        _remove_build_state(build_dir)  # from here on a crash means starting over
         manifest = {
             **fields,
             "format": store.FORMAT_VERSION,
@@ -202,6 +201,7 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
             "checksum": data_checksum,
         }
         _fs.write_json_atomic(build_dir / store.MANIFEST_FILE, manifest)  # last file written
+        _remove_build_state(build_dir)  # from here to the rename, a crash means starting over
         _fs.fsync_dir(build_dir)
         entry_dir = layout.entry_dir(key)
         if not _fs.rename_dir_no_replace(build_dir, entry_dir):

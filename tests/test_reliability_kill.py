@@ -1,0 +1,395 @@
+"""Builders killed with SIGKILL at every stage: nothing partial is published, no lock is left
+blocking, and the next builder resumes from the last completed chunk.
+
+Real processes, real SIGKILL. To keep each trial cheap, a "zygote" interpreter imports
+cachekit, numpy, pandas and Pillow once and forks one child per build; the test kills the
+child by pid once it reports (through a file) that it reached the chosen kill point. The
+child reaches a kill point through patched module functions (a row that blocks, or a step of
+publish that blocks), so the product carries no test hooks.
+
+Trial counts: ``CACHEKIT_SOAK_TRIALS`` (default 6) sets the number of random multi-kill
+trials of ``test_soak_random_kill_chains``, for a longer soak run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import build, locks, store
+from cachekit.images import load_image
+
+N_ROWS, CHUNK, SIZE = 24, 4, (8, 8)
+SOAK_TRIALS = int(os.environ.get("CACHEKIT_SOAK_TRIALS", "6"))
+
+ZYGOTE = textwrap.dedent(r'''
+    import glob, json, os, signal, sys, time, traceback
+    from pathlib import Path
+    import numpy as np, pandas as pd
+    import cachekit
+    from cachekit import _fs, build, images, publish, store
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed children
+    real = {"load": images.load_image, "fsync_file": _fs.fsync_file, "checksum": store.checksum,
+            "write_json": _fs.write_json_atomic, "rename": _fs.rename_dir_no_replace,
+            "fsync_dir": _fs.fsync_dir}
+
+    def run(job):
+        root, point, chunk = Path(job["root"]), job["point"], job["chunk"]
+        os.environ["CACHEKIT_LOCK"] = job["lock"]
+        build.CHUNK_ROWS = chunk
+        paths = job["paths"]
+        index = {p: i for i, p in enumerate(paths)}
+        decoded = []
+        passed = set()
+
+        def barrier(name):  # wait until every process of the job has got here once
+            spec = job.get("barriers", {}).get(name)
+            if spec and name not in passed:
+                passed.add(name)
+                (Path(spec[0]) / str(os.getpid())).touch()
+                while len(os.listdir(spec[0])) < spec[1]:
+                    time.sleep(0.002)
+
+        def reach(name):
+            if name == point:
+                Path(job["signal"] + ".tmp").write_text(name)
+                os.replace(job["signal"] + ".tmp", job["signal"])
+                while True:
+                    time.sleep(3600)
+
+        def rows_done():
+            best = 0
+            for f in glob.glob(str(root / "tmp" / "*" / "data.npy.progress.json")):
+                try:
+                    best = max(best, json.loads(Path(f).read_text())["done"])
+                except (OSError, ValueError, KeyError):
+                    pass
+            return best
+
+        def load(path, *args, **kwargs):
+            row = index[path]
+            if point == f"row:{row}":  # block here once every earlier chunk is checkpointed
+                while rows_done() < row // chunk * chunk:
+                    time.sleep(0.002)
+                reach(point)
+            decoded.append(row)
+            return real["load"](path, *args, **kwargs)
+
+        fsyncs = []
+        def fsync_file(path):
+            if not fsyncs:
+                fsyncs.append(path)
+                reach("fsync")
+            return real["fsync_file"](path)
+
+        def checksum(path):
+            reach("checksum")
+            return real["checksum"](path)
+
+        def write_json(path, data, **kwargs):
+            manifest = Path(path).name == store.MANIFEST_FILE
+            if manifest:
+                reach("manifest")
+            real["write_json"](path, data, **kwargs)
+            if manifest:
+                reach("manifest-written")
+
+        def rename(src, dst):
+            reach("rename")
+            barrier("rename")
+            return real["rename"](src, dst)
+
+        def claim(layout, key, build_dir):
+            barrier("claim")
+            return real_claim(layout, key, build_dir)
+
+        def fsync_dir(path):
+            real["fsync_dir"](path)
+            if Path(path) == root / "entries":
+                reach("published")
+
+        images.load_image = load
+        _fs.fsync_file, store.checksum, _fs.write_json_atomic = fsync_file, checksum, write_json
+        _fs.rename_dir_no_replace, _fs.fsync_dir = rename, fsync_dir
+        real_claim, publish._claim = publish._claim, claim
+        if job.get("start"):
+            while not os.path.exists(job["start"]):
+                time.sleep(0.002)
+        entry = cachekit.Cache(root, workers=2, progress=False).images(
+            pd.Series(paths), tuple(job["size"]))
+        Path(job["result"]).write_text(json.dumps({
+            "decoded": sorted(decoded), "hit": entry.hit, "key": entry.key,
+            "builder": entry.manifest["builder"]["pid"],
+            "sha": __import__("hashlib").sha256(np.asarray(entry.array).tobytes()).hexdigest()}))
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                run(job)
+            except BaseException:
+                Path(job["result"] + ".err").write_text(traceback.format_exc())
+                code = 1
+            finally:
+                os._exit(code)
+        print(pid, flush=True)
+''')
+
+
+class Zygote:
+    """One warmed-up interpreter that forks a builder per job and reports its pid."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def fork(self, **job) -> int:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """Distinct small cover images, one per row, and their reference decodes."""
+    from cachekit.samples import write_sample_images
+
+    paths = write_sample_images(tmp_path_factory.mktemp("covers"), N_ROWS, seed=3)
+    reference = np.stack([load_image(p, SIZE) for p in paths])
+    return paths, reference
+
+
+def wait_for(path: Path, pid: int, result: Path) -> None:
+    """Until the child reports reaching its kill point; fail if it ended without doing so."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        err = Path(str(result) + ".err")
+        assert not err.exists(), err.read_text()
+        assert not result.exists(), "the child finished without reaching its kill point"
+        assert time.monotonic() < deadline, "the child never reached its kill point"
+        time.sleep(0.002)
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    while True:  # the zygote ignores SIGCHLD, so the kernel reaps the child: wait until gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.002)
+
+
+def kill_at(zygote, root: Path, paths, point: str, lock: str, tag: str) -> None:
+    signal_file, result = root.parent / f"{tag}.reached", root.parent / f"{tag}.json"
+    pid = zygote.fork(root=str(root), point=point, chunk=CHUNK, lock=lock, paths=paths,
+                      size=SIZE, signal=str(signal_file), result=str(result))
+    wait_for(signal_file, pid, result)
+    kill(pid)
+
+
+def assert_nothing_partial(root: Path, key: str, reference: np.ndarray) -> None:
+    """entries/ holds nothing, or only the complete, correct entry."""
+    entries = root / "entries"
+    names = sorted(p.name for p in entries.iterdir()) if entries.exists() else []
+    assert names in ([], [key])
+    if names:
+        assert_valid_entry(root / "entries" / key, reference)
+
+
+def assert_valid_entry(entry_dir: Path, reference: np.ndarray) -> None:
+    manifest = store.read_manifest(entry_dir)
+    assert store.checksum(entry_dir / store.DATA_FILE) == manifest["checksum"]
+    np.testing.assert_array_equal(np.asarray(store.open_array(entry_dir, manifest)), reference)
+    assert sorted(p.name for p in entry_dir.iterdir()) == [store.DATA_FILE, store.MANIFEST_FILE]
+
+
+def assert_lock_free(root: Path, key: str, lock: str) -> None:
+    """A fresh lock of the same kind is acquired without waiting (the dead holder blocks no one)."""
+    build_lock = locks.make_lock(store.Layout(root).lock_path(key), lock)
+    assert build_lock.acquire(timeout=0)
+    build_lock.release()
+
+
+def resume(root: Path, paths, lock: str, monkeypatch) -> tuple[cachekit.Entry, list[int]]:
+    """Build in this process, counting the rows it decodes."""
+    index = {p: i for i, p in enumerate(paths)}
+    decoded: list[int] = []
+
+    def counted(path, *args, **kwargs):
+        decoded.append(index[path])
+        return load_image(path, *args, **kwargs)
+
+    monkeypatch.setenv("CACHEKIT_LOCK", lock)
+    monkeypatch.setattr(build, "CHUNK_ROWS", CHUNK)
+    monkeypatch.setattr("cachekit.images.load_image", counted)
+    entry = cachekit.Cache(root, workers=2, progress=False, lock_timeout=60).images(
+        pd.Series(paths), SIZE)
+    return entry, sorted(decoded)
+
+
+def key_in(root: Path) -> str:
+    """The key of the one entry a test builds, from its build or entry directory name."""
+    names = [p.name for sub in ("tmp", "entries") if (root / sub).exists()
+             for p in (root / sub).iterdir()]
+    return names[0].split(".")[0]
+
+
+def first_row_after(point: str) -> int:
+    """The first row the next builder decodes after a kill at ``point``."""
+    return expected_after(point)[0]
+
+
+def expected_after(point: str) -> tuple[int, bool]:
+    """(first row the resumer decodes, whether it is a hit) after a kill at ``point``."""
+    if point.startswith("row:"):
+        row = int(point[4:])
+        return row // CHUNK * CHUNK, False
+    if point in ("fsync", "checksum", "manifest", "manifest-written"):
+        return N_ROWS, False  # the checkpoint said every row was done: nothing to redo
+    if point == "rename":
+        return 0, False  # the checkpoint is gone in the last step before the rename
+    assert point == "published"
+    return N_ROWS, True
+
+
+POINTS = ["row:0", "row:3", "row:mid", "row:late", "fsync", "checksum", "manifest",
+          "manifest-written", "rename", "published"]
+
+
+@pytest.mark.parametrize("lock", locks.KINDS)
+@pytest.mark.parametrize("point", POINTS)
+def test_sigkill_at_each_point_leaves_no_partial_entry_and_the_next_build_resumes(
+        zygote, rows, tmp_path, monkeypatch, lock, point):
+    paths, reference = rows
+    rng = random.Random(f"{point}/{lock}")
+    if point == "row:mid":
+        point = f"row:{rng.randrange(CHUNK, N_ROWS // 2)}"
+    elif point == "row:late":
+        point = f"row:{rng.randrange(N_ROWS // 2, N_ROWS)}"
+    root = tmp_path / "cache"
+    kill_at(zygote, root, paths, point, lock, "first")
+    key = key_in(root)
+    assert_nothing_partial(root, key, reference)
+    assert_lock_free(root, key, lock)
+
+    entry, decoded = resume(root, paths, lock, monkeypatch)
+    first, hit = expected_after(point)
+    assert entry.hit is hit and entry.key == key
+    assert decoded == list(range(first, N_ROWS))
+    np.testing.assert_array_equal(np.asarray(entry.array), reference)  # zero wrong reads
+    assert_valid_entry(entry.path, reference)
+    assert list((root / "tmp").iterdir()) == []
+
+
+def test_soak_random_kill_chains(zygote, rows, tmp_path, monkeypatch):
+    """Random locks and kill points, up to three kills in a row before a build completes."""
+    paths, reference = rows
+    rng = random.Random(int(os.environ.get("CACHEKIT_SOAK_SEED", "1")))
+    kills = 0
+    for trial in range(SOAK_TRIALS):
+        root = tmp_path / f"trial{trial}" / "cache"
+        root.parent.mkdir()
+        lock = rng.choice(locks.KINDS)
+        first = 0  # rows before this are done and will not be decoded again
+        for step in range(rng.randint(1, 3)):
+            point = rng.choice([f"row:{rng.randrange(first, N_ROWS)}", *POINTS[4:-1]])
+            kill_at(zygote, root, paths, point, lock, f"t{trial}s{step}")
+            kills += 1
+            key = key_in(root)
+            assert_nothing_partial(root, key, reference)
+            assert_lock_free(root, key, lock)
+            first = first_row_after(point)
+            if first == N_ROWS:
+                break  # nothing left for a row kill
+        entry, decoded = resume(root, paths, lock, monkeypatch)
+        assert decoded == list(range(first, N_ROWS)), (trial, lock, point)
+        np.testing.assert_array_equal(np.asarray(entry.array), reference)
+        assert_valid_entry(entry.path, reference)
+        assert list((root / "tmp").iterdir()) == []
+    assert kills >= SOAK_TRIALS
+
+
+def run_together(zygote, root: Path, tmp_path: Path, count: int, lock: str,
+                 barrier: str) -> list[dict]:
+    """``count`` builders started at once that all wait for each other at ``barrier``."""
+    start, meeting = tmp_path / "start", tmp_path / f"meet-{barrier}"
+    meeting.mkdir()
+    results = [tmp_path / f"builder{i}.json" for i in range(count)]
+    paths = zygote.paths
+    for result in results:
+        zygote.fork(root=str(root), point="", chunk=CHUNK, lock=lock, paths=paths, size=SIZE,
+                    signal=str(tmp_path / "unused"), result=str(result), start=str(start),
+                    barriers={barrier: [str(meeting), count]})
+    start.touch()
+    reports = []
+    for result in results:
+        deadline = time.monotonic() + 120
+        while not result.exists():
+            err = Path(str(result) + ".err")
+            assert not err.exists(), err.read_text()
+            assert time.monotonic() < deadline, "a builder never finished"
+            time.sleep(0.01)
+        reports.append(json.loads(result.read_text()))
+    return reports
+
+
+def test_two_resumers_never_share_a_dead_builders_directory(zygote, rows, tmp_path):
+    """Without a lock, two processes find one dead build and try to claim it at the same
+    moment (they meet at a barrier first): exactly one gets it, the other starts afresh."""
+    paths, reference = rows
+    zygote.paths = paths
+    root = tmp_path / "cache"
+    point = f"row:{N_ROWS // 2}"
+    kill_at(zygote, root, paths, point, "none", "dead")
+    done = first_row_after(point)
+    reports = run_together(zygote, root, tmp_path, 2, "none", "claim")
+    assert sorted(r["decoded"] for r in reports) == [list(range(N_ROWS)),
+                                                     list(range(done, N_ROWS))]
+    assert len({r["sha"] for r in reports}) == 1 and len({r["builder"] for r in reports}) == 1
+    assert_valid_entry(root / "entries" / reports[0]["key"], reference)
+    assert list((root / "tmp").iterdir()) == []
+
+
+def test_racing_builders_without_a_lock_publish_one_entry_and_the_losers_use_it(
+        zygote, rows, tmp_path):
+    """CACHEKIT_LOCK=none stands in for a lock a network filesystem silently ignores: three
+    builders all build (they meet before renaming), one rename wins, all use its entry."""
+    paths, reference = rows
+    zygote.paths = paths
+    root = tmp_path / "cache"
+    reports = run_together(zygote, root, tmp_path, 3, "none", "rename")
+    assert all(r["decoded"] == list(range(N_ROWS)) and not r["hit"] for r in reports)
+    assert len({r["builder"] for r in reports}) == 1  # every process got the winner's entry
+    assert len({r["sha"] for r in reports}) == 1 and len({r["key"] for r in reports}) == 1
+    assert sorted(p.name for p in (root / "entries").iterdir()) == [reports[0]["key"]]
+    assert_valid_entry(root / "entries" / reports[0]["key"], reference)
+    assert list((root / "tmp").iterdir()) == []  # the losers discarded their copies
