@@ -1,0 +1,207 @@
+"""The lock choice (CACHEKIT_LOCK=os|soft|none) and the soft lock's staleness rules.
+
+Mutual exclusion is shown with real interpreters that increment a shared counter file with
+an unprotected read-modify-write while holding the lock; staleness with real dead processes,
+records of another host, and a live holder whose heartbeat keeps its lock fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import _fs, locks, store
+
+COUNTER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from cachekit import locks
+
+    kind, lock_path, counter, start, rounds = sys.argv[1:6]
+    while not os.path.exists(start):
+        time.sleep(0.001)
+    lock = locks.make_lock(Path(lock_path), kind)
+    for _ in range(int(rounds)):
+        assert lock.acquire(timeout=60)
+        try:
+            value = int(Path(counter).read_text())
+            time.sleep(0.0005)  # widen the window a missing lock would lose updates in
+            Path(counter).write_text(str(value + 1))
+        finally:
+            lock.release()
+""")
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from cachekit import locks
+
+    lock = locks.SoftLock(Path(sys.argv[1]), lease=float(sys.argv[2]))
+    assert lock.acquire(timeout=10)
+    Path(sys.argv[3]).touch()
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.parametrize("kind", ["os", "soft"])
+def test_four_interpreters_never_hold_the_lock_at_once(tmp_path, kind):
+    script = tmp_path / "counter.py"
+    script.write_text(COUNTER)
+    counter, start = tmp_path / "count", tmp_path / "start"
+    counter.write_text("0")
+    lock_path = tmp_path / "locks" / "k.lock"
+    lock_path.parent.mkdir()
+    procs = [subprocess.Popen([sys.executable, str(script), kind, str(lock_path), str(counter),
+                               str(start), "40"], stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    start.touch()
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    assert int(counter.read_text()) == 160
+
+
+def write_record(path: Path, **fields) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"host": _fs.host(), "pid": 1, "lease": 60.0, **fields}))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_soft_lock_of_a_dead_local_process_is_taken_over_at_once(tmp_path):
+    path = tmp_path / "k.lock.soft"
+    write_record(path, pid=dead_pid(), start=None)
+    lock = locks.SoftLock(path, lease=3600)
+    assert lock.acquire(timeout=0)
+    assert lock.owner()["pid"] == os.getpid()
+    lock.release()
+    assert not path.exists()
+
+
+def test_a_soft_lock_of_a_reused_pid_is_taken_over(tmp_path):
+    """The pid is alive (it is ours) but started at another time: its owner is gone."""
+    path = tmp_path / "k.lock.soft"
+    me = _fs.owner()
+    if me["start"] is None:
+        pytest.skip("no /proc start times on this platform")
+    write_record(path, pid=os.getpid(), pidns=me["pidns"], start=me["start"] - 1)
+    lock = locks.SoftLock(path, lease=3600)
+    assert lock.acquire(timeout=0)
+    lock.release()
+
+
+def test_a_soft_lock_of_another_host_waits_for_its_lease(tmp_path):
+    path = tmp_path / "k.lock.soft"
+    write_record(path, host="another-node.cluster", pid=os.getpid())
+    lock = locks.SoftLock(path, lease=0.3)
+    assert not lock.acquire(timeout=0)  # fresh heartbeat, owner unknown: it is live
+    assert lock.acquire(timeout=30)  # unchanged for a lease: stale, taken over
+    lock.release()
+
+
+def test_a_soft_lock_whose_heartbeat_is_older_than_the_lease_is_taken_at_once(tmp_path):
+    path = tmp_path / "k.lock.soft"
+    write_record(path, host="another-node.cluster", pid=12345)
+    old = time.time() - 120
+    os.utime(path, (old, old))
+    lock = locks.SoftLock(path, lease=60)
+    assert lock.acquire(timeout=0)
+    lock.release()
+
+
+def test_a_live_holders_heartbeat_keeps_its_soft_lock_until_it_is_killed(tmp_path):
+    path, ready = tmp_path / "k.lock.soft", tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), "0.4", str(ready)])
+    try:
+        while not ready.exists():
+            assert holder.poll() is None
+            time.sleep(0.01)
+        waiter = locks.SoftLock(path, lease=0.4)
+        # Several leases long; without the heartbeat the lock would go stale in this time.
+        assert not waiter.acquire(timeout=2.0)
+        assert waiter.owner()["pid"] == holder.pid
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert waiter.acquire(timeout=0)  # a dead local pid: taken over at once
+    waiter.release()
+
+
+def test_a_waiter_that_moved_a_live_lock_aside_puts_it_back(tmp_path):
+    """Two waiters judged the same stale file; the second finds a new live lock in its place."""
+    path = tmp_path / "k.lock.soft"
+    write_record(path, pid=dead_pid())
+    stale_view = os.lstat(path)
+    first = locks.SoftLock(path, lease=60)
+    assert first.acquire(timeout=0)  # took the stale lock over and holds a new one
+    late = locks.SoftLock(path, lease=60)
+    late._take_over(stale_view)  # acting on its outdated judgement
+    assert first.owner()["pid"] == os.getpid()
+    now = os.lstat(path)
+    assert (now.st_dev, now.st_ino) == first._identity  # the same file, back in place
+    assert not late.acquire(timeout=0)
+    first.release()
+    assert late.acquire(timeout=0)
+    late.release()
+
+
+def test_lock_kind_and_lease_come_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("CACHEKIT_LOCK", raising=False)
+    assert isinstance(locks.make_lock(tmp_path / "a.lock"), locks.OsLock)
+    monkeypatch.setenv("CACHEKIT_LOCK", "Soft")
+    lock = locks.make_lock(tmp_path / "a.lock")
+    assert isinstance(lock, locks.SoftLock) and lock.path.name == "a.lock.soft"
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "2.5")
+    assert locks.make_lock(tmp_path / "a.lock").lease == 2.5
+    monkeypatch.setenv("CACHEKIT_LOCK", "none")
+    assert not locks.make_lock(tmp_path / "a.lock").exclusive
+    monkeypatch.setenv("CACHEKIT_LOCK", "flock")
+    with pytest.raises(ValueError, match="os, soft, none"):
+        locks.make_lock(tmp_path / "a.lock")
+    monkeypatch.setenv("CACHEKIT_LOCK", "soft")
+    for bad in ("0", "-1", "inf", "soon"):
+        monkeypatch.setenv("CACHEKIT_LOCK_LEASE", bad)
+        with pytest.raises(ValueError, match="CACHEKIT_LOCK_LEASE"):
+            locks.make_lock(tmp_path / "a.lock")
+
+
+@pytest.mark.parametrize("kind", locks.KINDS)
+def test_builds_and_hits_under_each_lock_kind(cache_root, cover_paths, monkeypatch, kind):
+    monkeypatch.setenv("CACHEKIT_LOCK", kind)
+    cache = cachekit.Cache(cache_root, progress=False)
+    built = cache.images(pd.Series(cover_paths[:4]), 8)
+    assert not built.hit and cache.images(pd.Series(cover_paths[:4]), 8).hit
+    lock_files = sorted(p.name for p in (cache_root / "locks").iterdir())
+    assert not any(name.endswith(".soft") for name in lock_files)  # a soft lock is released
+
+
+def test_a_live_soft_lock_makes_a_waiter_time_out_naming_the_lock(cache_root, cover_paths,
+                                                                  monkeypatch):
+    monkeypatch.setenv("CACHEKIT_LOCK", "soft")
+    cache = cachekit.Cache(cache_root, lock_timeout=0.3, progress=False)
+    column = pd.Series(cover_paths[:2])
+    probe = cachekit.Cache(cache_root.parent / "probe", progress=False).images(column, 8)
+    lock_path = store.Layout(cache_root).lock_path(probe.key)
+    lock_path.parent.mkdir(parents=True)
+    holder = locks.SoftLock(lock_path.with_name(lock_path.name + ".soft"), lease=60)
+    assert holder.acquire(timeout=0)
+    try:
+        with pytest.raises(cachekit.LockTimeout, match=r"\.lock\.soft"):
+            cache.images(column, 8)
+    finally:
+        holder.release()
+    assert cache.images(column, 8).key == probe.key
