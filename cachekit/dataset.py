@@ -112,10 +112,11 @@ class EntryDataset(Dataset):
         position = np.empty_like(order)
         position[order] = np.arange(order.size)
         rows = [ascending[k] for k in position.tolist()]
+        if self.transform is not None:
+            rows = [self.transform(row) for row in rows]
         if self.targets is None:
-            return [self._sample(row, None) for row in rows]
-        targets = _take(self.targets, wanted)
-        return [self._sample(row, target) for row, target in zip(rows, targets)]
+            return rows
+        return list(zip(rows, _take(self.targets, wanted)))
 
     def _sample(self, row: torch.Tensor, target: Any) -> Any:
         if self.transform is not None:
@@ -127,7 +128,9 @@ class EntryDataset(Dataset):
         pid = os.getpid()
         if self._rows is None or self._pid != pid:
             try:
-                self._rows = store.open_array(self.entry.path, self.entry.manifest)
+                # A plain ndarray view: np.memmap's __array_finalize__ costs about a third
+                # of a 256-row fancy index (measured with cProfile on 3x32x32 rows).
+                self._rows = np.asarray(store.open_array(self.entry.path, self.entry.manifest))
             except CacheCorruptError as e:
                 reason = e.reason
                 if not self.entry.path.exists():

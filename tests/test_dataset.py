@@ -146,15 +146,17 @@ def test_targets_of_the_wrong_length_or_type_are_refused(shared_entry):
 
 
 def test_v2_transform_reproduces_to_tensor_scaling(shared_entry):
-    from torchvision.transforms import v2
+    from PIL import Image
+    from torchvision.transforms import ToTensor, v2
 
     dataset = shared_entry.dataset(targets=np.arange(ROWS),
                                    transform=v2.ToDtype(torch.float32, scale=True))
     x, y = dataset[5]
     assert x.dtype == torch.float32 and int(y) == 5
-    torch.testing.assert_close(x, torch.from_numpy(DATA[5]).float() / 255)
+    seed = ToTensor()(Image.fromarray(DATA[5].transpose(1, 2, 0)))  # the seed's scaling
+    torch.testing.assert_close(x, seed, rtol=0, atol=1e-7)  # x * (1/255) vs x / 255: 1 ulp
     (x, y), = dataset.__getitems__([9])
-    torch.testing.assert_close(x, torch.from_numpy(DATA[9]).float() / 255)
+    torch.testing.assert_close(x, torch.from_numpy(DATA[9]).float() / 255, rtol=0, atol=1e-7)
 
 
 def test_dataloader_in_process_with_shuffle_and_subset(shared_entry):
