@@ -210,7 +210,6 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
             if winner is None:
                 raise FileNotFoundError(f"entry {key} vanished after another builder published it")
             return Outcome(winner.entry_dir, winner.manifest, hit=False, wait_seconds=waited)
-        _fs.fsync_dir(layout.entries)
     except KeyboardInterrupt:
         _abandon(build_dir, journal)  # keep the finished chunks for the next run
         raise
@@ -221,6 +220,10 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
                           f"{layout.root}; nothing was published. Free space there, or point "
                           "CACHEKIT_DIR at a larger disk", e.filename) from e
         raise
+    try:
+        _fs.fsync_dir(layout.entries)  # makes the rename durable; it is already visible
+    except OSError:
+        pass  # the entry is complete either way; a power cut may only cost a rebuild
     return Outcome(entry_dir, manifest, hit=False, wait_seconds=waited, resumed_from=resumed_from)
 
 

@@ -14,6 +14,7 @@ the file size against header + prod(shape) x itemsize, so misread bytes are neve
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -34,6 +35,8 @@ MANIFEST_FILE = "manifest.json"
 MEMOIZE_KIND = "memoize"
 _CHECKSUM_BLOCK = 16 << 20
 _MANIFEST_LIMIT = 256 << 20  # a tampered manifest must not exhaust memory
+# Errors of opening a path that is a symlink, a directory or another non-file: tampering.
+_NOT_A_FILE = (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR)
 
 # Manifest fields every reader relies on, with their JSON types.
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -117,8 +120,9 @@ def read_manifest(entry_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise
     except (OSError, ValueError, RecursionError) as e:
-        if isinstance(e, CacheCorruptError):
-            raise
+        if isinstance(e, CacheCorruptError) or (isinstance(e, OSError)
+                                                and e.errno not in _NOT_A_FILE):
+            raise  # an I/O error (EIO, EACCES, ...) is not evidence of a corrupt entry
         raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
     check_manifest(manifest, path)
     return manifest
@@ -218,7 +222,9 @@ def _open_data(path: Path) -> BinaryIO:
     except FileNotFoundError:
         raise CacheCorruptError(path, "data file is missing") from None
     except OSError as e:
-        raise CacheCorruptError(path, f"data file cannot be opened ({e})") from None
+        if e.errno not in _NOT_A_FILE:
+            raise  # an I/O error (EIO, EACCES, ...) is not evidence of a corrupt entry
+        raise CacheCorruptError(path, f"data file is not a regular file ({e})") from None
 
 
 def _validated_offset(f: BinaryIO, path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
