@@ -274,17 +274,18 @@ def _claim_dead_build(layout: store.Layout, key: str,
         mine = _claim(layout, key, build_dir)
         if mine is not None:
             _fs.remove_tree(mine)
+    resumed: Optional[tuple[Path, int]] = None
     for done, build_dir in sorted(candidates, key=lambda c: c[0], reverse=True):
         mine = _claim(layout, key, build_dir)
         if mine is None:
             continue  # another process claimed it first
-        _remove_build_state_except_checkpoints(mine)
         checkpoint = build.read_checkpoint(mine / store.DATA_FILE)  # re-read: it is ours now
-        if checkpoint is None:
-            _fs.remove_tree(mine)
+        if resumed is not None or checkpoint is None:
+            _fs.remove_tree(mine)  # less advanced than the one we resume: of no more use
             continue
-        return mine, checkpoint.done
-    return None
+        _remove_build_state_except_checkpoints(mine)
+        resumed = mine, checkpoint.done
+    return resumed
 
 
 def _claim(layout: store.Layout, key: str, build_dir: Path) -> Optional[Path]:

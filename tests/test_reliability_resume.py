@@ -1,0 +1,231 @@
+"""Resuming a dead builder's work: only when its journal and checkpoint match, never into
+data that disagrees with them, and never a directory a live builder may still write.
+
+Partial builds are made in this process by interrupting a build (KeyboardInterrupt keeps the
+finished chunks, as a killed process does; see test_reliability_kill.py for real SIGKILLs),
+then tampered with on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import _fs, build, publish, store
+
+ROWS, CHUNK = 40, 4
+CONTROL: dict = {"stop_at": None, "computed": [], "fail": ()}
+
+
+def row_fn(value):
+    """Three times the value; stops the build at one row and fails at others on request."""
+    if value == CONTROL["stop_at"]:
+        raise KeyboardInterrupt
+    if value in CONTROL["fail"]:
+        raise ValueError(f"row {value} is bad")
+    CONTROL["computed"].append(value)
+    return np.full((2,), value * 3, dtype=np.int16)
+
+
+EXPECTED = np.repeat(np.arange(ROWS, dtype=np.int16)[:, None] * 3, 2, axis=1)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(build, "CHUNK_ROWS", CHUNK)
+    monkeypatch.setenv("CACHEKIT_LOCK", "os")
+    CONTROL.update(stop_at=None, computed=[], fail=())
+
+
+def run(root: Path, on_error: str = "raise") -> cachekit.Entry:
+    CONTROL["computed"] = []
+    return cachekit.Cache(root, workers=2, progress=False).map(
+        row_fn, pd.Series(range(ROWS)), on_error=on_error)
+
+
+def interrupted(root: Path, stop_at: int, on_error: str = "raise") -> Path:
+    """Interrupt a build at row ``stop_at``; return the build directory it leaves."""
+    CONTROL["stop_at"] = stop_at
+    with pytest.raises(KeyboardInterrupt):
+        run(root, on_error)
+    CONTROL["stop_at"] = None
+    (build_dir,) = (root / "tmp").iterdir()
+    return build_dir
+
+
+def journal(build_dir: Path) -> dict:
+    return json.loads((build_dir / publish.JOURNAL_FILE).read_text())
+
+
+def rewrite(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    for name, value in changes.items():
+        if value is None:
+            del data[name]
+    path.write_text(json.dumps(data))
+
+
+def checkpoint_file(build_dir: Path) -> Path:
+    return build.checkpoint_path(build_dir / store.DATA_FILE)
+
+
+def assert_correct(entry: cachekit.Entry) -> None:
+    np.testing.assert_array_equal(np.asarray(entry.array), EXPECTED)
+    assert store.checksum(entry.path / store.DATA_FILE) == entry.manifest["checksum"]
+    assert list((entry.path.parent.parent / "tmp").iterdir()) == []
+
+
+def test_an_interrupted_build_resumes_from_its_last_checkpoint(cache_root, capfd):
+    build_dir = interrupted(cache_root, 17)
+    assert journal(build_dir)["abandoned"] is True
+    assert json.loads(checkpoint_file(build_dir).read_text())["done"] == 16
+    CONTROL["computed"] = []
+    entry = cachekit.Cache(cache_root, workers=2).map(row_fn, pd.Series(range(ROWS)))
+    assert sorted(CONTROL["computed"]) == list(range(16, ROWS))
+    assert "resuming the build" in capfd.readouterr().err
+    assert_correct(entry)
+
+
+def test_failed_rows_before_the_checkpoint_stay_failed_after_resuming(cache_root):
+    CONTROL["fail"] = (2, 9)
+    interrupted(cache_root, 30, on_error="zero")
+    entry = run(cache_root, on_error="zero")
+    assert min(CONTROL["computed"]) == 28  # rows 0..27 were kept, failures included
+    assert np.flatnonzero(~entry.valid).tolist() == [2, 9]
+    assert [row for row, _, _ in entry.manifest["failed_rows"]] == [2, 9]
+    assert "row 9 is bad" in entry.manifest["failed_rows"][1][2]
+    assert not np.asarray(entry.array[[2, 9]]).any()
+
+
+TAMPERING = {
+    "journal of another key": lambda d: rewrite(d / publish.JOURNAL_FILE, key="0" * 32),
+    "journal of another version": lambda d: rewrite(d / publish.JOURNAL_FILE,
+                                                    cachekit_version="0.0.0"),
+    "journal of another format": lambda d: rewrite(d / publish.JOURNAL_FILE, format=99),
+    "journal missing": lambda d: (d / publish.JOURNAL_FILE).unlink(),
+    "journal not JSON": lambda d: (d / publish.JOURNAL_FILE).write_text("{not json"),
+    "journal a list": lambda d: (d / publish.JOURNAL_FILE).write_text("[1, 2]"),
+    "checkpoint missing": lambda d: checkpoint_file(d).unlink(),
+    "checkpoint not JSON": lambda d: checkpoint_file(d).write_text("\x00\x01"),
+    "checkpoint beyond the rows": lambda d: rewrite(checkpoint_file(d), done=ROWS + 1),
+    "checkpoint negative": lambda d: rewrite(checkpoint_file(d), done=-4),
+    "checkpoint done as text": lambda d: rewrite(checkpoint_file(d), done="16"),
+    "checkpoint of another shape": lambda d: rewrite(checkpoint_file(d), shape=[ROWS, 1, 2]),
+    "checkpoint of another dtype": lambda d: rewrite(checkpoint_file(d), dtype="<u2"),
+    "checkpoint of object dtype": lambda d: rewrite(checkpoint_file(d), dtype="|O"),
+    "checkpoint of another format": lambda d: rewrite(checkpoint_file(d), format=2),
+    "failure beyond done": lambda d: rewrite(checkpoint_file(d), failures=[[30, "x", "y"]]),
+    "failure malformed": lambda d: rewrite(checkpoint_file(d), failures=[[1, 2]]),
+    "data truncated": lambda d: os.truncate(d / store.DATA_FILE, 100),
+    "data missing": lambda d: (d / store.DATA_FILE).unlink(),
+    "data header rewritten": lambda d: np.save(d / store.DATA_FILE,
+                                               np.zeros((ROWS, 2), np.int32)),
+    "data is a symlink": lambda d: _symlink_data(d),
+}
+
+
+def _symlink_data(build_dir: Path) -> None:
+    outside = build_dir.parent.parent.parent / "outside.npy"
+    os.replace(build_dir / store.DATA_FILE, outside)  # the very bytes, only moved outside
+    os.symlink(outside, build_dir / store.DATA_FILE)
+
+
+@pytest.mark.parametrize("how", sorted(TAMPERING))
+def test_a_journal_or_checkpoint_that_does_not_match_is_never_resumed(cache_root, how):
+    build_dir = interrupted(cache_root, 21)
+    TAMPERING[how](build_dir)
+    entry = run(cache_root)
+    assert sorted(CONTROL["computed"]) == list(range(ROWS))  # everything recomputed
+    assert_correct(entry)
+    outside = cache_root.parent / "outside.npy"
+    if how == "data is a symlink":  # the dead directory went, the file it pointed at stayed
+        assert np.load(outside, allow_pickle=False).shape == (ROWS, 2)
+
+
+def live_process() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def as_owner(build_dir: Path, **owner) -> None:
+    """Make the journal say ``owner`` is building (not abandoned)."""
+    rewrite(build_dir / publish.JOURNAL_FILE, abandoned=None, pidns=None, start=None, **owner)
+
+
+@pytest.mark.parametrize("lock", ["os", "soft", "none"])
+def test_a_live_local_builders_directory_is_left_alone(cache_root, monkeypatch, lock):
+    build_dir = interrupted(cache_root, 21)
+    holder = live_process()
+    try:
+        as_owner(build_dir, host=_fs.host(), pid=holder.pid)
+        monkeypatch.setenv("CACHEKIT_LOCK", lock)
+        entry = run(cache_root)
+        assert sorted(CONTROL["computed"]) == list(range(ROWS))
+        np.testing.assert_array_equal(np.asarray(entry.array), EXPECTED)
+        assert [p.name for p in (cache_root / "tmp").iterdir()] == [build_dir.name]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("lock, resumed", [("os", True), ("soft", True), ("none", False)])
+def test_another_hosts_directory_is_resumed_only_under_a_working_lock(cache_root, monkeypatch,
+                                                                      lock, resumed):
+    build_dir = interrupted(cache_root, 21)
+    as_owner(build_dir, host="another-node.cluster", pid=4242)
+    monkeypatch.setenv("CACHEKIT_LOCK", lock)
+    entry = run(cache_root)
+    assert min(CONTROL["computed"]) == (20 if resumed else 0)
+    np.testing.assert_array_equal(np.asarray(entry.array), EXPECTED)
+    left = [p.name for p in (cache_root / "tmp").iterdir()]
+    assert left == ([] if resumed else [build_dir.name])
+
+
+def test_a_dead_local_builders_directory_is_resumed_even_without_a_lock(cache_root,
+                                                                        monkeypatch):
+    build_dir = interrupted(cache_root, 21)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    as_owner(build_dir, host=_fs.host(), pid=gone.pid)
+    monkeypatch.setenv("CACHEKIT_LOCK", "none")
+    entry = run(cache_root)
+    assert min(CONTROL["computed"]) == 20
+    assert_correct(entry)
+
+
+def test_the_most_advanced_of_several_dead_builds_is_resumed_and_the_rest_removed(cache_root):
+    early = interrupted(cache_root, 9)
+    parked = cache_root / "parked"
+    os.rename(early, parked)  # out of sight while a second build gets further
+    later = interrupted(cache_root, 26)
+    os.rename(parked, early)
+    assert sorted(p.name for p in (cache_root / "tmp").iterdir()) == sorted([early.name,
+                                                                             later.name])
+    entry = run(cache_root)
+    assert min(CONTROL["computed"]) == 24
+    assert_correct(entry)
+
+
+def test_build_directories_that_are_symlinks_are_never_followed(cache_root, tmp_path):
+    entry = run(cache_root)  # learn the key
+    key = entry.key
+    for path in (cache_root / "entries" / key).iterdir():
+        path.unlink()
+    (cache_root / "entries" / key).rmdir()
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    (outside / publish.JOURNAL_FILE).write_text(json.dumps({"abandoned": True}))
+    os.symlink(outside, cache_root / "tmp" / f"{key}.host.1.bbbb")
+    again = run(cache_root)
+    np.testing.assert_array_equal(np.asarray(again.array), EXPECTED)
+    assert (outside / "keep.txt").read_text() == "mine"
+    assert (cache_root / "tmp" / f"{key}.host.1.bbbb").is_symlink()
