@@ -1,0 +1,398 @@
+"""Hostile input: odd and hostile paths and image files, tampered entries, pickles, umasks.
+
+A hostile image is never fatal to a build: its row fails with a reason (or decodes, for the
+formats Pillow reads), every other row is exactly what ``load_image`` gives. A tampered
+entry is ``CacheCorruptError``, never wrong data, and nothing outside the cache root is read
+(every lure below is a *correct* copy placed outside: following it would have succeeded).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image, features
+
+import cachekit
+from cachekit import store
+from cachekit.images import load_image
+
+PACKAGE = Path(cachekit.__file__).parent
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` pixels, with almost no pixel data."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I",
+                                                                        zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 10)) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, request) -> dict[str, tuple[str, bool]]:
+    """name -> (path, whether it must decode)."""
+    base = tmp_path_factory.mktemp("hostile")
+    rng = np.random.default_rng(5)
+    pixels = Image.fromarray(rng.integers(0, 255, (37, 29, 3), dtype=np.uint8))
+    good = base / "good.png"
+    pixels.save(good)
+    files: dict[str, tuple[Path, bool]] = {}
+
+    def add(name: str, path: Path, decodes: bool) -> None:
+        files[name] = (path, decodes)
+
+    for name in ("ünï cödé 日本語 🖼.png", "with space.png", "new\nline.png", "tab\there.png",
+                 "quote'\"$`.png", "-leading-dash.png", "back\\slash.png"):
+        shutil.copy(good, base / name)
+        add(f"name {name!r}", base / name, True)
+    longest = base / ("l" * 251 + ".png")  # 255 bytes: the longest name ext4 allows
+    shutil.copy(good, longest)
+    add("255-byte name", longest, True)
+    deep = base
+    while len(str(deep)) < 3500:
+        deep = deep / ("d" * 200)
+    deep.mkdir(parents=True)
+    shutil.copy(good, deep / "deep.png")
+    add("3500-character path", deep / "deep.png", True)
+    add("path beyond PATH_MAX", base / (("x" * 200 + "/") * 25 + "a.png"), False)
+    os.symlink(good, base / "link.png")
+    add("symlink to an image", base / "link.png", True)
+    os.symlink(base / "missing.png", base / "dangling.png")
+    add("dangling symlink", base / "dangling.png", False)
+    os.symlink(base / "loop2.png", base / "loop1.png")
+    os.symlink(base / "loop1.png", base / "loop2.png")
+    add("symlink loop", base / "loop1.png", False)
+    (base / "folder.png").mkdir()
+    add("directory", base / "folder.png", False)
+    add("/dev/null", Path("/dev/null"), False)
+
+    frames = [Image.fromarray(np.full((20, 24, 3), c, np.uint8)) for c in (10, 200, 90)]
+    frames[0].save(base / "anim.gif", save_all=True, append_images=frames[1:], duration=40)
+    add("animated GIF", base / "anim.gif", True)
+    wide = rng.integers(0, 65535, (20, 24)).astype(np.uint16)
+    Image.fromarray(wide).save(base / "sixteen.png")
+    add("16-bit PNG", base / "sixteen.png", True)
+    pixels.convert("CMYK").save(base / "cmyk.jpg")
+    add("CMYK JPEG", base / "cmyk.jpg", True)
+    pixels.save(base / "progressive.jpg", progressive=True)
+    add("progressive JPEG", base / "progressive.jpg", True)
+    if features.check("webp"):
+        pixels.save(base / "image.webp")
+        add("WebP", base / "image.webp", True)
+    pixels.save(base / "image.bmp")
+    add("BMP", base / "image.bmp", True)
+    pixels.save(base / "image.tif")
+    add("TIFF", base / "image.tif", True)
+    frames[0].save(base / "pages.tif", save_all=True, append_images=frames[1:])
+    add("multi-page TIFF", base / "pages.tif", True)
+    pal = pixels.convert("P")
+    pal.info["transparency"] = 0
+    pal.save(base / "palette.png", transparency=0)
+    add("palette PNG with transparency", base / "palette.png", True)
+    pixels.convert("LA").save(base / "la.png")
+    add("grey+alpha PNG", base / "la.png", True)
+    pixels.convert("1").save(base / "bilevel.png")
+    add("1-bit PNG", base / "bilevel.png", True)
+
+    (base / "bomb.png").write_bytes(png_header(20000, 20000))
+    add("decompression bomb (20000 x 20000 claimed)", base / "bomb.png", False)
+    (base / "huge.png").write_bytes(png_header(2**31 - 1, 2**31 - 1))
+    add("enormous dimensions (2^31-1 squared)", base / "huge.png", False)
+    (base / "empty.jpg").write_bytes(b"")
+    add("empty file", base / "empty.jpg", False)
+    jpeg = (base / "progressive.jpg").read_bytes()
+    (base / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 3])
+    add("truncated JPEG", base / "truncated.jpg", False)
+    (base / "page.jpg").write_text("<html><script>alert(1)</script></html>")
+    add("HTML named .jpg", base / "page.jpg", False)
+    broken = bytearray(good.read_bytes())
+    broken[-30:-20] = b"\xff" * 10
+    (base / "badcrc.png").write_bytes(bytes(broken))
+    add("PNG with a damaged chunk", base / "badcrc.png", False)
+    return {name: (str(path), decodes) for name, (path, decodes) in files.items()}
+
+
+def decode_or_none(path: str):
+    try:
+        return load_image(path, (8, 8))
+    except Exception:
+        return None
+
+
+def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, hostile):
+    names = sorted(hostile)
+    paths = [hostile[n][0] for n in names]
+    expected = [decode_or_none(p) for p in paths]
+    for name, result in zip(names, expected):
+        assert (result is not None) == hostile[name][1], name  # the premise of each case
+
+    root = tmp_path / "ca che\nroot ü 日本"  # the root itself has an odd name
+    entry = cachekit.Cache(root, workers=2, progress=False).images(pd.Series(paths), 8,
+                                                                   on_error="zero")
+    failed = {row: (path, reason) for row, path, reason in entry.manifest["failed_rows"]}
+    for row, (name, result) in enumerate(zip(names, expected)):
+        if result is None:
+            assert not entry.valid[row] and not np.asarray(entry.array[row]).any(), name
+            assert failed[row][0] == paths[row] and failed[row][1], name
+        else:
+            assert entry.valid[row], name
+            np.testing.assert_array_equal(np.asarray(entry.array[row]), result, err_msg=name)
+
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cachekit.Cache(root, workers=2, progress=False).images(pd.Series(paths), 8)
+    assert [row for row, _, _ in caught.value.failures] == sorted(failed)
+    assert sorted(p.name for p in (root / "entries").iterdir()) == [entry.key]
+    assert cachekit.Cache(root).images(pd.Series(paths), 8, on_error="zero").hit
+
+
+# --- tampered entries -------------------------------------------------------------------
+
+def manifest_edit(**changes):
+    def edit(entry_dir: Path) -> None:
+        path = entry_dir / store.MANIFEST_FILE
+        manifest = json.loads(path.read_text())
+        manifest.update(changes)
+        for key, value in changes.items():
+            if value is ...:
+                del manifest[key]
+        path.write_text(json.dumps(manifest))
+    return edit
+
+
+def manifest_text(text: str):
+    return lambda entry_dir: (entry_dir / store.MANIFEST_FILE).write_text(text)
+
+
+def lure(name: str):
+    """Replace ``name`` with a symlink to an identical copy outside the root."""
+    def edit(entry_dir: Path) -> None:
+        outside = entry_dir.parents[2] / f"outside-{name.replace('/', '_') or 'entry'}"
+        target = entry_dir / name if name else entry_dir
+        os.replace(target, outside) if name else shutil.move(target, outside)
+        os.symlink(outside, target)
+    return edit
+
+
+def fifo(name: str):
+    def edit(entry_dir: Path) -> None:
+        (entry_dir / name).unlink()
+        os.mkfifo(entry_dir / name)
+    return edit
+
+
+def replace_with_directory(entry_dir: Path) -> None:
+    (entry_dir / store.MANIFEST_FILE).unlink()
+    (entry_dir / store.MANIFEST_FILE).mkdir()
+
+
+MARKER = "pickle-ran.txt"
+
+
+class Payload:
+    """Unpickling this creates a marker file: proof that someone unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "unpickled"))
+
+
+def pickled_data(manifest_dtype: str):
+    def edit(entry_dir: Path) -> None:
+        marker = str(entry_dir.parents[2] / MARKER)
+        rows = json.loads((entry_dir / store.MANIFEST_FILE).read_text())["rows"]
+        array = np.empty(rows, dtype=object)
+        array[:] = [Payload(marker) for _ in range(rows)]
+        with open(entry_dir / store.DATA_FILE, "wb") as f:
+            np.lib.format.write_array(f, array, allow_pickle=True)
+        manifest_edit(dtype=manifest_dtype, shape=[rows])(entry_dir)
+    return edit
+
+
+TAMPERED = {
+    "manifest not JSON": manifest_text("{\"key\": "),
+    "manifest empty": manifest_text(""),
+    "manifest a list": manifest_text("[]"),
+    "manifest a string": manifest_text("\"manifest\""),
+    "manifest nested 100000 deep": manifest_text("[" * 100000 + "]" * 100000),
+    "manifest with NaN rows": manifest_text("{\"rows\": NaN}"),
+    "rows as text": manifest_edit(rows="12"),
+    "rows as bool": manifest_edit(rows=True),
+    "rows other than shape": manifest_edit(rows=11),
+    "shape with text": manifest_edit(shape=[12, "3", 8, 8]),
+    "shape negative": manifest_edit(shape=[12, -3, 8, -8]),
+    "shape as bools": manifest_edit(shape=[12, True, 8, 8]),
+    "shape not a list": manifest_edit(shape="12,3,8,8"),
+    "shape that overflows int64": manifest_edit(shape=[12, 2**62, 2**62, 4]),
+    "shape other than the data": manifest_edit(shape=[12, 3, 4, 16]),
+    "dtype object": manifest_edit(dtype="|O"),
+    "dtype unparsable": manifest_edit(dtype=",,"),
+    "dtype a number": manifest_edit(dtype=5),
+    "dtype other than the data": manifest_edit(dtype="<u2", shape=[12, 3, 8, 4]),
+    "format from the future": manifest_edit(format=99),
+    "key pointing outside": manifest_edit(key="../../../../etc/passwd"),
+    "key of another entry": manifest_edit(key="0" * 32),
+    "failed row out of range": manifest_edit(failed_rows=[[12, "x", "y"]]),
+    "failed row negative": manifest_edit(failed_rows=[[-1, "x", "y"]]),
+    "failed row as text": manifest_edit(failed_rows=[["0", "x", "y"]]),
+    "checksum missing": manifest_edit(checksum=...),
+    "kind missing": manifest_edit(kind=...),
+    "manifest is a symlink out": lure(store.MANIFEST_FILE),
+    "data is a symlink out": lure(store.DATA_FILE),
+    "entry is a symlink out": lure(""),
+    "manifest is a FIFO": fifo(store.MANIFEST_FILE),
+    "data is a FIFO": fifo(store.DATA_FILE),
+    "manifest is a directory": replace_with_directory,
+    "data missing": lambda d: (d / store.DATA_FILE).unlink(),
+    "data truncated by a byte": lambda d: os.truncate(d / store.DATA_FILE,
+                                                      (d / store.DATA_FILE).stat().st_size - 1),
+    "data grown by a byte": lambda d: _append_byte(d / store.DATA_FILE),
+    "data header garbled": lambda d: _garble_header(d / store.DATA_FILE),
+    "data is a pickle, manifest says object": pickled_data("|O"),
+    "data is a pickle, manifest says uint8": pickled_data("|u1"),
+}
+
+
+def _append_byte(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0")
+
+
+def _garble_header(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(10)
+        f.write(b"{'descr': __import__('os').system('x'), ")
+
+
+@pytest.mark.parametrize("how", sorted(TAMPERED))
+def test_a_tampered_entry_is_corrupt_never_wrong_data_and_nothing_outside_is_read(
+        tmp_path, cover_paths, how):
+    root = tmp_path / "cache"
+    column = pd.Series(cover_paths)
+    cache = cachekit.Cache(root, workers=2, progress=False, lock_timeout=0)
+    entry_dir = cache.images(column, 8).path
+    TAMPERED[how](entry_dir)
+    with pytest.raises(cachekit.CacheCorruptError) as caught:
+        entry = cache.images(column, 8)
+        np.asarray(entry.array).sum()  # not reached; if it were, it would read the data
+    assert str(root) in str(caught.value)
+    assert not (tmp_path / MARKER).exists()  # nothing was unpickled
+
+
+def test_entry_keys_that_are_not_keys_never_become_paths(tmp_path):
+    layout = store.Layout(tmp_path)
+    for bad in ("../" + "0" * 29, "0" * 31 + "/", "/etc/passwd", "..", "", "0" * 33,
+                "A" * 32, "0" * 31 + "\n"):
+        with pytest.raises(ValueError, match="not a cache key"):
+            layout.entry_dir(bad)
+
+
+# --- nothing unpickles --------------------------------------------------------------------
+
+UNPICKLERS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"),
+              ("torch", "load"), ("joblib", "load"), ("dill", "load"), ("dill", "loads"),
+              ("marshal", "load"), ("marshal", "loads"), ("shelve", "open")}
+
+
+def test_no_read_path_in_the_package_can_unpickle():
+    """Every module of the package: no unpickling call, and every numpy loader refuses pickles."""
+    problems = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            where = f"{path.name}:{node.lineno}"
+            if isinstance(func, ast.Name) and func.id in ("eval", "exec"):
+                problems.append(f"{where} calls {func.id}")
+            if not isinstance(func, ast.Attribute):
+                continue
+            owner = func.value.id if isinstance(func.value, ast.Name) else ast.unparse(func.value)
+            if (owner.split(".")[-1], func.attr) in UNPICKLERS:
+                problems.append(f"{where} calls {owner}.{func.attr}")
+            if func.attr in ("load", "read_array", "open_memmap") and owner in (
+                    "np", "numpy", "np.lib.format", "numpy.lib.format"):
+                refused = any(k.arg == "allow_pickle" and isinstance(k.value, ast.Constant)
+                              and k.value.value is False for k in node.keywords)
+                if func.attr != "open_memmap" and not refused:
+                    problems.append(f"{where} calls {owner}.{func.attr} without "
+                                    "allow_pickle=False")
+    assert problems == []
+
+
+# --- shared caches: the umask decides --------------------------------------------------------
+
+MODES_CHILD = textwrap.dedent("""
+    import json, os, stat, sys
+    from pathlib import Path
+    import pandas as pd
+    import cachekit
+    from cachekit import locks, store
+
+    root, umask, paths = Path(sys.argv[1]), int(sys.argv[2], 8), sys.argv[3:]
+    os.umask(umask)
+    entry = cachekit.Cache(root, progress=False).images(pd.Series(paths), 8)
+    soft = locks.SoftLock(root / "locks" / "held.lock.soft")
+    assert soft.acquire(timeout=0)
+    os_lock = locks.OsLock(root / "locks" / "held.lock")
+    assert os_lock.acquire(timeout=0)
+    def mode(p):
+        st = os.stat(p)
+        return [oct(st.st_mode & 0o7777), st.st_gid]
+    print(json.dumps({name: mode(path) for name, path in {
+        "entries": root / "entries", "entry": entry.path,
+        "data": entry.path / store.DATA_FILE, "manifest": entry.path / store.MANIFEST_FILE,
+        "tmp": root / "tmp", "locks": root / "locks",
+        "soft lock": soft.path, "os lock": os_lock.path}.items()}))
+    soft.release()
+    os_lock.release()
+""")
+
+
+def modes_under(root: Path, umask: str, paths) -> dict:
+    out = subprocess.run([sys.executable, "-c", MODES_CHILD, str(root), umask, *paths],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_entries_and_lock_files_follow_the_umask(tmp_path, cover_paths):
+    shared = modes_under(tmp_path / "shared", "002", cover_paths[:2])
+    for name in ("entries", "entry", "tmp", "locks"):
+        assert shared[name][0] == "0o775", name
+    for name in ("data", "manifest", "soft lock", "os lock"):
+        assert shared[name][0] == "0o664", name
+    private = modes_under(tmp_path / "private", "077", cover_paths[:2])
+    for name in ("entries", "entry", "tmp", "locks"):
+        assert private[name][0] == "0o700", name
+    for name in ("data", "manifest", "soft lock", "os lock"):
+        assert private[name][0] == "0o600", name
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="changing a directory's group to an arbitrary gid needs root")
+def test_a_setgid_root_gives_every_entry_the_shared_group(tmp_path, cover_paths):
+    """The README recipe for a cache several users share: group-owned, setgid, umask 002."""
+    root = tmp_path / "team"
+    root.mkdir()
+    os.chown(root, -1, 4242)
+    os.chmod(root, 0o2775)
+    modes = modes_under(root, "002", cover_paths[:2])
+    for name in ("entries", "entry", "tmp", "locks"):
+        assert modes[name] == ["0o2775", 4242], name
+    for name in ("data", "manifest", "soft lock", "os lock"):
+        assert modes[name] == ["0o664", 4242], name
