@@ -101,7 +101,8 @@ class EntryDataset(Dataset):
         if wanted.size == 0:
             return []
         n = len(self)
-        wanted = np.where(wanted < 0, wanted + n, wanted)
+        if wanted.min() < 0:
+            wanted = np.where(wanted < 0, wanted + n, wanted)
         if wanted.min() < 0 or wanted.max() >= n:
             bad = wanted[(wanted < 0) | (wanted >= n)][0]
             raise IndexError(f"index {int(bad)} is out of range for {n} rows")
@@ -111,7 +112,8 @@ class EntryDataset(Dataset):
         ascending = torch.from_numpy(self._array()[wanted[order]]).unbind(0)
         position = np.empty_like(order)
         position[order] = np.arange(order.size)
-        rows = [ascending[k] for k in position.tolist()]
+        rows = list(ascending) if order.size == 1 else \
+            list(operator.itemgetter(*position.tolist())(ascending))
         if self.transform is not None:
             rows = [self.transform(row) for row in rows]
         if self.targets is None:
