@@ -137,7 +137,7 @@ class EntryDataset(Dataset):
                 reason = e.reason
                 if not self.entry.path.exists():
                     reason = ("the entry was removed (cachekit clear/prune?) after this Dataset "
-                              "was made; call cache.images/cache.map again to rebuild it")
+                              "was made; get it again (cache.images, map or memoize) to rebuild it")
                 raise DatasetCorruptError(e.path, reason) from None
             self._pid = pid
         return self._rows
