@@ -336,6 +336,8 @@ def test_soak_random_kill_chains(zygote, rows, tmp_path, monkeypatch):
         assert_valid_entry(entry.path, reference)
         assert list((root / "tmp").iterdir()) == []
     assert kills >= SOAK_TRIALS
+    print(f"soak: {SOAK_TRIALS} trials, {kills} SIGKILLs, every trial ended with a valid "
+          "entry equal to the reference")  # shown with -s
 
 
 def run_together(zygote, root: Path, tmp_path: Path, count: int, lock: str,
