@@ -42,7 +42,7 @@ def png_header(width: int, height: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def hostile(tmp_path_factory, request) -> dict[str, tuple[str, bool]]:
+def hostile(tmp_path_factory) -> dict[str, tuple[str, bool]]:
     """name -> (path, whether it must decode)."""
     base = tmp_path_factory.mktemp("hostile")
     rng = np.random.default_rng(5)

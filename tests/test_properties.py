@@ -131,7 +131,7 @@ GENERATOR = textwrap.dedent("""
         if kind == 1: return rng.random() < 0.5
         if kind == 2: return rng.randrange(-2**70, 2**70)
         if kind == 3: return rng.choice([0.0, -0.0, 1.5, float("inf"), float("nan"), 1e-300])
-        if kind == 4: return "".join(chr(rng.randrange(1, 0x2FFFF)) for _ in range(rng.randrange(6)))
+        if kind == 4: return "".join(chr(rng.randrange(1, 0x2FFFF)) for _ in range(5))
         if kind == 5: return bytes(rng.randrange(256) for _ in range(rng.randrange(6)))
         if kind == 6: return [generate(rng, depth + 1) for _ in range(rng.randrange(4))]
         if kind == 7: return tuple(generate(rng, depth + 1) for _ in range(rng.randrange(4)))
