@@ -112,16 +112,18 @@ def is_plain_dir(path: Path) -> bool:
         return False
 
 
-def open_regular(path: Path) -> BinaryIO:
+def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> BinaryIO:
     """Open a regular file for reading without following a final symlink or blocking on a FIFO.
 
     Raises FileNotFoundError when it is missing and OSError when it is a symlink (ELOOP) or
     not a regular file, so a tampered entry can neither point a reader outside the cache
     nor hang it. The file object keeps ``path`` as its name (numpy's memmap records it).
+    ``follow_symlinks`` is for user files (image paths), where links are legitimate.
     """
+    nofollow = 0 if follow_symlinks else _NOFOLLOW
 
     def opener(name: str, flags: int) -> int:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+        fd = os.open(name, os.O_RDONLY | nofollow | _NONBLOCK)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", str(name))

@@ -213,10 +213,11 @@ class Cache:
                     "dtype": filled.dtype.str,
                     "failed_rows": [list(f) for f in filled.failures]}
 
-        outcome = publish.obtain(self._layout, key, build_entry, lock_timeout=self.lock_timeout,
-                                 announce=self.progress is not False)
-        entry = Entry(outcome.entry_dir, outcome.manifest, hit=outcome.hit,
-                      wait_seconds=outcome.wait_seconds)
+        entry = publish.obtain_and_open(
+            self._layout, key, build_entry,
+            lambda found: Entry(found.entry_dir, found.manifest, hit=found.hit,
+                                wait_seconds=found.wait_seconds),
+            lock_timeout=self.lock_timeout, announce=self.progress is not False)
         _wandb.report(entry)  # into the user's active wandb run, if any; never raises
         return entry
 

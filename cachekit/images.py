@@ -12,6 +12,7 @@ import math
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
+from . import _fs
 from .options import FITS, MODES, RESAMPLE_NAMES
 
 __all__ = ["FITS", "MODES", "RESAMPLES", "load_image"]
@@ -61,7 +62,8 @@ def load_image(
     read-only (for "L" it shares the buffer Pillow produced); copy it to modify it.
     """
     height, width = size
-    with Image.open(path) as im:
+    # A FIFO or device path would block or never end: only regular files are opened.
+    with _fs.open_regular(path, follow_symlinks=True) as f, Image.open(f) as im:
         orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
         if draft:
             im.draft(None, _draft_request(im.size, (width, height), fit, orientation))

@@ -73,9 +73,9 @@ def memoize(cache: Any, fn: Optional[Callable[..., Any]] = None, *,
             return {"params": {"function": identity, "arguments": arguments},
                     **_write_leaves(build_dir, leaves), "structure": structure}
 
-        outcome = publish.obtain(cache._layout, key, build_entry, lock_timeout=cache.lock_timeout,
-                                 announce=cache.progress is not False)
-        return load(outcome.entry_dir, outcome.manifest)
+        return publish.obtain_and_open(
+            cache._layout, key, build_entry, lambda found: load(found.entry_dir, found.manifest),
+            lock_timeout=cache.lock_timeout, announce=cache.progress is not False)
 
     def cache_key(*args: Any, **kwargs: Any) -> str:
         """The entry key these arguments map to, without calling the function."""

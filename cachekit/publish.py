@@ -22,13 +22,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import filelock  # noqa: F401  (tests patch cachekit.publish.filelock.FileLock; locks.py uses it)
+from typing import Any, Callable, Optional, TypeVar
 
 from . import _fs, build, locks, store
 from ._version import __version__
-from .errors import LockTimeout, ReadOnlyCacheError
+from .errors import CacheCorruptError, LockTimeout, ReadOnlyCacheError
 
 JOURNAL_FILE = "journal.json"
 POLL_SECONDS = 0.25
@@ -39,6 +37,7 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 ChunkCallback = Callable[[int, int], None]
 BuildFunction = Callable[[Path, ChunkCallback], "dict[str, Any]"]
 """Builds into the given directory, reporting (rows done, rows total); returns manifest fields."""
+Opened = TypeVar("Opened")
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,30 @@ def obtain(
         build_lock.release()
 
 
+def obtain_and_open(layout: store.Layout, key: str, build: BuildFunction,
+                    open_entry: Callable[[Outcome], Opened], **options: Any) -> Opened:
+    """:func:`obtain`, then ``open_entry(outcome)``.
+
+    ``cachekit clear`` may remove the entry between reading its manifest and opening its
+    data; that is not corruption, so obtain it again (a rebuild) instead of raising.
+    """
+    for attempt in range(3):
+        outcome = obtain(layout, key, build, **options)
+        try:
+            return open_entry(outcome)
+        except (CacheCorruptError, FileNotFoundError):
+            if attempt == 2 or _still_published(outcome):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _still_published(outcome: Outcome) -> bool:
+    try:
+        return store.read_manifest(outcome.entry_dir) == outcome.manifest
+    except (OSError, ValueError):
+        return False
+
+
 def _ensure_writable(layout: store.Layout, key: str) -> None:
     try:
         for directory in (layout.entries, layout.tmp, layout.locks):
@@ -151,9 +174,11 @@ def describe_builder(layout: store.Layout, key: str) -> str:
         return "another process"
     j = max(journals, key=lambda j: j.get("updated", 0) if _is_number(j.get("updated")) else 0)
     done, total = j.get("done", 0), j.get("total", 0)
-    known = _is_number(done) and _is_number(total) and total
-    share = f", {100 * done / total:.0f}%" if known else ""
-    return f"pid {j.get('pid')} on {j.get('host')} ({done}/{total} rows{share})"
+    if _is_number(done) and _is_number(total) and total:
+        progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
+    else:
+        progress = "starting"
+    return f"pid {j.get('pid')} on {j.get('host')} ({progress})"
 
 
 def read_journal(build_dir: Path) -> Optional[dict[str, Any]]:

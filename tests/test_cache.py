@@ -105,7 +105,8 @@ def test_hit_takes_no_lock_and_decodes_nothing(cache_root, cover_paths, monkeypa
     def forbidden(*args, **kwargs):
         raise AssertionError("a hit must not lock or decode")
 
-    monkeypatch.setattr("cachekit.publish.filelock.FileLock", forbidden)
+    monkeypatch.setattr("cachekit.publish.locks.make_lock", forbidden)
+    monkeypatch.setattr("filelock.FileLock", forbidden)
     monkeypatch.setattr("cachekit.images.load_image", forbidden)
     hit = cache.images(pd.Series(cover_paths), 8)
     assert hit.hit and hit.key == built.key
@@ -262,3 +263,26 @@ def test_public_names_match_all():
     public = {name for name in dir(cachekit) if not name.startswith("_")
               and not isinstance(getattr(cachekit, name), types.ModuleType)}
     assert public == set(cachekit.__all__) - {"__version__"}
+
+
+def test_entry_cleared_between_manifest_and_data_is_built_again(cache_root, cover_paths,
+                                                                monkeypatch):
+    import shutil
+
+    from cachekit import publish
+
+    cache = cachekit.Cache(cache_root)
+    built = np.array(cache.images(pd.Series(cover_paths), 8).array)
+    real_find, raced = publish.find, []
+
+    def find_then_clear(layout, key):
+        found = real_find(layout, key)
+        if found is not None and not raced:  # `cachekit clear` removes it right after
+            raced.append(key)
+            shutil.rmtree(found.entry_dir)
+        return found
+
+    monkeypatch.setattr("cachekit.publish.find", find_then_clear)
+    again = cache.images(pd.Series(cover_paths), 8)
+    assert raced and not again.hit
+    np.testing.assert_array_equal(np.asarray(again.array), built)

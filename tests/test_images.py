@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -302,6 +303,7 @@ _BAD_FILES = {
     "truncated-jpeg": _truncated_jpeg,
     "text-named-jpg": lambda p: p.write_text("not an image\n"),
     "directory": lambda p: p.mkdir(),
+    "fifo": lambda p: os.mkfifo(p),  # opening it for reading would block forever
 }
 
 
