@@ -1,0 +1,42 @@
+"""benchmarks/run.py still runs end to end: a tiny configuration, nothing timed or compared.
+
+Skipped unless the ``bench`` extra (joblib, matplotlib) is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("joblib")
+pytest.importorskip("matplotlib")
+
+RUN_PY = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+
+def load_run_module():
+    spec = importlib.util.spec_from_file_location("cachekit_benchmarks_run", RUN_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_writes_table_and_chart(tmp_path: Path) -> None:
+    run = load_run_module()
+    out = tmp_path / "docs"
+    report = run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
+                       "--hit-rows", "200", "--repeats", "1", "--only", "build,hit,agents",
+                       "--contestants", "joblib,cachekit", "--out", str(out)])
+
+    sections = {row.section for row in report.rows}
+    assert sections == {"build", "rss", "hit", "agents_wall", "agents_cpu"}
+    assert all(len(row.runs) == 1 and row.runs[0] > 0 for row in report.rows)
+    race = report.row("agents_wall", "cachekit")
+    assert race is not None and "decoded: 1 of 4" in race.detail  # one builder, three waiters
+    text = (out / "benchmarks.md").read_text(encoding="utf-8")
+    assert "cachekit exact, 2 workers" in text and "joblib.Memory, object" in text
+    assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
