@@ -26,7 +26,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import build, locks, store
+from cachekit import ImageDecodeError, build, locks, store
 from cachekit.images import load_image
 
 SIZE = (8, 8)
@@ -130,6 +130,10 @@ def test_a_write_fault_at_every_call_position_fails_cleanly(tmp_path, column, re
         try:
             with failing_call(target, nth, error):
                 entry = fresh_build(root, column)
+        except ImageDecodeError as caught:  # the fault hit the read of a source image
+            failed += 1
+            assert error.strerror in caught.failures[0][2]
+            assert_clean_after_failure(root, key)
         except OSError as caught:
             failed += 1
             assert caught.errno == error.errno, caught
