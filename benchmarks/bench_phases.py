@@ -358,11 +358,13 @@ def measure_dataloader(data: Data, config: Config) -> tuple[list[Row], list[str]
     except ModuleNotFoundError:
         return [], ["Not measured in this run: benchmarks/bench_dataloader.py (DataLoader "
                     "epoch throughput, summed PSS of 4 readers) is not there yet."]
+    pss_repeats = config.repeats if config.fresh_process_per_run else 1
     results = bench_dataloader.measure(rows=config.dataloader_rows, repeats=config.repeats,
                                        work=data.work, paths_file=data.covers[config.covers],
-                                       log=say)
+                                       pss_repeats=pss_repeats, log=say)
     rows = [Row(**result) for result in results]
-    for row in rows:  # its PSS rows are ratios to the entry size, not items/s: own panel
-        if "PSS" in row.label:
+    for row in rows:
+        if "PSS" in row.label:  # ratios to the entry size, not items/s: a panel of their own
             row.section = "pss"
+        row.cachekit = row.cachekit or row.label.startswith("cachekit")  # variants too
     return rows, []

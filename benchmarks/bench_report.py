@@ -25,7 +25,7 @@ class Section:
     higher_is_better: bool
     better: str  # the word for "cachekit is ahead": faster, less CPU, ...
     worse: str
-    explain: str  # one sentence for the README
+    explain: str  # one sentence for the README and the table page
     log_scale: bool = False
 
 
@@ -34,22 +34,19 @@ SECTIONS: dict[str, Section] = {s.key: s for s in (
             "Images decoded and resized to 3x32x32 per second into an empty cache, in a fresh "
             "process (imports not timed), JPEGs warm in the page cache."),
     Section("hit", "Hit latency", "s", False, "faster", "slower",
-            "Time for a fresh process, imports done, to get the stored array of the whole "
-            "column back (cachekit/joblib: a memmap; datasets: a lazy Arrow dataset; seed: the "
-            "unpickled Series).", log_scale=True),
+            "First call of a fresh process (imports done) that finds the column stored, until "
+            "it holds the result: a memmap (cachekit, joblib), a lazy Arrow dataset "
+            "(datasets) or the unpickled Series (seed).", log_scale=True),
     Section("agents_wall", "4 agents at once, wall time", "s", False, "faster", "slower",
-            "Four fresh interpreters start together (start-file barrier) on an empty cache "
-            "and each obtains the column; seconds from the start signal to the last agent "
-            "holding its data."),
+            "Four fresh interpreters released together (start-file barrier) on an empty cache, "
+            "each wanting the column: seconds until the last one holds its data."),
     Section("agents_cpu", "4 agents at once, total CPU", "CPU s", False, "less CPU",
             "more CPU",
-            "CPU seconds of every process of that race (agents, plus the Manager's server "
-            "for the seed's dict) from the children's rusage, including interpreter start "
-            "and imports; the detail column gives the part after the start signal."),
+            "CPU seconds of every process of that race (the Manager's server included) from "
+            "the children's rusage, interpreter start and imports included."),
     Section("rss", "Build peak RSS", "MB", False, "less memory", "more memory",
             "Peak resident memory (ru_maxrss) of the process that builds, at two sizes of "
-            "the same cover set; the detail column gives the peak of anonymous memory, which "
-            "leaves out the page-cache pages of the output file the builder maps."),
+            "the same cover set."),
     Section("dataloader", "DataLoader epoch throughput", "items/s", True, "faster", "slower",
             "Items per second of shuffled epochs of DataLoader(batch_size=256) over the "
             "entry and its alternatives, contestants taking turns (bench_dataloader.py).",
@@ -60,6 +57,13 @@ SECTIONS: dict[str, Section] = {s.key: s for s in (
             "summed, over the entry's size: about 1 when they share one page-cache copy, 4 "
             "with a private copy each."),
 )}
+DETAIL_NOTES = {
+    "hit": "detail: the median of the calls after the first in the same process.",
+    "agents_cpu": "detail: how many agents decoded images, and the CPU spent after the start "
+                  "signal (imports excluded).",
+    "rss": "detail: the peak of anonymous memory, which leaves out the page-cache pages of the "
+           "output file the builder maps, and the growth from the smaller size.",
+}
 
 
 @dataclass
@@ -123,9 +127,9 @@ def advantage_text(report: Report, row: Row) -> str:
 
 
 def not_ahead(report: Report) -> list[Row]:
-    """Rows where cachekit's reference is not better than the contestant (ratio <= 1.05)."""
+    """Rows where cachekit's reference is not better than the contestant by over 5%."""
     out = []
-    for row in report.rows:
+    for row in sorted(report.rows, key=lambda r: list(SECTIONS).index(r.section)):
         if row.cachekit:
             continue
         factor = advantage(report, row)
@@ -193,12 +197,12 @@ def markdown(report: Report, budget: Sequence[str] = ()) -> str:
                 lines.append(f"| {name} | {fmt(row.median, section.unit)} | {spread} | "
                              f"{advantage_text(report, row)} | {row.detail} |")
             lines.append("")
-        for note in report.notes.get(key, []):
-            lines += [f"- {note}"]
-        if report.notes.get(key):
+        notes = report.notes.get(key, []) + ([DETAIL_NOTES[key]] if key in DETAIL_NOTES else [])
+        lines += [f"- {note}" for note in notes]
+        if notes:
             lines.append("")
     behind = not_ahead(report)
-    lines += ["## Where cachekit is not ahead", ""]
+    lines += ["## Where cachekit is level (within 5%) or behind", ""]
     if behind:
         lines += [f"- {SECTIONS[r.section].title}: {r.label} ({advantage_text(report, r)})"
                   for r in behind]

@@ -89,14 +89,17 @@ def make_data(work: Path, config: Config) -> Data:
 # --- output ------------------------------------------------------------------------------
 
 def readme_block(report: Report, png: str) -> str:
-    """The generated part of the README's Benchmarks section: chart, tables, legend."""
+    """The generated part of the README's Benchmarks section: chart, budget, tables."""
     meta = report.meta
     lines = [README_START, "",
-             f"Measured with `{meta['command']}` on {meta['date']} (median of "
-             f"{meta['repeats']} runs): {meta['machine']}. Load average at start "
-             f"{meta['load_start']:.2f}. Full tables with ranges: "
+             f"Measured with `{meta['command']}` on {meta['date']}, median of "
+             f"{meta['repeats']} runs; {meta['machine']}; load average at start "
+             f"{meta['load_start']:.2f}. Every run's range and the notes on the data: "
              "[docs/benchmarks.md](docs/benchmarks.md).", "",
              f"![benchmark chart]({png})", ""]
+    budget = bench_budget.markdown(report)
+    if budget:
+        lines += [*budget, ""]
     for key, section in SECTIONS.items():
         rows = report.section_rows(key)
         if not rows:
@@ -106,17 +109,13 @@ def readme_block(report: Report, png: str) -> str:
         lines += [f"| {r.label} | {bench_report.fmt(r.median, section.unit)} | "
                   f"{bench_report.advantage_text(report, r)} |" for r in rows]
         lines.append("")
-    budget = bench_budget.markdown(report)
-    if budget:
-        lines += ["**Performance budget** (DESIGN.md section 5) against this run:", "",
-                  *budget, ""]
     lines += ["Contestants:", ""]
     lines += [f"- **{name}**: {text}" for name, text in LEGEND.items()]
+    lines += ["", "Where cachekit was level (within 5%) or behind in this run:", ""]
     behind = bench_report.not_ahead(report)
-    lines += ["", "Where cachekit was not ahead in this run: "
-              + ("; ".join(f"{SECTIONS[r.section].title.lower()}, {r.label} "
-                           f"({bench_report.advantage_text(report, r)})" for r in behind)
-                 if behind else "nowhere") + ".", "", README_END]
+    lines += [f"- {SECTIONS[r.section].title}: {r.label} "
+              f"({bench_report.advantage_text(report, r)})" for r in behind] or ["- nowhere"]
+    lines += ["", README_END]
     return "\n".join(lines)
 
 
