@@ -33,11 +33,15 @@ def _transforms():
     return transforms.Resize(SIZE), transforms.ToTensor()
 
 
-def image_vector(path: str, cache: Optional["ManagerCache"] = None, _t=None) -> np.ndarray:
-    """One row as the seed makes it: (3, 32, 32) float32 in [0, 1], via Resize + ToTensor."""
+def image_vector(path: str, cache: Optional["ManagerCache"] = None,
+                 transforms: Optional[tuple[Any, Any]] = None) -> np.ndarray:
+    """One row as the seed makes it: (3, 32, 32) float32 in [0, 1], via Resize + ToTensor.
+
+    ``transforms``: the (Resize, ToTensor) pair, made once by the caller's loop.
+    """
     from PIL import Image
 
-    resize, to_tensor = _t or _transforms()
+    resize, to_tensor = transforms or _transforms()
     image = cache.get(path) if cache is not None else None
     if image is None:
         image = resize(Image.open(path))
@@ -51,11 +55,8 @@ def image_vector(path: str, cache: Optional["ManagerCache"] = None, _t=None) -> 
 
 def serial_loop(paths: Sequence[str], cache: Optional["ManagerCache"] = None) -> list[np.ndarray]:
     """The seed's build: every row in ``sorted`` order (its bug), one after the other."""
-    t = _transforms()
-    rows = []
-    for path in sorted(paths):
-        rows.append(image_vector(path, cache, t))
-    return rows
+    pair = _transforms()
+    return [image_vector(path, cache, pair) for path in sorted(paths)]
 
 
 class ManagerCache:
