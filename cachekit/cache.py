@@ -320,11 +320,14 @@ def _path_column(paths: Any):
     import pandas as pd
 
     column = _value_column(paths)
+    all_str = pd.api.types.infer_dtype(column, skipna=False) == "string"
+    if all_str and (column.dtype == object or not column.hasnans):
+        return column  # an object column of only str has no NaN/None: skip the isna pass
     missing = np.flatnonzero(column.isna().to_numpy())
     if len(missing):
         raise ValueError(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
                          "drop them first, e.g. df.dropna(subset=[column])")
-    if pd.api.types.infer_dtype(column, skipna=False) != "string":
+    if not all_str:
         bad = next(i for i, p in enumerate(column) if not isinstance(p, str))
         raise TypeError(f"paths must hold str; row {bad} is {type(column.iloc[bad]).__name__} "
                         f"{column.iloc[bad]!r} (convert with .astype(str))")
