@@ -1,0 +1,25 @@
+"""`cachekit demo`, the README's first command, runs end to end and tells the truth."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+
+def test_demo_builds_once_and_reports_hits(tmp_path):
+    result = subprocess.run(
+        ["cachekit", "--root", str(tmp_path / "root"), "demo", "--images", "24", "--agents", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("built the entry") == 1
+    assert len(re.findall(r"agent \d \(pid \d+\): hit", out)) >= 3  # the whole warm wave
+    assert "5 of 6 agents decoded nothing" in out
+    assert len(list((tmp_path / "root" / "demo-images").glob("*.jpg"))) == 24
+
+
+def test_demo_rejects_nonsense_sizes(tmp_path):
+    result = subprocess.run(["cachekit", "--root", str(tmp_path), "demo", "--agents", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "positive integer" in result.stderr
