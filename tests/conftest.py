@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import cachekit
+
 
 @pytest.fixture
 def cache_root(tmp_path: Path) -> Path:
@@ -18,3 +20,8 @@ def cover_paths(tmp_path: Path) -> list[str]:
     from cachekit.samples import write_sample_images
 
     return write_sample_images(tmp_path / "covers", 12, seed=7)
+
+
+@pytest.fixture
+def cache(cache_root: Path) -> cachekit.Cache:
+    return cachekit.Cache(cache_root, workers=2, progress=False)

@@ -176,7 +176,7 @@ def test_ls_flags_a_broken_entry_and_goes_on(cache_root, three):
 def test_info_by_unique_prefix(cache_root, three):
     result = cachekit_cmd("info", three[0].key[:5], root=cache_root)
     assert result.returncode == 0
-    assert f"key:" in result.stdout and three[0].key in result.stdout
+    assert "key:" in result.stdout and three[0].key in result.stdout
     assert "shape:" in result.stdout and "6x2x4 uint8" in result.stdout
     assert "checksum:" in result.stdout and str(three[0].path) in result.stdout
 
@@ -311,7 +311,7 @@ def test_clear_all_while_another_process_builds(tmp_path, cache_root):
             assert proc.poll() is None and time.monotonic() < deadline, "builder did not start"
             time.sleep(0.01)
         listing = cachekit_cmd("ls", root=cache_root)
-        assert f"build in progress:" in listing.stderr and f"pid {proc.pid}" in listing.stderr
+        assert "build in progress:" in listing.stderr and f"pid {proc.pid}" in listing.stderr
         result = cachekit_cmd("clear", "--all", "--yes", root=cache_root)
         assert result.returncode == 0, result.stderr
         assert "removed 1 entry" in result.stdout

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 AGENT = textwrap.dedent("""
     import hashlib, json, os, sys, time
