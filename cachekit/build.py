@@ -57,10 +57,6 @@ class Checkpoint:
     failures: tuple[Failure, ...]
 
 
-class RowFailed(Exception):
-    """Raised by a row function for a row it cannot produce; the fill records and goes on."""
-
-
 def usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -259,8 +255,7 @@ def _as_array(result: Any) -> np.ndarray:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc) or repr(exc)
-    return text if isinstance(exc, RowFailed) else f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {str(exc) or repr(exc)}"
 
 
 class _NoBar:

@@ -307,8 +307,10 @@ def _value_column(values: Any):
     import pandas as pd
 
     if not isinstance(values, pd.Series):
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise TypeError(f"values must be a pandas Series (or a list), not {type(values)}")
+        if (isinstance(values, (str, bytes, pd.DataFrame)) or not hasattr(values, "__len__")
+                or getattr(values, "ndim", 1) != 1):
+            raise TypeError("values must be a pandas Series (or a list), one value per row; "
+                            f"got {type(values).__qualname__} (pick a column: df['img_path'])")
         values = pd.Series(list(values))
     if len(values) == 0:
         raise ValueError("values is empty; there is nothing to cache")
@@ -327,8 +329,8 @@ def _path_column(paths: Any):
     if len(missing):
         raise ValueError(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
                          "drop them first, e.g. df.dropna(subset=[column])")
-    if not all_str:
-        bad = next(i for i, p in enumerate(column) if not isinstance(p, str))
+    bad = next((i for i, p in enumerate(column) if not isinstance(p, str)), None)
+    if bad is not None:  # (a categorical column of str is fine: it hashes like str)
         raise TypeError(f"paths must hold str; row {bad} is {type(column.iloc[bad]).__name__} "
                         f"{column.iloc[bad]!r} (convert with .astype(str))")
     return column

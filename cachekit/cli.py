@@ -62,7 +62,8 @@ def _fail(message: str, status: int) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    root_help = "cache root (default: $CACHEKIT_DIR, else ~/.cache/cachekit)"
+    root_help = ("cache root (default: $CACHEKIT_DIR, else $XDG_CACHE_HOME/cachekit, "
+                 "else ~/.cache/cachekit)")
     parser = _Parser(prog="cachekit",
                      description="Inspect, check, clean and prebuild a cachekit cache.")
     parser.add_argument("--root", metavar="DIR", default=None, help=root_help)

@@ -47,12 +47,12 @@ def check_entry(path: Path) -> Optional[Problem]:
             if actual != expected:
                 return Problem(path.name, path, f"checksum mismatch in {name}: manifest says "
                                                 f"{expected}, the file has {actual}")
-    except FileNotFoundError:
+    except (FileNotFoundError, CacheCorruptError, OSError) as e:
         if not path.exists():
-            return None  # removed while we checked
-        return Problem(path.name, path, f"{store.MANIFEST_FILE} is missing")
-    except CacheCorruptError as e:
-        return Problem(path.name, path, e.reason)
-    except OSError as e:
+            return None  # removed (cachekit clear) while we checked: not a problem
+        if isinstance(e, FileNotFoundError):
+            return Problem(path.name, path, f"{store.MANIFEST_FILE} is missing")
+        if isinstance(e, CacheCorruptError):
+            return Problem(path.name, path, e.reason)
         return Problem(path.name, path, f"unreadable: {e}")
     return None

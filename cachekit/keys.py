@@ -41,6 +41,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import _fs
+
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
 KEY_HEX_LENGTH = 32
 _READ_BLOCK = 1 << 20
@@ -175,7 +177,7 @@ def content_signature(paths: Sequence[str], workers: int) -> np.ndarray:
 def _file_digest(path: str) -> bytes:
     hasher = hashlib.blake2b(digest_size=16)
     try:
-        with open(path, "rb") as f:
+        with _fs.open_regular(path, follow_symlinks=True) as f:  # a FIFO would block
             for block in iter(lambda: f.read(_READ_BLOCK), b""):
                 hasher.update(block)
     except OSError:
@@ -234,15 +236,15 @@ def _names(fn: Any) -> dict[str, Any]:
 def _behaviour(fn: Any, seen: frozenset[int]) -> dict[str, Any]:
     """Source and code hashes, captured values and defaults; raises when one cannot be read
     or encoded."""
-    source = _source_text(fn)
+    source_digest, code_digest = _code_hashes(fn)
     seen = seen | {id(fn)}
     cells = zip(fn.__code__.co_freevars, getattr(fn, "__closure__", None) or ())
     captured = [_captured(cell, name, seen) for name, cell in cells]
     if inspect.ismethod(fn):
         captured.append(fn.__self__)  # a method's result depends on its instance's state
     return {
-        "source": hashlib.blake2b(source.encode(), digest_size=16).hexdigest(),
-        "code": _code_digest(fn.__code__),
+        "source": source_digest,
+        "code": code_digest,
         "captured": digest(captured),
         "defaults": digest([getattr(fn, "__defaults__", None),
                             getattr(fn, "__kwdefaults__", None)]),
@@ -266,6 +268,24 @@ def _captured(cell: Any, name: str, seen: frozenset[int]) -> Any:
             return ["recursive", value.__qualname__]
         return ["function", _names(value), _behaviour(value, seen)]
     return value
+
+
+_CODE_HASHES: dict[types.CodeType, tuple[str, str]] = {}
+
+
+def _code_hashes(fn: Any) -> tuple[str, str]:
+    """Digests of ``fn``'s source and compiled code, computed once per code object: finding
+    a lambda's source parses its whole file, which a hit must not pay for every call."""
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a builtin, ufunc or callable object: nothing to read
+        raise TypeError(f"{type(fn).__qualname__} {fn!r} has no Python source to key")
+    known = _CODE_HASHES.get(code)
+    if known is None:
+        source = _source_text(fn)
+        known = (hashlib.blake2b(source.encode(), digest_size=16).hexdigest(),
+                 _code_digest(code))
+        _CODE_HASHES[code] = known
+    return known
 
 
 def _code_digest(code: types.CodeType) -> str:

@@ -1,4 +1,8 @@
-"""Looking at a cache root without changing it: what is there, who is building, what is broken.
+"""Looking at a cache root: what is there, who is building, what is broken.
+
+Nothing here changes an entry. Telling a live build from an orphan takes the key's build
+lock for an instant (with ``CACHEKIT_LOCK=soft`` that may create the lock file or break a
+stale one), and releases it at once.
 
 Inspection returns frozen dataclasses; a scan never aborts on a broken entry or a stray file,
 it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.removal`, the full

@@ -58,6 +58,9 @@ def find(layout: store.Layout, key: str) -> Optional[Outcome]:
     try:
         manifest = store.read_manifest(entry_dir)
     except FileNotFoundError:
+        if entry_dir.is_dir():  # published entries always hold their manifest
+            raise CacheCorruptError(entry_dir / store.MANIFEST_FILE, "the manifest is missing"
+                                    ) from None
         return None
     mark_used(entry_dir)
     return Outcome(entry_dir, manifest, hit=True)

@@ -286,3 +286,37 @@ def test_entry_cleared_between_manifest_and_data_is_built_again(cache_root, cove
     again = cache.images(pd.Series(cover_paths), 8)
     assert raced and not again.hit
     np.testing.assert_array_equal(np.asarray(again.array), built)
+
+
+def test_categorical_path_column_is_keyed_like_str(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    plain = cache.images(pd.Series(cover_paths), 8)
+    categorical = cache.images(pd.Series(cover_paths, dtype="category"), 8)
+    assert categorical.hit and categorical.key == plain.key
+
+
+def test_entry_directory_without_manifest_is_corrupt_not_a_miss(cache_root, cover_paths):
+    cache = cachekit.Cache(cache_root)
+    entry = cache.images(pd.Series(cover_paths), 8)
+    (entry.path / store.MANIFEST_FILE).unlink()
+    with pytest.raises(cachekit.CacheCorruptError, match="manifest is missing"):
+        cache.images(pd.Series(cover_paths), 8)
+
+
+def test_content_validation_does_not_hang_on_a_fifo(tmp_path, cover_paths):
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    code = (
+        "import sys, pandas as pd, cachekit\n"
+        "entry = cachekit.Cache(sys.argv[1]).images(pd.Series(sys.argv[2:]), 8,"
+        " validate='content', on_error='zero')\n"
+        "print(entry.valid.tolist())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cache"),
+                             cover_paths[0], str(fifo)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[True, False]"

@@ -220,3 +220,11 @@ def test_map_with_an_unkeyable_function_writes_nothing(cache, cache_root):
     with pytest.raises(TypeError, match="pass version="):
         cache.map(lambda v: np.array([id(handle)]), [1])
     assert not cache_root.exists()
+
+
+def test_a_dataframe_is_not_mistaken_for_a_column(cache):
+    frame = pd.DataFrame({"a": [1, 2, 3], "b": [4, 5, 6]})
+    with pytest.raises(TypeError, match="one value per row"):
+        cache.map(np.atleast_1d, frame, version="1")
+    with pytest.raises(TypeError, match="one value per row"):
+        cache.map(np.atleast_1d, np.zeros((3, 2)), version="1")
