@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from . import _fs, build, locks, store
 from ._version import __version__
-from .errors import CacheCorruptError, LockTimeout, ReadOnlyCacheError
+from .errors import CacheCorruptError, ImageDecodeError, LockTimeout, ReadOnlyCacheError
 
 JOURNAL_FILE = "journal.json"
 POLL_SECONDS = 0.25
@@ -88,6 +88,7 @@ def obtain(
 
     ``lock``: "os", "soft" or "none" (see :mod:`cachekit.locks`); None reads $CACHEKIT_LOCK.
     """
+    asked = time.time()
     found = find(layout, key)
     if found is not None:
         return found
@@ -102,9 +103,40 @@ def obtain(
         found = find(layout, key)  # another process may have published while we waited
         if found is not None:
             return Outcome(found.entry_dir, found.manifest, hit=True, wait_seconds=waited)
+        _raise_failure_seen_while_waiting(layout, key, asked)
         return _build_and_publish(layout, key, build, waited, build_lock.exclusive, announce)
     finally:
         build_lock.release()
+
+
+def _failure_path(layout: store.Layout, key: str) -> Path:
+    return layout.locks / f"{layout.entry_dir(key).name}.failed.json"
+
+
+def _record_failure(layout: store.Layout, key: str, error: ImageDecodeError) -> None:
+    """Tell the processes waiting for this build that it failed, and why, so that they
+    raise the same error instead of each decoding every row again (K agents, one build)."""
+    try:
+        _fs.write_json_atomic(_failure_path(layout, key), {
+            "time": time.time(), **_fs.owner(), "failures": [list(f) for f in error.failures],
+        }, durable=False)
+    except OSError:
+        pass  # waiters then build again and fail the same way: slower, still correct
+
+
+def _raise_failure_seen_while_waiting(layout: store.Layout, key: str, asked: float) -> None:
+    """Re-raise a build failure recorded after this call asked for the entry. A later call
+    builds again: the files may have been fixed in the meantime."""
+    try:
+        with _fs.open_regular(_failure_path(layout, key)) as f:
+            record = json.loads(f.read(_JOURNAL_LIMIT * 64))
+        failed_at, failures = record["time"], record["failures"]
+        if not _is_number(failed_at) or failed_at < asked:
+            return
+        rows = [(int(r), str(p), str(why)) for r, p, why in failures]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    raise ImageDecodeError(rows)
 
 
 def obtain_and_open(layout: store.Layout, key: str, build: BuildFunction,
@@ -243,6 +275,8 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
         raise
     except BaseException as e:
         _fs.remove_tree(build_dir)
+        if isinstance(e, ImageDecodeError):
+            _record_failure(layout, key, e)
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
             raise OSError(e.errno, f"{e.strerror} while building cache entry {key} under "
                           f"{layout.root}; nothing was published. Free space there, or point "
@@ -250,6 +284,7 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
         raise
     try:
         _fs.fsync_dir(layout.entries)  # makes the rename durable; it is already visible
+        _fs.remove_file(_failure_path(layout, key))  # an earlier failure is history now
     except OSError:
         pass  # the entry is complete either way; a power cut may only cost a rebuild
     return Outcome(entry_dir, manifest, hit=False, wait_seconds=waited, resumed_from=resumed_from)

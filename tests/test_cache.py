@@ -320,3 +320,42 @@ def test_content_validation_does_not_hang_on_a_fifo(tmp_path, cover_paths):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[True, False]"
+
+
+def test_waiters_share_a_failed_build_instead_of_repeating_it(cache_root, cover_paths,
+                                                               bad_files, monkeypatch):
+    import threading
+    import time
+
+    from cachekit import images
+
+    decoded, real = [], images.load_image
+
+    def slow(path, *args):
+        decoded.append(path)
+        time.sleep(0.05)  # keeps the build open while every caller asks
+        return real(path, *args)
+
+    monkeypatch.setattr("cachekit.images.load_image", slow)
+    paths = pd.Series([*cover_paths[:6], bad_files["text"]])
+    barrier, errors = threading.Barrier(3), []
+
+    def agent():
+        barrier.wait()
+        try:
+            cachekit.Cache(cache_root, workers=1, progress=False).images(paths, 8)
+        except cachekit.ImageDecodeError as e:
+            errors.append(e.failures)
+
+    threads = [threading.Thread(target=agent) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 3 and all(f == errors[0] for f in errors)
+    assert errors[0][0][0] == 6
+    assert len(decoded) == len(paths)  # one build for the three callers
+    assert published(cache_root) == []
+    with pytest.raises(cachekit.ImageDecodeError):  # a later call tries again
+        cachekit.Cache(cache_root, progress=False).images(paths, 8)
+    assert len(decoded) == 2 * len(paths)
