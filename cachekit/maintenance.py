@@ -192,7 +192,7 @@ def temp_dir_info(layout: store.Layout, path: Path, *,
     """
     deleting = path.name.startswith(DELETING_PREFIX)
     name = path.name[len(DELETING_PREFIX):] if deleting else path.name
-    key, host, pid = _parse_temp_name(name)
+    key, host, pid = store.parse_build_dir_name(name)
     if key is None or not _fs.is_plain_dir(path):
         return None
     try:
@@ -290,16 +290,6 @@ def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
         if matches[0] not in resolved:
             resolved.append(matches[0])
     return resolved
-
-
-def _parse_temp_name(name: str) -> tuple[Optional[str], str, Optional[int]]:
-    """(key, host, pid) from ``KEY.HOST.PID.UUID`` (the host may hold dots); key None if not."""
-    key, _, rest = name.partition(".")
-    parts = rest.rsplit(".", 2)
-    if not is_key(key) or len(parts) != 3:
-        return None, "", None
-    host, pid, _ = parts
-    return key, host, int(pid) if pid.isdigit() else None
 
 
 def _children(directory: Path) -> list[Path]:

@@ -34,7 +34,7 @@ WAIT_REPORT_SECONDS = 10.0
 _JOURNAL_LIMIT = 1 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
-ChunkCallback = Callable[[int, int], None]
+ChunkCallback = build.ChunkCallback
 BuildFunction = Callable[[Path, ChunkCallback], "dict[str, Any]"]
 """Builds into the given directory, reporting (rows done, rows total); returns manifest fields."""
 Opened = TypeVar("Opened")
@@ -377,19 +377,13 @@ def _builder_gone(build_dir: Path, journal: Optional[dict[str, Any]], key: str,
     """Whether the process that made ``build_dir`` can no longer be writing to it."""
     if journal is not None and journal.get("abandoned") is True:
         return True
-    owner = journal if journal is not None else _owner_from_name(build_dir.name, key)
+    owner = journal
+    if owner is None:  # no readable journal: the directory's name still says whose it is
+        name_key, host, pid = store.parse_build_dir_name(build_dir.name)
+        owner = {"host": host, "pid": pid} if name_key == key and pid is not None else None
     state = _fs.owner_state(owner) if owner is not None else "unknown"
     if state == "unknown":
         return exclusive  # on another host: trust a working lock, which we hold
     if state == "alive" and owner is not None and owner.get("pid") == os.getpid():
         return exclusive  # our own process: under the lock, no thread of ours builds it
     return state == "dead"
-
-
-def _owner_from_name(name: str, key: str) -> Optional[dict[str, Any]]:
-    """Host and pid from a build directory name KEY.HOST.PID.UUID (the host may hold dots)."""
-    rest = name[len(key) + 1:]
-    parts = rest.rsplit(".", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return {"host": parts[0], "pid": int(parts[1])}

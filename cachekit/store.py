@@ -21,7 +21,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
@@ -100,6 +100,17 @@ class Layout:
         path = self.tmp / f"{self.entry_dir(key).name}.{_fs.unique_suffix()}"
         path.mkdir()
         return path
+
+
+def parse_build_dir_name(name: str) -> tuple[Optional[str], str, Optional[int]]:
+    """(key, host, pid) from a ``KEY.HOST.PID.UUID`` name made by :meth:`Layout.new_build_dir`
+    (the host may hold dots); key is None when the name is not one of those."""
+    key, _, rest = name.partition(".")
+    parts = rest.rsplit(".", 2)
+    if not is_key(key) or len(parts) != 3:
+        return None, "", None
+    host, pid, _ = parts
+    return key, host, int(pid) if pid.isdigit() else None
 
 
 def read_manifest(entry_dir: Path) -> dict[str, Any]:
