@@ -372,6 +372,17 @@ def _same_build(journal: dict[str, Any], key: str) -> bool:
             and journal.get("format") == store.FORMAT_VERSION)
 
 
+def _silent_for_a_lease(build_dir: Path, journal: Optional[dict[str, Any]]) -> bool:
+    """No progress recorded in ``build_dir`` for longer than the lock lease."""
+    updated = (journal or {}).get("updated")
+    if not _is_number(updated):
+        try:
+            updated = build_dir.stat().st_mtime
+        except OSError:
+            return False
+    return time.time() - updated > locks.lease_from_env()
+
+
 def _builder_gone(build_dir: Path, journal: Optional[dict[str, Any]], key: str,
                   exclusive: bool) -> bool:
     """Whether the process that made ``build_dir`` can no longer be writing to it."""
@@ -383,7 +394,9 @@ def _builder_gone(build_dir: Path, journal: Optional[dict[str, Any]], key: str,
         owner = {"host": host, "pid": pid} if name_key == key and pid is not None else None
     state = _fs.owner_state(owner) if owner is not None else "unknown"
     if state == "unknown":
-        return exclusive  # on another host: trust a working lock, which we hold
+        # On another host: we hold a lock that should exclude its builder, but a lock can
+        # fail silently on network filesystems, so also ask for a lease of silence.
+        return exclusive and _silent_for_a_lease(build_dir, owner)
     if state == "alive" and owner is not None and owner.get("pid") == os.getpid():
         return exclusive  # our own process: under the lock, no thread of ours builds it
     return state == "dead"

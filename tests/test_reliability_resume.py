@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -176,11 +177,15 @@ def test_a_live_local_builders_directory_is_left_alone(cache_root, monkeypatch, 
         holder.wait()
 
 
-@pytest.mark.parametrize("lock, resumed", [("os", True), ("soft", True), ("none", False)])
-def test_another_hosts_directory_is_resumed_only_under_a_working_lock(cache_root, monkeypatch,
-                                                                      lock, resumed):
+@pytest.mark.parametrize("lock, silent_for, resumed", [
+    ("os", 3600, True), ("soft", 3600, True), ("none", 3600, False),
+    ("os", 0, False), ("soft", 0, False),  # a lock may fail silently: recent progress wins
+])
+def test_another_hosts_directory_is_resumed_only_under_a_working_lock(
+        cache_root, monkeypatch, lock, silent_for, resumed):
     build_dir = interrupted(cache_root, 21)
-    as_owner(build_dir, host="another-node.cluster", pid=4242)
+    as_owner(build_dir, host="another-node.cluster", pid=4242,
+             updated=time.time() - silent_for)
     monkeypatch.setenv("CACHEKIT_LOCK", lock)
     entry = run(cache_root)
     assert min(CONTROL["computed"]) == (20 if resumed else 0)
