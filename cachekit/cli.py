@@ -306,18 +306,25 @@ def _verify(args: argparse.Namespace) -> int:
     from .integrity import verify
 
     layout = _layout(args)
-    entries = maintenance.list_entries(layout)[0]
-    bar = _bytes_bar(sum(e.bytes for e in entries))
+    checking = {"entries": 0, "bar": None}
+
+    def start(entries: int, total_bytes: int) -> None:
+        checking["entries"], checking["bar"] = entries, _bytes_bar(total_bytes)
+
+    def advance(size: int) -> None:
+        if checking["bar"] is not None:
+            checking["bar"].update(size)
+
     try:
-        problems = verify(layout, args.keys or None, on_bytes=bar.update if bar else None)
+        problems = verify(layout, args.keys or None, on_start=start, on_bytes=advance)
     except (KeyError, ValueError) as e:
         raise UsageError(e.args[0]) from None
     finally:
-        if bar:
-            bar.close()
+        if checking["bar"] is not None:
+            checking["bar"].close()
     for problem in problems:
         print(f"{problem.key or problem.path}: {problem.message}")
-    checked = len(args.keys) if args.keys else len(entries)
+    checked = checking["entries"]
     if not args.keys:
         _report_temp_dirs(maintenance.list_temp_dirs(layout)[0])
     if problems:

@@ -15,18 +15,22 @@ from .maintenance import Problem, list_entries, resolve_keys
 
 
 def verify(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
+           on_start: Optional[Callable[[int, int], None]] = None,
            on_bytes: Optional[Callable[[int], None]] = None) -> list[Problem]:
     """Fully check entries (all, or ``keys`` and unique prefixes of them); return the
     problems found, [] when all is well. Without ``keys``, items in ``entries/`` that are
     not entries count as problems too.
 
-    ``on_bytes(n)`` is called after each entry with its size, for a progress bar.
+    ``on_start(entries, bytes)`` is called once with what is about to be checked, and
+    ``on_bytes(n)`` after each entry with its size, for a progress bar.
     """
     entries, problems = list_entries(layout)
     if keys is not None:
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
         problems = [p for p in problems if p.key in wanted]
+    if on_start is not None:
+        on_start(len(entries), sum(e.bytes for e in entries))
     for entry in entries:
         if entry.problem is None:  # else list_entries reported it already
             problem = check_entry(entry.path)

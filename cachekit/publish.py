@@ -48,8 +48,6 @@ class Outcome:
     manifest: dict[str, Any]
     hit: bool
     wait_seconds: float = 0.0
-    resumed_from: int = 0
-    """Rows a dead builder had finished that this call kept instead of recomputing."""
 
 
 def find(layout: store.Layout, key: str) -> Optional[Outcome]:
@@ -287,7 +285,7 @@ def _build_and_publish(layout, key, build_fn, waited, exclusive, announce) -> Ou
         _fs.remove_file(_failure_path(layout, key))  # an earlier failure is history now
     except OSError:
         pass  # the entry is complete either way; a power cut may only cost a rebuild
-    return Outcome(entry_dir, manifest, hit=False, wait_seconds=waited, resumed_from=resumed_from)
+    return Outcome(entry_dir, manifest, hit=False, wait_seconds=waited)
 
 
 def _is_build_state(name: str) -> bool:
