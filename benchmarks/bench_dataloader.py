@@ -130,6 +130,7 @@ def make_entry(root: Path, rows: int, seed: int = 0):
     import pandas as pd
 
     import cachekit
+from cachekit import manifest as manifests
 
     data = np.random.default_rng(seed).integers(0, 256, size=(rows, *SHAPE), dtype=np.uint8)
 
@@ -216,7 +217,7 @@ def reader(entry_dir: str, barrier: str, index: int, count: int) -> None:
     from cachekit import store
 
     folder = Path(barrier)
-    entry = cachekit.Entry(Path(entry_dir), store.read_manifest(Path(entry_dir)), hit=True)
+    entry = cachekit.Entry(Path(entry_dir), manifests.read(Path(entry_dir)), source="local")
     loader = make_loader(entry.dataset(), 0)
     (folder / f"ready.{index}").touch()
     wait_for([folder / "go"])
@@ -226,7 +227,7 @@ def reader(entry_dir: str, barrier: str, index: int, count: int) -> None:
     (folder / f"read.{index}").touch()
     wait_for([folder / f"read.{i}" for i in range(count)])  # all K hold the pages now
     result = {"before": before, "after": pss_kib(),
-              "mapping": pss_kib(str(entry.path / store.DATA_FILE))}
+              "mapping": pss_kib(str(entry.path / manifests.DATA_FILE))}
     print(json.dumps(result), flush=True)
     (folder / f"measured.{index}").touch()
     wait_for([folder / f"measured.{i}" for i in range(count)])  # nobody leaves early

@@ -5,7 +5,8 @@ into a uint8 memmap that every later process maps in milliseconds.
 """
 
 from ._version import __version__
-from .cache import Cache, Entry
+from .cache import Cache
+from .entry import Entry
 from .errors import (
     CacheCorruptError,
     CachekitError,

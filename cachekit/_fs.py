@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, Mapping, Optional
 _HOST = socket.gethostname()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+NOT_A_FILE_ERRNOS = (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR)
+"""Errors of opening a path that is a symlink, a directory or another non-file."""
 
 
 def host() -> str:
@@ -47,6 +49,28 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_file(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Create ``path`` fresh (never through a symlink, never over an existing file), write
+    ``data`` and, with ``durable``, fsync it. A failure leaves no file behind."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, file_mode())
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        remove_file(path)
+        raise
+    os.close(fd)
+
+
+def create_held_file(path: Path) -> int:
+    """Create an empty ``path`` fresh and return its open descriptor (for a heartbeat)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, file_mode())
 
 
 def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:

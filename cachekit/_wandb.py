@@ -15,7 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .cache import Entry
+    from .publish import Outcome
 
 ENV = "CACHEKIT_WANDB"
 PREFIX = "cachekit/"
@@ -30,8 +30,8 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in _OFF
 
 
-def report(entry: Entry) -> None:
-    """Put ``entry``'s cache use into the active wandb run's summary, if there is one."""
+def report(outcome: Outcome) -> None:
+    """Put this use of an entry into the active wandb run's summary, if there is one."""
     if not enabled():
         return
     wandb = sys.modules.get("wandb")
@@ -41,19 +41,23 @@ def report(entry: Entry) -> None:
         run = getattr(wandb, "run", None)
         if run is None:
             return
-        run.summary.update(summary_fields(entry, getattr(run, "id", None)))
+        run.summary.update(summary_fields(outcome, getattr(run, "id", None)))
     except Exception as exc:  # wandb trouble must never break training
         _warn_once(exc)
 
 
-def summary_fields(entry: Entry, run_id: Any = None) -> dict[str, Any]:
-    """The summary items for ``entry``: the latest entry's fields, and totals for the run.
+def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
+    """The summary items for one use of an entry: the latest entry's fields, and totals for
+    the run.
 
-    ``build_seconds`` is this process's build (0 on a hit); ``wait_seconds`` is the time
-    spent waiting for another process's build of the same entry.
+    ``source`` is ``Entry.source`` (local, remote, built, joined); ``build_seconds`` is this
+    process's build (0 when it built nothing); ``wait_seconds`` is the time spent waiting for
+    another process's build of the same entry.
     """
-    built = 0.0 if entry.hit else float(entry.manifest.get("build_seconds", 0.0))
-    waited = round(float(entry.wait_seconds), 3)
+    manifest = outcome.entry.manifest
+    hit = outcome.source in ("local", "remote")
+    built = 0.0 if hit else float(manifest.build_seconds)
+    waited = round(float(outcome.wait_seconds), 3)
     if _totals.get("run") != run_id:  # a new run in the same process (wandb.agent(function=))
         _totals.clear()
         _totals.update(run=run_id, entries=0, build=0.0, wait=0.0)
@@ -61,13 +65,14 @@ def summary_fields(entry: Entry, run_id: Any = None) -> dict[str, Any]:
     _totals["build"] += built
     _totals["wait"] += waited
     fields = {
-        "key": entry.key,
-        "hit": bool(entry.hit),
+        "key": manifest.key,
+        "hit": hit,
+        "source": outcome.source,
         "build_seconds": built,
         "wait_seconds": waited,
-        "rows": int(entry.manifest["rows"]),
-        "shape": [int(n) for n in entry.manifest["shape"]],
-        "bytes": int(entry.array.nbytes),
+        "rows": manifest.rows,
+        "shape": list(manifest.shape),
+        "bytes": sum(f.data_bytes for f in manifest.files),
         "entries": _totals["entries"],
         "build_seconds_total": round(_totals["build"], 3),
         "wait_seconds_total": round(_totals["wait"], 3),
@@ -80,7 +85,7 @@ def _warn_once(exc: Exception) -> None:
     if _warned:
         return
     _warned = True
-    # stacklevel: 1 here, 2 report, 3 Cache._rows, 4 Cache.images, 5 the user's call
+    # stacklevel: 1 here, 2 report, 3 Cache._obtain, 4 Cache._rows, 5 Cache.images, 6 the user's call
     warnings.warn(f"cachekit could not record cache use in the wandb run "
                   f"({type(exc).__name__}: {exc}); training goes on. "
-                  f"Set {ENV}=0 to stop trying.", RuntimeWarning, stacklevel=5)
+                  f"Set {ENV}=0 to stop trying.", RuntimeWarning, stacklevel=6)

@@ -9,6 +9,8 @@ A fill is resumable: after each chunk the memmap is flushed (msync) and only the
 checkpoint next to the file records how many rows are done, so a checkpoint never claims
 rows that are not on disk. A later fill of the same rows into the same file continues from
 there. publish.py decides whether a dead builder's file may be reused at all.
+
+``DATA_FILE`` is re-exported here: the file a per-row build fills.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import _fs, store
+from . import _fs, arrays
 from .errors import Failure
+from .manifest import DATA_FILE
 
 CHUNK_ROWS = 1024
 """Rows per chunk: the unit of progress reports, of flushing to disk and of resuming."""
@@ -44,7 +47,6 @@ class Filled:
     shape: tuple[int, ...]
     dtype: np.dtype
     failures: list[Failure] = field(default_factory=list)
-    resumed_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def read_checkpoint(out_path: Path) -> Optional[Checkpoint]:
                     and item[0] < done and isinstance(item[1], str) and isinstance(item[2], str)):
                 return None
             rows.append((item[0], item[1], item[2]))
-        store.data_offset(out_path, tuple(shape), dtype)  # CacheCorruptError is an OSError
+        arrays.data_offset(out_path, tuple(shape), dtype)  # CacheCorruptError is an OSError
     except (OSError, ValueError, KeyError, TypeError, SyntaxError, RecursionError):
         return None
     return Checkpoint(done, tuple(shape), dtype, tuple(rows))
@@ -124,9 +126,9 @@ def fill(
     is called each time another CHUNK_ROWS rows are written and flushed.
 
     With ``resume`` and a usable checkpoint for ``out_path`` of the same row count (and the
-    same ``template``, if given), rows before the checkpoint are kept and not recomputed;
-    ``Filled.resumed_from`` says how many. The caller vouches that those rows came from the
-    same values and row function (publish.py checks the key and cachekit version).
+    same ``template``, if given), rows before the checkpoint are kept and not recomputed.
+    The caller vouches that those rows came from the same values and row function
+    (publish.py checks the key and cachekit version).
     """
     n = len(values)
     checkpoint = read_checkpoint(out_path) if resume else None
@@ -143,7 +145,7 @@ def fill(
         if template is None:
             start, first_result = _first_success(values, row_fn, record, failures)
             template = (first_result.shape, first_result.dtype)
-        array = store.create_array(out_path, (n, *template[0]), np.dtype(template[1]))
+        array = arrays.create_array(out_path, (n, *template[0]), np.dtype(template[1]))
         _fs.preallocate(out_path)
     writer = _RowWriter(array, out_path, values, record, failures, on_chunk,
                         done=start if checkpoint is not None else 0)
@@ -171,8 +173,7 @@ def fill(
         array.flush()
     finally:
         bar.close()
-    return Filled(shape=array.shape, dtype=array.dtype, failures=failures,
-                  resumed_from=checkpoint.done if checkpoint is not None else 0)
+    return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
 
 
 def _fits(checkpoint: Checkpoint, n: int, template: Any) -> bool:

@@ -1,8 +1,9 @@
-"""``Cache`` and ``Entry``: the public face of cachekit.
+"""``Cache``: the public face of cachekit.
 
-``Cache.images`` and ``Cache.map`` both come down to one path: make a key from the rows and
-the parameters, then :func:`cachekit.publish.obtain` an entry, building it with
-:func:`cachekit.build.fill` on a miss.
+``Cache.images``, ``Cache.map`` and ``@Cache.memoize`` all come down to one path,
+:meth:`Cache._obtain`: make a key, then :func:`cachekit.publish.obtain` the entry from the
+store, building it on a miss (per-row builds with :func:`cachekit.build.fill`), and report
+the use to an active W&B run.
 """
 
 from __future__ import annotations
@@ -14,75 +15,13 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _wandb, build, keys, options, publish, store
-from .errors import ImageDecodeError
+from . import _wandb, build, keys, options, publish
+from .entry import Entry
+from .manifest import FORMAT_VERSION
+from .errors import ImageDecodeError, NotAnArrayError
+from .stores import Build, LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-class Entry:
-    """A published cache entry, mapped read-only.
-
-    ``array`` is an (N, ...) read-only numpy memmap in row order; ``valid`` marks the rows
-    that were produced (False where ``on_error="zero"`` stored zeros).
-    """
-
-    def __init__(self, path: Path, manifest: dict[str, Any], *, hit: bool,
-                 wait_seconds: float = 0.0) -> None:
-        self.path = Path(path)
-        self.manifest = manifest
-        self.key: str = manifest["key"]
-        self.hit = hit
-        self.wait_seconds = wait_seconds
-        self.array: np.ndarray = store.open_array(self.path, manifest)
-        self.valid = _valid_rows(manifest)
-
-    def __len__(self) -> int:
-        return int(self.manifest["rows"])
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle the location and manifest only, a few KiB whatever N (DataLoader workers
-        get entries this way); ``array`` and ``valid`` are re-made on first use."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("array", "valid")}
-
-    def __getattr__(self, name: str) -> Any:
-        # Reached only when normal lookup fails: for the attributes __getstate__ dropped.
-        if name == "array":
-            self.array = store.open_array(self.path, self.manifest)
-            return self.array
-        if name == "valid":
-            self.valid = _valid_rows(self.manifest)
-            return self.valid
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __repr__(self) -> str:
-        how = "hit" if self.hit else "built"
-        return f"<cachekit.Entry {self.key} {self.array.dtype}{list(self.array.shape)} {how}>"
-
-    def tensor(self):
-        """A torch.Tensor over the entry's file, without copying.
-
-        It maps the file copy-on-write: pages are shared with ``array`` and every other
-        reader through the page cache, and a write to the tensor changes only this process's
-        copy of that page, never the cache (a read-only mapping would crash on write).
-        """
-        import torch
-
-        return torch.from_numpy(store.open_array(self.path, self.manifest, mode="c"))
-
-    def dataset(self, targets: Any = None, transform: Optional[Callable] = None):
-        """A torch Dataset over this entry: item i -> uint8 tensor, or (tensor, targets[i])."""
-        from .dataset import EntryDataset
-
-        return EntryDataset(self, targets=targets, transform=transform)
-
-
-def _valid_rows(manifest: dict[str, Any]) -> np.ndarray:
-    """Read-only (N,) bool array: False for the rows the manifest lists as failed."""
-    valid = np.ones(manifest["rows"], dtype=bool)
-    valid[[row for row, _, _ in manifest["failed_rows"]]] = False
-    valid.flags.writeable = False
-    return valid
 
 
 class Cache:
@@ -107,11 +46,11 @@ class Cache:
             raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
         if progress not in (True, False, None):
             raise ValueError(f"progress must be True, False or None, not {progress!r}")
-        self.root = Path(root).expanduser() if root is not None else store.default_root()
+        self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
         self.workers = workers if workers is not None else build.usable_cpus()
         self.progress = progress
-        self._layout = store.Layout(self.root)
+        self._store = LocalStore(self.root)
 
     def __repr__(self) -> str:
         return f"cachekit.Cache({str(self.root)!r})"
@@ -141,7 +80,7 @@ class Cache:
             raise TypeError(f"draft must be True or False, not {draft!r}")
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
-        material: dict[str, Any] = {"rows": keys.pandas_row_hashes(paths)}
+        material: dict[str, Any] = {"column": keys.column_material(paths)}
         if validate == "stat":
             material["stat"] = keys.stat_signature(paths.to_numpy(dtype=object))
         elif validate == "content":
@@ -170,8 +109,7 @@ class Cache:
         column = _value_column(values)
         _choose("on_error", on_error, options.ON_ERROR)
         params = {"function": keys.function_identity(fn, version), "on_error": on_error}
-        material: dict[str, Any] = {"rows": keys.pandas_row_hashes(column),
-                                    "dtype": keys.column_dtype(column)}
+        material: dict[str, Any] = {"column": keys.column_material(column)}
         return self._rows("map", column, _array_rows(fn), params, material, template=None,
                           collect_errors=False, on_error=on_error)
 
@@ -186,40 +124,45 @@ class Cache:
         """
         from .memoize import memoize
 
-        return memoize(self, fn, version=version, ignore=ignore)
+        return memoize(self._obtain, fn, version=version, ignore=ignore)
+
+    def _obtain(self, key: str, build_fn: publish.BuildFunction,
+                open_entry: Callable[[publish.Outcome], Any]) -> Any:
+        """The one path every entry takes: obtain it (building on a miss), open it, and
+        report the use to an active W&B run."""
+        outcome, opened = publish.obtain_and_open(
+            self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
+            announce=self.progress is not False)
+        _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
+        return opened
 
     def _rows(self, kind: str, column: Any, row_fn: Callable[[Any], Any],
               params: dict[str, Any], material: dict[str, Any], *,
               template: Optional[tuple], collect_errors: bool, on_error: str) -> Entry:
         """Key, then obtain: the one path every per-row entry takes."""
-        key = keys.digest({"kind": kind, "format": store.FORMAT_VERSION, "params": params,
+        key = keys.digest({"kind": kind, "format": FORMAT_VERSION, "params": params,
                            "n": len(column), **material})
         record_failures = collect_errors or on_error == "zero"
 
         def record(exc: Exception) -> bool:
-            return record_failures and not isinstance(exc, NotAnArray)
+            return record_failures and not isinstance(exc, NotAnArrayError)
 
-        def build_entry(build_dir: Path, on_chunk: publish.ChunkCallback) -> dict[str, Any]:
+        def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
-            filled = build.fill(build_dir / store.DATA_FILE, values, row_fn,
+            filled = build.fill(current.path / build.DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record,
                                 template=template, on_chunk=on_chunk,
                                 progress=self._show_progress(), description=f"cachekit {kind}")
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures)
-            return {"kind": kind, "params": params,
-                    "column": column.name if isinstance(column.name, str) else None,
-                    "rows": len(values), "shape": list(filled.shape),
-                    "dtype": filled.dtype.str,
-                    "failed_rows": [list(f) for f in filled.failures]}
+            return publish.Built(
+                kind=kind, rows=len(values), files=((build.DATA_FILE, "numpy"),),
+                failed_rows=tuple(filled.failures), params=params,
+                column=column.name if isinstance(column.name, str) else None)
 
-        entry = publish.obtain_and_open(
-            self._layout, key, build_entry,
-            lambda found: Entry(found.entry_dir, found.manifest, hit=found.hit,
-                                wait_seconds=found.wait_seconds),
-            lock_timeout=self.lock_timeout, announce=self.progress is not False)
-        _wandb.report(entry)  # into the user's active wandb run, if any; never raises
-        return entry
+        return self._obtain(key, build_entry, lambda outcome: Entry(
+            outcome.entry.path, outcome.entry.manifest, source=outcome.source,
+            wait_seconds=outcome.wait_seconds))
 
     # Inspection and maintenance: thin wrappers over cachekit.maintenance/removal/integrity.
 
@@ -229,7 +172,7 @@ class Cache:
         with ``problem`` set instead of aborting the listing."""
         from .maintenance import list_entries
 
-        return list_entries(self._layout)[0]
+        return list_entries(self._store)[0]
 
     def clear(self, keys: Optional[Sequence[str]] = None, *,
               older_than: Optional[Any] = None):
@@ -243,7 +186,7 @@ class Cache:
         if isinstance(keys, str):
             keys = [keys]
         age = None if older_than is None else seconds(older_than)
-        return plan_clear(self._layout, keys, older_than=age).execute()
+        return plan_clear(self._store, keys, older_than=age).execute()
 
     def prune(self, max_bytes: Union[int, str]):
         """Remove least recently used entries until the cache holds at most ``max_bytes``
@@ -251,7 +194,7 @@ class Cache:
         from .removal import plan_prune
         from .units import byte_count
 
-        return plan_prune(self._layout, byte_count(max_bytes)).execute()
+        return plan_prune(self._store, byte_count(max_bytes)).execute()
 
     def verify(self, keys: Optional[Sequence[str]] = None) -> list:
         """Fully check entries (all, or ``keys``): manifest, headers, sizes and the data
@@ -260,12 +203,7 @@ class Cache:
 
         if isinstance(keys, str):
             keys = [keys]
-        return verify(self._layout, keys)
-
-
-class NotAnArray(TypeError):
-    """A ``map`` function returned something other than an array or tensor: a bug in the
-    function, so it is raised even with ``on_error="zero"``."""
+        return verify(self._store, keys)
 
 
 def _array_rows(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -278,7 +216,7 @@ def _array_rows(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return result
         if torch is not None and isinstance(result, torch.Tensor):
             return result
-        raise NotAnArray(f"map: {getattr(fn, '__qualname__', fn)} returned "
+        raise NotAnArrayError(f"map: {getattr(fn, '__qualname__', fn)} returned "
                          f"{type(result).__qualname__} {str(result)[:80]} for {value!r}; it must "
                          "return a numpy array (not of Python objects) or a torch tensor")
 

@@ -20,15 +20,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-from . import _version, maintenance, options, store, units
-from .errors import CachekitError, ImageDecodeError
+from . import _version, maintenance, options, units
+from . import manifest as manifests
+from .errors import CachekitError, ImageDecodeError, UsageError
+from .stores import LocalStore, default_root
 
 SHORT_KEY = 12
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported in one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,8 +146,8 @@ def _image_size(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _layout(args: argparse.Namespace) -> store.Layout:
-    return store.Layout((Path(args.root).expanduser() if args.root else store.default_root()).absolute())
+def _layout(args: argparse.Namespace) -> LocalStore:
+    return LocalStore((Path(args.root).expanduser() if args.root else default_root()).absolute())
 
 
 def _dir(args: argparse.Namespace) -> int:
@@ -206,7 +204,7 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
     manifest: dict[str, Any] = {}
     if e.problem is None:
         try:
-            manifest = store.read_manifest(e.path)
+            manifest = manifests.read(e.path).to_json()
         except (OSError, CachekitError):
             pass
     builder = manifest.get("builder") or {}
@@ -217,8 +215,8 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
     if e.params is not None:
         fields += [(f"  {name}", json.dumps(value, sort_keys=True))
                    for name, value in sorted(e.params.items())]
-    if manifest.get("checksum"):
-        fields.append(("checksum", manifest["checksum"]))
+    for record in manifest.get("files") or []:
+        fields.append((f"  {record['name']}", f"{record['bytes']} bytes, {record['checksum']}"))
     fields = [(name, value) for name, value in fields if value is not None]
     width = max(len(name) for name, _ in fields) + 1
     for name, value in fields:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import operator
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -20,44 +19,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from . import store
-from .errors import CacheCorruptError
+from .errors import CacheCorruptError, DatasetCorruptError
 
 if TYPE_CHECKING:
     from .cache import Entry
 
 __all__ = ["DatasetCorruptError", "EntryDataset"]
-
-_ENTRY_PATH = re.compile(r"corrupt cache entry (.+?): ")
-
-
-class DatasetCorruptError(CacheCorruptError):
-    """The entry behind a Dataset is corrupt or was removed: raised where the rows are read.
-
-    torch re-raises a DataLoader worker's exception in the main process as
-    ``type(exc)(message)`` and falls back to ``RuntimeError`` when that call fails, so this
-    class also accepts that one message: ``except cachekit.CacheCorruptError`` then works the
-    same with ``num_workers=0`` and ``num_workers>0``.
-    """
-
-    def __init__(self, path: str | Path, reason: Optional[str] = None) -> None:
-        if reason is not None:
-            self._message_only = False
-            super().__init__(path, reason)
-            return
-        # torch's re-raise: `path` is the whole message, with the worker's traceback.
-        message = str(path)
-        found = _ENTRY_PATH.findall(message)
-        self._message_only = True
-        self.path = found[-1] if found else ""
-        self.reason = message
-        OSError.__init__(self, message)
-
-    def __reduce__(self):  # type: ignore[override]
-        if self._message_only:
-            return (type(self), (self.reason,))
-        return (type(self), (self.path, self.reason))
-
 
 class EntryDataset(Dataset):
     """Map-style Dataset over ``entry``: item i -> the row as a tensor, or (tensor, target).
@@ -132,7 +99,7 @@ class EntryDataset(Dataset):
             try:
                 # A plain ndarray view: np.memmap's __array_finalize__ costs about a third
                 # of a 256-row fancy index (measured with cProfile on 3x32x32 rows).
-                self._rows = np.asarray(store.open_array(self.entry.path, self.entry.manifest))
+                self._rows = np.asarray(self.entry._map())
             except CacheCorruptError as e:
                 reason = e.reason
                 if not self.entry.path.exists():

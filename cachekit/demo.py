@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import _fs, store
+from . import _fs
 from .samples import write_sample_images
+from .stores import default_root
 
 SIZE = (32, 32)
 
@@ -30,7 +31,7 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
     if images < 1 or agents < 1:
         print("cachekit demo: --images and --agents must be at least 1", file=sys.stderr)
         return 2
-    root = Path(root) if root is not None else store.default_root()
+    root = Path(root) if root is not None else default_root()
     sample_dir = root / "demo-images"
     print(f"cachekit demo: {images} cover-like JPEGs (200-500 x 300-700 px) in {sample_dir}")
     started = time.perf_counter()

@@ -5,8 +5,11 @@
     CachekitError                       root: catch this to catch everything cachekit raises
     +-- LockTimeout (TimeoutError)      another process held a build lock past lock_timeout
     +-- ImageDecodeError (ValueError)   rows that could not be decoded; .failures lists them all
+    +-- NotAnArrayError (TypeError)     a map function returned something that is not an array
     +-- CacheCorruptError (OSError)     an entry on disk disagrees with its manifest
+    |   +-- DatasetCorruptError         ... found where a torch Dataset reads its rows
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
+    +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
 
 Every exception carries the path or rows it is about, says how to fix it, and survives
 pickling, because errors cross process and thread pools.
@@ -14,8 +17,9 @@ pickling, because errors cross process and thread pools.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 Failure = Tuple[int, str, str]
 """One bad row: (row position, path, reason)."""
@@ -28,17 +32,20 @@ class CachekitError(Exception):
 class LockTimeout(CachekitError, TimeoutError):
     """Waited ``timeout`` seconds for another process's build of ``key`` and gave up."""
 
-    def __init__(self, lock_path: str | Path, timeout: float, owner: str = "unknown") -> None:
+    def __init__(self, lock_path: str | Path, timeout: float, owner: str = "unknown",
+                 hint: str = "") -> None:
         self.lock_path = str(lock_path)
         self.timeout = timeout
         self.owner = owner
+        self.hint = hint
         super().__init__(
-            f"gave up after {timeout:g} s waiting for the build lock {self.lock_path} "
-            f"(held by {owner}); raise lock_timeout, or remove the lock file if its owner is dead"
+            f"gave up after {timeout:g} s waiting for {owner} to build the entry of lock "
+            f"{self.lock_path}; raise lock_timeout (None waits for good)"
+            + (f", or: {hint}" if hint else "")
         )
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.lock_path, self.timeout, self.owner))
+        return (type(self), (self.lock_path, self.timeout, self.owner, self.hint))
 
 
 class ImageDecodeError(CachekitError, ValueError):
@@ -61,6 +68,11 @@ class ImageDecodeError(CachekitError, ValueError):
         return (type(self), (self.failures,))
 
 
+class NotAnArrayError(CachekitError, TypeError):
+    """A ``map`` function returned something other than an array or tensor: a bug in the
+    function, so it is raised even with ``on_error="zero"``."""
+
+
 class CacheCorruptError(CachekitError, OSError):
     """An entry's files disagree with its manifest; its bytes are never returned."""
 
@@ -74,6 +86,37 @@ class CacheCorruptError(CachekitError, OSError):
         )
 
     def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.path, self.reason))
+
+
+_ENTRY_PATH = re.compile(r"corrupt cache entry (.+?): ")
+
+
+class DatasetCorruptError(CacheCorruptError):
+    """The entry behind a Dataset is corrupt or was removed: raised where the rows are read.
+
+    torch re-raises a DataLoader worker's exception in the main process as
+    ``type(exc)(message)`` and falls back to ``RuntimeError`` when that call fails, so this
+    class also accepts that one message: ``except cachekit.CacheCorruptError`` then works the
+    same with ``num_workers=0`` and ``num_workers>0``.
+    """
+
+    def __init__(self, path: str | Path, reason: Optional[str] = None) -> None:
+        if reason is not None:
+            self._message_only = False
+            super().__init__(path, reason)
+            return
+        # torch's re-raise: `path` is the whole message, with the worker's traceback.
+        message = str(path)
+        found = _ENTRY_PATH.findall(message)
+        self._message_only = True
+        self.path = found[-1] if found else ""
+        self.reason = message
+        OSError.__init__(self, message)
+
+    def __reduce__(self):  # type: ignore[override]
+        if self._message_only:
+            return (type(self), (self.reason,))
         return (type(self), (self.path, self.reason))
 
 
@@ -91,3 +134,7 @@ class ReadOnlyCacheError(CachekitError, PermissionError):
 
     def __reduce__(self):  # type: ignore[override]
         return (type(self), (self.root, self.key))
+
+
+class UsageError(CachekitError):
+    """Bad command-line input: reported in one line, and ``cachekit`` exits with status 2."""

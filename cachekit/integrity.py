@@ -9,12 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from . import store
+from . import arrays
+from . import manifest as manifests
 from .errors import CacheCorruptError
 from .maintenance import Problem, list_entries, resolve_keys
+from .stores import LocalStore
 
 
-def verify(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
+def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
            on_start: Optional[Callable[[int, int], None]] = None,
            on_bytes: Optional[Callable[[int], None]] = None) -> list[Problem]:
     """Fully check entries (all, or ``keys`` and unique prefixes of them); return the
@@ -24,7 +26,7 @@ def verify(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
     ``on_start(entries, bytes)`` is called once with what is about to be checked, and
     ``on_bytes(n)`` after each entry with its size, for a progress bar.
     """
-    entries, problems = list_entries(layout)
+    entries, problems = list_entries(store)
     if keys is not None:
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
@@ -44,18 +46,18 @@ def verify(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
 def check_entry(path: Path) -> Optional[Problem]:
     """The problem with the entry at ``path``, or None when every file matches its manifest."""
     try:
-        manifest = store.read_manifest(path)
-        for name, shape, dtype, expected in store.entry_files(manifest):
-            store.open_file(path / name, shape, dtype)  # checks the .npy header and the size
-            actual = store.checksum(path / name)
-            if actual != expected:
-                return Problem(path.name, path, f"checksum mismatch in {name}: manifest says "
-                                                f"{expected}, the file has {actual}")
+        manifest = manifests.read(path)
+        for record in manifest.files:
+            arrays.open_record(path, record)  # checks the .npy header and the size
+            _, actual = arrays.checksum(path / record.name)
+            if actual != record.checksum:
+                return Problem(path.name, path, f"checksum mismatch in {record.name}: manifest "
+                                                f"says {record.checksum}, the file has {actual}")
     except (FileNotFoundError, CacheCorruptError, OSError) as e:
         if not path.exists():
             return None  # removed (cachekit clear) while we checked: not a problem
         if isinstance(e, FileNotFoundError):
-            return Problem(path.name, path, f"{store.MANIFEST_FILE} is missing")
+            return Problem(path.name, path, f"{manifests.MANIFEST_FILE} is missing")
         if isinstance(e, CacheCorruptError):
             return Problem(path.name, path, e.reason)
         return Problem(path.name, path, f"unreadable: {e}")

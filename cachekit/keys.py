@@ -17,7 +17,7 @@ tag       body
 ``l/t``   list / tuple as ``<count>:`` then each item
 ``d``     dict as ``<count>:`` then (key, value) pairs sorted by the key's encoding
 ``a``     numpy array: dtype string, shape tuple, then ``<nbytes>:`` C-order bytes
-``P``     pandas Series: name, dtype (:func:`column_dtype`), then the ``hash_pandas_object`` row hashes as ``a``
+``P``     pandas Series: name, then its :func:`column_material`: dtype, then the row hashes as ``a``
 ``D``     pandas DataFrame: column names, column dtypes, then the row hashes as ``a``
 ``X``     torch tensor: as ``a`` of its CPU numpy view
 ========  =========================================================================
@@ -94,10 +94,11 @@ def _feed(write: Write, value: Any) -> None:
     elif isinstance(value, np.ndarray):
         _feed_array(write, value)
     elif _is_pandas(value, "Series"):
+        material = column_material(value)
         write(b"P")
         _feed(write, value.name)
-        _feed(write, column_dtype(value))
-        _feed_array(write, pandas_row_hashes(value))
+        _feed(write, material["dtype"])
+        _feed_array(write, material["rows"])
     elif _is_pandas(value, "DataFrame"):
         write(b"D")
         _feed(write, [c for c in value.columns])
@@ -126,6 +127,18 @@ def _is_pandas(value: Any, name: str) -> bool:
     return pandas is not None and isinstance(value, getattr(pandas, name))
 
 
+def column_material(column: Any) -> dict[str, Any]:
+    """The key material of a column of values: its dtype (:func:`column_dtype`) and its
+    per-row hashes in row order. The one place a column becomes key material, for
+    ``images``, ``map`` and ``memoize`` alike.
+
+    A memoize argument that is a Series also keys its name (the ``P`` encoding), because the
+    function receives the Series itself and may read the name; ``images`` and ``map`` hand
+    only the values to the row function, so renaming a column keeps their entries.
+    """
+    return {"dtype": column_dtype(column), "rows": pandas_row_hashes(column)}
+
+
 def pandas_row_hashes(obj: Any) -> np.ndarray:
     """Per-row uint64 hashes of a Series or DataFrame, in row order, little-endian.
 
@@ -142,13 +155,15 @@ def pandas_row_hashes(obj: Any) -> np.ndarray:
 def column_dtype(column: Any) -> Any:
     """A column's dtype as key material.
 
-    ``str``/``string`` columns and ``object`` columns of str count as one ("string"), so the
-    same values give the same key whichever dtype pandas picked. Other ``object`` columns
+    ``str``/``string`` columns, ``object`` columns of str and categorical columns of str
+    count as one ("string"), so the same values give the same key whichever dtype pandas
+    picked (``hash_pandas_object`` hashes them alike). Other ``object`` columns
     add each value's type, because ``hash_pandas_object`` hashes ``1`` and ``"1"`` alike.
     """
     import pandas as pd
 
-    if pd.api.types.infer_dtype(column, skipna=True) == "string":
+    values = column.cat.categories if isinstance(column.dtype, pd.CategoricalDtype) else column
+    if pd.api.types.infer_dtype(values, skipna=True) == "string":
         return "string"
     if column.dtype == object:
         return ["object", [type(v).__qualname__ for v in column]]

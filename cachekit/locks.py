@@ -9,10 +9,10 @@ shares a cache root:
     local disks and for network filesystems whose locks work.
 ``soft``
     A lock file created with O_EXCL that records its owner (host, pid) and whose mtime the
-    holder refreshes from a heartbeat thread. It is stale, and taken over, when its owner is
-    a dead process on this host, or when its heartbeat is older than the lease
-    (``CACHEKIT_LOCK_LEASE`` seconds, default 60). For filesystems where flock is absent or
-    silently ineffective (some NFS, Lustre and GPFS mounts).
+    holder refreshes from a heartbeat thread. It is stale, and taken over, when its holder
+    is dead by the rule of :mod:`cachekit.liveness` (a gone process on this host, or a
+    heartbeat older than ``CACHEKIT_LOCK_LEASE`` seconds, default 60). For filesystems where
+    flock is absent or silently ineffective (some NFS, Lustre and GPFS mounts).
 ``none``
     No lock: processes that miss at once all build, and the first to publish wins.
 """
@@ -22,19 +22,16 @@ from __future__ import annotations
 import errno
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import filelock
 
-from . import _fs
+from . import _fs, liveness
 
 LOCK_ENV = "CACHEKIT_LOCK"
-LEASE_ENV = "CACHEKIT_LOCK_LEASE"
 KINDS = ("os", "soft", "none")
-DEFAULT_LEASE_SECONDS = 60.0
 SOFT_SUFFIX = ".soft"
 _POLL_SECONDS = 0.05
 _RECORD_LIMIT = 4096
@@ -47,20 +44,6 @@ def kind_from_env() -> str:
         raise ValueError(f"{LOCK_ENV}={os.environ[LOCK_ENV]!r} is not one of "
                          f"{', '.join(KINDS)}")
     return kind
-
-
-def lease_from_env() -> float:
-    """Seconds without a heartbeat after which a soft lock is stale ($CACHEKIT_LOCK_LEASE)."""
-    text = os.environ.get(LEASE_ENV, "").strip()
-    if not text:
-        return DEFAULT_LEASE_SECONDS
-    try:
-        lease = float(text)
-    except ValueError:
-        lease = -1.0
-    if not 0 < lease < float("inf"):
-        raise ValueError(f"{LEASE_ENV}={text!r} must be a positive number of seconds")
-    return lease
 
 
 class BuildLock:
@@ -76,6 +59,10 @@ class BuildLock:
         raise NotImplementedError
 
     def release(self) -> None:
+        raise NotImplementedError
+
+    def release_hint(self) -> str:
+        """How a user frees this lock when its holder is stuck, for error messages."""
         raise NotImplementedError
 
 
@@ -96,6 +83,10 @@ class OsLock(BuildLock):
     def release(self) -> None:
         self._lock.release()
 
+    def release_hint(self) -> str:
+        return ("the kernel releases this lock when its holder exits: wait for that process "
+                "or stop it")
+
 
 class NoLock(BuildLock):
     """Always free: every process that misses builds; the first rename wins."""
@@ -108,25 +99,24 @@ class NoLock(BuildLock):
     def release(self) -> None:
         pass
 
+    def release_hint(self) -> str:
+        return "there is no lock (CACHEKIT_LOCK=none)"
+
 
 class SoftLock(BuildLock):
     """An O_EXCL lock file with an owner record and a heartbeat (its mtime).
 
-    Staleness is judged by the waiter: the owner is a dead process on this host, or the
-    file has not changed for a lease as seen on the waiter's own monotonic clock, or its
-    mtime is a lease older than the waiter's wall clock (hosts' clocks must agree to well
-    within a lease). A stale file is moved aside by rename, so of two waiters that judge it
-    stale only one removes it; one that finds it moved a live lock instead puts it back.
+    Staleness is judged by the waiter with :func:`cachekit.liveness.is_alive`. A stale file
+    is moved aside by rename, so of two waiters that judge it stale only one removes it;
+    one that finds it moved a live lock instead puts it back.
     """
 
     def __init__(self, path: Path, lease: Optional[float] = None) -> None:
         super().__init__(path)
-        self.lease = lease_from_env() if lease is None else lease
+        self.lease = liveness.lease_from_env() if lease is None else lease
         self._fd: Optional[int] = None
         self._identity: Optional[tuple[int, int]] = None
-        self._stop = threading.Event()
-        self._heartbeat: Optional[threading.Thread] = None
-        self._seen: Optional[tuple[tuple[int, int, int], float]] = None
+        self._heartbeat: Optional[liveness.Heartbeat] = None
 
     def acquire(self, timeout: float) -> bool:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -141,10 +131,13 @@ class SoftLock(BuildLock):
                 return False
             time.sleep(min(_POLL_SECONDS, remaining))
 
+    def release_hint(self) -> str:
+        return (f"a soft lock is taken over {self.lease:g} s after its holder's last "
+                f"heartbeat; if you know its holder is gone, delete {self.path}")
+
     def release(self) -> None:
-        self._stop.set()
         if self._heartbeat is not None:
-            self._heartbeat.join()
+            self._heartbeat.stop()
             self._heartbeat = None
         if self._fd is None:
             return
@@ -182,38 +175,15 @@ class SoftLock(BuildLock):
             _fs.remove_file(self.path)
             raise
         self._fd, self._identity = fd, (st.st_dev, st.st_ino)
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, args=(fd, self._stop),
-                                           name="cachekit-lock-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._heartbeat = liveness.Heartbeat(fd, self.lease).start()
         return True
-
-    def _beat(self, fd: int, stop: threading.Event) -> None:
-        while not stop.wait(self.lease / 4):
-            try:
-                if os.utime in os.supports_fd:
-                    os.utime(fd)
-                else:
-                    os.utime(self.path)
-            except OSError:
-                pass  # a transient error; the next beat tries again well within the lease
 
     def _break_if_stale(self) -> None:
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
-        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-        now = time.monotonic()
-        if self._seen is None or self._seen[0] != seen:
-            self._seen = (seen, now)
-        record = self.owner()
-        stale = (
-            (record is not None and _fs.owner_state(record) == "dead")
-            or now - self._seen[1] >= self.lease
-            or time.time() - st.st_mtime >= self.lease
-        )
-        if stale:
+        if not liveness.is_alive(self.owner(), st.st_mtime, lease=self.lease):
             self._take_over(st)
 
     def _take_over(self, judged: os.stat_result) -> None:
@@ -233,7 +203,6 @@ class SoftLock(BuildLock):
                         raise
         finally:
             _fs.remove_file(aside)
-        self._seen = None
 
 
 def make_lock(path: Path, kind: Optional[str] = None) -> BuildLock:

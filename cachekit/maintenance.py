@@ -1,8 +1,8 @@
 """Looking at a cache root: what is there, who is building, what is broken.
 
-Nothing here changes an entry. Telling a live build from an orphan takes the key's build
-lock for an instant (with ``CACHEKIT_LOCK=soft`` that may create the lock file or break a
-stale one), and releases it at once.
+Nothing here changes anything. A build directory is live or orphaned by the one rule of
+:mod:`cachekit.liveness` (its builder's heartbeat), the same rule builders use; no lock
+is taken.
 
 Inspection returns frozen dataclasses; a scan never aborts on a broken entry or a stray file,
 it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.removal`, the full
@@ -13,33 +13,28 @@ An entry's last use is its directory's mtime: every hit sets it with one ``os.ut
 
 Temporary directories under ``tmp/`` are in one of four states:
 
-- ``building``: a live builder owns it (it holds ``locks/KEY.lock``, or its process is
-  alive); nothing ever touches it.
+- ``building``: its builder is alive (a fresh heartbeat, on this host or another); nothing
+  ever touches it.
 - ``orphaned``: its builder died or gave up; removable (else the next build of the key
   resumes from it).
-- ``deleting``: an entry or orphan being removed by a live process right now.
-- ``leftover``: a removal that was interrupted; removable.
+- ``deleting``: an entry or orphan being removed by a live process on this host right now.
+- ``leftover``: a removal that was interrupted (or runs on another host); removable.
 """
 
 from __future__ import annotations
 
 import os
 import string
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import numpy as np
-
-from . import _fs, locks, publish, store
+from . import _fs
+from . import manifest as manifests
 from .errors import CacheCorruptError
 from .keys import KEY_HEX_LENGTH, is_key
-
-DELETING_PREFIX = "deleting."
-STALE_FOREIGN_SECONDS = 24 * 3600
-"""A build directory of another host whose journal has not moved for this long is orphaned
-(its pid cannot be checked from here)."""
+from .stores import LocalStore
+from .stores.local import DELETING_PREFIX, parse_build_dir_name
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
@@ -114,18 +109,18 @@ class Scan:
         return sum(e.bytes for e in self.entries) + sum(t.bytes for t in self.temp_dirs)
 
 
-def scan(layout: store.Layout) -> Scan:
-    """Describe every entry and temporary directory of ``layout``; never raises for bad items."""
-    entries, problems = list_entries(layout)
-    temp_dirs, temp_problems = list_temp_dirs(layout)
-    return Scan(layout.root, tuple(entries), tuple(temp_dirs), tuple(problems + temp_problems))
+def scan(store: LocalStore) -> Scan:
+    """Describe every entry and temporary directory of ``store``; never raises for bad items."""
+    entries, problems = list_entries(store)
+    temp_dirs, temp_problems = list_temp_dirs(store)
+    return Scan(store.root, tuple(entries), tuple(temp_dirs), tuple(problems + temp_problems))
 
 
-def list_entries(layout: store.Layout) -> tuple[list[EntryInfo], list[Problem]]:
+def list_entries(store: LocalStore) -> tuple[list[EntryInfo], list[Problem]]:
     """Published entries (sorted by creation), and problems met on the way."""
     entries: list[EntryInfo] = []
     problems: list[Problem] = []
-    for item in _children(layout.entries):
+    for item in store.entry_dirs():
         if not is_key(item.name) or not item.is_dir():
             problems.append(Problem(None, item, "not a cache entry (cachekit did not make it)"))
             continue
@@ -147,34 +142,30 @@ def entry_info(path: Path) -> Optional[EntryInfo]:
     except FileNotFoundError:
         return None
     try:
-        manifest = store.read_manifest(path)
+        manifest = manifests.read(path)
     except FileNotFoundError:
         if not path.exists():
             return None
-        problem = f"{store.MANIFEST_FILE} is missing"
+        problem = f"{manifests.MANIFEST_FILE} is missing"
     except CacheCorruptError as e:
         problem = e.reason
     else:
-        column = manifest.get("column")
-        params = manifest.get("params")
         return EntryInfo(
-            key=path.name, kind=manifest["kind"], rows=manifest["rows"],
-            shape=tuple(manifest["shape"]), dtype=np.dtype(manifest["dtype"]).name, bytes=size,
-            created=float(manifest["created"]), last_used=used, path=path,
-            column=column if isinstance(column, str) else None,
-            failed_rows=len(manifest["failed_rows"]),
-            params=params if isinstance(params, dict) else None,
+            key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
+            dtype=manifest.dtype.name, bytes=size, created=manifest.created, last_used=used,
+            path=path, column=manifest.column, failed_rows=len(manifest.failed_rows),
+            params=manifest.params,
         )
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
                      created=used, last_used=used, path=path, problem=problem)
 
 
-def list_temp_dirs(layout: store.Layout) -> tuple[list[TempDir], list[Problem]]:
+def list_temp_dirs(store: LocalStore) -> tuple[list[TempDir], list[Problem]]:
     """Directories under ``tmp/`` with their state, and problems met on the way."""
     temp_dirs: list[TempDir] = []
     problems: list[Problem] = []
-    for item in _children(layout.tmp):
-        info = temp_dir_info(layout, item)
+    for item in store.temp_dirs():
+        info = temp_dir_info(store, item)
         if info is None:
             if item.exists():
                 problems.append(Problem(None, item, "not a cachekit temporary directory"))
@@ -184,15 +175,11 @@ def list_temp_dirs(layout: store.Layout) -> tuple[list[TempDir], list[Problem]]:
     return temp_dirs, problems
 
 
-def temp_dir_info(layout: store.Layout, path: Path, *,
-                  holding_lock: bool = False) -> Optional[TempDir]:
-    """Describe ``tmp/KEY.HOST.PID.UUID`` or ``tmp/deleting.KEY.HOST.PID.UUID``; else None.
-
-    ``holding_lock``: the caller holds the key's build lock, so no other process does.
-    """
+def temp_dir_info(store: LocalStore, path: Path) -> Optional[TempDir]:
+    """Describe ``tmp/KEY.HOST.PID.UUID`` or ``tmp/deleting.KEY.HOST.PID.UUID``; else None."""
     deleting = path.name.startswith(DELETING_PREFIX)
     name = path.name[len(DELETING_PREFIX):] if deleting else path.name
-    key, host, pid = store.parse_build_dir_name(name)
+    key, host, pid = parse_build_dir_name(name)
     if key is None or not _fs.is_plain_dir(path):
         return None
     try:
@@ -204,68 +191,12 @@ def temp_dir_info(layout: store.Layout, path: Path, *,
         alive = _fs.owner_state({"host": host, "pid": pid}) == "alive"
         return TempDir(key, path, DELETING if alive else LEFTOVER, size, modified,
                        f"removal by pid {pid} on {host}")
-    journal = publish.read_journal(path) or {}
-    owner = journal if "pid" in journal and "host" in journal else {"host": host, "pid": pid}
-    done, total = journal.get("done"), journal.get("total")
-    progress = f" ({done}/{total} rows)" if isinstance(total, int) and total else ""
-    description = f"pid {owner.get('pid')} on {owner.get('host')}{progress}"
-    if journal.get("abandoned") is True:  # interrupted; any later builder may resume it
-        return TempDir(key, path, ORPHANED, size, modified, description + ", abandoned")
-    updated = journal.get("updated")
-    updated = max(modified, updated) if isinstance(updated, (int, float)) else modified
-    lock = None if holding_lock else build_lock(layout, key)
-    held = False if holding_lock else lock_is_held(lock)
-    exclusive = True if holding_lock else lock.exclusive
-    live = build_is_live(held, exclusive, _fs.owner_state(owner), updated)
-    return TempDir(key, path, BUILDING if live else ORPHANED, size, modified, description)
-
-
-def build_is_live(held: Optional[bool], exclusive: bool, owner_state: str,
-                  updated: float) -> bool:
-    """Whether a builder may still be working in its directory; when unsure, True.
-
-    ``held``: whether the key's build lock is held (None: cannot tell). A held lock means a
-    builder, or a waiter about to resume this directory. Otherwise the owner decides
-    (``_fs.owner_state``: alive, dead, or unknown on another host); an unknown owner counts
-    as gone when a working lock is free, as publish itself judges, and else once its
-    journal is STALE_FOREIGN_SECONDS old.
-    """
-    if held or owner_state == "alive":
-        return True
-    if owner_state == "dead":
-        return False
-    if held is False and exclusive:
-        return False
-    return time.time() - updated < STALE_FOREIGN_SECONDS
-
-
-def build_lock(layout: store.Layout, key: str) -> locks.BuildLock:
-    """The build lock of ``key``, of the kind builders use ($CACHEKIT_LOCK)."""
-    return locks.make_lock(layout.lock_path(key))
-
-
-def try_lock(layout: store.Layout, key: str) -> Optional[locks.BuildLock]:
-    """The build lock of ``key``, acquired without waiting; None when another process holds it.
-
-    Raises OSError when the lock cannot be taken at all (e.g. a read-only cache root).
-    """
-    lock = build_lock(layout, key)
-    return lock if lock.acquire(timeout=0) else None
-
-
-def lock_is_held(lock: locks.BuildLock) -> Optional[bool]:
-    """True when a process holds ``lock``; None when that cannot be told."""
-    if not lock.exclusive:
-        return None  # CACHEKIT_LOCK=none: there is no lock to ask
-    if not lock.path.exists():
-        return False  # a builder creates its lock file before its build directory
-    try:
-        if not lock.acquire(timeout=0):
-            return True
-    except OSError:
+    state = store.build_state(path)
+    if state is None:
         return None
-    lock.release()
-    return False
+    description = state.describe() + (", abandoned" if state.abandoned else "")
+    return TempDir(key, path, BUILDING if state.alive else ORPHANED, size,
+                   max(modified, state.heartbeat), description)
 
 
 def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -290,13 +221,6 @@ def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
         if matches[0] not in resolved:
             resolved.append(matches[0])
     return resolved
-
-
-def _children(directory: Path) -> list[Path]:
-    try:
-        return sorted(directory.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def _tree_bytes(path: Path) -> int:

@@ -2,10 +2,11 @@
 
 The key is the function's identity (:func:`cachekit.keys.function_identity`: module,
 qualified name, source, ``version``) plus each argument, bound with ``inspect.signature``
-and defaults applied, so ``f(df)`` and ``f(df, size=32)`` share an entry. The entry is built
-through :func:`cachekit.publish.obtain` like every other entry, so concurrent callers share
-one execution. The return value is stored as one ``.npy`` file per array (``data.npy``,
-``leaf_1.npy``, ...) and a JSON ``structure`` in the manifest that nests them::
+and defaults applied, so ``f(df)`` and ``f(df, size=32)`` share an entry. The entry is
+obtained through the cache's one path like every other entry, so concurrent callers share
+one execution and the use is reported to W&B. The return value is stored as one ``.npy``
+file per array (``data.npy``, ``leaf_1.npy``, ...; the manifest's ``files``) and a JSON
+``structure`` in the manifest that nests them::
 
     {"array": 0}                      leaf 0 (its kind, numpy or torch, is in "leaves")
     {"tuple": [node, ...]}            also "list"
@@ -25,18 +26,23 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 
-from . import keys, publish, store
+from . import arrays, keys, publish
 from .errors import CacheCorruptError
+from .manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
+from .stores import Build
 
 Node = dict  # a JSON structure node, see the module docstring
+Obtain = Callable[[str, publish.BuildFunction, Callable[[publish.Outcome], Any]], Any]
+"""``Cache._obtain``: (key, build function, open function) -> the opened entry."""
 
 
-def memoize(cache: Any, fn: Optional[Callable[..., Any]] = None, *,
+def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
             version: Optional[Union[str, int]] = None,
             ignore: Union[str, Iterable[str]] = ()) -> Any:
-    """Decorate ``fn`` (or return a decorator when ``fn`` is None) to cache its result."""
+    """Decorate ``fn`` (or return a decorator when ``fn`` is None) to cache its result,
+    getting entries through ``obtain``."""
     if fn is None:
-        return lambda f: memoize(cache, f, version=version, ignore=ignore)
+        return lambda f: memoize(obtain, f, version=version, ignore=ignore)
     if not callable(fn):
         raise TypeError(f"memoize decorates a function, not {type(fn).__qualname__} "
                         f"{fn!r}; pass a version as memoize(version=...)")
@@ -59,7 +65,7 @@ def memoize(cache: Any, fn: Optional[Callable[..., Any]] = None, *,
                     f"cannot key argument {name!r} of {qualname}: {e}; pass "
                     f"ignore=({name!r},) to memoize if it does not change the result"
                 ) from None
-        key = keys.digest({"kind": store.MEMOIZE_KIND, "format": store.FORMAT_VERSION,
+        key = keys.digest({"kind": MEMOIZE_KIND, "format": FORMAT_VERSION,
                            "function": identity, "arguments": arguments})
         return key, arguments
 
@@ -67,15 +73,17 @@ def memoize(cache: Any, fn: Optional[Callable[..., Any]] = None, *,
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         key, arguments = key_of(args, kwargs)
 
-        def build_entry(build_dir: Path, on_chunk: publish.ChunkCallback) -> dict[str, Any]:
+        def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
-            return {"params": {"function": identity, "arguments": arguments},
-                    **_write_leaves(build_dir, leaves), "structure": structure}
+            first = _write_leaves(current.path, leaves)
+            return publish.Built(
+                kind=MEMOIZE_KIND, rows=first.shape[0] if first.shape else 1,
+                files=tuple((file_name(i), kind) for i, (_, kind) in enumerate(leaves)),
+                params={"function": identity, "arguments": arguments}, structure=structure)
 
-        return publish.obtain_and_open(
-            cache._layout, key, build_entry, lambda found: load(found.entry_dir, found.manifest),
-            lock_timeout=cache.lock_timeout, announce=cache.progress is not False)
+        return obtain(key, build_entry,
+                      lambda outcome: load(outcome.entry.path, outcome.entry.manifest))
 
     def cache_key(*args: Any, **kwargs: Any) -> str:
         """The entry key these arguments map to, without calling the function."""
@@ -148,47 +156,36 @@ def _tensor_array(tensor: Any, where: str) -> np.ndarray:
                         "e.g. .float()") from None
 
 
-def _write_leaves(build_dir: Path, leaves: list[tuple[np.ndarray, str]]) -> dict[str, Any]:
-    """Write each array to its own .npy file; return the manifest fields that describe them."""
-    described, checksums = [], {}
-    for i, (array, kind) in enumerate(leaves):
-        path = build_dir / store.leaf_file(i)
-        out = store.create_array(path, array.shape, array.dtype)
+def _write_leaves(build_dir: Path, leaves: list[tuple[np.ndarray, str]]) -> np.ndarray:
+    """Write each array to its own .npy file, in order; return the first."""
+    for i, (array, _) in enumerate(leaves):
+        out = arrays.create_array(build_dir / file_name(i), array.shape, array.dtype)
         if array.size:
             out[...] = array  # any memory layout in, C order out
             out.flush()
         del out
-        described.append({"file": path.name, "shape": list(array.shape),
-                          "dtype": array.dtype.str, "kind": kind})
-        if i:  # publish checksums data.npy itself into "checksum"
-            checksums[path.name] = store.checksum(path)
-    first = described[0]
-    return {"kind": store.MEMOIZE_KIND, "leaves": described, "checksums": checksums,
-            "rows": first["shape"][0] if first["shape"] else 1,
-            "shape": first["shape"], "dtype": first["dtype"], "failed_rows": []}
+    return leaves[0][0]
 
 
-def load(entry_dir: Path, manifest: dict[str, Any]) -> Any:
+def load(entry_dir: Path, manifest: Manifest) -> Any:
     """Rebuild a memoize entry's return value from its files, each validated and mapped."""
-    path = entry_dir / store.MANIFEST_FILE
-    if manifest.get("kind") != store.MEMOIZE_KIND:
-        raise CacheCorruptError(path, f"entry is a {manifest.get('kind')!r} entry, not memoize")
-    leaves = manifest["leaves"]
+    path = entry_dir / MANIFEST_FILE
+    if manifest.kind != MEMOIZE_KIND:
+        raise CacheCorruptError(path, f"entry is a {manifest.kind!r} entry, not memoize")
+    leaves = manifest.files
     opened: dict[int, Any] = {}
 
     def leaf(index: Any) -> Any:
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(leaves):
             raise CacheCorruptError(path, f"structure refers to a missing leaf {index!r}")
         if index not in opened:
-            spec = leaves[index]
-            shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
-            if spec["kind"] == "torch":
+            record = leaves[index]
+            if record.kind == "torch":
                 import torch
 
-                mapped = store.open_file(entry_dir / spec["file"], shape, dtype, mode="c")
-                opened[index] = torch.from_numpy(mapped)
+                opened[index] = torch.from_numpy(arrays.open_record(entry_dir, record, "c"))
             else:
-                opened[index] = store.open_file(entry_dir / spec["file"], shape, dtype)
+                opened[index] = arrays.open_record(entry_dir, record)
         return opened[index]
 
     def build(node: Any) -> Any:
@@ -205,4 +202,4 @@ def load(entry_dir: Path, manifest: dict[str, Any]) -> Any:
                 return {k: build(v) for k, v in body}
         raise CacheCorruptError(path, f"malformed structure node {node!r}")
 
-    return build(manifest["structure"])
+    return build(manifest.structure)

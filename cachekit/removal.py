@@ -3,32 +3,25 @@
 A plan (:func:`plan_clear`, :func:`plan_prune`) only looks; its ``execute()`` does the work,
 so ``--dry-run`` and confirmation prompts cost nothing. To remove an entry, its directory is
 first renamed out of ``entries/`` into ``tmp/deleting.KEY.HOST.PID.UUID`` in one atomic
-step, then deleted: a reader either finds the whole entry or none, and a process that mapped
-the entry before keeps reading the same bytes (POSIX keeps unlinked files alive while they
-are open or mapped). Build directories whose builder is alive are never touched; they are
-reported as skipped.
+step, then deleted (:meth:`cachekit.stores.LocalStore.remove`): a reader either finds the
+whole entry or none, and a process that mapped the entry before keeps reading the same
+bytes (POSIX keeps unlinked files alive while they are open or mapped). Build directories
+whose builder is alive (:mod:`cachekit.liveness`) are never touched; they are reported as
+skipped. A dead build's directory is judged again just before its removal, and removed by
+the same atomic rename, so a builder that resumes it at that moment gets it whole or not at
+all.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from . import _fs, store
-from .maintenance import (
-    BUILDING,
-    DELETING_PREFIX,
-    ORPHANED,
-    EntryInfo,
-    TempDir,
-    resolve_keys,
-    scan,
-    temp_dir_info,
-    try_lock,
-)
+from .maintenance import BUILDING, ORPHANED, EntryInfo, TempDir, resolve_keys, scan, temp_dir_info
+from .stores import LocalStore
+from .stores.local import delete_tree
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,7 @@ class RemovalPlan:
     because prune and ``older_than`` chose it for being unused.
     """
 
-    layout: store.Layout
+    store: LocalStore
     entries: tuple[EntryInfo, ...]
     temp_dirs: tuple[TempDir, ...]
     skipped: tuple[Skipped, ...] = ()
@@ -83,22 +76,22 @@ class RemovalPlan:
         skipped = list(self.skipped)
         failed: list[Skipped] = []
         for temp in self.temp_dirs:
-            outcome = _remove_temp_dir(self.layout, temp)
+            outcome = _remove_temp_dir(self.store, temp)
             _sort(outcome, temp, removed_temps, skipped, failed)
         for entry in self.entries:
-            outcome = _remove_entry(self.layout, entry, self.unused_since.get(entry.key))
+            outcome = _remove_entry(self.store, entry, self.unused_since.get(entry.key))
             _sort(outcome, entry, removed_entries, skipped, failed)
         return RemovalReport(tuple(removed_entries), tuple(removed_temps), tuple(skipped),
                              tuple(failed))
 
 
-def plan_clear(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
+def plan_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
                older_than: Optional[float] = None, now: Optional[float] = None) -> RemovalPlan:
     """Plan removing entries (all, or ``keys`` / unique prefixes), optionally only those not
     used for ``older_than`` seconds, with their orphaned build directories and interrupted
     removals. Live builds are listed as skipped.
     """
-    found = scan(layout)
+    found = scan(store)
     now = time.time() if now is None else now
     wanted: Optional[set[str]] = None
     if keys is not None:
@@ -111,17 +104,17 @@ def plan_clear(layout: store.Layout, keys: Optional[Iterable[str]] = None, *,
     entries = tuple(e for e in found.entries if selected(e.key, e.last_used))
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
     unused_since = {e.key: e.last_used for e in entries} if older_than is not None else {}
-    return RemovalPlan(layout, entries, tuple(t for t in temps if t.removable),
+    return RemovalPlan(store, entries, tuple(t for t in temps if t.removable),
                        tuple(_skip_live(t) for t in temps if not t.removable), unused_since)
 
 
-def plan_prune(layout: store.Layout, max_bytes: int) -> RemovalPlan:
+def plan_prune(store: LocalStore, max_bytes: int) -> RemovalPlan:
     """Plan removing the least recently used entries until the cache holds <= ``max_bytes``.
 
     Orphaned build directories and interrupted removals go first (they are garbage); live
     builds are not counted and are listed as skipped.
     """
-    found = scan(layout)
+    found = scan(store)
     garbage = [t for t in found.temp_dirs if t.removable]
     total = sum(e.bytes for e in found.entries) + sum(t.bytes for t in garbage)
     temps: list[TempDir] = []
@@ -137,7 +130,7 @@ def plan_prune(layout: store.Layout, max_bytes: int) -> RemovalPlan:
         entries.append(entry)
         total -= entry.bytes
     live = tuple(_skip_live(t) for t in found.temp_dirs if not t.removable)
-    return RemovalPlan(layout, tuple(entries), tuple(temps), live,
+    return RemovalPlan(store, tuple(entries), tuple(temps), live,
                        {e.key: e.last_used for e in entries})
 
 
@@ -146,62 +139,36 @@ def _skip_live(temp: TempDir) -> Skipped:
     return Skipped(temp.key, temp.path, f"{doing} by {temp.owner}")
 
 
-def _remove_entry(layout: store.Layout, entry: EntryInfo, unused_since: Optional[float]):
-    """Rename the entry out of ``entries/``, then delete it; a Skipped when it was spared."""
+def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[float]):
+    """Remove a published entry; a Skipped when it was spared or already gone."""
     try:
         if unused_since is not None and entry.path.stat().st_mtime > unused_since:
             return Skipped(entry.key, entry.path, "used since the plan was made")
-        trash = _trash_path(layout, entry.key)
-        os.rename(entry.path, trash)
+        if not store.remove(entry.path, entry.key):
+            return Skipped(entry.key, entry.path, "already removed by another process")
     except FileNotFoundError:
         return Skipped(entry.key, entry.path, "already removed by another process")
     except OSError as e:
         return e
-    return _delete(trash)
+    return None
 
 
-def _remove_temp_dir(layout: store.Layout, temp: TempDir):
-    """Delete an orphaned build directory (holding its key's lock) or an interrupted removal."""
-    if temp.state != ORPHANED:
-        return _delete(temp.path)
+def _remove_temp_dir(store: LocalStore, temp: TempDir):
+    """Remove an orphaned build directory (judged dead again first) or an interrupted
+    removal; a Skipped when it came alive, or is gone."""
     try:
-        lock = try_lock(layout, temp.key)
-    except OSError as e:
-        return e
-    if lock is None:
-        return Skipped(temp.key, temp.path, "a build of this key started meanwhile")
-    try:
-        now = temp_dir_info(layout, temp.path, holding_lock=lock.exclusive)
+        if temp.state != ORPHANED:
+            delete_tree(temp.path)
+            return None
+        now = temp_dir_info(store, temp.path)
         if now is None:
             return Skipped(temp.key, temp.path, "already removed by another process")
         if now.state != ORPHANED:
             return _skip_live(now)
-        trash = _trash_path(layout, temp.key)
-        os.rename(temp.path, trash)
-    except FileNotFoundError:
-        return Skipped(temp.key, temp.path, "already removed by another process")
+        if not store.remove(temp.path, temp.key):
+            return Skipped(temp.key, temp.path, "already removed, or resumed, by another process")
     except OSError as e:
         return e
-    finally:
-        lock.release()
-    return _delete(trash)
-
-
-def _trash_path(layout: store.Layout, key: str) -> Path:
-    layout.tmp.mkdir(parents=True, exist_ok=True)
-    return layout.tmp / f"{DELETING_PREFIX}{key}.{_fs.unique_suffix()}"
-
-
-def _delete(path: Path):
-    try:
-        _fs.remove_tree(path)
-    except OSError as e:
-        return e
-    if os.path.lexists(path):  # rmtree raced another remover and stopped early
-        try:
-            _fs.remove_tree(path)
-        except OSError as e:
-            return e
     return None
 
 

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import store
+from cachekit import arrays, manifest as manifests
+from cachekit.stores import Layout, LocalStore
 from cachekit.images import load_image
 
 MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], name="img_path")
@@ -31,7 +32,7 @@ def leftovers(root: Path) -> list[str]:
 
 def test_pinned_key_for_a_fixed_column_and_parameters(cache_root):
     entry = cachekit.Cache(cache_root).images(MISSING, (8, 6), on_error="zero")
-    assert entry.key == "089719b41ff8d365eeae0f429e83c23b"
+    assert entry.key == "98b89b0cefafa443e5ccc3e3d878849d"
 
 
 def test_build_then_hit_returns_the_same_pixels(cache_root, cover_paths):
@@ -49,7 +50,7 @@ def test_build_then_hit_returns_the_same_pixels(cache_root, cover_paths):
     manifest = again.manifest
     assert manifest["column"] == "img_path" and manifest["rows"] == 12
     assert manifest["params"]["size"] == [16, 12] and manifest["builder"]["pid"] == os.getpid()
-    assert manifest["checksum"] == store.checksum(again.path / store.DATA_FILE)
+    assert manifest["files"][0]["checksum"] == arrays.checksum(again.path / manifests.DATA_FILE)[1]
 
 
 def test_object_and_str_columns_share_one_entry(cache_root, cover_paths):
@@ -154,7 +155,7 @@ def test_on_error_zero_stores_zeros_and_marks_rows_invalid(cache_root, cover_pat
 def test_truncated_data_file_raises_cache_corrupt_error(cache_root, cover_paths):
     cache = cachekit.Cache(cache_root)
     entry = cache.images(pd.Series(cover_paths), 8)
-    data = entry.path / store.DATA_FILE
+    data = entry.path / manifests.DATA_FILE
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size - 100)
     with pytest.raises(cachekit.CacheCorruptError, match="bytes, expected") as caught:
@@ -165,9 +166,9 @@ def test_truncated_data_file_raises_cache_corrupt_error(cache_root, cover_paths)
 def test_manifest_shape_disagreeing_with_data_raises(cache_root, cover_paths):
     cache = cachekit.Cache(cache_root)
     entry = cache.images(pd.Series(cover_paths), 8)
-    manifest_path = entry.path / store.MANIFEST_FILE
+    manifest_path = entry.path / manifests.MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
-    manifest["shape"] = [12, 3, 4, 16]  # same byte count, other shape
+    manifest["shape"] = manifest["files"][0]["shape"] = [12, 3, 4, 16]  # same bytes, other shape
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(cachekit.CacheCorruptError, match="manifest says"):
         cache.images(pd.Series(cover_paths), 8)
@@ -182,7 +183,7 @@ def test_tensor_shares_the_file_without_a_warning(cache_root, cover_paths):
     assert torch.equal(tensor, torch.from_numpy(np.array(entry.array)))
     tensor[0] = 0  # copy-on-write: the cache file stays intact
     assert np.asarray(entry.array[0]).any()
-    assert store.checksum(entry.path / store.DATA_FILE) == entry.manifest["checksum"]
+    assert arrays.checksum(entry.path / manifests.DATA_FILE)[1] == entry.manifest["files"][0]["checksum"]
 
 
 @pytest.mark.parametrize("paths, error, words", [
@@ -239,7 +240,7 @@ def test_lock_timeout_when_another_process_holds_the_build_lock(cache_root):
     import filelock
 
     cache = cachekit.Cache(cache_root, lock_timeout=0.5)
-    lock_path = store.Layout(cache_root).lock_path(
+    lock_path = Layout(cache_root).lock_path(
         cachekit.Cache(cache_root.parent / "probe").images(MISSING, 8, on_error="zero").key)
     lock_path.parent.mkdir(parents=True)
     with filelock.FileLock(str(lock_path)):
@@ -273,16 +274,16 @@ def test_entry_cleared_between_manifest_and_data_is_built_again(cache_root, cove
 
     cache = cachekit.Cache(cache_root)
     built = np.array(cache.images(pd.Series(cover_paths), 8).array)
-    real_find, raced = publish.find, []
+    real_lookup, raced = LocalStore.lookup, []
 
-    def find_then_clear(layout, key):
-        found = real_find(layout, key)
+    def lookup_then_clear(store, key):
+        found = real_lookup(store, key)
         if found is not None and not raced:  # `cachekit clear` removes it right after
             raced.append(key)
-            shutil.rmtree(found.entry_dir)
+            shutil.rmtree(found.path)
         return found
 
-    monkeypatch.setattr("cachekit.publish.find", find_then_clear)
+    monkeypatch.setattr(LocalStore, "lookup", lookup_then_clear)
     again = cache.images(pd.Series(cover_paths), 8)
     assert raced and not again.hit
     np.testing.assert_array_equal(np.asarray(again.array), built)
@@ -298,7 +299,7 @@ def test_categorical_path_column_is_keyed_like_str(cache_root, cover_paths):
 def test_entry_directory_without_manifest_is_corrupt_not_a_miss(cache_root, cover_paths):
     cache = cachekit.Cache(cache_root)
     entry = cache.images(pd.Series(cover_paths), 8)
-    (entry.path / store.MANIFEST_FILE).unlink()
+    (entry.path / manifests.MANIFEST_FILE).unlink()
     with pytest.raises(cachekit.CacheCorruptError, match="manifest is missing"):
         cache.images(pd.Series(cover_paths), 8)
 

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import store
+from cachekit import arrays, manifest as manifests
 from cachekit.cli import main
 
 SCRIPT = Path(sys.executable).with_name("cachekit")
@@ -167,7 +167,7 @@ def test_ls_sort_size_puts_the_largest_first(cache_root):
 
 
 def test_ls_flags_a_broken_entry_and_goes_on(cache_root, three):
-    (three[1].path / store.MANIFEST_FILE).write_text("{")
+    (three[1].path / manifests.MANIFEST_FILE).write_text("{")
     result = cachekit_cmd("ls", root=cache_root)
     assert result.returncode == 0 and "PROBLEM: unreadable manifest" in result.stdout
     assert "3 entries" in result.stdout
@@ -178,7 +178,7 @@ def test_info_by_unique_prefix(cache_root, three):
     assert result.returncode == 0
     assert "key:" in result.stdout and three[0].key in result.stdout
     assert "shape:" in result.stdout and "6x2x4 uint8" in result.stdout
-    assert "checksum:" in result.stdout and str(three[0].path) in result.stdout
+    assert "data.npy:" in result.stdout and "blake2b-128:" in result.stdout and str(three[0].path) in result.stdout
 
 
 def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
@@ -186,8 +186,8 @@ def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, ca
     twin.mkdir()
     for item in three[0].path.iterdir():
         (twin / item.name).write_bytes(item.read_bytes())
-    manifest = json.loads((twin / store.MANIFEST_FILE).read_text())
-    (twin / store.MANIFEST_FILE).write_text(json.dumps({**manifest, "key": twin.name}))
+    manifest = json.loads((twin / manifests.MANIFEST_FILE).read_text())
+    (twin / manifests.MANIFEST_FILE).write_text(json.dumps({**manifest, "key": twin.name}))
     result = cachekit_cmd("info", three[0].key[:4], root=cache_root)
     assert result.returncode == 2 and "ambiguous" in result.stderr
     assert three[0].key in result.stderr and twin.name in result.stderr
@@ -327,7 +327,7 @@ def test_clear_all_while_another_process_builds(tmp_path, cache_root):
     assert keys_in(cache_root) == {key}
     assert cachekit_cmd("verify", root=cache_root).returncode == 0
     entry = cachekit.Cache(cache_root).entries()[0]
-    data = store.open_array(entry.path, store.read_manifest(entry.path))
+    data = arrays.open_record(entry.path, manifests.read(entry.path).files[0])
     np.testing.assert_array_equal(data, np.repeat(np.arange(64)[:, None], 8, axis=1))
 
 
@@ -354,7 +354,7 @@ def test_prune_removes_the_least_recently_used_first(cache_root, three):
 def test_verify_passes_a_healthy_cache_and_fails_on_a_flipped_byte(cache_root, three):
     healthy = cachekit_cmd("verify", root=cache_root)
     assert healthy.returncode == 0 and "3 entries verified, no problems" in healthy.stdout
-    data = three[1].path / store.DATA_FILE
+    data = three[1].path / manifests.DATA_FILE
     with open(data, "r+b") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)[0]

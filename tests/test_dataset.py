@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import DataLoader, Subset, WeightedRandomSampler
 
 import cachekit
-from cachekit import publish, store
+from cachekit import arrays, manifest as manifests, publish
+from cachekit.stores import LocalStore
 from cachekit.dataset import DatasetCorruptError, EntryDataset
 
 ROWS = 300
@@ -214,14 +215,14 @@ def test_spawned_workers_map_the_entry_themselves(shared_entry):
 def test_pickle_is_small_whatever_the_rows(cache_root):
     rows = 100_000
 
-    def build_zeros(build_dir: Path, on_chunk) -> dict:
-        store.create_array(build_dir / store.DATA_FILE, (rows, 3, 8, 8), np.dtype(np.uint8))
-        return {"kind": "map", "params": {}, "column": None, "rows": rows,
-                "shape": [rows, 3, 8, 8], "dtype": "|u1", "failed_rows": []}
+    def build_zeros(current, on_chunk) -> publish.Built:
+        arrays.create_array(current.path / manifests.DATA_FILE, (rows, 3, 8, 8),
+                            np.dtype(np.uint8))
+        return publish.Built(kind="map", rows=rows, files=((manifests.DATA_FILE, "numpy"),))
 
-    outcome = publish.obtain(store.Layout(cache_root), "0" * 32, build_zeros, lock_timeout=None,
+    outcome = publish.obtain(LocalStore(cache_root), "0" * 32, build_zeros, lock_timeout=None,
                              announce=False)
-    entry = cachekit.Entry(outcome.entry_dir, outcome.manifest, hit=True)
+    entry = cachekit.Entry(outcome.entry.path, outcome.entry.manifest, source="local")
     dataset = entry.dataset()
     dataset[rows - 1]  # once mapped, the mapping still is not pickled
     blob = pickle.dumps(dataset)
@@ -263,7 +264,7 @@ def first_batch_error(batches: DataLoader) -> BaseException:
 
 
 def truncate(entry: cachekit.Entry) -> Path:
-    data = entry.path / store.DATA_FILE
+    data = entry.path / manifests.DATA_FILE
     os.truncate(data, data.stat().st_size - 10)
     return data
 
@@ -288,7 +289,7 @@ def test_removed_entry_fails_clearly_in_forked_workers(own_entry):
     np.testing.assert_array_equal(dataset[0].numpy(), before.numpy())
     error = first_batch_error(loader(dataset, num_workers=2, multiprocessing_context="fork"))
     assert isinstance(error, cachekit.CacheCorruptError), repr(error)
-    assert "removed" in str(error) and error.path == str(own_entry.path / store.DATA_FILE)
+    assert "removed" in str(error) and error.path == str(own_entry.path / manifests.DATA_FILE)
 
 
 def test_removed_entry_fails_clearly_in_spawned_workers(own_entry):

@@ -26,7 +26,8 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import ImageDecodeError, build, locks, store
+from cachekit import ImageDecodeError, arrays, build, locks, manifest as manifests
+from cachekit.stores import Layout
 from cachekit.images import load_image
 
 SIZE = (8, 8)
@@ -38,8 +39,8 @@ TARGETS = {
     "cachekit._fs.os.rename": OSError(errno.EIO, "Input/output error"),
     "cachekit._fs.os.posix_fallocate": OSError(errno.ENOSPC, "No space left on device"),
     "cachekit._fs.os.open": OSError(errno.EDQUOT, "Disk quota exceeded"),
-    "cachekit.store.np.lib.format.open_memmap": OSError(errno.ENOSPC, "No space left"),
-    "cachekit.store.checksum": OSError(errno.EIO, "Input/output error"),
+    "cachekit.arrays.np.lib.format.open_memmap": OSError(errno.ENOSPC, "No space left"),
+    "cachekit.arrays.checksum": OSError(errno.EIO, "Input/output error"),
     "cachekit.build.np.memmap.flush": OSError(errno.EIO, "Input/output error"),
     "cachekit._fs.json.dump": OSError(errno.ENOSPC, "No space left on device"),
 }
@@ -107,10 +108,10 @@ def assert_clean_after_failure(root: Path, key: str) -> None:
         root / "entries").exists() else []
     assert published in ([], [key])
     if published:
-        manifest = store.read_manifest(root / "entries" / key)
-        assert store.checksum(root / "entries" / key / store.DATA_FILE) == manifest["checksum"]
+        manifest = manifests.read(root / "entries" / key)
+        assert arrays.checksum(root / "entries" / key / manifests.DATA_FILE)[1] == manifest.files[0].checksum
     assert not (root / "tmp").exists() or list((root / "tmp").iterdir()) == []
-    lock = locks.make_lock(store.Layout(root).lock_path(key), "os")
+    lock = locks.make_lock(Layout(root).lock_path(key), "os")
     assert lock.acquire(timeout=0)  # released: a fresh lock in this very process gets it
     lock.release()
 
@@ -145,7 +146,7 @@ def test_a_write_fault_at_every_call_position_fails_cleanly(tmp_path, column, re
             np.testing.assert_array_equal(np.asarray(entry.array), reference)
         again = fresh_build(root, column)  # the cache is still usable
         np.testing.assert_array_equal(np.asarray(again.array), reference)
-        assert store.checksum(again.path / store.DATA_FILE) == again.manifest["checksum"]
+        assert arrays.checksum(again.path / manifests.DATA_FILE)[1] == again.manifest["files"][0]["checksum"]
         assert list((root / "tmp").iterdir()) == []
     assert failed >= 1
 
@@ -277,7 +278,7 @@ def test_an_unwritable_root_is_reported_as_read_only(cache_root, cover_paths):
     def no_write(path, mode, *args, **kwargs):
         return False if mode & os.W_OK else real_access(path, mode, *args, **kwargs)
 
-    with mock.patch("cachekit.publish.os.access", no_write):
+    with mock.patch("cachekit.stores.local.os.access", no_write):
         assert fresh_build(cache_root, column).hit
         with pytest.raises(cachekit.ReadOnlyCacheError, match="is read-only"):
             fresh_build(cache_root, pd.Series(cover_paths[:4]))

@@ -25,7 +25,8 @@ import pytest
 from PIL import Image, features
 
 import cachekit
-from cachekit import store
+from cachekit import manifest as manifests
+from cachekit.stores import Layout
 from cachekit.images import load_image
 
 PACKAGE = Path(cachekit.__file__).parent
@@ -160,20 +161,38 @@ def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, ho
 
 # --- tampered entries -------------------------------------------------------------------
 
+FILE_FIELDS = ("shape", "dtype", "checksum", "bytes", "name")
+"""Fields of the data file's record; an edit of shape or dtype changes both copies, so the
+manifest stays self-consistent and only the data file can tell it is wrong."""
+
+
 def manifest_edit(**changes):
     def edit(entry_dir: Path) -> None:
-        path = entry_dir / store.MANIFEST_FILE
+        path = entry_dir / manifests.MANIFEST_FILE
         manifest = json.loads(path.read_text())
-        manifest.update(changes)
         for key, value in changes.items():
-            if value is ...:
-                del manifest[key]
+            places = [manifest["files"][0]] if key in FILE_FIELDS else []
+            if key not in ("checksum", "bytes", "name"):
+                places.append(manifest)
+            for place in places:
+                if value is ...:
+                    del place[key]
+                else:
+                    place[key] = value
         path.write_text(json.dumps(manifest))
     return edit
 
 
+def _rewrite_files(entry_dir: Path, files) -> None:
+    """Replace the manifest's file list (None: list the data file twice)."""
+    path = entry_dir / manifests.MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest["files"] = files if files is not None else manifest["files"] * 2
+    path.write_text(json.dumps(manifest))
+
+
 def manifest_text(text: str):
-    return lambda entry_dir: (entry_dir / store.MANIFEST_FILE).write_text(text)
+    return lambda entry_dir: (entry_dir / manifests.MANIFEST_FILE).write_text(text)
 
 
 def lure(name: str):
@@ -194,8 +213,8 @@ def fifo(name: str):
 
 
 def replace_with_directory(entry_dir: Path) -> None:
-    (entry_dir / store.MANIFEST_FILE).unlink()
-    (entry_dir / store.MANIFEST_FILE).mkdir()
+    (entry_dir / manifests.MANIFEST_FILE).unlink()
+    (entry_dir / manifests.MANIFEST_FILE).mkdir()
 
 
 MARKER = "pickle-ran.txt"
@@ -214,10 +233,10 @@ class Payload:
 def pickled_data(manifest_dtype: str):
     def edit(entry_dir: Path) -> None:
         marker = str(entry_dir.parents[2] / MARKER)
-        rows = json.loads((entry_dir / store.MANIFEST_FILE).read_text())["rows"]
+        rows = json.loads((entry_dir / manifests.MANIFEST_FILE).read_text())["rows"]
         array = np.empty(rows, dtype=object)
         array[:] = [Payload(marker) for _ in range(rows)]
-        with open(entry_dir / store.DATA_FILE, "wb") as f:
+        with open(entry_dir / manifests.DATA_FILE, "wb") as f:
             np.lib.format.write_array(f, array, allow_pickle=True)
         manifest_edit(dtype=manifest_dtype, shape=[rows])(entry_dir)
     return edit
@@ -250,18 +269,23 @@ TAMPERED = {
     "failed row negative": manifest_edit(failed_rows=[[-1, "x", "y"]]),
     "failed row as text": manifest_edit(failed_rows=[["0", "x", "y"]]),
     "checksum missing": manifest_edit(checksum=...),
+    "file size larger than the data": manifest_edit(bytes=10**15),
+    "file size smaller than the data": manifest_edit(bytes=100),
+    "file name pointing outside": manifest_edit(name="../../../../etc/passwd"),
+    "files empty": lambda d: manifest_edit()(d) or _rewrite_files(d, []),
+    "two files for an images entry": lambda d: _rewrite_files(d, None),
     "kind missing": manifest_edit(kind=...),
-    "manifest is a symlink out": lure(store.MANIFEST_FILE),
-    "data is a symlink out": lure(store.DATA_FILE),
+    "manifest is a symlink out": lure(manifests.MANIFEST_FILE),
+    "data is a symlink out": lure(manifests.DATA_FILE),
     "entry is a symlink out": lure(""),
-    "manifest is a FIFO": fifo(store.MANIFEST_FILE),
-    "data is a FIFO": fifo(store.DATA_FILE),
+    "manifest is a FIFO": fifo(manifests.MANIFEST_FILE),
+    "data is a FIFO": fifo(manifests.DATA_FILE),
     "manifest is a directory": replace_with_directory,
-    "data missing": lambda d: (d / store.DATA_FILE).unlink(),
-    "data truncated by a byte": lambda d: os.truncate(d / store.DATA_FILE,
-                                                      (d / store.DATA_FILE).stat().st_size - 1),
-    "data grown by a byte": lambda d: _append_byte(d / store.DATA_FILE),
-    "data header garbled": lambda d: _garble_header(d / store.DATA_FILE),
+    "data missing": lambda d: (d / manifests.DATA_FILE).unlink(),
+    "data truncated by a byte": lambda d: os.truncate(d / manifests.DATA_FILE,
+                                                      (d / manifests.DATA_FILE).stat().st_size - 1),
+    "data grown by a byte": lambda d: _append_byte(d / manifests.DATA_FILE),
+    "data header garbled": lambda d: _garble_header(d / manifests.DATA_FILE),
     "data is a pickle, manifest says object": pickled_data("|O"),
     "data is a pickle, manifest says uint8": pickled_data("|u1"),
 }
@@ -294,7 +318,7 @@ def test_a_tampered_entry_is_corrupt_never_wrong_data_and_nothing_outside_is_rea
 
 
 def test_entry_keys_that_are_not_keys_never_become_paths(tmp_path):
-    layout = store.Layout(tmp_path)
+    layout = Layout(tmp_path)
     for bad in ("../" + "0" * 29, "0" * 31 + "/", "/etc/passwd", "..", "", "0" * 33,
                 "A" * 32, "0" * 31 + "\n"):
         with pytest.raises(ValueError, match="not a cache key"):
@@ -341,7 +365,7 @@ MODES_CHILD = textwrap.dedent("""
     from pathlib import Path
     import pandas as pd
     import cachekit
-    from cachekit import locks, store
+    from cachekit import locks, manifest as manifests
 
     root, umask, paths = Path(sys.argv[1]), int(sys.argv[2], 8), sys.argv[3:]
     os.umask(umask)
@@ -355,7 +379,7 @@ MODES_CHILD = textwrap.dedent("""
         return [oct(st.st_mode & 0o7777), st.st_gid]
     print(json.dumps({name: mode(path) for name, path in {
         "entries": root / "entries", "entry": entry.path,
-        "data": entry.path / store.DATA_FILE, "manifest": entry.path / store.MANIFEST_FILE,
+        "data": entry.path / manifests.DATA_FILE, "manifest": entry.path / manifests.MANIFEST_FILE,
         "tmp": root / "tmp", "locks": root / "locks",
         "soft lock": soft.path, "os lock": os_lock.path}.items()}))
     soft.release()

@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import maintenance, removal, store, units
+from cachekit import arrays, maintenance, manifest as manifests, removal, units
+from cachekit.stores import LocalStore
 from cachekit.integrity import verify
 
 DAY = 86400.0
@@ -148,7 +149,7 @@ def test_a_hit_records_its_use_without_a_lock(cache_root):
 def test_a_hit_on_a_root_that_refuses_utime_still_serves(cache_root):
     cache = cachekit.Cache(cache_root)
     built = make_entry(cache, 0)
-    with mock.patch("cachekit.publish.os.utime", side_effect=PermissionError(13, "read-only")):
+    with mock.patch("cachekit.stores.local.os.utime", side_effect=PermissionError(13, "read-only")):
         again = make_entry(cache, 0)
     assert again.hit and np.array_equal(again.array, built.array)
 
@@ -156,12 +157,12 @@ def test_a_hit_on_a_root_that_refuses_utime_still_serves(cache_root):
 def test_scan_lists_broken_entries_and_strays_instead_of_aborting(cache_root):
     cache = cachekit.Cache(cache_root)
     good, broken, empty = (make_entry(cache, i * 10) for i in range(3))
-    (broken.path / store.MANIFEST_FILE).write_text("{not json")
-    (empty.path / store.MANIFEST_FILE).unlink()
+    (broken.path / manifests.MANIFEST_FILE).write_text("{not json")
+    (empty.path / manifests.MANIFEST_FILE).unlink()
     (cache_root / "entries" / "notes.txt").write_text("hello")
     (cache_root / "tmp").mkdir(exist_ok=True)
     (cache_root / "tmp" / "random-dir").mkdir()
-    found = maintenance.scan(store.Layout(cache_root))
+    found = maintenance.scan(LocalStore(cache_root))
     by_key = {e.key: e for e in found.entries}
     assert set(by_key) == {good.key, broken.key, empty.key}
     assert by_key[good.key].problem is None
@@ -214,8 +215,8 @@ def test_clear_older_than_uses_last_use(cache_root):
 def test_a_plan_removes_nothing_until_executed(cache_root):
     cache = cachekit.Cache(cache_root)
     entry = make_entry(cache, 0)
-    layout = store.Layout(cache_root)
-    plan = removal.plan_clear(layout)
+    store = LocalStore(cache_root)
+    plan = removal.plan_clear(store)
     assert [e.key for e in plan.entries] == [entry.key] and plan.bytes > 0
     assert entry.path.exists()
     assert len(plan.execute().removed_entries) == 1 and not entry.path.exists()
@@ -226,7 +227,7 @@ def test_an_entry_used_after_an_age_based_plan_is_spared(cache_root):
     cache = cachekit.Cache(cache_root)
     entry = make_entry(cache, 0)
     set_last_used(entry.path, time.time() - 10 * DAY)
-    plan = removal.plan_clear(store.Layout(cache_root), older_than=7 * DAY)
+    plan = removal.plan_clear(LocalStore(cache_root), older_than=7 * DAY)
     assert len(plan.entries) == 1
     assert make_entry(cache, 0).hit  # a sweep agent uses it while the user reads the prompt
     report = plan.execute()
@@ -307,13 +308,13 @@ def test_a_dead_builders_directory_is_reported_and_cleared(tmp_path, cache_root)
     proc, _ = start_builder(tmp_path, cache_root, crash=True)
     proc.communicate(timeout=120)
     assert proc.returncode == 3
-    layout = store.Layout(cache_root)
-    (temp,) = maintenance.scan(layout).temp_dirs
+    store = LocalStore(cache_root)
+    (temp,) = maintenance.scan(store).temp_dirs
     assert temp.state == maintenance.ORPHANED and temp.removable
     assert f"pid {proc.pid}" in temp.owner
     report = cachekit.Cache(cache_root).clear()
     assert [t.path for t in report.removed_temp_dirs] == [temp.path]
-    assert list(layout.tmp.iterdir()) == []
+    assert list(store.layout.tmp.iterdir()) == []
 
 
 def test_an_interrupted_removal_is_finished_by_clear(cache_root):
@@ -323,7 +324,7 @@ def test_an_interrupted_removal_is_finished_by_clear(cache_root):
     leftover = cache_root / "tmp" / f"deleting.{entry.key}.{cachekit._fs.host()}.{dead_pid}.abc"
     (cache_root / "tmp").mkdir(exist_ok=True)
     os.rename(entry.path, leftover)
-    (temp,) = maintenance.scan(store.Layout(cache_root)).temp_dirs
+    (temp,) = maintenance.scan(LocalStore(cache_root)).temp_dirs
     assert temp.state == maintenance.LEFTOVER
     assert [t.path for t in cache.clear().removed_temp_dirs] == [leftover]
     assert not leftover.exists()
@@ -334,8 +335,8 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
     other = make_entry(cache, 100)
     proc, go = start_builder(tmp_path, cache_root, crash=False)
     try:
-        layout = store.Layout(cache_root)
-        (temp,) = maintenance.scan(layout).temp_dirs
+        store = LocalStore(cache_root)
+        (temp,) = maintenance.scan(store).temp_dirs
         assert temp.state == maintenance.BUILDING and not temp.removable
         report = cache.prune(0)
         assert [e.key for e in report.removed_entries] == [other.key]
@@ -351,7 +352,7 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
     (info,) = cache.entries()
     assert info.key == key and info.rows == 40
     assert cache.verify() == []
-    opened = store.open_array(info.path, store.read_manifest(info.path))
+    opened = arrays.open_record(info.path, manifests.read(info.path).files[0])
     np.testing.assert_array_equal(opened[:, 0], np.arange(40))
 
 
@@ -361,16 +362,16 @@ def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root)
     cache = cachekit.Cache(cache_root)
     healthy, flipped, truncated, garbled = (make_entry(cache, i * 10) for i in range(4))
     assert cache.verify() == []
-    flip_last_byte(flipped.path / store.DATA_FILE)
-    with open(truncated.path / store.DATA_FILE, "r+b") as f:
+    flip_last_byte(flipped.path / manifests.DATA_FILE)
+    with open(truncated.path / manifests.DATA_FILE, "r+b") as f:
         f.truncate(100)
-    (garbled.path / store.MANIFEST_FILE).write_text('{"format": 1}')
+    (garbled.path / manifests.MANIFEST_FILE).write_text('{"format": 1}')
     problems = {p.key: p for p in cache.verify()}
     assert set(problems) == {flipped.key, truncated.key, garbled.key}
     assert "checksum mismatch in data.npy" in problems[flipped.key].message
     assert "unreadable .npy header" in problems[truncated.key].message or \
         "expected" in problems[truncated.key].message
-    assert "manifest field" in problems[garbled.key].message
+    assert "format 1 is not" in problems[garbled.key].message
     assert problems[flipped.key].path == flipped.path
     assert cache.verify([healthy.key[:8]]) == []
     assert [p.key for p in cache.verify(flipped.key)] == [flipped.key]
@@ -380,7 +381,7 @@ def test_verify_reports_progress_per_entry(cache_root):
     cache = cachekit.Cache(cache_root)
     entries = [make_entry(cache, i * 10) for i in range(2)]
     seen: list[int] = []
-    assert verify(store.Layout(cache_root), on_bytes=seen.append) == []
+    assert verify(LocalStore(cache_root), on_bytes=seen.append) == []
     assert sorted(seen) == sorted(e.bytes for e in cache.entries()) and len(entries) == 2
 
 
@@ -393,7 +394,7 @@ def test_verify_checks_every_file_of_a_memoize_entry(cache_root):
     first, second = cache.memoize(two_arrays)(50)
     (info,) = cache.entries()
     assert info.kind == "memoize" and cache.verify() == []
-    leaf = info.path / store.leaf_file(1)
+    leaf = info.path / manifests.file_name(1)
     flip_last_byte(leaf)
     (problem,) = cache.verify()
     assert problem.key == info.key and f"checksum mismatch in {leaf.name}" in problem.message

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import assert_cache_as_it_was, load_module
 from cachekit import keys
-from cachekit.cache import NotAnArray
+from cachekit.errors import NotAnArrayError as NotAnArray
 
 def square_row(value: int) -> np.ndarray:
     return np.array([value, value * value], dtype=np.int32)

@@ -18,7 +18,7 @@ import pytest
 
 import cachekit
 from helpers import assert_cache_as_it_was, load_module
-from cachekit import memoize, store
+from cachekit import arrays, manifest as manifests, memoize
 from cachekit.errors import CacheCorruptError
 
 FRAME = pd.DataFrame({"img_path": ["a.jpg", "b.jpg", "c.jpg"], "label": [0, 1, 0]})
@@ -300,13 +300,12 @@ def test_every_leaf_file_is_checksummed_in_the_manifest(cache, cache_root):
 
     produce()
     entry_dir = cache_root / "entries" / produce.cache_key()
-    manifest = store.read_manifest(entry_dir)
-    files = store.entry_files(manifest)
-    assert [name for name, *_ in files] == ["data.npy", "leaf_1.npy", "leaf_2.npy"]
-    for name, shape, dtype, expected in files:
-        assert store.checksum(entry_dir / name) == expected
-        assert store.open_file(entry_dir / name, shape, dtype).shape == shape
-    assert manifest["params"]["function"]["qualname"].endswith("produce")
+    manifest = manifests.read(entry_dir)
+    assert [f.name for f in manifest.files] == ["data.npy", "leaf_1.npy", "leaf_2.npy"]
+    for record in manifest.files:
+        assert arrays.checksum(entry_dir / record.name) == (record.bytes, record.checksum)
+        assert arrays.open_record(entry_dir, record).shape == record.shape
+    assert manifest.params["function"]["qualname"].endswith("produce")
 
 
 def test_manifest_checks_stay_strict_for_other_kinds(cache, cache_root):
@@ -316,19 +315,21 @@ def test_manifest_checks_stay_strict_for_other_kinds(cache, cache_root):
 
     assert scalar_first()[0] == 3.0  # a 0-d first leaf: one row, shape []
     entry_dir = cache_root / "entries" / scalar_first.cache_key()
-    manifest = store.read_manifest(entry_dir)
-    assert (manifest["rows"], manifest["shape"]) == (1, [])
-    path = entry_dir / store.MANIFEST_FILE
+    raw = manifests.read(entry_dir).to_json()
+    assert (raw["rows"], raw["shape"]) == (1, [])
+    path = entry_dir / manifests.MANIFEST_FILE
+    check = manifests.Manifest.from_json
     with pytest.raises(CacheCorruptError, match="does not start with rows"):
-        store.check_manifest({**manifest, "kind": "map"}, path)
-    for bad_leaves in ([], [{**manifest["leaves"][0], "file": "../x.npy"}],
-                       [manifest["leaves"][0], {**manifest["leaves"][1], "kind": "pickle"}]):
+        check({**raw, "kind": "map", "files": raw["files"][:1], "structure": None}, path)
+    first, second = raw["files"]
+    for bad_files in ([], [{**first, "name": "../x.npy"}], [first, {**second, "kind": "pickle"}],
+                      [first, {**second, "name": "leaf_2.npy"}]):
         with pytest.raises(CacheCorruptError):
-            store.check_manifest({**manifest, "leaves": bad_leaves}, path)
+            check({**raw, "files": bad_files}, path)
     with pytest.raises(CacheCorruptError, match="checksum"):
-        store.check_manifest({**manifest, "checksums": {}}, path)
+        check({**raw, "files": [first, {**second, "checksum": None}]}, path)
     with pytest.raises(CacheCorruptError, match="structure"):
-        memoize.load(entry_dir, {**manifest, "structure": {"array": 5}})
+        memoize.load(entry_dir, check({**raw, "structure": {"array": 5}}, path))
 
 
 # --- the decorated function -------------------------------------------------------------------

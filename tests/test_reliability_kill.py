@@ -28,7 +28,8 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import build, locks, store
+from cachekit import arrays, build, locks, manifest as manifests
+from cachekit.stores import Layout
 from cachekit.images import load_image
 
 N_ROWS, CHUNK, SIZE = 24, 4, (8, 8)
@@ -39,12 +40,14 @@ ZYGOTE = textwrap.dedent(r'''
     from pathlib import Path
     import numpy as np, pandas as pd
     import cachekit
-    from cachekit import _fs, build, images, publish, store
+    from cachekit import _fs, arrays, build, images, manifest as manifests
+    from cachekit.stores import local
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed children
-    real = {"load": images.load_image, "fsync_file": _fs.fsync_file, "checksum": store.checksum,
-            "write_json": _fs.write_json_atomic, "rename": _fs.rename_dir_no_replace,
-            "fsync_dir": _fs.fsync_dir}
+    real = {"load": images.load_image, "fsync_file": _fs.fsync_file, "checksum": arrays.checksum,
+            "write_manifest": manifests.write, "rename": _fs.rename_dir_no_replace,
+            "fsync_dir": _fs.fsync_dir, "claim": local.LocalStore._claim,
+            "begin": local.LocalStore.begin}
 
     def run(job):
         root, point, chunk = Path(job["root"]), job["point"], job["chunk"]
@@ -99,22 +102,23 @@ ZYGOTE = textwrap.dedent(r'''
             reach("checksum")
             return real["checksum"](path)
 
-        def write_json(path, data, **kwargs):
-            manifest = Path(path).name == store.MANIFEST_FILE
-            if manifest:
-                reach("manifest")
-            real["write_json"](path, data, **kwargs)
-            if manifest:
-                reach("manifest-written")
+        def write_manifest(build_dir, manifest):
+            reach("manifest")
+            real["write_manifest"](build_dir, manifest)
+            reach("manifest-written")
 
         def rename(src, dst):
             reach("rename")
             barrier("rename")
             return real["rename"](src, dst)
 
-        def claim(layout, key, build_dir):
+        def claim(path, to):
             barrier("claim")
-            return real_claim(layout, key, build_dir)
+            return real["claim"](path, to)
+
+        def begin(store, key):
+            barrier("begin")  # every builder has looked for live builds and found none
+            return real["begin"](store, key)
 
         def fsync_dir(path):
             real["fsync_dir"](path)
@@ -122,9 +126,9 @@ ZYGOTE = textwrap.dedent(r'''
                 reach("published")
 
         images.load_image = load
-        _fs.fsync_file, store.checksum, _fs.write_json_atomic = fsync_file, checksum, write_json
+        _fs.fsync_file, arrays.checksum, manifests.write = fsync_file, checksum, write_manifest
         _fs.rename_dir_no_replace, _fs.fsync_dir = rename, fsync_dir
-        real_claim, publish._claim = publish._claim, claim
+        local.LocalStore._claim, local.LocalStore.begin = staticmethod(claim), begin
         if job.get("start"):
             while not os.path.exists(job["start"]):
                 time.sleep(0.002)
@@ -226,15 +230,15 @@ def assert_nothing_partial(root: Path, key: str, reference: np.ndarray) -> None:
 
 
 def assert_valid_entry(entry_dir: Path, reference: np.ndarray) -> None:
-    manifest = store.read_manifest(entry_dir)
-    assert store.checksum(entry_dir / store.DATA_FILE) == manifest["checksum"]
-    np.testing.assert_array_equal(np.asarray(store.open_array(entry_dir, manifest)), reference)
-    assert sorted(p.name for p in entry_dir.iterdir()) == [store.DATA_FILE, store.MANIFEST_FILE]
+    manifest = manifests.read(entry_dir)
+    assert arrays.checksum(entry_dir / manifests.DATA_FILE)[1] == manifest.files[0].checksum
+    np.testing.assert_array_equal(np.asarray(arrays.open_record(entry_dir, manifest.files[0])), reference)
+    assert sorted(p.name for p in entry_dir.iterdir()) == [manifests.DATA_FILE, manifests.MANIFEST_FILE]
 
 
 def assert_lock_free(root: Path, key: str, lock: str) -> None:
     """A fresh lock of the same kind is acquired without waiting (the dead holder blocks no one)."""
-    build_lock = locks.make_lock(store.Layout(root).lock_path(key), lock)
+    build_lock = locks.make_lock(Layout(root).lock_path(key), lock)
     assert build_lock.acquire(timeout=0)
     build_lock.release()
 
@@ -341,16 +345,18 @@ def test_soak_random_kill_chains(zygote, rows, tmp_path, monkeypatch):
 
 
 def run_together(zygote, root: Path, tmp_path: Path, count: int, lock: str,
-                 barrier: str) -> list[dict]:
-    """``count`` builders started at once that all wait for each other at ``barrier``."""
-    start, meeting = tmp_path / "start", tmp_path / f"meet-{barrier}"
-    meeting.mkdir()
+                 *barriers: str) -> list[dict]:
+    """``count`` builders started at once that all wait for each other at each barrier."""
+    start = tmp_path / "start"
+    meetings = {name: tmp_path / f"meet-{name}" for name in barriers}
+    for meeting in meetings.values():
+        meeting.mkdir()
     results = [tmp_path / f"builder{i}.json" for i in range(count)]
     paths = zygote.paths
     for result in results:
         zygote.fork(root=str(root), point="", chunk=CHUNK, lock=lock, paths=paths, size=SIZE,
                     signal=str(tmp_path / "unused"), result=str(result), start=str(start),
-                    barriers={barrier: [str(meeting), count]})
+                    barriers={name: [str(m), count] for name, m in meetings.items()})
     start.touch()
     reports = []
     for result in results:
@@ -366,14 +372,15 @@ def run_together(zygote, root: Path, tmp_path: Path, count: int, lock: str,
 
 def test_two_resumers_never_share_a_dead_builders_directory(zygote, rows, tmp_path):
     """Without a lock, two processes find one dead build and try to claim it at the same
-    moment (they meet at a barrier first): exactly one gets it, the other starts afresh."""
+    moment (they meet at barriers after starting their builds and before claiming): exactly
+    one gets it, the other starts afresh."""
     paths, reference = rows
     zygote.paths = paths
     root = tmp_path / "cache"
     point = f"row:{N_ROWS // 2}"
     kill_at(zygote, root, paths, point, "none", "dead")
     done = first_row_after(point)
-    reports = run_together(zygote, root, tmp_path, 2, "none", "claim")
+    reports = run_together(zygote, root, tmp_path, 2, "none", "begin", "claim")
     assert sorted(r["decoded"] for r in reports) == [list(range(N_ROWS)),
                                                      list(range(done, N_ROWS))]
     assert len({r["sha"] for r in reports}) == 1 and len({r["builder"] for r in reports}) == 1
@@ -384,11 +391,13 @@ def test_two_resumers_never_share_a_dead_builders_directory(zygote, rows, tmp_pa
 def test_racing_builders_without_a_lock_publish_one_entry_and_the_losers_use_it(
         zygote, rows, tmp_path):
     """CACHEKIT_LOCK=none stands in for a lock a network filesystem silently ignores: three
-    builders all build (they meet before renaming), one rename wins, all use its entry."""
+    builders that miss at the same instant all build (they meet once each has started its
+    build, so none saw another's heartbeat, and again before renaming), one rename wins,
+    and all use its entry."""
     paths, reference = rows
     zygote.paths = paths
     root = tmp_path / "cache"
-    reports = run_together(zygote, root, tmp_path, 3, "none", "rename")
+    reports = run_together(zygote, root, tmp_path, 3, "none", "begin", "rename")
     assert all(r["decoded"] == list(range(N_ROWS)) and not r["hit"] for r in reports)
     assert len({r["builder"] for r in reports}) == 1  # every process got the winner's entry
     assert len({r["sha"] for r in reports}) == 1 and len({r["key"] for r in reports}) == 1

@@ -20,7 +20,8 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import _fs, locks, store
+from cachekit import _fs, locks
+from cachekit.stores import Layout
 
 COUNTER = textwrap.dedent("""
     import os, sys, time
@@ -195,7 +196,7 @@ def test_a_live_soft_lock_makes_a_waiter_time_out_naming_the_lock(cache_root, co
     cache = cachekit.Cache(cache_root, lock_timeout=0.3, progress=False)
     column = pd.Series(cover_paths[:2])
     probe = cachekit.Cache(cache_root.parent / "probe", progress=False).images(column, 8)
-    lock_path = store.Layout(cache_root).lock_path(probe.key)
+    lock_path = Layout(cache_root).lock_path(probe.key)
     lock_path.parent.mkdir(parents=True)
     holder = locks.SoftLock(lock_path.with_name(lock_path.name + ".soft"), lease=60)
     assert holder.acquire(timeout=0)

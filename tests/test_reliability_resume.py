@@ -20,7 +20,9 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import _fs, build, publish, store
+from cachekit import LockTimeout
+from cachekit import arrays, build, _fs, manifest as manifests, publish
+from cachekit.stores import local
 
 ROWS, CHUNK = 40, 4
 CONTROL: dict = {"stop_at": None, "computed": [], "fail": ()}
@@ -63,7 +65,7 @@ def interrupted(root: Path, stop_at: int, on_error: str = "raise") -> Path:
 
 
 def journal(build_dir: Path) -> dict:
-    return json.loads((build_dir / publish.JOURNAL_FILE).read_text())
+    return json.loads((build_dir / local.JOURNAL_FILE).read_text())
 
 
 def rewrite(path: Path, **changes) -> None:
@@ -76,12 +78,12 @@ def rewrite(path: Path, **changes) -> None:
 
 
 def checkpoint_file(build_dir: Path) -> Path:
-    return build.checkpoint_path(build_dir / store.DATA_FILE)
+    return build.checkpoint_path(build_dir / manifests.DATA_FILE)
 
 
 def assert_correct(entry: cachekit.Entry) -> None:
     np.testing.assert_array_equal(np.asarray(entry.array), EXPECTED)
-    assert store.checksum(entry.path / store.DATA_FILE) == entry.manifest["checksum"]
+    assert arrays.checksum(entry.path / manifests.DATA_FILE)[1] == entry.manifest["files"][0]["checksum"]
     assert list((entry.path.parent.parent / "tmp").iterdir()) == []
 
 
@@ -108,13 +110,13 @@ def test_failed_rows_before_the_checkpoint_stay_failed_after_resuming(cache_root
 
 
 TAMPERING = {
-    "journal of another key": lambda d: rewrite(d / publish.JOURNAL_FILE, key="0" * 32),
-    "journal of another version": lambda d: rewrite(d / publish.JOURNAL_FILE,
+    "journal of another key": lambda d: rewrite(d / local.JOURNAL_FILE, key="0" * 32),
+    "journal of another version": lambda d: rewrite(d / local.JOURNAL_FILE,
                                                     cachekit_version="0.0.0"),
-    "journal of another format": lambda d: rewrite(d / publish.JOURNAL_FILE, format=99),
-    "journal missing": lambda d: (d / publish.JOURNAL_FILE).unlink(),
-    "journal not JSON": lambda d: (d / publish.JOURNAL_FILE).write_text("{not json"),
-    "journal a list": lambda d: (d / publish.JOURNAL_FILE).write_text("[1, 2]"),
+    "journal of another format": lambda d: rewrite(d / local.JOURNAL_FILE, format=99),
+    "journal missing": lambda d: (d / local.JOURNAL_FILE).unlink(),
+    "journal not JSON": lambda d: (d / local.JOURNAL_FILE).write_text("{not json"),
+    "journal a list": lambda d: (d / local.JOURNAL_FILE).write_text("[1, 2]"),
     "checkpoint missing": lambda d: checkpoint_file(d).unlink(),
     "checkpoint not JSON": lambda d: checkpoint_file(d).write_text("\x00\x01"),
     "checkpoint beyond the rows": lambda d: rewrite(checkpoint_file(d), done=ROWS + 1),
@@ -126,9 +128,9 @@ TAMPERING = {
     "checkpoint of another format": lambda d: rewrite(checkpoint_file(d), format=2),
     "failure beyond done": lambda d: rewrite(checkpoint_file(d), failures=[[30, "x", "y"]]),
     "failure malformed": lambda d: rewrite(checkpoint_file(d), failures=[[1, 2]]),
-    "data truncated": lambda d: os.truncate(d / store.DATA_FILE, 100),
-    "data missing": lambda d: (d / store.DATA_FILE).unlink(),
-    "data header rewritten": lambda d: np.save(d / store.DATA_FILE,
+    "data truncated": lambda d: os.truncate(d / manifests.DATA_FILE, 100),
+    "data missing": lambda d: (d / manifests.DATA_FILE).unlink(),
+    "data header rewritten": lambda d: np.save(d / manifests.DATA_FILE,
                                                np.zeros((ROWS, 2), np.int32)),
     "data is a symlink": lambda d: _symlink_data(d),
 }
@@ -136,8 +138,8 @@ TAMPERING = {
 
 def _symlink_data(build_dir: Path) -> None:
     outside = build_dir.parent.parent.parent / "outside.npy"
-    os.replace(build_dir / store.DATA_FILE, outside)  # the very bytes, only moved outside
-    os.symlink(outside, build_dir / store.DATA_FILE)
+    os.replace(build_dir / manifests.DATA_FILE, outside)  # the very bytes, only moved outside
+    os.symlink(outside, build_dir / manifests.DATA_FILE)
 
 
 @pytest.mark.parametrize("how", sorted(TAMPERING))
@@ -156,42 +158,79 @@ def live_process() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 
-def as_owner(build_dir: Path, **owner) -> None:
-    """Make the journal say ``owner`` is building (not abandoned)."""
-    rewrite(build_dir / publish.JOURNAL_FILE, abandoned=None, pidns=None, start=None, **owner)
+def as_owner(build_dir: Path, heartbeat_age: float = 0.0, **owner) -> None:
+    """Make the journal say ``owner`` is building (not abandoned), with its last heartbeat
+    ``heartbeat_age`` seconds ago."""
+    rewrite(build_dir / local.JOURNAL_FILE, abandoned=None, pidns=None, start=None, **owner)
+    beat = time.time() - heartbeat_age
+    os.utime(build_dir / local.HEARTBEAT_FILE, (beat, beat))
+
+
+LEASE = 60.0  # the default lease (CACHEKIT_LOCK_LEASE unset)
 
 
 @pytest.mark.parametrize("lock", ["os", "soft", "none"])
-def test_a_live_local_builders_directory_is_left_alone(cache_root, monkeypatch, lock):
+def test_a_live_local_builder_is_waited_for_and_its_directory_left_alone(cache_root,
+                                                                        monkeypatch, lock):
     build_dir = interrupted(cache_root, 21)
     holder = live_process()
     try:
         as_owner(build_dir, host=_fs.host(), pid=holder.pid)
         monkeypatch.setenv("CACHEKIT_LOCK", lock)
-        entry = run(cache_root)
-        assert sorted(CONTROL["computed"]) == list(range(ROWS))
-        np.testing.assert_array_equal(np.asarray(entry.array), EXPECTED)
+        CONTROL["computed"] = []
+        with pytest.raises(LockTimeout, match=f"pid {holder.pid} on {_fs.host()}"):
+            cachekit.Cache(cache_root, progress=False, lock_timeout=1).map(
+                row_fn, pd.Series(range(ROWS)))
+        assert CONTROL["computed"] == []
         assert [p.name for p in (cache_root / "tmp").iterdir()] == [build_dir.name]
     finally:
         holder.kill()
         holder.wait()
 
 
-@pytest.mark.parametrize("lock, silent_for, resumed", [
-    ("os", 3600, True), ("soft", 3600, True), ("none", 3600, False),
-    ("os", 0, False), ("soft", 0, False),  # a lock may fail silently: recent progress wins
-])
-def test_another_hosts_directory_is_resumed_only_under_a_working_lock(
-        cache_root, monkeypatch, lock, silent_for, resumed):
+def test_a_live_local_builder_whose_heartbeat_stopped_a_lease_ago_is_resumed(cache_root):
     build_dir = interrupted(cache_root, 21)
-    as_owner(build_dir, host="another-node.cluster", pid=4242,
-             updated=time.time() - silent_for)
+    holder = live_process()  # alive, but hung: its heartbeat thread no longer runs
+    try:
+        as_owner(build_dir, heartbeat_age=LEASE + 5, host=_fs.host(), pid=holder.pid)
+        entry = run(cache_root)
+        assert min(CONTROL["computed"]) == 20
+        assert_correct(entry)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("lock", ["os", "soft", "none"])
+@pytest.mark.parametrize("heartbeat_age, resumed", [(LEASE + 5, True), (0, False)])
+def test_another_hosts_build_is_resumed_only_once_its_heartbeat_is_a_lease_old(
+        cache_root, monkeypatch, lock, heartbeat_age, resumed):
+    """Whatever the lock (it may fail silently across hosts), a fresh heartbeat keeps the
+    other host's build alive: we wait for it; a lease without one means it is dead."""
+    build_dir = interrupted(cache_root, 21)
+    as_owner(build_dir, heartbeat_age=heartbeat_age, host="another-node.cluster", pid=4242)
     monkeypatch.setenv("CACHEKIT_LOCK", lock)
+    cache = cachekit.Cache(cache_root, workers=2, progress=False, lock_timeout=1)
+    CONTROL["computed"] = []
+    if not resumed:
+        with pytest.raises(LockTimeout, match="pid 4242 on another-node.cluster"):
+            cache.map(row_fn, pd.Series(range(ROWS)))
+        assert CONTROL["computed"] == []
+        assert [p.name for p in (cache_root / "tmp").iterdir()] == [build_dir.name]
+        return
+    entry = cache.map(row_fn, pd.Series(range(ROWS)))
+    assert min(CONTROL["computed"]) == 20
+    assert_correct(entry)
+
+
+def test_a_waiter_resumes_once_the_other_hosts_heartbeat_goes_stale(cache_root, monkeypatch):
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "1.5")
+    build_dir = interrupted(cache_root, 21)
+    as_owner(build_dir, host="another-node.cluster", pid=4242)  # fresh now, never again
     entry = run(cache_root)
-    assert min(CONTROL["computed"]) == (20 if resumed else 0)
-    np.testing.assert_array_equal(np.asarray(entry.array), EXPECTED)
-    left = [p.name for p in (cache_root / "tmp").iterdir()]
-    assert left == ([] if resumed else [build_dir.name])
+    assert min(CONTROL["computed"]) == 20
+    assert entry.wait_seconds >= 1.0
+    assert_correct(entry)
 
 
 def test_a_dead_local_builders_directory_is_resumed_even_without_a_lock(cache_root,
@@ -228,7 +267,7 @@ def test_build_directories_that_are_symlinks_are_never_followed(cache_root, tmp_
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
-    (outside / publish.JOURNAL_FILE).write_text(json.dumps({"abandoned": True}))
+    (outside / local.JOURNAL_FILE).write_text(json.dumps({"abandoned": True}))
     os.symlink(outside, cache_root / "tmp" / f"{key}.host.1.bbbb")
     again = run(cache_root)
     np.testing.assert_array_equal(np.asarray(again.array), EXPECTED)

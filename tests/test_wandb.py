@@ -28,7 +28,7 @@ import cachekit
 from cachekit import _wandb
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wandb_sweep.py"
-FIELDS = ("key", "hit", "build_seconds", "wait_seconds", "rows", "shape", "bytes")
+FIELDS = ("key", "hit", "source", "build_seconds", "wait_seconds", "rows", "shape", "bytes")
 
 
 def _row(value: int) -> np.ndarray:

@@ -1,0 +1,94 @@
+"""``Entry``: a published cache entry, mapped read-only, and how this call came by it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import arrays
+from .manifest import Manifest
+
+SOURCES = ("local", "remote", "built", "joined")
+"""How a call obtained its entry: found in the local root (or published there by another
+process while this call waited), downloaded, built by this call, or filled in part by it."""
+
+
+class Entry:
+    """A published cache entry.
+
+    ``array`` is an (N, ...) read-only numpy memmap in row order; ``valid`` marks the rows
+    that were produced (False where ``on_error="zero"`` stored zeros); ``manifest`` is the
+    parsed manifest as a dict; ``source`` says how this call got the entry and ``hit`` is
+    True when it built nothing.
+    """
+
+    def __init__(self, path: Path, manifest: Manifest, *, source: str,
+                 wait_seconds: float = 0.0) -> None:
+        if source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, not {source!r}")
+        self.path = Path(path)
+        self.key: str = manifest.key
+        self.source = source
+        self.wait_seconds = wait_seconds
+        self._manifest = manifest
+        self.manifest: dict[str, Any] = manifest.to_json()
+        self.array: np.ndarray = self._map()  # before anything sized by the manifest
+        self.valid = _valid_rows(manifest)
+
+    @property
+    def hit(self) -> bool:
+        """True when the entry was served without building in this call."""
+        return self.source in ("local", "remote")
+
+    def __len__(self) -> int:
+        return self._manifest.rows
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the location and manifest only, a few KiB whatever N (DataLoader workers
+        get entries this way); ``array`` and ``valid`` are re-made on first use."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("array", "valid")}
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when normal lookup fails: for the attributes __getstate__ dropped.
+        if name == "array":
+            self.array = self._map()
+            return self.array
+        if name == "valid":
+            self.valid = _valid_rows(self._manifest)
+            return self.valid
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return (f"<cachekit.Entry {self.key} {self._manifest.dtype}{list(self._manifest.shape)}"
+                f" {self.source}>")
+
+    def _map(self, mode: str = "r") -> np.ndarray:
+        """Map the entry's main array again: read-only ("r") or copy-on-write ("c")."""
+        return arrays.open_record(self.path, self._manifest.files[0], mode)
+
+    def tensor(self):
+        """A torch.Tensor over the entry's file, without copying.
+
+        It maps the file copy-on-write: pages are shared with ``array`` and every other
+        reader through the page cache, and a write to the tensor changes only this process's
+        copy of that page, never the cache (a read-only mapping would crash on write).
+        """
+        import torch
+
+        return torch.from_numpy(self._map("c"))
+
+    def dataset(self, targets: Any = None, transform: Optional[Callable] = None):
+        """A torch Dataset over this entry: item i -> uint8 tensor, or (tensor, targets[i])."""
+        from .dataset import EntryDataset
+
+        return EntryDataset(self, targets=targets, transform=transform)
+
+
+def _valid_rows(manifest: Manifest) -> np.ndarray:
+    """Read-only (N,) bool array: False for the rows the manifest lists as failed."""
+    valid = np.ones(manifest.rows, dtype=bool)
+    valid[[row for row, _, _ in manifest.failed_rows]] = False
+    valid.flags.writeable = False
+    return valid

@@ -1,0 +1,95 @@
+"""Is that builder still working? The one rule that publish, resume, ``ls``, ``clear`` and
+``prune`` (and the soft lock) all ask.
+
+A builder refreshes a heartbeat, the mtime of a file it holds open, from a timer thread
+every lease / 4 seconds, whatever its progress: a build whose rows take longer than the
+lease, or a ``memoize`` build that reports no progress at all, keeps beating. A builder is
+
+- dead when it said it gave up (an interrupted build marks itself abandoned), when it is a
+  gone process on this host (its pid is gone or was reused), or when its heartbeat is older
+  than the lease;
+- alive otherwise.
+
+The lease is ``$CACHEKIT_LOCK_LEASE`` seconds (default 60). Hosts that share a cache root
+must have clocks that agree to well within the lease (NTP does): a heartbeat is an mtime
+written by one host and read against another host's clock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Mapping, Optional
+
+from . import _fs
+
+LEASE_ENV = "CACHEKIT_LOCK_LEASE"
+DEFAULT_LEASE_SECONDS = 60.0
+BEATS_PER_LEASE = 4
+
+
+def lease_from_env() -> float:
+    """Seconds without a heartbeat after which a builder counts as dead ($CACHEKIT_LOCK_LEASE)."""
+    text = os.environ.get(LEASE_ENV, "").strip()
+    if not text:
+        return DEFAULT_LEASE_SECONDS
+    try:
+        lease = float(text)
+    except ValueError:
+        lease = -1.0
+    if not 0 < lease < float("inf"):
+        raise ValueError(f"{LEASE_ENV}={text!r} must be a positive number of seconds")
+    return lease
+
+
+def is_alive(owner: Optional[Mapping[str, Any]], heartbeat: float, *,
+             abandoned: bool = False, lease: Optional[float] = None,
+             now: Optional[float] = None) -> bool:
+    """Whether the builder ``owner`` (a record made by :func:`cachekit._fs.owner`, or None
+    when unknown), whose heartbeat was last refreshed at ``heartbeat`` (seconds since the
+    epoch), may still be working."""
+    if abandoned:
+        return False
+    if owner is not None and _fs.owner_state(owner) == "dead":
+        return False
+    lease = lease_from_env() if lease is None else lease
+    now = time.time() if now is None else now
+    return now - heartbeat <= lease
+
+
+class Heartbeat:
+    """Refresh the mtime of the open file ``fd`` every lease / 4 seconds until stopped.
+
+    The caller owns ``fd``; the heartbeat never opens anything by path, so a file swapped
+    in under the same name is never touched.
+    """
+
+    def __init__(self, fd: int, lease: Optional[float] = None) -> None:
+        self.fd = fd
+        self.lease = lease_from_env() if lease is None else lease
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Heartbeat":
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="cachekit-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        try:
+            os.utime(self.fd)
+        except OSError:
+            pass  # a transient error; the next beat comes well within the lease
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease / BEATS_PER_LEASE):
+            self.beat()

@@ -1,0 +1,284 @@
+"""The manifest: what a published entry holds, typed, and its one JSON form.
+
+A manifest is the last file written into an entry, so an entry with a valid manifest is
+complete. It lists every file the entry publishes with its size and checksum: what opening
+an entry validates, what ``cachekit verify`` checks byte for byte, and what a remote tier
+uploads and checks after a download. ``shape`` and ``dtype`` in the JSON repeat the first
+file's, for people and tools that read ``entry.manifest``; reading checks that they agree.
+
+A manifest is untrusted input (another process, user or host may have written it): every
+field is type-checked, file names come from a fixed set (never a path), and numbers that
+size an allocation are checked against the data file before use (see :mod:`cachekit.arrays`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _fs
+from .errors import CacheCorruptError, Failure
+from .keys import is_key
+
+FORMAT_VERSION = 2
+MANIFEST_FILE = "manifest.json"
+DATA_FILE = "data.npy"
+KINDS = ("images", "map", "memoize")
+MEMOIZE_KIND = "memoize"
+LEAF_KINDS = ("numpy", "torch")
+MANIFEST_LIMIT = 64 << 20  # a tampered manifest must not exhaust memory
+_CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
+# Errors of opening a path that is a symlink, a directory or another non-file: tampering.
+NOT_A_FILE_ERRNOS = _fs.NOT_A_FILE_ERRNOS
+
+
+def file_name(index: int) -> str:
+    """Name of an entry's ``index``-th data file: ``data.npy``, then ``leaf_1.npy``, ..."""
+    return DATA_FILE if index == 0 else f"leaf_{index}.npy"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One published .npy file: its array's shape and dtype, its size and checksum.
+
+    ``kind`` says what a memoize leaf comes back as: a numpy array or a torch tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    checksum: str
+    kind: str = "numpy"
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of array data in the file (the rest is the .npy header)."""
+        return math.prod(self.shape) * self.np_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "bytes": self.bytes, "checksum": self.checksum, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A published entry's description. ``files[0]`` is the entry's main array."""
+
+    key: str
+    kind: str
+    rows: int
+    files: tuple[FileRecord, ...]
+    created: float
+    failed_rows: tuple[Failure, ...] = ()
+    params: dict[str, Any] = field(default_factory=dict)
+    column: Optional[str] = None
+    structure: Optional[dict[str, Any]] = None
+    builder: dict[str, Any] = field(default_factory=dict)
+    build_seconds: float = 0.0
+    cachekit_version: str = ""
+    format: int = FORMAT_VERSION
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.files[0].shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.files[0].np_dtype
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def with_key(self, key: str) -> "Manifest":
+        return replace(self, key=key)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to ``manifest.json`` (also ``entry.manifest``)."""
+        out: dict[str, Any] = {
+            "format": self.format, "key": self.key, "kind": self.kind, "rows": self.rows,
+            "shape": list(self.shape), "dtype": self.files[0].dtype,
+            "files": [f.to_json() for f in self.files], "created": self.created,
+            "failed_rows": [list(f) for f in self.failed_rows], "params": self.params,
+            "column": self.column, "builder": self.builder,
+            "build_seconds": self.build_seconds, "cachekit_version": self.cachekit_version,
+        }
+        if self.structure is not None:
+            out["structure"] = self.structure
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any, path: Path, key: Optional[str] = None) -> "Manifest":
+        """Check ``raw`` (parsed from ``path``) field by field; CacheCorruptError naming the
+        field when anything is missing, of the wrong type or inconsistent. ``key``: the key
+        the entry is stored under, which the manifest must name."""
+        return _parse(raw, path, key)
+
+
+def read(entry_dir: Path) -> Manifest:
+    """Parse and check ``entry_dir/manifest.json``.
+
+    FileNotFoundError when there is no manifest; CacheCorruptError when it is unreadable,
+    malformed, a symlink or not a file; other OSErrors (EIO, EACCES) propagate as they are.
+    """
+    path = entry_dir / MANIFEST_FILE
+    if os.path.islink(entry_dir):
+        raise CacheCorruptError(entry_dir, "an entry is never a symlink")
+    try:
+        with _fs.open_regular(path) as f:  # no symlink, no FIFO: never read outside the root
+            raw = f.read(MANIFEST_LIMIT + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno not in NOT_A_FILE_ERRNOS:
+            raise  # an I/O error is not evidence of a corrupt entry
+        raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
+    return loads(raw, path, entry_dir.name)
+
+
+def loads(raw: bytes, path: Path, key: Optional[str] = None) -> Manifest:
+    """Parse manifest bytes read from ``path`` (a local file or a remote object)."""
+    if len(raw) > MANIFEST_LIMIT:
+        raise CacheCorruptError(path, f"manifest is larger than {MANIFEST_LIMIT} bytes")
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
+    return Manifest.from_json(parsed, path, key)
+
+
+def dumps(manifest: Manifest) -> bytes:
+    """The bytes of ``manifest.json`` for ``manifest``."""
+    return (json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode()
+
+
+def write(build_dir: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into a private build directory, fresh and fsynced: the one
+    place a manifest is written, as the last file of a build."""
+    _fs.create_file(build_dir / MANIFEST_FILE, dumps(manifest))
+
+
+# Parsing ---------------------------------------------------------------------------------
+
+
+def _parse(raw: Any, path: Path, key: Optional[str]) -> Manifest:
+    def fail(reason: str) -> CacheCorruptError:
+        return CacheCorruptError(path, reason)
+
+    if not isinstance(raw, dict):
+        raise fail("manifest is not a JSON object")
+    if raw.get("format") != FORMAT_VERSION:
+        raise fail(f"format {raw.get('format')!r} is not {FORMAT_VERSION} (made by another "
+                   "cachekit version)")
+    entry_key = _get(raw, "key", str, fail)
+    if not is_key(entry_key) or (key is not None and entry_key != key):
+        raise fail(f"manifest key {entry_key!r} does not name this entry")
+    kind = _get(raw, "kind", str, fail)
+    if kind not in KINDS:
+        raise fail(f"unknown kind {kind!r}")
+    rows = _count(raw.get("rows"), "rows", fail)
+    files_raw = _get(raw, "files", list, fail)
+    if not files_raw or (kind != MEMOIZE_KIND and len(files_raw) != 1):
+        raise fail(f"a {kind} entry has {'one' if kind != MEMOIZE_KIND else 'at least one'} "
+                   f"file, not {len(files_raw)}")
+    files = tuple(_file_record(i, item, fail) for i, item in enumerate(files_raw))
+    first = files[0]
+    if raw.get("shape") != list(first.shape) or raw.get("dtype") != first.dtype:
+        raise fail("shape and dtype disagree with the first file's")
+    scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
+    if not scalar and (not first.shape or first.shape[0] != rows):
+        raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
+    created = raw.get("created")
+    if not _is_number(created) or not math.isfinite(created):
+        raise fail(f"bad created time {created!r}")
+    failed = tuple(_failure(item, rows, fail) for item in _get(raw, "failed_rows", list, fail))
+    params = raw.get("params", {})
+    column = raw.get("column")
+    builder = raw.get("builder", {})
+    build_seconds = raw.get("build_seconds", 0.0)
+    version = raw.get("cachekit_version", "")
+    if not isinstance(params, dict) or not isinstance(builder, dict):
+        raise fail("params and builder must be JSON objects")
+    if column is not None and not isinstance(column, str):
+        raise fail(f"bad column {column!r}")
+    if not _is_number(build_seconds) or not isinstance(version, str):
+        raise fail("bad build_seconds or cachekit_version")
+    structure = raw.get("structure")
+    if kind == MEMOIZE_KIND:
+        if not isinstance(structure, dict):
+            raise fail("a memoize manifest needs a 'structure' object")
+    elif structure is not None or any(f.kind != "numpy" for f in files):
+        raise fail(f"a {kind} entry has no structure and numpy files only")
+    return Manifest(key=entry_key, kind=kind, rows=rows, files=files, created=float(created),
+                    failed_rows=failed, params=params, column=column, structure=structure,
+                    builder=builder, build_seconds=float(build_seconds),
+                    cachekit_version=version)
+
+
+def _file_record(index: int, item: Any, fail) -> FileRecord:
+    if not isinstance(item, dict):
+        raise fail(f"file {index} is not a JSON object")
+    name = item.get("name")
+    if name != file_name(index):
+        raise fail(f"file {index} must be named {file_name(index)!r}, not {name!r}")
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise fail(f"bad shape {shape!r} of {name}")
+    dtype = item.get("dtype")
+    try:
+        parsed = np.dtype(dtype)
+    except Exception:  # numpy raises TypeError, ValueError, even SyntaxError (",,")
+        raise fail(f"bad dtype {dtype!r} of {name}") from None
+    if parsed.hasobject or not isinstance(dtype, str):
+        raise fail(f"dtype {dtype!r} of {name} cannot be stored")
+    size = _count(item.get("bytes"), f"bytes of {name}", fail)
+    checksum = item.get("checksum")
+    if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
+        raise fail(f"bad checksum {checksum!r} of {name}")
+    kind = item.get("kind", "numpy")
+    if kind not in LEAF_KINDS:
+        raise fail(f"unknown kind {kind!r} of {name}")
+    record = FileRecord(name, tuple(shape), dtype, size, checksum, kind)
+    if size < record.data_bytes:  # Python ints: no overflow however large the shape
+        raise fail(f"{name} holds {record.data_bytes} bytes of data but is said to be {size}")
+    return record
+
+
+def _failure(item: Any, rows: int, fail) -> Failure:
+    if not (isinstance(item, list) and len(item) == 3 and _is_count(item[0]) and item[0] < rows
+            and isinstance(item[1], str) and isinstance(item[2], str)):
+        raise fail(f"bad failed_rows item {item!r}")
+    return (item[0], item[1], item[2])
+
+
+def _get(raw: dict[str, Any], name: str, kind: type, fail) -> Any:
+    value = raw.get(name)
+    if not isinstance(value, kind):
+        raise fail(f"manifest field {name!r} is missing or not {kind.__name__}")
+    return value
+
+
+def _count(value: Any, name: str, fail) -> int:
+    if not _is_count(value):
+        raise fail(f"{name} must be a whole number >= 0, not {value!r}")
+    return value
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
