@@ -1,12 +1,14 @@
-"""Shared fixtures: small real image files and an empty cache root per test."""
+"""Shared fixtures: small real image files, an empty cache root per test, simulated hosts."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 import cachekit
+import hosts
 
 
 @pytest.fixture
@@ -25,3 +27,20 @@ def cover_paths(tmp_path: Path) -> list[str]:
 @pytest.fixture
 def cache(cache_root: Path) -> cachekit.Cache:
     return cachekit.Cache(cache_root, workers=2, progress=False)
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path) -> Iterator[tuple[hosts.Host, hosts.Host]]:
+    """Hosts "host-a" and "host-b" sharing the cache root ``tmp_path/cache`` (and the scratch
+    directory ``tmp_path/work``) whose flock locks do not reach each other; see tests/hosts.py.
+    Skips when not root or when ``unshare --uts --mount`` does not work. Processes still
+    running at teardown are killed."""
+    reason = hosts.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    a, b = hosts.make_hosts(tmp_path, ("host-a", "host-b"))
+    try:
+        yield a, b
+    finally:
+        a.kill_all()
+        b.kill_all()
