@@ -12,13 +12,14 @@ pandas except ``build``, which reads a CSV.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 from . import _version, maintenance, options, store, units
 from .errors import CachekitError, ImageDecodeError
@@ -185,7 +186,9 @@ def _ls(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     layout = _layout(args)
     found = maintenance.scan(layout)
-    key = _resolve([args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
+    with _key_errors():
+        key = maintenance.resolve_keys(
+            [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
     entry = next((e for e in found.entries if e.key == key), None)
     if entry is not None:
         _print_entry(entry)
@@ -239,10 +242,8 @@ def _clear(args: argparse.Namespace) -> int:
     from .removal import plan_clear
 
     layout = _layout(args)
-    try:
+    with _key_errors():
         plan = plan_clear(layout, args.keys or None, older_than=args.older_than)
-    except (KeyError, ValueError) as e:
-        raise UsageError(e.args[0]) from None
     return _carry_out(plan, args, f"in {layout.root}")
 
 
@@ -316,9 +317,8 @@ def _verify(args: argparse.Namespace) -> int:
             checking["bar"].update(size)
 
     try:
-        problems = verify(layout, args.keys or None, on_start=start, on_bytes=advance)
-    except (KeyError, ValueError) as e:
-        raise UsageError(e.args[0]) from None
+        with _key_errors():
+            problems = verify(layout, args.keys or None, on_start=start, on_bytes=advance)
     finally:
         if checking["bar"] is not None:
             checking["bar"].close()
@@ -390,11 +390,16 @@ def _demo(args: argparse.Namespace) -> int:
                images=args.images, agents=args.agents)
 
 
-def _resolve(prefixes: Sequence[str], known: Sequence[str]) -> list[str]:
+@contextlib.contextmanager
+def _key_errors() -> Iterator[None]:
+    """Turn what :func:`maintenance.resolve_keys` raises for KEY arguments (KeyError: no
+    match; ValueError: not a key, or an ambiguous prefix) into a usage error. Every command
+    that takes KEYs runs its resolution in this block.
+    """
     try:
-        return maintenance.resolve_keys(prefixes, known)
+        yield
     except (KeyError, ValueError) as e:
-        raise UsageError(e.args[0]) from None
+        raise UsageError(e.args[0] if e.args else str(e)) from None
 
 
 def _report_temp_dirs(temp_dirs, out=sys.stderr) -> None:

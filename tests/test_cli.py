@@ -181,13 +181,19 @@ def test_info_by_unique_prefix(cache_root, three):
     assert "checksum:" in result.stdout and str(three[0].path) in result.stdout
 
 
-def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
-    twin = cache_root / "entries" / (three[0].key[:4] + "f" * 28)
+def make_twin(cache_root: Path, entry: cachekit.Entry) -> Path:
+    """A valid copy of ``entry`` under a key sharing its first 4 digits."""
+    twin = cache_root / "entries" / (entry.key[:4] + "f" * 28)
     twin.mkdir()
-    for item in three[0].path.iterdir():
+    for item in entry.path.iterdir():
         (twin / item.name).write_bytes(item.read_bytes())
     manifest = json.loads((twin / store.MANIFEST_FILE).read_text())
     (twin / store.MANIFEST_FILE).write_text(json.dumps({**manifest, "key": twin.name}))
+    return twin
+
+
+def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
+    twin = make_twin(cache_root, three[0])
     result = cachekit_cmd("info", three[0].key[:4], root=cache_root)
     assert result.returncode == 2 and "ambiguous" in result.stderr
     assert three[0].key in result.stderr and twin.name in result.stderr
@@ -200,6 +206,19 @@ def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, ca
     missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
     status, _, err = in_process(capsys, "info", missing, root=cache_root)
     assert status == 2 and "no cache entry matches" in err
+
+
+@pytest.mark.parametrize("command", [["info"], ["clear", "--yes"], ["verify"]])
+def test_every_command_taking_keys_rejects_bad_ones_alike(cache_root, three, capsys, command):
+    make_twin(cache_root, three[0])
+    missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
+    for key, message in (("zz", "not a cache key or key prefix: 'zz'"),
+                         (missing, f"no cache entry matches '{missing}'"),
+                         (three[0].key[:4], f"key prefix '{three[0].key[:4]}' is ambiguous")):
+        status, out, err = in_process(capsys, *command, "--", key, root=cache_root)
+        assert status == 2 and out == "", (key, out)
+        assert err.startswith(f"cachekit: error: {message}") and err.count("\n") == 1, err
+    assert len(keys_in(cache_root)) == 4
 
 
 # -- clear ---------------------------------------------------------------------------------
