@@ -19,13 +19,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, TypeVar
 
 from . import _version, maintenance, options, store, units
 from .errors import CachekitError, ImageDecodeError
 
 SHORT_KEY = 12
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--root", metavar="DIR", default=argparse.SUPPRESS, help=root_help)
     parser.add_argument("--version", action="version", version=f"cachekit {_version.__version__}")
     sub = parser.add_subparsers(metavar="COMMAND", required=True)
+    positive = _arg(_positive_int)
 
     def command(name: str, run: Callable[[argparse.Namespace], int], text: str):
         p = sub.add_parser(name, parents=[common], help=text, description=text)
@@ -89,11 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     p = command("clear", _clear, "remove entries (safe while other processes read)")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
     p.add_argument("--all", action="store_true", help="remove every entry")
-    p.add_argument("--older-than", metavar="AGE", type=_duration,
+    p.add_argument("--older-than", metavar="AGE", type=_arg(units.parse_duration),
                    help="only entries unused for this long, e.g. 7d, 12h, 1w")
     _destructive(p)
     p = command("prune", _prune, "remove least recently used entries down to a size")
-    p.add_argument("--max-size", metavar="SIZE", type=_size, required=True,
+    p.add_argument("--max-size", metavar="SIZE", type=_arg(units.parse_size), required=True,
                    help="size to shrink to, e.g. 10G (GiB), 500MB, 2.5T")
     _destructive(p)
     p = command("verify", _verify, "check entries fully, data checksums included")
@@ -101,17 +103,18 @@ def _parser() -> argparse.ArgumentParser:
     p = command("build", _build, "decode and resize a CSV's image column into the cache")
     p.add_argument("csv", metavar="CSV", help="CSV file with a column of image paths")
     p.add_argument("--column", required=True, help="the image path column, e.g. img_path")
-    p.add_argument("--size", required=True, type=_image_size, help="HxW, e.g. 32x32, or N")
+    p.add_argument("--size", required=True, type=_arg(units.parse_image_size),
+                   help="HxW, e.g. 32x32, or N")
     p.add_argument("--mode", choices=tuple(options.MODES), default="RGB")
     p.add_argument("--fit", choices=options.FITS, default="stretch")
     p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
-    p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: CPUs)")
+    p.add_argument("--workers", type=positive, default=None, help="decode threads (default: CPUs)")
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
     p.add_argument("--validate", choices=options.VALIDATE, default="path")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
     p = command("demo", _demo, "the end-to-end demo on generated sample images")
-    p.add_argument("--images", type=_positive, default=2000)
-    p.add_argument("--agents", type=_positive, default=4)
+    p.add_argument("--images", type=positive, default=2000)
+    p.add_argument("--agents", type=positive, default=4)
     return parser
 
 
@@ -120,33 +123,23 @@ def _destructive(p: argparse.ArgumentParser) -> None:
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
 
-def _duration(text: str) -> float:
-    try:
-        return units.parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _arg(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type=`` from a parser that raises ValueError: its message becomes the
+    one-line usage error."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
-def _size(text: str) -> int:
-    try:
-        return units.parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
     return int(text)
-
-
-def _image_size(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected HxW such as 32x32, got {text!r}")
-    return int(parts[0]), int(parts[1])
 
 
 def _layout(args: argparse.Namespace) -> store.Layout:

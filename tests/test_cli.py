@@ -106,6 +106,28 @@ def test_help_and_usage_errors(cache_root, capsys):
         assert len(lines) == 1 and lines[0].startswith("cachekit: error:"), err
 
 
+@pytest.mark.parametrize("option, good, bad", [
+    ("--size", {"8": (8, 8), "12x10": (12, 10), "12X10": (12, 10)},
+     ("3by3", "0x8", "8x0", "0", "8x8x8", "x8", "8x", "\u00b2", "-8", "")),
+    ("--workers", {"1": 1, "16": 16}, ("0", "-1", "1.5", "\u00b2", "two", "")),
+])
+def test_argument_types_accept_and_reject(cache_root, capsys, monkeypatch, option, good, bad):
+    seen = {}
+    monkeypatch.setattr("cachekit.cli._build", lambda args: seen.setdefault("args", args) and 0)
+    for text, value in good.items():
+        seen.clear()
+        status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",
+                                    option, text, root=cache_root)
+        assert status == 0, err
+        assert getattr(seen["args"], option[2:]) == value
+    for text in bad:
+        status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",
+                                    f"{option}={text}", root=cache_root)
+        assert status == 2, text
+        assert err.startswith(f"cachekit: error: argument {option}: ") and repr(text) in err, err
+        assert err.count("\n") == 1, err
+
+
 def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
     probe = textwrap.dedent(f"""
         import sys
