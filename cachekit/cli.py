@@ -1,7 +1,20 @@
 """The ``cachekit`` command line (also ``python -m cachekit``): look at, check, clean and
 prebuild a cache.
 
-Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage error.
+Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage error;
+130 on Ctrl-C. In full:
+
+- 0: done, also ``--help``, ``--version``, a dry run and a declined confirmation.
+- 1: the command ran and failed or found a problem: ``verify`` found one; a build failed
+  (rows that cannot be decoded, or a column the cache refuses: empty, missing values, not
+  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry).
+- 2: usage error, found before anything is changed: bad arguments; a KEY that is not a
+  key, matches nothing or is ambiguous; a CSV that cannot be read or lacks the column; a
+  bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``).
+- 128 + the number of a signal, as a shell reports a command that signal ended: 130 on
+  Ctrl-C (SIGINT); 141 when the reader of the output has gone (SIGPIPE, e.g.
+  ``cachekit ls | head``), without a message.
+
 Errors are one line on stderr. Destructive commands show what they will remove, ask on a
 terminal, and refuse without ``--yes`` when there is none. This module only parses,
 formats and confirms: the work is done by :mod:`cachekit.maintenance`,
@@ -21,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, TypeVar
 
-from . import _version, maintenance, options, store, units
+from . import _version, locks, maintenance, options, store, units
 from .errors import CachekitError, ImageDecodeError
 
 SHORT_KEY = 12
@@ -39,23 +52,37 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; return the exit status."""
+    """Run the command line; return the exit status (see the module docstring)."""
     try:
         args = _parser().parse_args(argv)
-        return args.run(args)
+        _check_settings()
+        status = args.run(args)
+        sys.stdout.flush()  # here, so that a reader that left is seen as one (below)
+        return status
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else 0
     except UsageError as e:
         return _fail(str(e), 2)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
-    except BrokenPipeError:  # e.g. `cachekit ls | head`: the reader left, which is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    except BrokenPipeError:  # e.g. `cachekit ls | head`: the reader left, so stop quietly
+        with contextlib.suppress(OSError, ValueError):  # (a stdout with no descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for exit's flush
+        return 141
     except (CachekitError, OSError) as e:
-        return _fail(str(e).splitlines()[0], 1)
-    except ValueError as e:  # a bad setting, e.g. CACHEKIT_LOCK
+        return _fail((str(e).splitlines() or [type(e).__name__])[0], 1)
+    except ValueError as e:  # a bad setting read later than _check_settings
         return _fail(str(e), 2)
+
+
+def _check_settings() -> None:
+    """Refuse a bad $CACHEKIT_LOCK or $CACHEKIT_LOCK_LEASE before any command starts, so that
+    it is a usage error for every command, whether or not (or how late) it takes a lock."""
+    try:
+        locks.kind_from_env()
+        locks.lease_from_env()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _fail(message: str, status: int) -> int:
@@ -363,7 +390,7 @@ def _build(args: argparse.Namespace) -> int:
         for row, path, reason in e.failures:
             print(f"  row {row}: {path}: {reason}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # the cache refused the column (empty, NaN, not str)
         return _fail(f"build failed: {e}", 1)
     failed = entry.manifest["failed_rows"]
     for row, path, reason in failed:

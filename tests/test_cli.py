@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -141,6 +143,74 @@ def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# -- exit status ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error, status, message", [
+    (KeyboardInterrupt(), 130, "cachekit: error: interrupted\n"),
+    (BrokenPipeError(32, "Broken pipe"), 141, ""),
+    (OSError(5, "Input/output error"), 1, "cachekit: error: [Errno 5] Input/output error\n"),
+    (OSError(), 1, "cachekit: error: OSError\n"),
+    (cachekit.CacheCorruptError("/r/entries/x", "bad\nsecond line"), 1,
+     "cachekit: error: corrupt cache entry /r/entries/x: bad\n"),
+    (ValueError("CACHEKIT_SOMETHING='x' is bad"), 2,
+     "cachekit: error: CACHEKIT_SOMETHING='x' is bad\n"),
+])
+def test_exit_status_of_each_kind_of_error(cache_root, capsys, monkeypatch, error, status,
+                                           message):
+    def fail(layout):
+        raise error
+
+    monkeypatch.setattr("cachekit.maintenance.scan", fail)
+    assert in_process(capsys, "ls", root=cache_root) == (status, "", message)
+
+
+@pytest.mark.parametrize("env", [{"CACHEKIT_LOCK": "bogus"}, {"CACHEKIT_LOCK_LEASE": "-1"}])
+def test_a_bad_setting_is_a_usage_error_for_every_command(tmp_path, cache_root, cover_paths,
+                                                          env):
+    csv = write_csv(tmp_path / "train.csv", cover_paths[:2])
+    name = next(iter(env))
+    for args in (["ls"], ["verify"], ["clear", "--all", "--yes"],
+                 ["build", str(csv), "--column", "img_path", "--size", "8"]):
+        result = cachekit_cmd(*args, root=cache_root, env=env)
+        assert result.returncode == 2 and result.stdout == "", (args, result)
+        assert result.stderr.startswith(f"cachekit: error: {name}=") and \
+            result.stderr.count("\n") == 1, result.stderr
+    assert keys_in(cache_root) == set()
+
+
+def test_closed_output_exits_141_quietly(cache_root, three):
+    for args in (["ls"], ["ls", "--json"], ["verify"], ["info", three[0].key]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the command writes (`| head` that quit)
+        try:
+            result = subprocess.run([str(SCRIPT), "--root", str(cache_root), *args],
+                                    stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                    timeout=120)
+        finally:
+            os.close(write_end)
+        assert (result.returncode, result.stderr) == (141, ""), args
+
+
+def test_ctrl_c_at_the_confirmation_exits_130_and_removes_nothing(cache_root, three):
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([str(SCRIPT), "--root", str(cache_root), "clear", "--all"],
+                                stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        os.close(slave)
+        asked, deadline = b"", time.monotonic() + 120
+        while b"[y/N]" not in asked:
+            assert proc.poll() is None and time.monotonic() < deadline, asked
+            if select.select([proc.stderr], [], [], 0.1)[0]:
+                asked += os.read(proc.stderr.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+    assert proc.returncode == 130
+    assert err.decode().endswith("cachekit: error: interrupted\n") and b"Traceback" not in err
+    assert b"removed" not in out and len(keys_in(cache_root)) == 3
 
 
 # -- ls and info ---------------------------------------------------------------------------
@@ -462,6 +532,23 @@ def test_a_failed_build_lists_the_bad_rows_and_publishes_nothing(tmp_path, cache
                           "--on-error", "zero", root=cache_root)
     assert zeroed.returncode == 0 and "2 failed rows stored as zeros" in zeroed.stderr
     assert keys_in(cache_root) == {zeroed.stdout.strip()}
+
+
+@pytest.mark.parametrize("column, reason", [
+    (["{0}", None], "paths has missing values (NaN/None) at rows [1]"),
+    ([1, 2], "paths must hold str"),
+    ([], "values is empty"),
+])
+def test_a_column_the_cache_refuses_is_a_failed_build(tmp_path, cache_root, cover_paths,
+                                                      column, reason):
+    csv = tmp_path / "train.csv"
+    column = [cover_paths[0] if c == "{0}" else c for c in column]
+    pd.DataFrame({"img_path": pd.Series(column, dtype=object)}).to_csv(csv, index=False)
+    result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8",
+                          root=cache_root)
+    assert result.returncode == 1 and result.stdout == ""
+    assert f"cachekit: error: build failed: {reason}" in result.stderr
+    assert keys_in(cache_root) == set()
 
 
 def test_build_usage_errors(tmp_path, cache_root, cover_paths, capsys):
