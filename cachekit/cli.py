@@ -85,8 +85,27 @@ def _check_settings() -> None:
         raise UsageError(str(e)) from None
 
 
+# C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
+# lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({c: f"\\u{c:04x}" for c in range(0xD800, 0xE000)})
+
+
+def _printable(text: Any) -> str:
+    """``text`` with its control characters escaped. Manifests, journals and names under a
+    cache root are written by whoever else uses it, so none of their text may reach a
+    terminal raw: everything printed goes through here (``_say``, ``_table``), and
+    ``--json`` output is JSON, whose strings escape control characters anyway."""
+    return str(text).translate(_ESCAPES)
+
+
+def _say(text: Any = "", **kwargs: Any) -> None:
+    """``print`` one line (``kwargs`` as for print) with control characters escaped."""
+    print(_printable(text), **kwargs)
+
+
 def _fail(message: str, status: int) -> int:
-    print(f"cachekit: error: {message}", file=sys.stderr)
+    _say(f"cachekit: error: {message}", file=sys.stderr)
     return status
 
 
@@ -174,7 +193,7 @@ def _layout(args: argparse.Namespace) -> store.Layout:
 
 
 def _dir(args: argparse.Namespace) -> int:
-    print(_layout(args).root)
+    _say(_layout(args).root)
     return 0
 
 
@@ -185,7 +204,7 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([e.to_json() for e in entries], indent=1))
     elif not entries:
-        print(f"no entries in {layout.root}")
+        _say(f"no entries in {layout.root}")
     else:
         now = time.time()
         rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST USED", "")]
@@ -194,12 +213,12 @@ def _ls(args: argparse.Namespace) -> int:
                   units.format_age(now - e.last_used), _note(e)) for e in entries]
         _table(rows, right=(2, 5))
         total = sum(e.bytes for e in entries)
-        print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
-              f"{units.format_size(total)} in {layout.root}")
+        _say(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
+             f"{units.format_size(total)} in {layout.root}")
     _report_temp_dirs(found.temp_dirs)
     for problem in found.problems:
         if problem.key is None:
-            print(f"warning: {problem.path}: {problem.message}", file=sys.stderr)
+            _say(f"warning: {problem.path}: {problem.message}", file=sys.stderr)
     return 0
 
 
@@ -232,8 +251,8 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
             manifest = store.read_manifest(e.path)
         except (OSError, CachekitError):
             pass
-    builder = manifest.get("builder") or {}
-    if builder:
+    builder = manifest.get("builder")
+    if isinstance(builder, dict) and builder:  # (not a checked field: any JSON may be there)
         fields.append(("built by", f"pid {builder.get('pid')} on {builder.get('host')} in "
                                    f"{manifest.get('build_seconds', '?')} s with cachekit "
                                    f"{manifest.get('cachekit_version', '?')}"))
@@ -242,15 +261,15 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
                    for name, value in sorted(e.params.items())]
     if manifest.get("checksum"):
         fields.append(("checksum", manifest["checksum"]))
-    fields = [(name, value) for name, value in fields if value is not None]
+    fields = [(_printable(name), value) for name, value in fields if value is not None]
     width = max(len(name) for name, _ in fields) + 1
     for name, value in fields:
-        print(f"{name + ':':<{width}} {value}")
+        _say(f"{name + ':':<{width}} {value}")
     failed = manifest.get("failed_rows") or []
     for row, path, reason in failed[:20]:
-        print(f"  failed row {row}: {path}: {reason}")
+        _say(f"  failed row {row}: {path}: {reason}")
     if len(failed) > 20:
-        print(f"  ... and {len(failed) - 20} more")
+        _say(f"  ... and {len(failed) - 20} more")
 
 
 def _clear(args: argparse.Namespace) -> int:
@@ -286,40 +305,40 @@ def _check_can_confirm(args: argparse.Namespace) -> None:
 def _carry_out(plan, args: argparse.Namespace, goal: str) -> int:
     """Show ``plan``, confirm it, execute it, and report what happened."""
     for skipped in plan.skipped:
-        print(f"skipping {skipped.path.name}: {skipped.reason}")
+        _say(f"skipping {skipped.path.name}: {skipped.reason}")
     if not len(plan):
-        print(f"nothing to remove {goal}")
+        _say(f"nothing to remove {goal}")
         return 0
     now = time.time()
     for e in plan.entries:
-        print(f"  {e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
-              f"last used {units.format_age(now - e.last_used)}")
+        _say(f"  {e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
+             f"last used {units.format_age(now - e.last_used)}")
     for t in plan.temp_dirs:
-        print(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
+        _say(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
     what = _count(len(plan.entries), "entry", "entries")
     if plan.temp_dirs:
         what += f" and {_count(len(plan.temp_dirs), 'leftover directory', 'leftover directories')}"
     summary = f"{what} ({units.format_size(plan.bytes)}) {goal}"
     if args.dry_run:
-        print(f"would remove {summary} (dry run: nothing removed)")
+        _say(f"would remove {summary} (dry run: nothing removed)")
         return 0
     if not args.yes and not _confirm(f"remove {summary}? [y/N] "):
-        print("nothing removed")
+        _say("nothing removed")
         return 0
     report = plan.execute()
     for skipped in report.skipped[len(plan.skipped):]:
-        print(f"skipped {skipped.path.name}: {skipped.reason}")
-    print(f"removed {_count(len(report.removed_entries), 'entry', 'entries')}"
-          + (f" and {_count(len(report.removed_temp_dirs), 'leftover directory', 'leftover directories')}"
-             if report.removed_temp_dirs else "")
-          + f", freed {units.format_size(report.freed_bytes)}")
+        _say(f"skipped {skipped.path.name}: {skipped.reason}")
+    _say(f"removed {_count(len(report.removed_entries), 'entry', 'entries')}"
+         + (f" and {_count(len(report.removed_temp_dirs), 'leftover directory', 'leftover directories')}"
+            if report.removed_temp_dirs else "")
+         + f", freed {units.format_size(report.freed_bytes)}")
     for failed in report.failed:
-        print(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
+        _say(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
     return 1 if report.failed else 0
 
 
 def _confirm(question: str) -> bool:
-    print(question, end="", file=sys.stderr, flush=True)
+    _say(question, end="", file=sys.stderr, flush=True)
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
@@ -343,16 +362,16 @@ def _verify(args: argparse.Namespace) -> int:
         if checking["bar"] is not None:
             checking["bar"].close()
     for problem in problems:
-        print(f"{problem.key or problem.path}: {problem.message}")
+        _say(f"{problem.key or problem.path}: {problem.message}")
     checked = checking["entries"]
     if not args.keys:
         _report_temp_dirs(maintenance.list_temp_dirs(layout)[0])
     if problems:
-        print(f"{_count(len(problems), 'problem', 'problems')} in "
-              f"{_count(checked, 'entry', 'entries')}; remove a broken entry with "
-              "`cachekit clear KEY` (it is rebuilt on next use)")
+        _say(f"{_count(len(problems), 'problem', 'problems')} in "
+             f"{_count(checked, 'entry', 'entries')}; remove a broken entry with "
+             "`cachekit clear KEY` (it is rebuilt on next use)")
         return 1
-    print(f"{_count(checked, 'entry', 'entries')} verified, no problems")
+    _say(f"{_count(checked, 'entry', 'entries')} verified, no problems")
     return 0
 
 
@@ -378,28 +397,28 @@ def _build(args: argparse.Namespace) -> int:
                          f"{', '.join(map(str, frame.columns))}")
     cache = Cache(_layout(args).root, workers=args.workers)
     height, width = args.size
-    print(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
-          f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
+    _say(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
+         f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
     try:
         entry = cache.images(frame[args.column], args.size, mode=args.mode, fit=args.fit,
                              resample=args.resample, on_error=args.on_error,
                              validate=args.validate, draft=args.draft)
     except ImageDecodeError as e:
-        print(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
-              "row(s) could not be decoded:", file=sys.stderr)
+        _say(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
+             "row(s) could not be decoded:", file=sys.stderr)
         for row, path, reason in e.failures:
-            print(f"  row {row}: {path}: {reason}", file=sys.stderr)
+            _say(f"  row {row}: {path}: {reason}", file=sys.stderr)
         return 1
     except (ValueError, TypeError) as e:  # the cache refused the column (empty, NaN, not str)
         return _fail(f"build failed: {e}", 1)
     failed = entry.manifest["failed_rows"]
     for row, path, reason in failed:
-        print(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
+        _say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
     how = "already cached" if entry.hit else "built"
-    print(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
-          f"{units.format_size(entry.array.nbytes)}"
-          + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
-    print(entry.key)
+    _say(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
+         f"{units.format_size(entry.array.nbytes)}"
+         + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
+    _say(entry.key)
     return 0
 
 
@@ -422,24 +441,26 @@ def _key_errors() -> Iterator[None]:
         raise UsageError(e.args[0] if e.args else str(e)) from None
 
 
-def _report_temp_dirs(temp_dirs, out=sys.stderr) -> None:
+def _report_temp_dirs(temp_dirs, out=None) -> None:
+    out = sys.stderr if out is None else out
     for t in temp_dirs:
         size = units.format_size(t.bytes)
         if t.state == maintenance.BUILDING:
-            print(f"build in progress: {t.key[:SHORT_KEY]} by {t.owner}, {size} so far", file=out)
+            _say(f"build in progress: {t.key[:SHORT_KEY]} by {t.owner}, {size} so far", file=out)
         elif t.state == maintenance.DELETING:
-            print(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
+            _say(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
         else:
-            print(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
-                  f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
+            _say(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
+                 f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
 
 
 def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
+    rows = [tuple(_printable(cell) for cell in row) for row in rows]  # before measuring
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [cell.rjust(w) if i in right else cell.ljust(w)
                  for i, (cell, w) in enumerate(zip(row, widths))]
-        print("  ".join(cells).rstrip())
+        _say("  ".join(cells).rstrip())
 
 
 def _note(e: maintenance.EntryInfo) -> str:

@@ -265,6 +265,57 @@ def test_ls_flags_a_broken_entry_and_goes_on(cache_root, three):
     assert "3 entries" in result.stdout
 
 
+def tiny_entry(root: Path) -> cachekit.Entry:
+    return cachekit.Cache(root, progress=False).map(lambda v: np.full(3, v, np.uint8),
+                                                    pd.Series([1, 2]))
+
+
+def tamper(entry: cachekit.Entry, **fields) -> None:
+    """Rewrite fields of ``entry``'s manifest, as someone sharing the cache root could."""
+    path = entry.path / store.MANIFEST_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+CONTROLS = ("\x1b", "\x07", "\x9b", "\x00", "\x7f", "\r")
+
+
+def test_text_from_manifests_reaches_the_terminal_escaped(cache_root):
+    entry = tiny_entry(cache_root)
+    tamper(entry, column="\x1b[31mred", kind="map\x9b2J",
+           params={"\x1b]0;title\x07": "\x1b[2J", "on_error": "raise"},
+           builder={"pid": 1, "host": "\x1b[1Ahost\r"}, cachekit_version="1\x00\x7f",
+           failed_rows=[[1, "\x1b[31mbad.jpg", "gone\x1b[0m\u00e9 \u4e2d"]])
+    (cache_root / "entries" / "\x1b[32mjunk").write_text("")
+    listing = cachekit_cmd("ls", root=cache_root)
+    info = cachekit_cmd("info", entry.key[:6], root=cache_root)
+    dry = cachekit_cmd("clear", "--all", "--dry-run", root=cache_root)
+    for result in (listing, info, dry):
+        assert result.returncode == 0, result.stderr
+        assert not any(c in result.stdout + result.stderr for c in CONTROLS), result
+    assert "column \\x1b[31mred" in listing.stdout and "map\\x9b2J" in listing.stdout
+    assert "warning: " in listing.stderr and "\\x1b[32mjunk: not a cache entry" in listing.stderr
+    assert "\ncolumn:" in info.stdout and " \\x1b[31mred\n" in info.stdout
+    assert "on \\x1b[1Ahost\\x0d in" in info.stdout and "cachekit 1\\x00\\x7f" in info.stdout
+    assert '\\x1b]0;title\\x07: "\\u001b[2J"' in info.stdout  # a params name; the value is JSON
+    # (printable Unicode is kept)
+    assert "failed row 1: \\x1b[31mbad.jpg: gone\\x1b[0m\u00e9 \u4e2d" in info.stdout
+    assert "map\\x9b2J" in dry.stdout
+    listed = cachekit_cmd("ls", "--json", root=cache_root)
+    assert not any(c in listed.stdout for c in CONTROLS)
+    assert json.loads(listed.stdout)[0]["column"] == "\x1b[31mred"  # JSON escapes; intact
+    tamper(entry, checksum="\x1b[31mfake")
+    verified = cachekit_cmd("verify", root=cache_root)
+    assert verified.returncode == 1 and "manifest says \\x1b[31mfake" in verified.stdout
+    assert not any(c in verified.stdout + verified.stderr for c in CONTROLS)
+
+
+def test_info_survives_a_builder_that_is_not_an_object(cache_root):
+    entry = tiny_entry(cache_root)
+    tamper(entry, builder="pid 1")
+    result = cachekit_cmd("info", entry.key, root=cache_root)
+    assert result.returncode == 0 and "built by" not in result.stdout
+
+
 def test_info_by_unique_prefix(cache_root, three):
     result = cachekit_cmd("info", three[0].key[:5], root=cache_root)
     assert result.returncode == 0
