@@ -209,8 +209,8 @@ def _ls(args: argparse.Namespace) -> int:
         now = time.time()
         rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST USED", "")]
         rows += [(e.key[:SHORT_KEY], e.kind or "?", _text(e.rows), _row_shape(e), e.dtype or "?",
-                  units.format_size(e.bytes), units.format_age(now - e.created),
-                  units.format_age(now - e.last_used), _note(e)) for e in entries]
+                  units.format_size(e.bytes), _age(e.created, now),
+                  _age(e.last_used, now), _note(e)) for e in entries]
         _table(rows, right=(2, 5))
         total = sum(e.bytes for e in entries)
         _say(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
@@ -312,7 +312,7 @@ def _carry_out(plan, args: argparse.Namespace, goal: str) -> int:
     now = time.time()
     for e in plan.entries:
         _say(f"  {e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
-             f"last used {units.format_age(now - e.last_used)}")
+             f"last used {_age(e.last_used, now)}")
     for t in plan.temp_dirs:
         _say(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
     what = _count(len(plan.entries), "entry", "entries")
@@ -484,9 +484,24 @@ def _text(value: Any) -> str:
     return "?" if value is None else str(value)
 
 
+def _local_time(t: float) -> Optional[datetime.datetime]:
+    """``t`` (seconds since the epoch) as a local time; None when it is not one, as in a
+    manifest that says it was created at 1e300, -1e300 or NaN."""
+    try:
+        return datetime.datetime.fromtimestamp(t)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def _when(t: float, now: float) -> str:
-    stamp = datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
-    return f"{stamp} ({units.format_age(now - t)})"
+    stamp = _local_time(t)
+    if stamp is None:
+        return f"{t!r} (not a valid time)"
+    return f"{stamp:%Y-%m-%d %H:%M:%S} ({units.format_age(now - t)})"
+
+
+def _age(t: float, now: float) -> str:
+    return "?" if _local_time(t) is None else units.format_age(now - t)
 
 
 def _count(n: int, one: str, many: str) -> str:

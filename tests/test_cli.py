@@ -316,6 +316,21 @@ def test_info_survives_a_builder_that_is_not_an_object(cache_root):
     assert result.returncode == 0 and "built by" not in result.stdout
 
 
+@pytest.mark.parametrize("created", [1e300, -1e300, float("inf"), float("nan")])
+def test_ls_and_info_show_an_absurd_created_time_as_it_is(cache_root, created):
+    entry = tiny_entry(cache_root)
+    tamper(entry, created=created)  # (JSON gets Infinity and NaN as Python writes them)
+    info = cachekit_cmd("info", entry.key, root=cache_root)
+    assert info.returncode == 0, info.stderr
+    lines = dict(line.split(":", 1) for line in info.stdout.splitlines()[:10])
+    assert lines["created"].strip() == f"{created!r} (not a valid time)"
+    assert lines["last used"].endswith("(just now)")
+    listing = cachekit_cmd("ls", root=cache_root)
+    assert listing.returncode == 0, listing.stderr
+    row = next(line for line in listing.stdout.splitlines() if line.startswith(entry.key[:12]))
+    assert row.split()[7:] == ["?", "just", "now"], row
+
+
 def test_info_by_unique_prefix(cache_root, three):
     result = cachekit_cmd("info", three[0].key[:5], root=cache_root)
     assert result.returncode == 0
