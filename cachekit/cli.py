@@ -1,7 +1,20 @@
 """The ``cachekit`` command line (also ``python -m cachekit``): look at, check, clean and
 prebuild a cache.
 
-Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage error.
+Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage error;
+130 on Ctrl-C. In full:
+
+- 0: done, also ``--help``, ``--version``, a dry run and a declined confirmation.
+- 1: the command ran and failed or found a problem: ``verify`` found one; a build failed
+  (rows that cannot be decoded, or a column the cache refuses: empty, missing values, not
+  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry).
+- 2: usage error, found before anything is changed: bad arguments; a KEY that is not a
+  key, matches nothing or is ambiguous; a CSV that cannot be read or lacks the column; a
+  bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``).
+- 128 + the number of a signal, as a shell reports a command that signal ended: 130 on
+  Ctrl-C (SIGINT); 141 when the reader of the output has gone (SIGPIPE, e.g.
+  ``cachekit ls | head``), without a message.
+
 Errors are one line on stderr. Destructive commands show what they will remove, ask on a
 terminal, and refuse without ``--yes`` when there is none. This module only parses,
 formats and confirms: the work is done by :mod:`cachekit.maintenance`,
@@ -12,21 +25,23 @@ pandas except ``build``, which reads a CSV.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, TypeVar
 
-from . import _version, maintenance, options, units
+from . import _version, liveness, locks, maintenance, options, units
 from . import manifest as manifests
 from .errors import CachekitError, ImageDecodeError, UsageError
 from .stores import LocalStore, default_root
 
 SHORT_KEY = 12
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
+T = TypeVar("T")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,27 +50,60 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; return the exit status."""
+    """Run the command line; return the exit status (see the module docstring)."""
     try:
         args = _parser().parse_args(argv)
-        return args.run(args)
+        _check_settings()
+        status = args.run(args)
+        sys.stdout.flush()  # here, so that a reader that left is seen as one (below)
+        return status
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else 0
     except UsageError as e:
         return _fail(str(e), 2)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
-    except BrokenPipeError:  # e.g. `cachekit ls | head`: the reader left, which is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    except BrokenPipeError:  # e.g. `cachekit ls | head`: the reader left, so stop quietly
+        with contextlib.suppress(OSError, ValueError):  # (a stdout with no descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for exit's flush
+        return 141
     except (CachekitError, OSError) as e:
-        return _fail(str(e).splitlines()[0], 1)
-    except ValueError as e:  # a bad setting, e.g. CACHEKIT_LOCK
+        return _fail((str(e).splitlines() or [type(e).__name__])[0], 1)
+    except ValueError as e:  # a bad setting read later than _check_settings
         return _fail(str(e), 2)
 
 
+def _check_settings() -> None:
+    """Refuse a bad $CACHEKIT_LOCK or $CACHEKIT_LOCK_LEASE before any command starts, so that
+    it is a usage error for every command, whether or not (or how late) it takes a lock."""
+    try:
+        locks.kind_from_env()
+        liveness.lease_from_env()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+# C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
+# lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({c: f"\\u{c:04x}" for c in range(0xD800, 0xE000)})
+
+
+def _printable(text: Any) -> str:
+    """``text`` with its control characters escaped. Manifests, journals and names under a
+    cache root are written by whoever else uses it, so none of their text may reach a
+    terminal raw: everything printed goes through here (``_say``, ``_table``), and
+    ``--json`` output is JSON, whose strings escape control characters anyway."""
+    return str(text).translate(_ESCAPES)
+
+
+def _say(text: Any = "", **kwargs: Any) -> None:
+    """``print`` one line (``kwargs`` as for print) with control characters escaped."""
+    print(_printable(text), **kwargs)
+
+
 def _fail(message: str, status: int) -> int:
-    print(f"cachekit: error: {message}", file=sys.stderr)
+    _say(f"cachekit: error: {message}", file=sys.stderr)
     return status
 
 
@@ -70,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--root", metavar="DIR", default=argparse.SUPPRESS, help=root_help)
     parser.add_argument("--version", action="version", version=f"cachekit {_version.__version__}")
     sub = parser.add_subparsers(metavar="COMMAND", required=True)
+    positive = _arg(_positive_int)
 
     def command(name: str, run: Callable[[argparse.Namespace], int], text: str):
         p = sub.add_parser(name, parents=[common], help=text, description=text)
@@ -86,11 +135,11 @@ def _parser() -> argparse.ArgumentParser:
     p = command("clear", _clear, "remove entries (safe while other processes read)")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
     p.add_argument("--all", action="store_true", help="remove every entry")
-    p.add_argument("--older-than", metavar="AGE", type=_duration,
+    p.add_argument("--older-than", metavar="AGE", type=_arg(units.parse_duration),
                    help="only entries unused for this long, e.g. 7d, 12h, 1w")
     _destructive(p)
     p = command("prune", _prune, "remove least recently used entries down to a size")
-    p.add_argument("--max-size", metavar="SIZE", type=_size, required=True,
+    p.add_argument("--max-size", metavar="SIZE", type=_arg(units.parse_size), required=True,
                    help="size to shrink to, e.g. 10G (GiB), 500MB, 2.5T")
     _destructive(p)
     p = command("verify", _verify, "check entries fully, data checksums included")
@@ -98,17 +147,18 @@ def _parser() -> argparse.ArgumentParser:
     p = command("build", _build, "decode and resize a CSV's image column into the cache")
     p.add_argument("csv", metavar="CSV", help="CSV file with a column of image paths")
     p.add_argument("--column", required=True, help="the image path column, e.g. img_path")
-    p.add_argument("--size", required=True, type=_image_size, help="HxW, e.g. 32x32, or N")
+    p.add_argument("--size", required=True, type=_arg(units.parse_image_size),
+                   help="HxW, e.g. 32x32, or N")
     p.add_argument("--mode", choices=tuple(options.MODES), default="RGB")
     p.add_argument("--fit", choices=options.FITS, default="stretch")
     p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
-    p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: CPUs)")
+    p.add_argument("--workers", type=positive, default=None, help="decode threads (default: CPUs)")
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
     p.add_argument("--validate", choices=options.VALIDATE, default="path")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
     p = command("demo", _demo, "the end-to-end demo on generated sample images")
-    p.add_argument("--images", type=_positive, default=2000)
-    p.add_argument("--agents", type=_positive, default=4)
+    p.add_argument("--images", type=positive, default=2000)
+    p.add_argument("--agents", type=positive, default=4)
     return parser
 
 
@@ -117,33 +167,23 @@ def _destructive(p: argparse.ArgumentParser) -> None:
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
 
-def _duration(text: str) -> float:
-    try:
-        return units.parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _arg(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type=`` from a parser that raises ValueError: its message becomes the
+    one-line usage error."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
-def _size(text: str) -> int:
-    try:
-        return units.parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
     return int(text)
-
-
-def _image_size(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected HxW such as 32x32, got {text!r}")
-    return int(parts[0]), int(parts[1])
 
 
 def _layout(args: argparse.Namespace) -> LocalStore:
@@ -151,7 +191,7 @@ def _layout(args: argparse.Namespace) -> LocalStore:
 
 
 def _dir(args: argparse.Namespace) -> int:
-    print(_layout(args).root)
+    _say(_layout(args).root)
     return 0
 
 
@@ -162,28 +202,30 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([e.to_json() for e in entries], indent=1))
     elif not entries:
-        print(f"no entries in {layout.root}")
+        _say(f"no entries in {layout.root}")
     else:
         now = time.time()
         rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST USED", "")]
         rows += [(e.key[:SHORT_KEY], e.kind or "?", _text(e.rows), _row_shape(e), e.dtype or "?",
-                  units.format_size(e.bytes), units.format_age(now - e.created),
-                  units.format_age(now - e.last_used), _note(e)) for e in entries]
+                  units.format_size(e.bytes), _age(e.created, now),
+                  _age(e.last_used, now), _note(e)) for e in entries]
         _table(rows, right=(2, 5))
         total = sum(e.bytes for e in entries)
-        print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
-              f"{units.format_size(total)} in {layout.root}")
+        _say(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
+             f"{units.format_size(total)} in {layout.root}")
     _report_temp_dirs(found.temp_dirs)
     for problem in found.problems:
         if problem.key is None:
-            print(f"warning: {problem.path}: {problem.message}", file=sys.stderr)
+            _say(f"warning: {problem.path}: {problem.message}", file=sys.stderr)
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
     layout = _layout(args)
     found = maintenance.scan(layout)
-    key = _resolve([args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
+    with _key_errors():
+        key = maintenance.resolve_keys(
+            [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
     entry = next((e for e in found.entries if e.key == key), None)
     if entry is not None:
         _print_entry(entry)
@@ -207,8 +249,8 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
             manifest = manifests.read(e.path).to_json()
         except (OSError, CachekitError):
             pass
-    builder = manifest.get("builder") or {}
-    if builder:
+    builder = manifest.get("builder")
+    if isinstance(builder, dict) and builder:  # (not a checked field: any JSON may be there)
         fields.append(("built by", f"pid {builder.get('pid')} on {builder.get('host')} in "
                                    f"{manifest.get('build_seconds', '?')} s with cachekit "
                                    f"{manifest.get('cachekit_version', '?')}"))
@@ -216,16 +258,16 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
         fields += [(f"  {name}", json.dumps(value, sort_keys=True))
                    for name, value in sorted(e.params.items())]
     for record in manifest.get("files") or []:
-        fields.append((f"  {record['name']}", f"{record['bytes']} bytes, {record['checksum']}"))
-    fields = [(name, value) for name, value in fields if value is not None]
+        fields.append((record["name"], f"{record['bytes']} bytes, checksum {record['checksum']}"))
+    fields = [(_printable(name), value) for name, value in fields if value is not None]
     width = max(len(name) for name, _ in fields) + 1
     for name, value in fields:
-        print(f"{name + ':':<{width}} {value}")
+        _say(f"{name + ':':<{width}} {value}")
     failed = manifest.get("failed_rows") or []
     for row, path, reason in failed[:20]:
-        print(f"  failed row {row}: {path}: {reason}")
+        _say(f"  failed row {row}: {path}: {reason}")
     if len(failed) > 20:
-        print(f"  ... and {len(failed) - 20} more")
+        _say(f"  ... and {len(failed) - 20} more")
 
 
 def _clear(args: argparse.Namespace) -> int:
@@ -237,10 +279,8 @@ def _clear(args: argparse.Namespace) -> int:
     from .removal import plan_clear
 
     layout = _layout(args)
-    try:
+    with _key_errors():
         plan = plan_clear(layout, args.keys or None, older_than=args.older_than)
-    except (KeyError, ValueError) as e:
-        raise UsageError(e.args[0]) from None
     return _carry_out(plan, args, f"in {layout.root}")
 
 
@@ -263,40 +303,40 @@ def _check_can_confirm(args: argparse.Namespace) -> None:
 def _carry_out(plan, args: argparse.Namespace, goal: str) -> int:
     """Show ``plan``, confirm it, execute it, and report what happened."""
     for skipped in plan.skipped:
-        print(f"skipping {skipped.path.name}: {skipped.reason}")
+        _say(f"skipping {skipped.path.name}: {skipped.reason}")
     if not len(plan):
-        print(f"nothing to remove {goal}")
+        _say(f"nothing to remove {goal}")
         return 0
     now = time.time()
     for e in plan.entries:
-        print(f"  {e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
-              f"last used {units.format_age(now - e.last_used)}")
+        _say(f"  {e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
+             f"last used {_age(e.last_used, now)}")
     for t in plan.temp_dirs:
-        print(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
+        _say(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
     what = _count(len(plan.entries), "entry", "entries")
     if plan.temp_dirs:
         what += f" and {_count(len(plan.temp_dirs), 'leftover directory', 'leftover directories')}"
     summary = f"{what} ({units.format_size(plan.bytes)}) {goal}"
     if args.dry_run:
-        print(f"would remove {summary} (dry run: nothing removed)")
+        _say(f"would remove {summary} (dry run: nothing removed)")
         return 0
     if not args.yes and not _confirm(f"remove {summary}? [y/N] "):
-        print("nothing removed")
+        _say("nothing removed")
         return 0
     report = plan.execute()
     for skipped in report.skipped[len(plan.skipped):]:
-        print(f"skipped {skipped.path.name}: {skipped.reason}")
-    print(f"removed {_count(len(report.removed_entries), 'entry', 'entries')}"
-          + (f" and {_count(len(report.removed_temp_dirs), 'leftover directory', 'leftover directories')}"
-             if report.removed_temp_dirs else "")
-          + f", freed {units.format_size(report.freed_bytes)}")
+        _say(f"skipped {skipped.path.name}: {skipped.reason}")
+    _say(f"removed {_count(len(report.removed_entries), 'entry', 'entries')}"
+         + (f" and {_count(len(report.removed_temp_dirs), 'leftover directory', 'leftover directories')}"
+            if report.removed_temp_dirs else "")
+         + f", freed {units.format_size(report.freed_bytes)}")
     for failed in report.failed:
-        print(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
+        _say(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
     return 1 if report.failed else 0
 
 
 def _confirm(question: str) -> bool:
-    print(question, end="", file=sys.stderr, flush=True)
+    _say(question, end="", file=sys.stderr, flush=True)
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
@@ -314,23 +354,22 @@ def _verify(args: argparse.Namespace) -> int:
             checking["bar"].update(size)
 
     try:
-        problems = verify(layout, args.keys or None, on_start=start, on_bytes=advance)
-    except (KeyError, ValueError) as e:
-        raise UsageError(e.args[0]) from None
+        with _key_errors():
+            problems = verify(layout, args.keys or None, on_start=start, on_bytes=advance)
     finally:
         if checking["bar"] is not None:
             checking["bar"].close()
     for problem in problems:
-        print(f"{problem.key or problem.path}: {problem.message}")
+        _say(f"{problem.key or problem.path}: {problem.message}")
     checked = checking["entries"]
     if not args.keys:
         _report_temp_dirs(maintenance.list_temp_dirs(layout)[0])
     if problems:
-        print(f"{_count(len(problems), 'problem', 'problems')} in "
-              f"{_count(checked, 'entry', 'entries')}; remove a broken entry with "
-              "`cachekit clear KEY` (it is rebuilt on next use)")
+        _say(f"{_count(len(problems), 'problem', 'problems')} in "
+             f"{_count(checked, 'entry', 'entries')}; remove a broken entry with "
+             "`cachekit clear KEY` (it is rebuilt on next use)")
         return 1
-    print(f"{_count(checked, 'entry', 'entries')} verified, no problems")
+    _say(f"{_count(checked, 'entry', 'entries')} verified, no problems")
     return 0
 
 
@@ -356,28 +395,28 @@ def _build(args: argparse.Namespace) -> int:
                          f"{', '.join(map(str, frame.columns))}")
     cache = Cache(_layout(args).root, workers=args.workers)
     height, width = args.size
-    print(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
-          f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
+    _say(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
+         f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
     try:
         entry = cache.images(frame[args.column], args.size, mode=args.mode, fit=args.fit,
                              resample=args.resample, on_error=args.on_error,
                              validate=args.validate, draft=args.draft)
     except ImageDecodeError as e:
-        print(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
-              "row(s) could not be decoded:", file=sys.stderr)
+        _say(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
+             "row(s) could not be decoded:", file=sys.stderr)
         for row, path, reason in e.failures:
-            print(f"  row {row}: {path}: {reason}", file=sys.stderr)
+            _say(f"  row {row}: {path}: {reason}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # the cache refused the column (empty, NaN, not str)
         return _fail(f"build failed: {e}", 1)
     failed = entry.manifest["failed_rows"]
     for row, path, reason in failed:
-        print(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
+        _say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
     how = "already cached" if entry.hit else "built"
-    print(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
-          f"{units.format_size(entry.array.nbytes)}"
-          + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
-    print(entry.key)
+    _say(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
+         f"{units.format_size(entry.array.nbytes)}"
+         + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
+    _say(entry.key)
     return 0
 
 
@@ -388,31 +427,38 @@ def _demo(args: argparse.Namespace) -> int:
                images=args.images, agents=args.agents)
 
 
-def _resolve(prefixes: Sequence[str], known: Sequence[str]) -> list[str]:
+@contextlib.contextmanager
+def _key_errors() -> Iterator[None]:
+    """Turn what :func:`maintenance.resolve_keys` raises for KEY arguments (KeyError: no
+    match; ValueError: not a key, or an ambiguous prefix) into a usage error. Every command
+    that takes KEYs runs its resolution in this block.
+    """
     try:
-        return maintenance.resolve_keys(prefixes, known)
+        yield
     except (KeyError, ValueError) as e:
-        raise UsageError(e.args[0]) from None
+        raise UsageError(e.args[0] if e.args else str(e)) from None
 
 
-def _report_temp_dirs(temp_dirs, out=sys.stderr) -> None:
+def _report_temp_dirs(temp_dirs, out=None) -> None:
+    out = sys.stderr if out is None else out
     for t in temp_dirs:
         size = units.format_size(t.bytes)
         if t.state == maintenance.BUILDING:
-            print(f"build in progress: {t.key[:SHORT_KEY]} by {t.owner}, {size} so far", file=out)
+            _say(f"build in progress: {t.key[:SHORT_KEY]} by {t.owner}, {size} so far", file=out)
         elif t.state == maintenance.DELETING:
-            print(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
+            _say(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
         else:
-            print(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
-                  f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
+            _say(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
+                 f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
 
 
 def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
+    rows = [tuple(_printable(cell) for cell in row) for row in rows]  # before measuring
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [cell.rjust(w) if i in right else cell.ljust(w)
                  for i, (cell, w) in enumerate(zip(row, widths))]
-        print("  ".join(cells).rstrip())
+        _say("  ".join(cells).rstrip())
 
 
 def _note(e: maintenance.EntryInfo) -> str:
@@ -436,9 +482,24 @@ def _text(value: Any) -> str:
     return "?" if value is None else str(value)
 
 
+def _local_time(t: float) -> Optional[datetime.datetime]:
+    """``t`` (seconds since the epoch) as a local time; None when it is not one, as in a
+    manifest that says it was created at 1e300, -1e300 or NaN."""
+    try:
+        return datetime.datetime.fromtimestamp(t)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def _when(t: float, now: float) -> str:
-    stamp = datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
-    return f"{stamp} ({units.format_age(now - t)})"
+    stamp = _local_time(t)
+    if stamp is None:
+        return f"{t!r} (not a valid time)"
+    return f"{stamp:%Y-%m-%d %H:%M:%S} ({units.format_age(now - t)})"
+
+
+def _age(t: float, now: float) -> str:
+    return "?" if _local_time(t) is None else units.format_age(now - t)
 
 
 def _count(n: int, one: str, many: str) -> str:

@@ -16,6 +16,7 @@ _PREFIXES = "KMGTP"
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?b)?|(b))?\s*", re.IGNORECASE)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)", re.IGNORECASE)
+_IMAGE_SIZE = re.compile(r"(\d+)(?:x(\d+))?", re.IGNORECASE | re.ASCII)
 
 Duration = Union[int, float, str, datetime.timedelta]
 
@@ -54,6 +55,17 @@ def parse_duration(text: str) -> float:
             f"not a duration: {text!r}; use a number with a unit s, m, h, d or w, e.g. 7d, 12h, 1d12h"
         )
     return float(sum(float(n) * _DURATION_UNITS[(u or "s").lower()] for n, u in parts))
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """``(height, width)`` in ``text``: ``HxW`` such as ``32x24``, or ``N`` for ``NxN``; both
+    positive, as ``Cache.images(size=...)`` requires."""
+    match = _IMAGE_SIZE.fullmatch(text)
+    height, width = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if height < 1 or width < 1:
+        raise ValueError(f"not an image size: {text!r}; use HxW with positive numbers, "
+                         "e.g. 32x32 (or 32 for a square)")
+    return height, width
 
 
 def seconds(value: Duration) -> float:

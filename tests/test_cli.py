@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -106,6 +108,28 @@ def test_help_and_usage_errors(cache_root, capsys):
         assert len(lines) == 1 and lines[0].startswith("cachekit: error:"), err
 
 
+@pytest.mark.parametrize("option, good, bad", [
+    ("--size", {"8": (8, 8), "12x10": (12, 10), "12X10": (12, 10)},
+     ("3by3", "0x8", "8x0", "0", "8x8x8", "x8", "8x", "\u00b2", "-8", "")),
+    ("--workers", {"1": 1, "16": 16}, ("0", "-1", "1.5", "\u00b2", "two", "")),
+])
+def test_argument_types_accept_and_reject(cache_root, capsys, monkeypatch, option, good, bad):
+    seen = {}
+    monkeypatch.setattr("cachekit.cli._build", lambda args: seen.setdefault("args", args) and 0)
+    for text, value in good.items():
+        seen.clear()
+        status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",
+                                    option, text, root=cache_root)
+        assert status == 0, err
+        assert getattr(seen["args"], option[2:]) == value
+    for text in bad:
+        status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",
+                                    f"{option}={text}", root=cache_root)
+        assert status == 2, text
+        assert err.startswith(f"cachekit: error: argument {option}: ") and repr(text) in err, err
+        assert err.count("\n") == 1, err
+
+
 def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
     probe = textwrap.dedent(f"""
         import sys
@@ -119,6 +143,74 @@ def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# -- exit status ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error, status, message", [
+    (KeyboardInterrupt(), 130, "cachekit: error: interrupted\n"),
+    (BrokenPipeError(32, "Broken pipe"), 141, ""),
+    (OSError(5, "Input/output error"), 1, "cachekit: error: [Errno 5] Input/output error\n"),
+    (OSError(), 1, "cachekit: error: OSError\n"),
+    (cachekit.CacheCorruptError("/r/entries/x", "bad\nsecond line"), 1,
+     "cachekit: error: corrupt cache entry /r/entries/x: bad\n"),
+    (ValueError("CACHEKIT_SOMETHING='x' is bad"), 2,
+     "cachekit: error: CACHEKIT_SOMETHING='x' is bad\n"),
+])
+def test_exit_status_of_each_kind_of_error(cache_root, capsys, monkeypatch, error, status,
+                                           message):
+    def fail(layout):
+        raise error
+
+    monkeypatch.setattr("cachekit.maintenance.scan", fail)
+    assert in_process(capsys, "ls", root=cache_root) == (status, "", message)
+
+
+@pytest.mark.parametrize("env", [{"CACHEKIT_LOCK": "bogus"}, {"CACHEKIT_LOCK_LEASE": "-1"}])
+def test_a_bad_setting_is_a_usage_error_for_every_command(tmp_path, cache_root, cover_paths,
+                                                          env):
+    csv = write_csv(tmp_path / "train.csv", cover_paths[:2])
+    name = next(iter(env))
+    for args in (["ls"], ["verify"], ["clear", "--all", "--yes"],
+                 ["build", str(csv), "--column", "img_path", "--size", "8"]):
+        result = cachekit_cmd(*args, root=cache_root, env=env)
+        assert result.returncode == 2 and result.stdout == "", (args, result)
+        assert result.stderr.startswith(f"cachekit: error: {name}=") and \
+            result.stderr.count("\n") == 1, result.stderr
+    assert keys_in(cache_root) == set()
+
+
+def test_closed_output_exits_141_quietly(cache_root, three):
+    for args in (["ls"], ["ls", "--json"], ["verify"], ["info", three[0].key]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the command writes (`| head` that quit)
+        try:
+            result = subprocess.run([str(SCRIPT), "--root", str(cache_root), *args],
+                                    stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                    timeout=120)
+        finally:
+            os.close(write_end)
+        assert (result.returncode, result.stderr) == (141, ""), args
+
+
+def test_ctrl_c_at_the_confirmation_exits_130_and_removes_nothing(cache_root, three):
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([str(SCRIPT), "--root", str(cache_root), "clear", "--all"],
+                                stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        os.close(slave)
+        asked, deadline = b"", time.monotonic() + 120
+        while b"[y/N]" not in asked:
+            assert proc.poll() is None and time.monotonic() < deadline, asked
+            if select.select([proc.stderr], [], [], 0.1)[0]:
+                asked += os.read(proc.stderr.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+    assert proc.returncode == 130
+    assert err.decode().endswith("cachekit: error: interrupted\n") and b"Traceback" not in err
+    assert b"removed" not in out and len(keys_in(cache_root)) == 3
 
 
 # -- ls and info ---------------------------------------------------------------------------
@@ -173,6 +265,82 @@ def test_ls_flags_a_broken_entry_and_goes_on(cache_root, three):
     assert "3 entries" in result.stdout
 
 
+def tiny_entry(root: Path) -> cachekit.Entry:
+    return cachekit.Cache(root, progress=False).map(lambda v: np.full(3, v, np.uint8),
+                                                    pd.Series([1, 2]))
+
+
+def tamper(entry: cachekit.Entry, **fields) -> None:
+    """Rewrite fields of ``entry``'s manifest, as someone sharing the cache root could."""
+    path = entry.path / manifests.MANIFEST_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+CONTROLS = ("\x1b", "\x07", "\x9b", "\x00", "\x7f", "\r")
+
+
+def test_text_from_manifests_reaches_the_terminal_escaped(cache_root):
+    entry = tiny_entry(cache_root)
+    tamper(entry, column="\x1b[31mred",
+           params={"\x1b]0;title\x07": "\x1b[2J", "on_error": "raise"},
+           builder={"pid": 1, "host": "\x1b[1Ahost\r"}, cachekit_version="1\x00\x7f",
+           failed_rows=[[1, "\x1b[31mbad.jpg", "gone\x1b[0m\u00e9 \u4e2d"]])
+    (cache_root / "entries" / "\x1b[32mjunk").write_text("")
+    listing = cachekit_cmd("ls", root=cache_root)
+    info = cachekit_cmd("info", entry.key[:6], root=cache_root)
+    dry = cachekit_cmd("clear", "--all", "--dry-run", root=cache_root)
+    for result in (listing, info, dry):
+        assert result.returncode == 0, result.stderr
+        assert not any(c in result.stdout + result.stderr for c in CONTROLS), result
+    assert "column \\x1b[31mred" in listing.stdout
+    assert "warning: " in listing.stderr and "\\x1b[32mjunk: not a cache entry" in listing.stderr
+    assert "\ncolumn:" in info.stdout and " \\x1b[31mred\n" in info.stdout
+    assert "on \\x1b[1Ahost\\x0d in" in info.stdout and "cachekit 1\\x00\\x7f" in info.stdout
+    assert '\\x1b]0;title\\x07: "\\u001b[2J"' in info.stdout  # a params name; the value is JSON
+    # (printable Unicode is kept)
+    assert "failed row 1: \\x1b[31mbad.jpg: gone\\x1b[0m\u00e9 \u4e2d" in info.stdout
+    listed = cachekit_cmd("ls", "--json", root=cache_root)
+    assert not any(c in listed.stdout for c in CONTROLS)
+    assert json.loads(listed.stdout)[0]["column"] == "\x1b[31mred"  # JSON escapes; intact
+    raw = json.loads((entry.path / manifests.MANIFEST_FILE).read_text())
+    tamper(entry, files=[{**raw["files"][0], "checksum": "\x1b[31mfake"}])
+    verified = cachekit_cmd("verify", root=cache_root)
+    assert verified.returncode == 1 and "bad checksum '\\x1b[31mfake'" in verified.stdout
+    assert not any(c in verified.stdout + verified.stderr for c in CONTROLS)
+
+
+def test_info_survives_a_builder_that_is_not_an_object(cache_root):
+    entry = tiny_entry(cache_root)
+    tamper(entry, builder="pid 1")
+    result = cachekit_cmd("info", entry.key, root=cache_root)
+    assert result.returncode == 0 and "built by" not in result.stdout
+
+
+@pytest.mark.parametrize("created", [float("inf"), float("nan")])
+def test_a_created_time_that_is_not_a_number_is_a_problem_not_a_crash(cache_root, created):
+    entry = tiny_entry(cache_root)
+    tamper(entry, created=created)  # (JSON gets Infinity and NaN as Python writes them)
+    info = cachekit_cmd("info", entry.key, root=cache_root)
+    assert info.returncode == 0 and "bad created time" in info.stdout, info
+    listing = cachekit_cmd("ls", root=cache_root)
+    assert listing.returncode == 0 and "PROBLEM: bad created time" in listing.stdout, listing
+
+
+@pytest.mark.parametrize("created", [1e300, -1e300])
+def test_ls_and_info_show_an_absurd_created_time_as_it_is(cache_root, created):
+    entry = tiny_entry(cache_root)
+    tamper(entry, created=created)  # (JSON gets Infinity and NaN as Python writes them)
+    info = cachekit_cmd("info", entry.key, root=cache_root)
+    assert info.returncode == 0, info.stderr
+    lines = dict(line.split(":", 1) for line in info.stdout.splitlines()[:10])
+    assert lines["created"].strip() == f"{created!r} (not a valid time)"
+    assert lines["last used"].endswith("(just now)")
+    listing = cachekit_cmd("ls", root=cache_root)
+    assert listing.returncode == 0, listing.stderr
+    row = next(line for line in listing.stdout.splitlines() if line.startswith(entry.key[:12]))
+    assert row.split()[7:] == ["?", "just", "now"], row
+
+
 def test_info_by_unique_prefix(cache_root, three):
     result = cachekit_cmd("info", three[0].key[:5], root=cache_root)
     assert result.returncode == 0
@@ -181,13 +349,19 @@ def test_info_by_unique_prefix(cache_root, three):
     assert "data.npy:" in result.stdout and "blake2b-128:" in result.stdout and str(three[0].path) in result.stdout
 
 
-def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
-    twin = cache_root / "entries" / (three[0].key[:4] + "f" * 28)
+def make_twin(cache_root: Path, entry: cachekit.Entry) -> Path:
+    """A valid copy of ``entry`` under a key sharing its first 4 digits."""
+    twin = cache_root / "entries" / (entry.key[:4] + "f" * 28)
     twin.mkdir()
-    for item in three[0].path.iterdir():
+    for item in entry.path.iterdir():
         (twin / item.name).write_bytes(item.read_bytes())
     manifest = json.loads((twin / manifests.MANIFEST_FILE).read_text())
     (twin / manifests.MANIFEST_FILE).write_text(json.dumps({**manifest, "key": twin.name}))
+    return twin
+
+
+def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
+    twin = make_twin(cache_root, three[0])
     result = cachekit_cmd("info", three[0].key[:4], root=cache_root)
     assert result.returncode == 2 and "ambiguous" in result.stderr
     assert three[0].key in result.stderr and twin.name in result.stderr
@@ -200,6 +374,19 @@ def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, ca
     missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
     status, _, err = in_process(capsys, "info", missing, root=cache_root)
     assert status == 2 and "no cache entry matches" in err
+
+
+@pytest.mark.parametrize("command", [["info"], ["clear", "--yes"], ["verify"]])
+def test_every_command_taking_keys_rejects_bad_ones_alike(cache_root, three, capsys, command):
+    make_twin(cache_root, three[0])
+    missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
+    for key, message in (("zz", "not a cache key or key prefix: 'zz'"),
+                         (missing, f"no cache entry matches '{missing}'"),
+                         (three[0].key[:4], f"key prefix '{three[0].key[:4]}' is ambiguous")):
+        status, out, err = in_process(capsys, *command, "--", key, root=cache_root)
+        assert status == 2 and out == "", (key, out)
+        assert err.startswith(f"cachekit: error: {message}") and err.count("\n") == 1, err
+    assert len(keys_in(cache_root)) == 4
 
 
 # -- clear ---------------------------------------------------------------------------------
@@ -421,6 +608,23 @@ def test_a_failed_build_lists_the_bad_rows_and_publishes_nothing(tmp_path, cache
                           "--on-error", "zero", root=cache_root)
     assert zeroed.returncode == 0 and "2 failed rows stored as zeros" in zeroed.stderr
     assert keys_in(cache_root) == {zeroed.stdout.strip()}
+
+
+@pytest.mark.parametrize("column, reason", [
+    (["{0}", None], "paths has missing values (NaN/None) at rows [1]"),
+    ([1, 2], "paths must hold str"),
+    ([], "values is empty"),
+])
+def test_a_column_the_cache_refuses_is_a_failed_build(tmp_path, cache_root, cover_paths,
+                                                      column, reason):
+    csv = tmp_path / "train.csv"
+    column = [cover_paths[0] if c == "{0}" else c for c in column]
+    pd.DataFrame({"img_path": pd.Series(column, dtype=object)}).to_csv(csv, index=False)
+    result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8",
+                          root=cache_root)
+    assert result.returncode == 1 and result.stdout == ""
+    assert f"cachekit: error: build failed: {reason}" in result.stderr
+    assert keys_in(cache_root) == set()
 
 
 def test_build_usage_errors(tmp_path, cache_root, cover_paths, capsys):
