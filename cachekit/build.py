@@ -9,8 +9,6 @@ A fill is resumable: after each chunk the memmap is flushed (msync) and only the
 checkpoint next to the file records how many rows are done, so a checkpoint never claims
 rows that are not on disk. A later fill of the same rows into the same file continues from
 there. publish.py decides whether a dead builder's file may be reused at all.
-
-``DATA_FILE`` is re-exported here: the file a per-row build fills.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import numpy as np
 
 from . import _fs, arrays
 from .errors import Failure
-from .manifest import DATA_FILE
 
 CHUNK_ROWS = 1024
 """Rows per chunk: the unit of progress reports, of flushing to disk and of resuming."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _wandb, build, keys, options, publish
 from .entry import Entry
-from .manifest import FORMAT_VERSION
+from .manifest import DATA_FILE, FORMAT_VERSION
 from .errors import ImageDecodeError, NotAnArrayError
 from .stores import Build, LocalStore, default_root
 
@@ -149,14 +149,14 @@ class Cache:
 
         def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
-            filled = build.fill(current.path / build.DATA_FILE, values, row_fn,
+            filled = build.fill(current.path / DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record,
                                 template=template, on_chunk=on_chunk,
                                 progress=self._show_progress(), description=f"cachekit {kind}")
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures)
             return publish.Built(
-                kind=kind, rows=len(values), files=((build.DATA_FILE, "numpy"),),
+                kind=kind, rows=len(values), files=((DATA_FILE, "numpy"),),
                 failed_rows=tuple(filled.failures), params=params,
                 column=column.name if isinstance(column.name, str) else None)
 

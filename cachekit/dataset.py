@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import operator
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np

@@ -6,8 +6,9 @@ every lease / 4 seconds, whatever its progress: a build whose rows take longer t
 lease, or a ``memoize`` build that reports no progress at all, keeps beating. A builder is
 
 - dead when it said it gave up (an interrupted build marks itself abandoned), when it is a
-  gone process on this host (its pid is gone or was reused), or when its heartbeat is older
-  than the lease;
+  gone process on this host (its pid is gone or was reused), when it is this very process
+  but none of its heartbeats beats for that directory, or when its heartbeat is older than
+  the lease;
 - alive otherwise.
 
 The lease is ``$CACHEKIT_LOCK_LEASE`` seconds (default 60). Hosts that share a cache root
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from . import _fs
@@ -43,35 +45,48 @@ def lease_from_env() -> float:
     return lease
 
 
+_BEATING_HERE: set[str] = set()
+"""The directories this process's heartbeats are beating for, right now."""
+
+
 def is_alive(owner: Optional[Mapping[str, Any]], heartbeat: float, *,
-             abandoned: bool = False, lease: Optional[float] = None,
-             now: Optional[float] = None) -> bool:
+             abandoned: bool = False, where: Optional[Path] = None,
+             lease: Optional[float] = None, now: Optional[float] = None) -> bool:
     """Whether the builder ``owner`` (a record made by :func:`cachekit._fs.owner`, or None
-    when unknown), whose heartbeat was last refreshed at ``heartbeat`` (seconds since the
-    epoch), may still be working."""
+    when unknown) of the directory ``where``, whose heartbeat was last refreshed at
+    ``heartbeat`` (seconds since the epoch), may still be working."""
     if abandoned:
         return False
-    if owner is not None and _fs.owner_state(owner) == "dead":
-        return False
-    lease = lease_from_env() if lease is None else lease
-    now = time.time() if now is None else now
-    return now - heartbeat <= lease
+    if owner is not None:
+        state = _fs.owner_state(owner)
+        if state == "dead":
+            return False
+        if (where is not None and state == "alive" and owner.get("pid") == os.getpid()
+                and str(where) not in _BEATING_HERE):
+            return False  # ours, and no thread of ours is building there
+    return (time.time() if now is None else now) - heartbeat <= (
+        lease_from_env() if lease is None else lease)
 
 
 class Heartbeat:
     """Refresh the mtime of the open file ``fd`` every lease / 4 seconds until stopped.
 
     The caller owns ``fd``; the heartbeat never opens anything by path, so a file swapped
-    in under the same name is never touched.
+    in under the same name is never touched. ``where``: the directory it beats for, which
+    this process then counts as one of its own live builds.
     """
 
-    def __init__(self, fd: int, lease: Optional[float] = None) -> None:
+    def __init__(self, fd: int, lease: Optional[float] = None,
+                 where: Optional[Path] = None) -> None:
         self.fd = fd
         self.lease = lease_from_env() if lease is None else lease
+        self.where = None if where is None else str(where)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "Heartbeat":
+        if self.where is not None:
+            _BEATING_HERE.add(self.where)
         self.beat()
         self._thread = threading.Thread(target=self._run, name="cachekit-heartbeat",
                                         daemon=True)
@@ -89,6 +104,8 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.where is not None:
+            _BEATING_HERE.discard(self.where)
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease / BEATS_PER_LEASE):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, TypeVar
 from . import _fs, build, locks
 from ._version import __version__
 from .errors import CacheCorruptError, ImageDecodeError, LockTimeout
-from .manifest import Manifest
+from .manifest import DATA_FILE, Manifest
 from .stores import Build, BuildState, LocalStore, Published
 
 POLL_SECONDS = 0.25
@@ -248,7 +248,7 @@ def _resume_dead_builds(store: LocalStore, current: Build) -> int:
     dead = [s for s in store.builds(current.key) if not s.alive and s.path != current.path]
     resumable: list[tuple[int, BuildState]] = []
     for state in dead:
-        checkpoint = build.read_checkpoint(state.path / build.DATA_FILE)
+        checkpoint = build.read_checkpoint(state.path / DATA_FILE)
         if state.same_version and checkpoint is not None:
             resumable.append((checkpoint.done, state))
         else:
@@ -259,6 +259,6 @@ def _resume_dead_builds(store: LocalStore, current: Build) -> int:
             store.remove_dead(state)  # less advanced than the adopted one, or gone
             continue
         adopted = True
-        checkpoint = build.read_checkpoint(current.path / build.DATA_FILE)  # ours now
+        checkpoint = build.read_checkpoint(current.path / DATA_FILE)  # ours now
         resumed = checkpoint.done if checkpoint is not None else 0
     return resumed

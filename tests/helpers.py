@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import filelock
@@ -25,3 +29,49 @@ def load_module(path: Path, name: str, body: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+GATED_BUILDER = textwrap.dedent('''
+    import os, sys, time
+    from pathlib import Path
+    import numpy as np, pandas as pd
+    import cachekit
+
+    root, started, go, crash = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+
+    def slow(v):
+        if v == 3:  # mid-build: tell the test, then die or wait for its go-ahead
+            started.touch()
+            if crash == "crash":
+                os._exit(3)  # as a killed sweep agent would
+            deadline = time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return np.full(8, v, dtype=np.int64)
+
+    entry = cachekit.Cache(root, workers=1, progress=False).map(slow, pd.Series(range(64)))
+    assert not entry.hit
+    print(entry.key)
+''')
+"""A builder of 64 rows (row v is eight int64 v) that stops at row 3 until ``go`` exists, or
+dies there with status 3."""
+
+GATED_ROWS = 64
+
+
+def start_gated_builder(work: Path, root: Path, *, crash: bool = False
+                        ) -> tuple[subprocess.Popen, Path]:
+    """Start :data:`GATED_BUILDER` on ``root``; return once it is mid-build, with the file
+    whose creation lets it go on."""
+    script = work / "gated_builder.py"
+    script.write_text(GATED_BUILDER)
+    started, go = work / "started", work / "go"
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(started), str(go),
+                             "crash" if crash else "wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert proc.poll() is None or crash, f"the builder died early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the builder never started"
+        time.sleep(0.01)
+    return proc, go

@@ -270,8 +270,6 @@ def test_entry_cleared_between_manifest_and_data_is_built_again(cache_root, cove
                                                                 monkeypatch):
     import shutil
 
-    from cachekit import publish
-
     cache = cachekit.Cache(cache_root)
     built = np.array(cache.images(pd.Series(cover_paths), 8).array)
     real_lookup, raced = LocalStore.lookup, []

@@ -21,6 +21,7 @@ import pytest
 import cachekit
 from cachekit import arrays, manifest as manifests
 from cachekit.cli import main
+from helpers import GATED_ROWS, start_gated_builder
 
 SCRIPT = Path(sys.executable).with_name("cachekit")
 DAY = 86400.0
@@ -463,40 +464,10 @@ def test_a_reader_that_mapped_an_entry_keeps_reading_after_clear(cache_root):
     np.testing.assert_array_equal(view, np.stack([block(v) for v in range(7, 307)]))
 
 
-BUILDER = textwrap.dedent('''
-    import sys, time
-    from pathlib import Path
-    import numpy as np, pandas as pd
-    import cachekit
-
-    root, started, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-
-    def slow(v):
-        if v == 3:  # mid-build: tell the test, then wait for its go-ahead
-            started.touch()
-            deadline = time.monotonic() + 120
-            while not go.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return np.full(8, v, dtype=np.int64)
-
-    entry = cachekit.Cache(root, workers=1, progress=False).map(slow, pd.Series(range(64)))
-    assert not entry.hit
-    print(entry.key)
-''')
-
-
 def test_clear_all_while_another_process_builds(tmp_path, cache_root):
     other = make_entry(cache_root, 500)
-    script = tmp_path / "builder.py"
-    script.write_text(BUILDER)
-    started, go = tmp_path / "started", tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, str(script), str(cache_root), str(started), str(go)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, go = start_gated_builder(tmp_path, cache_root)
     try:
-        deadline = time.monotonic() + 120
-        while not started.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "builder did not start"
-            time.sleep(0.01)
         listing = cachekit_cmd("ls", root=cache_root)
         assert "build in progress:" in listing.stderr and f"pid {proc.pid}" in listing.stderr
         result = cachekit_cmd("clear", "--all", "--yes", root=cache_root)
@@ -515,7 +486,7 @@ def test_clear_all_while_another_process_builds(tmp_path, cache_root):
     assert cachekit_cmd("verify", root=cache_root).returncode == 0
     entry = cachekit.Cache(cache_root).entries()[0]
     data = arrays.open_record(entry.path, manifests.read(entry.path).files[0])
-    np.testing.assert_array_equal(data, np.repeat(np.arange(64)[:, None], 8, axis=1))
+    np.testing.assert_array_equal(data, np.repeat(np.arange(GATED_ROWS)[:, None], 8, axis=1))
 
 
 # -- prune ---------------------------------------------------------------------------------

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from unittest import mock
@@ -19,6 +16,7 @@ import pytest
 import cachekit
 from cachekit import arrays, maintenance, manifest as manifests, removal, units
 from cachekit.stores import LocalStore
+from helpers import GATED_ROWS, start_gated_builder
 from cachekit.integrity import verify
 
 DAY = 86400.0
@@ -265,47 +263,8 @@ def test_a_mapped_reader_keeps_its_bytes_after_clear(cache_root):
 
 # -- builders: dead ones leave orphans, live ones are never touched --------------------------
 
-BUILDER = textwrap.dedent('''
-    import os, sys, time
-    from pathlib import Path
-    import numpy as np, pandas as pd
-    import cachekit
-
-    root, started, go, crash = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-
-    def slow(v):
-        if v == 3:
-            started.touch()
-            if crash == "crash":
-                os._exit(3)  # dies mid-build, as a killed sweep agent would
-            deadline = time.monotonic() + 120
-            while not go.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return np.full(4, v, dtype=np.int32)
-
-    entry = cachekit.Cache(root, workers=1, progress=False).map(slow, pd.Series(range(40)))
-    assert not entry.hit
-    print(entry.key)
-''')
-
-
-def start_builder(tmp_path: Path, cache_root: Path, crash: bool) -> tuple[subprocess.Popen, Path]:
-    """A builder process blocked inside its build (row 3) until ``go`` exists, or dead there."""
-    script = tmp_path / "builder.py"
-    script.write_text(BUILDER)
-    started, go = tmp_path / "started", tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, str(script), str(cache_root), str(started), str(go),
-                             "crash" if crash else "wait"], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not started.exists():
-        assert proc.poll() is None or crash, "the builder died before it started building"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    return proc, go
-
-
 def test_a_dead_builders_directory_is_reported_and_cleared(tmp_path, cache_root):
-    proc, _ = start_builder(tmp_path, cache_root, crash=True)
+    proc, _ = start_gated_builder(tmp_path, cache_root, crash=True)
     proc.communicate(timeout=120)
     assert proc.returncode == 3
     store = LocalStore(cache_root)
@@ -333,7 +292,7 @@ def test_an_interrupted_removal_is_finished_by_clear(cache_root):
 def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_root):
     cache = cachekit.Cache(cache_root)
     other = make_entry(cache, 100)
-    proc, go = start_builder(tmp_path, cache_root, crash=False)
+    proc, go = start_gated_builder(tmp_path, cache_root)
     try:
         store = LocalStore(cache_root)
         (temp,) = maintenance.scan(store).temp_dirs
@@ -350,7 +309,7 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
     assert proc.returncode == 0
     key = out.strip()
     (info,) = cache.entries()
-    assert info.key == key and info.rows == 40
+    assert info.key == key and info.rows == GATED_ROWS
     assert cache.verify() == []
     opened = arrays.open_record(info.path, manifests.read(info.path).files[0])
     np.testing.assert_array_equal(opened[:, 0], np.arange(40))

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachekit import build, _fs, keys, manifest as manifests
+from cachekit import build, keys, manifest as manifests
 
 # --- the key encoding ------------------------------------------------------------------------
 

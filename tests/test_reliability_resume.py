@@ -21,7 +21,7 @@ import pytest
 
 import cachekit
 from cachekit import LockTimeout
-from cachekit import arrays, build, _fs, manifest as manifests, publish
+from cachekit import _fs, arrays, build, manifest as manifests
 from cachekit.stores import local
 
 ROWS, CHUNK = 40, 4

@@ -144,7 +144,7 @@ class Build:
         self.path = path
         self.journal = journal
         self._beat_fd: Optional[int] = beat_fd
-        self._heartbeat = liveness.Heartbeat(beat_fd).start()
+        self._heartbeat = liveness.Heartbeat(beat_fd, where=path).start()
 
     def progress(self, done: int, total: int) -> None:
         """Record rows done, for the messages of processes that wait for this build."""
@@ -243,7 +243,7 @@ class LocalStore:
             heartbeat = _heartbeat_time(path)
         except FileNotFoundError:
             return None
-        alive = liveness.is_alive(owner, heartbeat,
+        alive = liveness.is_alive(owner, heartbeat, where=path,
                                   abandoned=bool(journal and journal.get("abandoned") is True))
         return BuildState(key, path, dict(owner), journal, heartbeat, alive)
 

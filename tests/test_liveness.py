@@ -1,0 +1,131 @@
+"""The one liveness rule (cachekit/liveness.py): a heartbeat on a timer, whatever the progress."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from cachekit import _fs, liveness
+
+NOW = 1_000_000.0
+
+
+def gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("owner, heartbeat, abandoned, alive", [
+    ({"host": "other-node", "pid": 42}, NOW - 1, False, True),       # fresh: alive
+    ({"host": "other-node", "pid": 42}, NOW - 61, False, False),     # a lease without a beat
+    ({"host": "other-node", "pid": 42}, NOW - 1, True, False),       # it gave up
+    (None, NOW - 59, False, True),                                   # unknown owner: the beat
+    (None, NOW - 61, False, False),
+])
+def test_the_rule_for_another_hosts_builder(owner, heartbeat, abandoned, alive):
+    assert liveness.is_alive(owner, heartbeat, abandoned=abandoned, lease=60, now=NOW) is alive
+
+
+def test_a_gone_process_on_this_host_is_dead_however_fresh_its_heartbeat():
+    owner = {"host": _fs.host(), "pid": gone_pid()}
+    assert not liveness.is_alive(owner, time.time(), lease=60)
+
+
+def test_this_process_is_alive_only_where_one_of_its_heartbeats_beats(tmp_path):
+    me, where = _fs.owner(), tmp_path / "build"
+    assert not liveness.is_alive(me, time.time(), where=where, lease=60)
+    fd = os.open(tmp_path / "beat", os.O_CREAT | os.O_WRONLY)
+    beat = liveness.Heartbeat(fd, lease=60, where=where).start()
+    try:
+        assert liveness.is_alive(me, time.time(), where=where, lease=60)
+    finally:
+        beat.stop()
+        os.close(fd)
+    assert not liveness.is_alive(me, time.time(), where=where, lease=60)
+
+
+def test_a_heartbeat_refreshes_its_file_on_a_timer_and_stops_when_told(tmp_path):
+    path = tmp_path / "beat"
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY)
+    os.utime(path, (NOW, NOW))
+    beat = liveness.Heartbeat(fd, lease=0.4).start()  # beats every 0.1 s
+    try:
+        first = os.stat(path).st_mtime
+        assert first > NOW  # the first beat comes at once
+        deadline = time.monotonic() + 10
+        while os.stat(path).st_mtime == first:
+            assert time.monotonic() < deadline, "the heartbeat never beat again"
+            time.sleep(0.02)
+    finally:
+        beat.stop()
+    os.utime(path, (NOW, NOW))
+    time.sleep(0.3)
+    assert os.stat(path).st_mtime == NOW  # stopped: nothing touches the file any more
+    os.close(fd)
+
+
+def test_the_lease_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(liveness.LEASE_ENV, raising=False)
+    assert liveness.lease_from_env() == liveness.DEFAULT_LEASE_SECONDS
+    monkeypatch.setenv(liveness.LEASE_ENV, "2.5")
+    assert liveness.lease_from_env() == 2.5
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(liveness.LEASE_ENV, bad)
+        with pytest.raises(ValueError, match=liveness.LEASE_ENV):
+            liveness.lease_from_env()
+
+
+SLOW_AGENT = textwrap.dedent("""
+    import os, sys, time
+        import numpy as np, pandas as pd
+    import cachekit
+
+    root, work, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+    def row(v):
+        with open(work / "rows.txt", "a") as f:
+            f.write(f"{me} {v}\\n")
+        time.sleep(1.5)  # every row outlasts the 1 s lease
+        return np.array([v, 7 * v], dtype=np.int64)
+
+    entry = cachekit.Cache(root, workers=1, progress=False).map(row, pd.Series(range(3)))
+    print(entry.hit, np.asarray(entry.array).tolist())
+""")
+
+
+def test_a_builder_whose_rows_outlast_the_lease_is_never_taken_over(tmp_path):
+    """No lock at all (as when a network filesystem ignores it): the second process sees
+    the first one's heartbeat, which beats between rows too, and waits instead of taking
+    over or building beside it."""
+    script, root = tmp_path / "agent.py", tmp_path / "cache"
+    script.write_text(SLOW_AGENT)
+    env = {**os.environ, "CACHEKIT_LOCK": "none", "CACHEKIT_LOCK_LEASE": "1"}
+
+    def agent(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(root), str(tmp_path), name],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    first = agent("first")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "rows.txt").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.02)
+    time.sleep(1.2)  # longer than a lease since the first row began, and no row done yet
+    second = agent("second")
+    outs = [p.communicate(timeout=120) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    expected = str([[v, 7 * v] for v in range(3)])
+    assert [out.strip() for out, _ in outs] == [f"False {expected}", f"True {expected}"]
+    rows = sorted((tmp_path / "rows.txt").read_text().splitlines())
+    assert rows == ["first 0", "first 1", "first 2"]
+    assert not list((root / "tmp").iterdir())
+    (entry_dir,) = (root / "entries").iterdir()
+    assert str(np.load(entry_dir / "data.npy").tolist()) == expected

@@ -1,0 +1,79 @@
+"""The typed manifest (cachekit/manifest.py): its file list, JSON round trip and checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import CacheCorruptError, arrays
+from cachekit import manifest as manifests
+
+
+@pytest.fixture
+def memoized(cache, cache_root):
+    @cache.memoize
+    def produce():
+        return {"a": np.arange(6).reshape(2, 3), "b": (np.ones(4, np.float32),)}
+
+    produce()
+    return cache_root / "entries" / produce.cache_key()
+
+
+def test_every_published_file_is_listed_with_its_size_and_checksum(cache, cache_root, memoized):
+    mapped = cache.map(lambda v: np.full(2, v, np.int8), pd.Series([1, 2, 3]), version="1")
+    for entry_dir in (mapped.path, memoized):
+        manifest = manifests.read(entry_dir)
+        on_disk = sorted(p.name for p in entry_dir.iterdir())
+        assert on_disk == sorted([manifests.MANIFEST_FILE, *(f.name for f in manifest.files)])
+        for record in manifest.files:
+            assert arrays.checksum(entry_dir / record.name) == (record.bytes, record.checksum)
+    assert [f.name for f in manifests.read(memoized).files] == ["data.npy", "leaf_1.npy"]
+
+
+def test_the_json_form_reads_back_to_the_same_manifest(memoized):
+    manifest = manifests.read(memoized)
+    again = manifests.loads(manifests.dumps(manifest), memoized / manifests.MANIFEST_FILE,
+                            memoized.name)
+    assert again == manifest
+    raw = manifest.to_json()
+    assert raw["shape"] == list(manifest.files[0].shape) == [2, 3]
+    assert raw["dtype"] == manifest.files[0].dtype
+
+
+def test_an_entry_exposes_the_same_json_as_its_manifest(cache):
+    entry = cache.map(lambda v: np.full(2, v, np.int8), pd.Series([1, 2]), version="1")
+    assert entry.manifest == json.loads((entry.path / manifests.MANIFEST_FILE).read_text())
+    assert isinstance(entry, cachekit.Entry) and entry.source == "built"
+
+
+BAD_FILES = {
+    "a path as a name": lambda f: {**f, "name": "../../etc/passwd"},
+    "another name": lambda f: {**f, "name": "leaf_1.npy"},
+    "negative size": lambda f: {**f, "bytes": -1},
+    "size below the data": lambda f: {**f, "bytes": 3},
+    "checksum of another kind": lambda f: {**f, "checksum": "md5:" + "0" * 32},
+    "object dtype": lambda f: {**f, "dtype": "|O"},
+    "unknown leaf kind": lambda f: {**f, "kind": "pickle"},
+    "not an object": lambda f: [f],
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_FILES))
+def test_a_bad_file_record_is_corrupt(cache, how):
+    entry = cache.map(lambda v: np.full(2, v, np.int8), pd.Series([1, 2]), version="1")
+    raw = dict(entry.manifest)
+    raw["files"] = [BAD_FILES[how](raw["files"][0])]
+    with pytest.raises(CacheCorruptError):
+        manifests.Manifest.from_json(raw, entry.path / manifests.MANIFEST_FILE, entry.key)
+
+
+def test_a_manifest_is_never_written_over_an_existing_file(tmp_path, memoized):
+    manifest = manifests.read(memoized)
+    (tmp_path / manifests.MANIFEST_FILE).write_text("someone else's")
+    with pytest.raises(FileExistsError):
+        manifests.write(tmp_path, manifest)
+    assert (tmp_path / manifests.MANIFEST_FILE).read_text() == "someone else's"

@@ -1,0 +1,91 @@
+"""The local entry store (cachekit/stores/local.py): begin, seal, commit, adopt, remove."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from cachekit import CacheCorruptError, arrays, liveness
+from cachekit import manifest as manifests
+from cachekit.stores import LocalStore
+from cachekit.stores.local import HEARTBEAT_FILE, JOURNAL_FILE
+
+KEY = "ab" * 16
+
+
+def started(store: LocalStore):
+    store.ensure_writable(KEY)
+    build = store.begin(KEY)
+    out = arrays.create_array(build.path / manifests.DATA_FILE, (3, 2), np.dtype(np.int16))
+    out[:] = np.arange(6).reshape(3, 2)
+    out.flush()
+    return build
+
+
+def manifest_for(build, files) -> manifests.Manifest:
+    return manifests.Manifest(key=KEY, kind="map", rows=3, files=files, created=time.time())
+
+
+def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_root):
+    store = LocalStore(cache_root)
+    build = started(store)
+    (state,) = store.builds(KEY)
+    assert state.alive and state.path == build.path
+    assert {HEARTBEAT_FILE, JOURNAL_FILE} <= set(os.listdir(build.path))
+    files = store.seal(build, [(manifests.DATA_FILE, "numpy")])
+    assert files[0].shape == (3, 2) and files[0].dtype == "<i2"
+    published, won = store.commit(build, manifest_for(build, files))
+    assert won and sorted(os.listdir(published.path)) == [manifests.DATA_FILE,
+                                                          manifests.MANIFEST_FILE]
+    assert store.lookup(KEY).manifest == published.manifest
+    assert store.builds(KEY) == [] and str(build.path) not in liveness._BEATING_HERE
+
+
+def test_a_stray_file_in_a_build_directory_stops_the_commit(cache_root):
+    store = LocalStore(cache_root)
+    build = started(store)
+    files = store.seal(build, [(manifests.DATA_FILE, "numpy")])
+    (build.path / "planted.npy").write_bytes(b"x")
+    with pytest.raises(CacheCorruptError, match="unexpected files"):
+        store.commit(build, manifest_for(build, files))
+    assert store.lookup(KEY) is None
+    build.discard()
+
+
+def test_a_second_commit_of_the_key_loses_and_gets_the_first(cache_root):
+    store = LocalStore(cache_root)
+    first, second = started(store), started(store)
+    for build in (first, second):
+        files = store.seal(build, [(manifests.DATA_FILE, "numpy")])
+        published, won = store.commit(build, manifest_for(build, files))
+        assert won is (build is first)
+    assert published.path == store.layout.entry_dir(KEY)
+    assert os.listdir(store.layout.tmp) == []
+
+
+def test_a_dead_build_is_adopted_by_exactly_one_new_build(cache_root):
+    store = LocalStore(cache_root)
+    dead = started(store)
+    dead.abandon()
+    (state,) = store.builds(KEY)
+    assert not state.alive and state.abandoned
+    one, other = store.begin(KEY), store.begin(KEY)
+    assert store.adopt(one, state) and not store.adopt(other, state)
+    assert manifests.DATA_FILE in os.listdir(one.path)
+    assert not state.path.exists()
+    one.discard()
+    other.discard()
+
+
+def test_remove_never_follows_a_symlink(cache_root, tmp_path):
+    store = LocalStore(cache_root)
+    store.ensure_writable(KEY)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep").write_text("mine")
+    os.symlink(precious, store.layout.entry_dir(KEY))
+    assert store.remove(store.layout.entry_dir(KEY), KEY) is False
+    assert (precious / "keep").read_text() == "mine"
