@@ -84,7 +84,8 @@ def test_the_lease_comes_from_the_environment(monkeypatch):
 
 SLOW_AGENT = textwrap.dedent("""
     import os, sys, time
-        import numpy as np, pandas as pd
+    from pathlib import Path
+    import numpy as np, pandas as pd
     import cachekit
 
     root, work, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]

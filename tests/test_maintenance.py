@@ -312,7 +312,7 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
     assert info.key == key and info.rows == GATED_ROWS
     assert cache.verify() == []
     opened = arrays.open_record(info.path, manifests.read(info.path).files[0])
-    np.testing.assert_array_equal(opened[:, 0], np.arange(40))
+    np.testing.assert_array_equal(opened[:, 0], np.arange(GATED_ROWS))
 
 
 # -- verify --------------------------------------------------------------------------------
