@@ -5,6 +5,7 @@ Platform and filesystem differences live here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -13,11 +14,12 @@ import socket
 import stat
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping, Optional
+from typing import Any, BinaryIO, Iterator, Mapping, Optional
 
 _HOST = socket.gethostname()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 NOT_A_FILE_ERRNOS = (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR)
 """Errors of opening a path that is a symlink, a directory or another non-file."""
 
@@ -32,98 +34,174 @@ def unique_suffix() -> str:
     return f"{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or file creation inside ``path`` durable."""
-    if os.name == "nt":  # Windows cannot open a directory for fsync; NTFS journals metadata.
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class DirHandle:
+    """An open directory; every operation on it is relative to the handle and never follows
+    a symlink at the final name, so a directory that another user renames away and replaces
+    with a symlink (anyone in a shared cache's group can) is never written through.
 
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def create_file(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Create ``path`` fresh (never through a symlink, never over an existing file), write
-    ``data`` and, with ``durable``, fsync it. A failure leaves no file behind."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, file_mode())
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if durable:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        remove_file(path)
-        raise
-    os.close(fd)
-
-
-def create_held_file(path: Path) -> int:
-    """Create an empty ``path`` fresh and return its open descriptor (for a heartbeat)."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, file_mode())
-
-
-def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
-    """Write ``data`` as JSON to ``path`` so readers see the old file or the new one, never part.
-
-    With ``durable`` the bytes are fsynced before the rename that makes them visible.
+    Opening refuses a symlink or a non-directory (``O_DIRECTORY|O_NOFOLLOW``); ``follow``
+    allows one for a path the user gave (the cache root itself).
     """
-    tmp = path.with_name(f".{path.name}.{unique_suffix()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = Path(path)
+
+    @classmethod
+    def open(cls, path: str | Path, *, follow: bool = False,
+             parent: Optional["DirHandle"] = None) -> "DirHandle":
+        flags = os.O_RDONLY | _DIRECTORY | (0 if follow else _NOFOLLOW)
+        if parent is None:
+            return cls(os.open(path, flags), Path(path))
+        with _naming(parent.path / path):
+            return cls(os.open(path, flags, dir_fd=parent.fd), parent.path / path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "DirHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DirHandle({str(self.path)!r})"
+
+    def child(self, name: str) -> "DirHandle":
+        """Open the subdirectory ``name``; ELOOP/ENOTDIR when it is a symlink or not a dir."""
+        return DirHandle.open(name, parent=self)
+
+    def mkdir(self, name: str, mode: int) -> None:
+        with _naming(self.path / name):
+            os.mkdir(name, mode, dir_fd=self.fd)
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.fd))
+
+    def lstat(self, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def create(self, name: str, mode: Optional[int] = None) -> int:
+        """Create ``name`` fresh (never through a symlink, never over a file) for writing."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+        with _naming(self.path / name):
+            return os.open(name, flags, private_file_mode() if mode is None else mode,
+                           dir_fd=self.fd)
+
+    def open_file(self, name: str, *, writable: bool = False) -> BinaryIO:
+        """Open the regular file ``name``: no symlink, no FIFO or device (never blocks)."""
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK
+        with _naming(self.path / name):
+            fd = os.open(name, flags, dir_fd=self.fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(self.path / name))
+            if _NONBLOCK:
+                os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "r+b" if writable else "rb")
+
+    def write_new(self, name: str, data: bytes, *, durable: bool = True) -> None:
+        """Create ``name`` fresh with ``data`` (fsynced with ``durable``); nothing left on error."""
+        fd = self.create(name)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        remove_file(tmp)
-        raise
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            self.unlink(name)
+            raise
+        os.close(fd)
+
+    def replace_json(self, name: str, value: Any) -> None:
+        """Write ``value`` as JSON to ``name`` so readers see the old file or the new one."""
+        tmp = f".{name}.{unique_suffix()}.tmp"
+        self.write_new(tmp, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode(),
+                       durable=False)
+        try:
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            self.unlink(tmp)
+            raise
+
+    def unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def rename(self, name: str, to: "DirHandle", new_name: str) -> None:
+        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=to.fd)
+
+    def remove_tree(self, name: str) -> None:
+        """Delete ``name`` and everything under it without following any symlink (a symlink
+        is unlinked); a tree already gone is not an error."""
+        try:
+            st = self.lstat(name)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            self.unlink(name)
+            return
+        try:
+            shutil.rmtree(name, dir_fd=self.fd)  # fd-based: immune to symlink swaps
+        except FileNotFoundError:
+            pass
+
+    def fsync(self) -> None:
+        if os.name != "nt":
+            os.fsync(self.fd)
+
+    def touch(self) -> None:
+        os.utime(self.fd)
+
+    def chmod(self, mode: int) -> None:
+        os.fchmod(self.fd, mode)
 
 
-def rename_dir_no_replace(src: Path, dst: Path) -> bool:
-    """Atomically rename directory ``src`` to ``dst``; False when ``dst`` already exists.
-
-    POSIX ``rename`` refuses a non-empty target with ENOTEMPTY or EEXIST, and a published
-    entry is never empty, so the first publisher wins and later ones see False.
-    """
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Re-raise an OSError of a call relative to a handle with the full path as its filename
+    (the call itself only knew the name inside the directory)."""
     try:
-        os.rename(src, dst)
+        yield
     except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST) or isinstance(e, FileExistsError):
-            return False
-        raise
-    return True
+        if e.filename is None or str(e.filename) == str(path):
+            raise
+        raise type(e)(e.errno, e.strerror, str(path)) from None
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def private_dir_mode() -> int:
+    """A build directory's mode: no write for group or others, whatever the umask (members
+    of a shared cache's group must not plant files in another's build)."""
+    return 0o755 & ~umask()
+
+
+def private_file_mode() -> int:
+    """A file cachekit writes: never writable by group or others."""
+    return 0o644 & ~umask()
+
+
+def shared_dir_mode() -> int:
+    """A published entry's mode: the umask's, so members of the group can remove it."""
+    return 0o777 & ~umask()
 
 
 def remove_file(path: Path) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a directory tree; a tree that is already gone is not an error.
-
-    A symlink is unlinked, never followed: a tampered cache cannot make us delete elsewhere.
-    """
-    try:
-        if os.path.islink(path):
-            os.unlink(path)
-        else:
-            shutil.rmtree(path)
     except FileNotFoundError:
         pass
 
@@ -180,15 +258,14 @@ def file_mode() -> int:
     return 0o666 & ~umask()
 
 
-def preallocate(path: Path) -> None:
-    """Reserve the blocks of ``path`` now, so a full disk fails here with ENOSPC.
+def preallocate_fd(fd: int) -> None:
+    """Reserve the blocks of the open file ``fd`` now, so a full disk fails here with ENOSPC.
 
     Without it a sparse memmap hits the full disk on a page write, and the kernel kills the
     process with SIGBUS instead of raising. Filesystems that cannot preallocate are skipped.
     """
     if not hasattr(os, "posix_fallocate"):  # macOS, Windows
         return
-    fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
         if size:
@@ -196,8 +273,6 @@ def preallocate(path: Path) -> None:
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
-    finally:
-        os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

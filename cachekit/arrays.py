@@ -22,9 +22,49 @@ from .manifest import NOT_A_FILE_ERRNOS, FileRecord
 CHECKSUM_BLOCK = 16 << 20
 
 
-def create_array(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> np.memmap:
-    """Create a zero-filled .npy file of ``shape`` and map it for writing."""
-    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
+                 dtype: np.dtype) -> np.ndarray:
+    """Create a zero-filled .npy file ``name`` of ``shape`` in ``directory``, its blocks
+    reserved (a full disk fails here, not with SIGBUS later), and map it for writing: the
+    map is made from the very file created, never reopened by name."""
+    dtype = np.dtype(dtype)
+    fd = directory.create(name)
+    with os.fdopen(fd, "r+b") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                  "shape": tuple(shape)}
+        try:
+            np.lib.format.write_array_header_1_0(f, header)
+        except ValueError:  # a header over 64 KiB needs format 2.0
+            f.seek(0)
+            np.lib.format.write_array_header_2_0(f, header)
+        f.flush()
+        offset = f.tell()
+        os.ftruncate(f.fileno(), offset + math.prod(shape) * dtype.itemsize)
+        _fs.preallocate_fd(f.fileno())
+        return _map(f, shape, dtype, "r+", offset)
+
+
+def flush(array: np.ndarray) -> None:
+    """msync a writable map (an empty array maps nothing and needs none)."""
+    if isinstance(array, np.memmap):
+        array.flush()
+
+
+def open_writable(directory: _fs.DirHandle, name: str) -> np.ndarray:
+    """Map an existing .npy file of ``directory`` (a checkpointed partial fill) for writing."""
+    with directory.open_file(name, writable=True) as f:
+        shape, dtype = _header(f, directory.path / name)
+        offset = _validated_offset(f, directory.path / name, shape, dtype, None)
+        return _map(f, shape, dtype, "r+", offset)
+
+
+def _map(f: BinaryIO, shape: tuple[int, ...], dtype: np.dtype, mode: str,
+         offset: int) -> np.ndarray:
+    if 0 in shape:  # mmap cannot map zero bytes; there is nothing to read or write
+        empty = np.zeros(shape, dtype)
+        empty.flags.writeable = mode != "r"
+        return empty
+    return np.memmap(f, dtype=dtype, mode=mode, offset=offset, shape=shape)
 
 
 def open_record(entry_dir: Path, record: FileRecord, mode: str = "r") -> np.ndarray:
@@ -38,11 +78,7 @@ def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "
     """Map one validated .npy file read-only (``mode="r"``) or copy-on-write (``mode="c"``)."""
     with _open_data(path) as f:
         offset = _validated_offset(f, path, shape, dtype, expected_bytes)
-        if 0 in shape:  # mmap cannot map zero bytes; there is nothing to read
-            empty = np.zeros(shape, dtype)
-            empty.flags.writeable = mode != "r"
-            return empty
-        return np.memmap(f, dtype=dtype, mode=mode, offset=offset, shape=shape)
+        return _map(f, shape, dtype, mode, offset)
 
 
 def data_offset(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
@@ -51,22 +87,40 @@ def data_offset(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
         return _validated_offset(f, path, shape, dtype, None)
 
 
-def read_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) from a .npy file's header, checked against the file's size."""
-    with _open_data(path) as f:
+def seal(directory: _fs.DirHandle, name: str) -> tuple[tuple[int, ...], np.dtype, int, str]:
+    """(shape, dtype, size, checksum) of a .npy file this process wrote into ``directory``,
+    after checking its header against its size and fsyncing it: one open descriptor."""
+    path = directory.path / name
+    try:
+        f = directory.open_file(name)
+    except FileNotFoundError:
+        raise CacheCorruptError(path, "a data file the build made is missing") from None
+    except OSError as e:
+        if e.errno not in NOT_A_FILE_ERRNOS:
+            raise
+        raise CacheCorruptError(path, f"a data file of the build is not a regular file ({e}); "
+                                      "nothing was published") from None
+    with f:
         shape, dtype = _header(f, path)
         _validated_offset(f, path, shape, dtype, None)
-    return shape, dtype
+        os.fsync(f.fileno())
+        size, digest = _checksum_of(f)
+    return shape, dtype, size, digest
 
 
 def checksum(path: Path) -> tuple[int, str]:
     """(size, blake2b-128) of a whole file, header included, read in large blocks."""
+    with _fs.open_regular(path) as f:
+        return _checksum_of(f)
+
+
+def _checksum_of(f: BinaryIO) -> tuple[int, str]:
     hasher = hashlib.blake2b(digest_size=16)
     size = 0
-    with _fs.open_regular(path) as f:
-        for block in iter(lambda: f.read(CHECKSUM_BLOCK), b""):
-            hasher.update(block)
-            size += len(block)
+    f.seek(0)
+    for block in iter(lambda: f.read(CHECKSUM_BLOCK), b""):
+        hasher.update(block)
+        size += len(block)
     return size, "blake2b-128:" + hasher.hexdigest()
 
 
@@ -79,6 +133,11 @@ def _open_data(path: Path) -> BinaryIO:
         if e.errno not in NOT_A_FILE_ERRNOS:
             raise  # an I/O error (EIO, EACCES, ...) is not evidence of a corrupt entry
         raise CacheCorruptError(path, f"data file is not a regular file ({e})") from None
+
+
+def check_header(f: BinaryIO, path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Check an open .npy file's header and size against shape/dtype; return the offset."""
+    return _validated_offset(f, path, shape, dtype, None)
 
 
 def _header(f: BinaryIO, path: Path) -> tuple[tuple[int, ...], np.dtype]:

@@ -18,7 +18,6 @@ import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -63,18 +62,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def checkpoint_path(out_path: Path) -> Path:
-    """Where the checkpoint of a fill into ``out_path`` lives (removed before publishing)."""
-    return out_path.with_name(out_path.name + CHECKPOINT_SUFFIX)
+def checkpoint_name(name: str) -> str:
+    """The name of the checkpoint of a fill into ``name`` (removed before publishing)."""
+    return name + CHECKPOINT_SUFFIX
 
 
-def read_checkpoint(out_path: Path) -> Optional[Checkpoint]:
-    """The checkpoint of a partly filled ``out_path``, or None when there is no usable one.
+def read_checkpoint(directory: _fs.DirHandle, name: str) -> Optional[Checkpoint]:
+    """The checkpoint of the partly filled file ``name`` of ``directory``, or None when there
+    is no usable one.
 
     Usable: well-formed, and the file's .npy header and size agree with its shape and dtype.
     """
     try:
-        with _fs.open_regular(checkpoint_path(out_path)) as f:
+        with directory.open_file(checkpoint_name(name)) as f:
             raw = json.loads(f.read(_CHECKPOINT_LIMIT))
         if not isinstance(raw, dict) or raw.get("format") != _CHECKPOINT_FORMAT:
             return None
@@ -91,7 +91,8 @@ def read_checkpoint(out_path: Path) -> Optional[Checkpoint]:
                     and item[0] < done and isinstance(item[1], str) and isinstance(item[2], str)):
                 return None
             rows.append((item[0], item[1], item[2]))
-        arrays.data_offset(out_path, tuple(shape), dtype)  # CacheCorruptError is an OSError
+        with directory.open_file(name) as f:  # CacheCorruptError is an OSError
+            arrays.check_header(f, directory.path / name, tuple(shape), dtype)
     except (OSError, ValueError, KeyError, TypeError, SyntaxError, RecursionError):
         return None
     return Checkpoint(done, tuple(shape), dtype, tuple(rows))
@@ -102,7 +103,8 @@ def _is_count(value: Any) -> bool:
 
 
 def fill(
-    out_path: Path,
+    directory: _fs.DirHandle,
+    name: str,
     values: Sequence[Any],
     row_fn: RowFunction,
     *,
@@ -114,7 +116,7 @@ def fill(
     description: str = "cachekit build",
     resume: bool = True,
 ) -> Filled:
-    """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file at ``out_path``.
+    """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
     ``template`` gives the per-row shape and dtype; without it the first row that succeeds
     fixes them, and a later row of another shape or dtype raises ValueError naming both.
@@ -122,29 +124,29 @@ def fill(
     failure (its row stays zeros), False re-raises it unchanged. ``on_chunk(done, total)``
     is called each time another CHUNK_ROWS rows are written and flushed.
 
-    With ``resume`` and a usable checkpoint for ``out_path`` of the same row count (and the
+    With ``resume`` and a usable checkpoint for ``name`` of the same row count (and the
     same ``template``, if given), rows before the checkpoint are kept and not recomputed.
     The caller vouches that those rows came from the same values and row function
     (publish.py checks the key and cachekit version).
     """
     n = len(values)
-    checkpoint = read_checkpoint(out_path) if resume else None
+    checkpoint = read_checkpoint(directory, name) if resume else None
     if checkpoint is not None and not _fits(checkpoint, n, template):
         checkpoint = None
     failures: list[Failure] = []
     start, first_result = 0, None
     if checkpoint is not None:
-        array = np.lib.format.open_memmap(out_path, mode="r+")
+        array = arrays.open_writable(directory, name)
         failures.extend(checkpoint.failures)
         start = checkpoint.done
     else:
-        _fs.remove_file(checkpoint_path(out_path))
+        directory.unlink(checkpoint_name(name))
+        directory.unlink(name)
         if template is None:
             start, first_result = _first_success(values, row_fn, record, failures)
             template = (first_result.shape, first_result.dtype)
-        array = arrays.create_array(out_path, (n, *template[0]), np.dtype(template[1]))
-        _fs.preallocate(out_path)
-    writer = _RowWriter(array, out_path, values, record, failures, on_chunk,
+        array = arrays.create_array(directory, name, (n, *template[0]), np.dtype(template[1]))
+    writer = _RowWriter(array, directory, name, values, record, failures, on_chunk,
                         done=start if checkpoint is not None else 0)
     bar = _progress_bar(n, progress, description)
     try:
@@ -167,7 +169,7 @@ def fill(
                 bar.update(1)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        array.flush()
+        arrays.flush(array)
     finally:
         bar.close()
     return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
@@ -183,9 +185,11 @@ def _fits(checkpoint: Checkpoint, n: int, template: Any) -> bool:
 class _RowWriter:
     """Checks each finished row and writes it into the memmap, in row order."""
 
-    def __init__(self, array, out_path, values, record, failures, on_chunk, done) -> None:
+    def __init__(self, array, directory, name, values, record, failures, on_chunk,
+                 done) -> None:
         self.array = array
-        self.out_path = out_path
+        self.directory = directory
+        self.name = name
         self.values = values
         self.record = record
         self.failures = failures
@@ -218,17 +222,17 @@ class _RowWriter:
         before, self.done = self.done, self.done + rows
         total = len(self.array)
         if rows and (before // CHUNK_ROWS != self.done // CHUNK_ROWS or self.done == total):
-            self.array.flush()  # msync: the rows are on disk before a checkpoint names them
+            arrays.flush(self.array)  # msync: the rows are on disk before a checkpoint names them
             self.checkpoint()
             if self.on_chunk is not None:
                 self.on_chunk(self.done, total)
 
     def checkpoint(self) -> None:
         # Not fsynced: a checkpoint lost in a power cut only makes a resume redo rows.
-        _fs.write_json_atomic(checkpoint_path(self.out_path), {
+        self.directory.replace_json(checkpoint_name(self.name), {
             "format": _CHECKPOINT_FORMAT, "done": self.done, "shape": list(self.array.shape),
             "dtype": self.array.dtype.str, "failures": [list(f) for f in self.failures],
-        }, durable=False)
+        })
 
 
 def _first_success(values, row_fn, record, failures) -> tuple[int, np.ndarray]:

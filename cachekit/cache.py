@@ -149,7 +149,7 @@ class Cache:
 
         def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
-            filled = build.fill(current.path / DATA_FILE, values, row_fn,
+            filled = build.fill(current.dir, DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record,
                                 template=template, on_chunk=on_chunk,
                                 progress=self._show_progress(), description=f"cachekit {kind}")

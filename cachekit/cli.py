@@ -313,9 +313,13 @@ def _carry_out(plan, args: argparse.Namespace, goal: str) -> int:
              f"last used {_age(e.last_used, now)}")
     for t in plan.temp_dirs:
         _say(f"  {t.path.name}  {t.state} ({t.owner})  {units.format_size(t.bytes)}")
+    for key in plan.failure_records:
+        _say(f"  {key[:SHORT_KEY]}  recorded build failure")
     what = _count(len(plan.entries), "entry", "entries")
     if plan.temp_dirs:
         what += f" and {_count(len(plan.temp_dirs), 'leftover directory', 'leftover directories')}"
+    if plan.failure_records:
+        what += f" and {_count(len(plan.failure_records), 'failure record', 'failure records')}"
     summary = f"{what} ({units.format_size(plan.bytes)}) {goal}"
     if args.dry_run:
         _say(f"would remove {summary} (dry run: nothing removed)")

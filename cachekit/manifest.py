@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -130,14 +129,25 @@ class Manifest:
 def read(entry_dir: Path) -> Manifest:
     """Parse and check ``entry_dir/manifest.json``.
 
-    FileNotFoundError when there is no manifest; CacheCorruptError when it is unreadable,
-    malformed, a symlink or not a file; other OSErrors (EIO, EACCES) propagate as they are.
+    FileNotFoundError when there is no entry or no manifest; CacheCorruptError when the
+    entry is a symlink, or the manifest unreadable, malformed, a symlink or not a file;
+    other OSErrors (EIO, EACCES) propagate as they are.
     """
-    path = entry_dir / MANIFEST_FILE
-    if os.path.islink(entry_dir):
-        raise CacheCorruptError(entry_dir, "an entry is never a symlink")
     try:
-        with _fs.open_regular(path) as f:  # no symlink, no FIFO: never read outside the root
+        directory = _fs.DirHandle.open(entry_dir)
+    except OSError as e:
+        if e.errno not in NOT_A_FILE_ERRNOS:
+            raise
+        raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
+    with directory:
+        return read_at(directory, entry_dir.name)
+
+
+def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
+    """Parse and check the manifest of the open entry directory ``entry`` of ``key``."""
+    path = entry.path / MANIFEST_FILE
+    try:
+        with entry.open_file(MANIFEST_FILE) as f:  # no symlink, no FIFO: never outside
             raw = f.read(MANIFEST_LIMIT + 1)
     except FileNotFoundError:
         raise
@@ -145,7 +155,7 @@ def read(entry_dir: Path) -> Manifest:
         if e.errno not in NOT_A_FILE_ERRNOS:
             raise  # an I/O error is not evidence of a corrupt entry
         raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
-    return loads(raw, path, entry_dir.name)
+    return loads(raw, path, key)
 
 
 def loads(raw: bytes, path: Path, key: Optional[str] = None) -> Manifest:
@@ -164,10 +174,10 @@ def dumps(manifest: Manifest) -> bytes:
     return (json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode()
 
 
-def write(build_dir: Path, manifest: Manifest) -> None:
-    """Write ``manifest.json`` into a private build directory, fresh and fsynced: the one
-    place a manifest is written, as the last file of a build."""
-    _fs.create_file(build_dir / MANIFEST_FILE, dumps(manifest))
+def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into the open build directory ``build``, fresh and fsynced:
+    the one place a manifest is written, as the last file of a build."""
+    build.write_new(MANIFEST_FILE, dumps(manifest))
 
 
 # Parsing ---------------------------------------------------------------------------------

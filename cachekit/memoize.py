@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 
-from . import arrays, keys, publish
+from . import _fs, arrays, keys, publish
 from .errors import CacheCorruptError
 from .manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .stores import Build
@@ -76,7 +76,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
         def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
-            first = _write_leaves(current.path, leaves)
+            first = _write_leaves(current.dir, leaves)
             return publish.Built(
                 kind=MEMOIZE_KIND, rows=first.shape[0] if first.shape else 1,
                 files=tuple((file_name(i), kind) for i, (_, kind) in enumerate(leaves)),
@@ -156,13 +156,14 @@ def _tensor_array(tensor: Any, where: str) -> np.ndarray:
                         "e.g. .float()") from None
 
 
-def _write_leaves(build_dir: Path, leaves: list[tuple[np.ndarray, str]]) -> np.ndarray:
+def _write_leaves(directory: _fs.DirHandle, leaves: list[tuple[np.ndarray, str]]
+                  ) -> np.ndarray:
     """Write each array to its own .npy file, in order; return the first."""
     for i, (array, _) in enumerate(leaves):
-        out = arrays.create_array(build_dir / file_name(i), array.shape, array.dtype)
+        out = arrays.create_array(directory, file_name(i), array.shape, array.dtype)
         if array.size:
             out[...] = array  # any memory layout in, C order out
-            out.flush()
+            arrays.flush(out)
         del out
     return leaves[0][0]
 

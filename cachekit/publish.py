@@ -17,7 +17,6 @@ other dead ones, or starts afresh.
 from __future__ import annotations
 
 import errno
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from .stores import Build, BuildState, LocalStore, Published
 
 POLL_SECONDS = 0.25
 WAIT_REPORT_SECONDS = 10.0
-_FAILURE_LIMIT = 64 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 ChunkCallback = build.ChunkCallback
@@ -175,14 +173,13 @@ def describe_builder(states: list[BuildState]) -> str:
 def _raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) -> None:
     """Re-raise a build failure recorded while this call waited (not before it asked, and
     never one dated in the future). A later call builds again: the files may be fixed."""
+    record = store.read_failure(key)
     try:
-        with _fs.open_regular(store.layout.failure_path(key)) as f:
-            record = json.loads(f.read(_FAILURE_LIMIT))
         failed_at, failures = record["time"], record["failures"]
         if not isinstance(failed_at, (int, float)) or not asked <= failed_at <= time.time():
             return
         rows = [(int(r), str(p), str(why)) for r, p, why in failures]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (ValueError, KeyError, TypeError, IndexError):
         return
     raise ImageDecodeError(rows)
 
@@ -191,9 +188,8 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
     """Tell the processes waiting for this build that it failed, and why, so that they
     raise the same error instead of each decoding every row again (K agents, one build)."""
     try:
-        _fs.write_json_atomic(store.layout.failure_path(key), {
-            "time": time.time(), **_fs.owner(), "failures": [list(f) for f in error.failures],
-        }, durable=False)
+        store.record_failure(key, {"time": time.time(), **_fs.owner(),
+                                   "failures": [list(f) for f in error.failures]})
     except OSError:
         pass  # waiters then build again and fail the same way: slower, still correct
 
@@ -231,8 +227,16 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
             raise _disk_full(e, store, key) from e
         raise
     if won:
-        _fs.remove_file(store.layout.failure_path(key))  # an earlier failure is history now
+        store.forget_failure(key)  # an earlier failure is history now
     return published
+
+
+def _checkpoint_of(store: LocalStore, state: BuildState) -> Optional[build.Checkpoint]:
+    try:
+        with store.open_build_dir(state) as directory:
+            return build.read_checkpoint(directory, DATA_FILE)
+    except OSError:
+        return None
 
 
 def _disk_full(error: OSError, store: LocalStore, key: str) -> OSError:
@@ -248,7 +252,7 @@ def _resume_dead_builds(store: LocalStore, current: Build) -> int:
     dead = [s for s in store.builds(current.key) if not s.alive and s.path != current.path]
     resumable: list[tuple[int, BuildState]] = []
     for state in dead:
-        checkpoint = build.read_checkpoint(state.path / DATA_FILE)
+        checkpoint = _checkpoint_of(store, state)
         if state.same_version and checkpoint is not None:
             resumable.append((checkpoint.done, state))
         else:
@@ -259,6 +263,6 @@ def _resume_dead_builds(store: LocalStore, current: Build) -> int:
             store.remove_dead(state)  # less advanced than the adopted one, or gone
             continue
         adopted = True
-        checkpoint = build.read_checkpoint(current.path / DATA_FILE)  # ours now
+        checkpoint = build.read_checkpoint(current.dir, DATA_FILE)  # ours now
         resumed = checkpoint.done if checkpoint is not None else 0
     return resumed

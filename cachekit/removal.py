@@ -21,7 +21,6 @@ from typing import Iterable, Optional
 
 from .maintenance import BUILDING, ORPHANED, EntryInfo, TempDir, resolve_keys, scan, temp_dir_info
 from .stores import LocalStore
-from .stores.local import delete_tree
 
 
 @dataclass(frozen=True)
@@ -61,13 +60,15 @@ class RemovalPlan:
     temp_dirs: tuple[TempDir, ...]
     skipped: tuple[Skipped, ...] = ()
     unused_since: dict[str, float] = field(default_factory=dict)
+    failure_records: tuple[str, ...] = ()
+    """Keys whose recorded build failure (``locks/KEY.failed.json``) goes too."""
 
     @property
     def bytes(self) -> int:
         return sum(e.bytes for e in self.entries) + sum(t.bytes for t in self.temp_dirs)
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.temp_dirs)
+        return len(self.entries) + len(self.temp_dirs) + len(self.failure_records)
 
     def execute(self) -> RemovalReport:
         """Remove everything in the plan that is still safe to remove."""
@@ -81,6 +82,11 @@ class RemovalPlan:
         for entry in self.entries:
             outcome = _remove_entry(self.store, entry, self.unused_since.get(entry.key))
             _sort(outcome, entry, removed_entries, skipped, failed)
+        for key in self.failure_records:
+            try:
+                self.store.forget_failure(key)
+            except OSError as e:
+                failed.append(Skipped(key, self.store.layout.failure_path(key), str(e)))
         return RemovalReport(tuple(removed_entries), tuple(removed_temps), tuple(skipped),
                              tuple(failed))
 
@@ -88,14 +94,16 @@ class RemovalPlan:
 def plan_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
                older_than: Optional[float] = None, now: Optional[float] = None) -> RemovalPlan:
     """Plan removing entries (all, or ``keys`` / unique prefixes), optionally only those not
-    used for ``older_than`` seconds, with their orphaned build directories and interrupted
-    removals. Live builds are listed as skipped.
+    used for ``older_than`` seconds, with their orphaned build directories, interrupted
+    removals and (unless ``older_than``) recorded build failures. Live builds are listed as
+    skipped.
     """
     found = scan(store)
     now = time.time() if now is None else now
+    failures = store.failure_keys()
     wanted: Optional[set[str]] = None
     if keys is not None:
-        known = [e.key for e in found.entries] + [t.key for t in found.temp_dirs]
+        known = [e.key for e in found.entries] + [t.key for t in found.temp_dirs] + failures
         wanted = set(resolve_keys(keys, known))
 
     def selected(key: str, used: float) -> bool:
@@ -104,8 +112,11 @@ def plan_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
     entries = tuple(e for e in found.entries if selected(e.key, e.last_used))
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
     unused_since = {e.key: e.last_used for e in entries} if older_than is not None else {}
+    records = () if older_than is not None else tuple(
+        k for k in failures if wanted is None or k in wanted)
     return RemovalPlan(store, entries, tuple(t for t in temps if t.removable),
-                       tuple(_skip_live(t) for t in temps if not t.removable), unused_since)
+                       tuple(_skip_live(t) for t in temps if not t.removable), unused_since,
+                       records)
 
 
 def plan_prune(store: LocalStore, max_bytes: int) -> RemovalPlan:
@@ -144,7 +155,7 @@ def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[fl
     try:
         if unused_since is not None and entry.path.stat().st_mtime > unused_since:
             return Skipped(entry.key, entry.path, "used since the plan was made")
-        if not store.remove(entry.path, entry.key):
+        if not store.remove_entry(entry.key):
             return Skipped(entry.key, entry.path, "already removed by another process")
     except FileNotFoundError:
         return Skipped(entry.key, entry.path, "already removed by another process")
@@ -158,14 +169,14 @@ def _remove_temp_dir(store: LocalStore, temp: TempDir):
     removal; a Skipped when it came alive, or is gone."""
     try:
         if temp.state != ORPHANED:
-            delete_tree(temp.path)
+            store.remove_temp(temp.path.name, temp.key)
             return None
         now = temp_dir_info(store, temp.path)
         if now is None:
             return Skipped(temp.key, temp.path, "already removed by another process")
         if now.state != ORPHANED:
             return _skip_live(now)
-        if not store.remove(temp.path, temp.key):
+        if not store.remove_temp(temp.path.name, temp.key):
             return Skipped(temp.key, temp.path, "already removed, or resumed, by another process")
     except OSError as e:
         return e

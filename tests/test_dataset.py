@@ -216,7 +216,7 @@ def test_pickle_is_small_whatever_the_rows(cache_root):
     rows = 100_000
 
     def build_zeros(current, on_chunk) -> publish.Built:
-        arrays.create_array(current.path / manifests.DATA_FILE, (rows, 3, 8, 8),
+        arrays.create_array(current.dir, manifests.DATA_FILE, (rows, 3, 8, 8),
                             np.dtype(np.uint8))
         return publish.Built(kind="map", rows=rows, files=((manifests.DATA_FILE, "numpy"),))
 

@@ -39,10 +39,11 @@ TARGETS = {
     "cachekit._fs.os.rename": OSError(errno.EIO, "Input/output error"),
     "cachekit._fs.os.posix_fallocate": OSError(errno.ENOSPC, "No space left on device"),
     "cachekit._fs.os.open": OSError(errno.EDQUOT, "Disk quota exceeded"),
-    "cachekit.arrays.np.lib.format.open_memmap": OSError(errno.ENOSPC, "No space left"),
-    "cachekit.arrays.checksum": OSError(errno.EIO, "Input/output error"),
+    "cachekit._fs.os.write": OSError(errno.ENOSPC, "No space left on device"),
+    "cachekit.arrays.os.ftruncate": OSError(errno.EFBIG, "File too large"),
+    "cachekit.arrays._checksum_of": OSError(errno.EIO, "Input/output error"),
     "cachekit.build.np.memmap.flush": OSError(errno.EIO, "Input/output error"),
-    "cachekit._fs.json.dump": OSError(errno.ENOSPC, "No space left on device"),
+    "cachekit._fs.json.dumps": OSError(errno.ENOSPC, "No space left on device"),
 }
 
 
@@ -210,7 +211,7 @@ DISK_FULL_CHILD = textwrap.dedent("""
 
     root, prealloc, paths = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
     if not prealloc:
-        cachekit._fs.preallocate = lambda path: None
+        cachekit._fs.preallocate_fd = lambda fd: None
     cache = cachekit.Cache(root, workers=2, progress=False, lock_timeout=0)
     report = {}
     try:

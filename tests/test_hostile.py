@@ -398,8 +398,10 @@ def test_entries_and_lock_files_follow_the_umask(tmp_path, cover_paths):
     shared = modes_under(tmp_path / "shared", "002", cover_paths[:2])
     for name in ("entries", "entry", "tmp", "locks"):
         assert shared[name][0] == "0o775", name
-    for name in ("data", "manifest", "soft lock", "os lock"):
+    for name in ("soft lock", "os lock"):  # every member opens a lock file to write
         assert shared[name][0] == "0o664", name
+    for name in ("data", "manifest"):  # nobody writes a published file again
+        assert shared[name][0] == "0o644", name
     private = modes_under(tmp_path / "private", "077", cover_paths[:2])
     for name in ("entries", "entry", "tmp", "locks"):
         assert private[name][0] == "0o700", name
@@ -418,5 +420,7 @@ def test_a_setgid_root_gives_every_entry_the_shared_group(tmp_path, cover_paths)
     modes = modes_under(root, "002", cover_paths[:2])
     for name in ("entries", "entry", "tmp", "locks"):
         assert modes[name] == ["0o2775", 4242], name
-    for name in ("data", "manifest", "soft lock", "os lock"):
+    for name in ("soft lock", "os lock"):
         assert modes[name] == ["0o664", 4242], name
+    for name in ("data", "manifest"):
+        assert modes[name] == ["0o644", 4242], name

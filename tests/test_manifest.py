@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import CacheCorruptError, arrays
+from cachekit import CacheCorruptError, _fs, arrays
 from cachekit import manifest as manifests
 
 
@@ -74,6 +74,6 @@ def test_a_bad_file_record_is_corrupt(cache, how):
 def test_a_manifest_is_never_written_over_an_existing_file(tmp_path, memoized):
     manifest = manifests.read(memoized)
     (tmp_path / manifests.MANIFEST_FILE).write_text("someone else's")
-    with pytest.raises(FileExistsError):
-        manifests.write(tmp_path, manifest)
+    with pytest.raises(FileExistsError), _fs.DirHandle.open(tmp_path) as directory:
+        manifests.write_at(directory, manifest)
     assert (tmp_path / manifests.MANIFEST_FILE).read_text() == "someone else's"

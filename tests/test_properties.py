@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachekit import build, keys, manifest as manifests
+from cachekit import _fs, build, keys, manifest as manifests
 
 # --- the key encoding ------------------------------------------------------------------------
 
@@ -190,7 +190,8 @@ def test_a_written_manifest_reads_back_equal(manifest):
     with tempfile.TemporaryDirectory() as tmp:
         entry_dir = Path(tmp) / manifest.key
         entry_dir.mkdir()
-        manifests.write(entry_dir, manifest)
+        with _fs.DirHandle.open(entry_dir) as directory:
+            manifests.write_at(directory, manifest)
         assert manifests.read(entry_dir) == manifest
         assert [p.name for p in entry_dir.iterdir()] == [manifests.MANIFEST_FILE]
 
@@ -223,15 +224,16 @@ def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):
     template = ((2,), np.dtype(np.int32)) if with_template else None
     if not with_template and len(bad) == n:
         bad = set(list(bad)[:-1])
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(build, "CHUNK_ROWS", chunk):
-        straight = build.fill(Path(tmp) / "straight.npy", list(range(n)), row,
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(build, "CHUNK_ROWS", chunk), \
+            _fs.DirHandle.open(tmp) as directory:
+        straight = build.fill(directory, "straight.npy", list(range(n)), row,
                               workers=workers, record=lambda exc: True, template=template)
         out = Path(tmp) / "resumed.npy"
         with pytest.raises(Stop):
-            build.fill(out, list(range(n)), lambda v: row(v, stop), workers=workers,
-                       record=lambda exc: True, template=template)
+            build.fill(directory, out.name, list(range(n)), lambda v: row(v, stop),
+                       workers=workers, record=lambda exc: True, template=template)
         computed.clear()
-        resumed = build.fill(out, list(range(n)), row, workers=workers,
+        resumed = build.fill(directory, out.name, list(range(n)), row, workers=workers,
                              record=lambda exc: True, template=template)
         kept = stop // chunk * chunk
         starts = (kept,) if with_template else (0, kept)

@@ -78,7 +78,7 @@ def rewrite(path: Path, **changes) -> None:
 
 
 def checkpoint_file(build_dir: Path) -> Path:
-    return build.checkpoint_path(build_dir / manifests.DATA_FILE)
+    return build_dir / build.checkpoint_name(manifests.DATA_FILE)
 
 
 def assert_correct(entry: cachekit.Entry) -> None:

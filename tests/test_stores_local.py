@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from cachekit import CacheCorruptError, arrays, liveness
+from cachekit import CacheCorruptError, _fs, arrays, liveness
 from cachekit import manifest as manifests
 from cachekit.stores import LocalStore
 from cachekit.stores.local import HEARTBEAT_FILE, JOURNAL_FILE
@@ -19,7 +19,7 @@ KEY = "ab" * 16
 def started(store: LocalStore):
     store.ensure_writable(KEY)
     build = store.begin(KEY)
-    out = arrays.create_array(build.path / manifests.DATA_FILE, (3, 2), np.dtype(np.int16))
+    out = arrays.create_array(build.dir, manifests.DATA_FILE, (3, 2), np.dtype(np.int16))
     out[:] = np.arange(6).reshape(3, 2)
     out.flush()
     return build
@@ -34,6 +34,7 @@ def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_ro
     build = started(store)
     (state,) = store.builds(KEY)
     assert state.alive and state.path == build.path
+    assert os.stat(build.path).st_mode & 0o022 == 0  # private: no group or other write
     assert {HEARTBEAT_FILE, JOURNAL_FILE} <= set(os.listdir(build.path))
     files = store.seal(build, [(manifests.DATA_FILE, "numpy")])
     assert files[0].shape == (3, 2) and files[0].dtype == "<i2"
@@ -42,6 +43,7 @@ def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_ro
                                                           manifests.MANIFEST_FILE]
     assert store.lookup(KEY).manifest == published.manifest
     assert store.builds(KEY) == [] and str(build.path) not in liveness._BEATING_HERE
+    assert oct(os.stat(published.path).st_mode & 0o777) == oct(0o777 & ~_fs.umask())
 
 
 def test_a_stray_file_in_a_build_directory_stops_the_commit(cache_root):
@@ -87,5 +89,6 @@ def test_remove_never_follows_a_symlink(cache_root, tmp_path):
     precious.mkdir()
     (precious / "keep").write_text("mine")
     os.symlink(precious, store.layout.entry_dir(KEY))
-    assert store.remove(store.layout.entry_dir(KEY), KEY) is False
+    assert store.remove_entry(KEY) is True  # the planted link is unlinked
     assert (precious / "keep").read_text() == "mine"
+    assert not os.path.lexists(store.layout.entry_dir(KEY))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ HEARTBEAT_FILE = "heartbeat"
 DELETING_PREFIX = "deleting."
 _CLAIMED = "claimed"
 _JOURNAL_LIMIT = 1 << 20
+_FAILURE_LIMIT = 64 << 20
 
 
 def default_root() -> Path:
@@ -112,6 +115,7 @@ class BuildState:
     journal: Optional[dict[str, Any]]
     heartbeat: float
     alive: bool
+    uid: int = -1
 
     @property
     def abandoned(self) -> bool:
@@ -136,20 +140,25 @@ class BuildState:
 
 
 class Build:
-    """A build directory this process owns. Its heartbeat beats from :meth:`LocalStore.begin`
-    until it is committed, abandoned or discarded."""
+    """A build directory this process owns, open as ``dir``: every file of the build is made
+    through that handle. Its heartbeat beats from :meth:`LocalStore.begin` until it is
+    committed, abandoned or discarded."""
 
-    def __init__(self, key: str, path: Path, journal: dict[str, Any], beat_fd: int) -> None:
+    def __init__(self, key: str, tmp: _fs.DirHandle, name: str, directory: _fs.DirHandle,
+                 journal: dict[str, Any], beat_fd: int) -> None:
         self.key = key
-        self.path = path
+        self.name = name
+        self.tmp = tmp
+        self.dir = directory
+        self.path = directory.path
         self.journal = journal
         self._beat_fd: Optional[int] = beat_fd
-        self._heartbeat = liveness.Heartbeat(beat_fd, where=path).start()
+        self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
 
     def progress(self, done: int, total: int) -> None:
         """Record rows done, for the messages of processes that wait for this build."""
         self.journal.update(done=done, total=total, updated=time.time())
-        _write_journal(self.path, self.journal)
+        self.dir.replace_json(JOURNAL_FILE, self.journal)
 
     def stop(self) -> None:
         """Stop the heartbeat (idempotent)."""
@@ -158,21 +167,44 @@ class Build:
             os.close(self._beat_fd)
             self._beat_fd = None
 
+    def close(self) -> None:
+        self.stop()
+        self.dir.close()
+        self.tmp.close()
+
     def abandon(self) -> None:
         """Leave the directory for any later builder to resume (best effort)."""
         self.stop()
         try:
-            _write_journal(self.path, {**self.journal, "abandoned": True})
+            self.dir.replace_json(JOURNAL_FILE, {**self.journal, "abandoned": True})
         except OSError:
-            _fs.remove_tree(self.path)
+            self._remove()
+        self.close()
 
     def discard(self) -> None:
         self.stop()
-        _fs.remove_tree(self.path)
+        self._remove()
+        self.close()
+
+    def _remove(self) -> None:
+        """Delete our directory, by name only while the name is still ours."""
+        try:
+            if _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd)):
+                self.tmp.remove_tree(self.name)
+                return
+        except FileNotFoundError:
+            pass
+        for name in self.dir.names():  # renamed away by someone: empty it where it is
+            self.dir.remove_tree(name)
 
 
 class LocalStore:
-    """Entries under one cache root: lookup, begin, commit, remove, scan."""
+    """Entries under one cache root: lookup, begin, commit, remove, scan.
+
+    The root's ``entries/``, ``tmp/`` and ``locks/`` must be real directories: each is
+    opened with ``O_DIRECTORY|O_NOFOLLOW`` for every operation, and all that happens inside
+    happens through those handles, so no planted symlink is ever written or deleted through.
+    """
 
     def __init__(self, root: Path) -> None:
         self.layout = Layout(Path(root))
@@ -180,6 +212,34 @@ class LocalStore:
     @property
     def root(self) -> Path:
         return self.layout.root
+
+    def _open(self, name: str, *, create: bool = False) -> _fs.DirHandle:
+        """The root's folder ``name`` (entries, tmp or locks), made when ``create``.
+
+        FileNotFoundError when it does not exist; CacheCorruptError when it is a symlink or
+        not a directory."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        with _fs.DirHandle.open(self.root, follow=True) as root:
+            if create:
+                try:
+                    root.mkdir(name, _fs.shared_dir_mode())
+                except FileExistsError:
+                    pass
+            try:
+                return root.child(name)
+            except OSError as e:
+                if e.errno not in manifests.NOT_A_FILE_ERRNOS:
+                    raise
+                raise CacheCorruptError(root.path / name, "it is a symlink or not a directory; "
+                                        "cachekit never follows one (remove it, and cachekit "
+                                        "makes a real directory)") from None
+
+    def _open_if_any(self, name: str) -> Optional[_fs.DirHandle]:
+        try:
+            return self._open(name)
+        except FileNotFoundError:
+            return None
 
     # Lookup ------------------------------------------------------------------------------
 
@@ -189,14 +249,28 @@ class LocalStore:
         CacheCorruptError when the entry exists but its manifest is missing or bad.
         """
         entry_dir = self.layout.entry_dir(key)
-        try:
-            found = manifests.read(entry_dir)
-        except FileNotFoundError:
-            if entry_dir.is_dir():  # published entries always hold their manifest
+        entries = self._open_if_any("entries")
+        if entries is None:
+            return None
+        with entries:
+            try:
+                entry = entries.child(key)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if e.errno not in manifests.NOT_A_FILE_ERRNOS:
+                    raise
+                raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
+        with entry:
+            try:
+                found = manifests.read_at(entry, key)
+            except FileNotFoundError:
                 raise CacheCorruptError(entry_dir / manifests.MANIFEST_FILE,
                                         "the manifest is missing") from None
-            return None
-        mark_used(entry_dir)
+            try:
+                entry.touch()  # the last use, for prune; the entry itself is not rewritten
+            except OSError:
+                pass  # a read-only or foreign-owned cache root must still serve hits
         return Published(entry_dir, found)
 
     def still_published(self, published: Published) -> bool:
@@ -211,8 +285,8 @@ class LocalStore:
     def ensure_writable(self, key: str) -> None:
         """Create the root's folders; ReadOnlyCacheError when a build could not be stored."""
         try:
-            for directory in (self.layout.entries, self.layout.tmp, self.layout.locks):
-                directory.mkdir(parents=True, exist_ok=True)
+            for name in ("entries", "tmp", "locks"):
+                self._open(name, create=True).close()
             if not (os.access(self.layout.locks, os.W_OK) and os.access(self.layout.tmp, os.W_OK)):
                 raise PermissionError
         except PermissionError:
@@ -224,65 +298,120 @@ class LocalStore:
 
     def builds(self, key: str) -> list[BuildState]:
         """Every build directory of ``key`` under ``tmp/``, live or dead."""
-        try:
-            names = sorted(n for n in os.listdir(self.layout.tmp) if n.startswith(f"{key}."))
-        except FileNotFoundError:
+        tmp = self._open_if_any("tmp")
+        if tmp is None:
             return []
-        states = (self.build_state(self.layout.tmp / name) for name in names)
-        return [s for s in states if s is not None and s.key == key]
+        with tmp:
+            states = (self._state(tmp, n) for n in tmp.names() if n.startswith(f"{key}."))
+            return [s for s in states if s is not None and s.key == key]
 
     def build_state(self, path: Path) -> Optional[BuildState]:
-        """Describe the build directory ``path``; None when it is gone or not a build."""
-        key, host, pid = parse_build_dir_name(path.name)
-        if key is None or not _fs.is_plain_dir(path):
+        """Describe the build directory ``tmp/NAME``; None when it is gone or not a build."""
+        tmp = self._open_if_any("tmp")
+        if tmp is None:
             return None
-        journal = read_journal(path)
+        with tmp:
+            return self._state(tmp, path.name)
+
+    def _state(self, tmp: _fs.DirHandle, name: str) -> Optional[BuildState]:
+        key, host, pid = parse_build_dir_name(name)
+        if key is None:
+            return None
+        try:
+            directory = tmp.child(name)
+        except OSError:
+            return None  # gone, a symlink or a file: not a build of ours to judge
+        with directory:
+            journal = read_journal(directory)
+            try:
+                heartbeat = directory.lstat(HEARTBEAT_FILE).st_mtime
+            except FileNotFoundError:  # between making the directory and the file
+                heartbeat = os.fstat(directory.fd).st_mtime
+            uid = os.fstat(directory.fd).st_uid
         owner = journal if journal and "host" in journal and "pid" in journal else \
             {"host": host, "pid": pid}
-        try:
-            heartbeat = _heartbeat_time(path)
-        except FileNotFoundError:
-            return None
-        alive = liveness.is_alive(owner, heartbeat, where=path,
+        alive = liveness.is_alive(owner, heartbeat, where=directory.path,
                                   abandoned=bool(journal and journal.get("abandoned") is True))
-        return BuildState(key, path, dict(owner), journal, heartbeat, alive)
+        return BuildState(key, directory.path, dict(owner), journal, heartbeat, alive, uid)
 
     def begin(self, key: str) -> Build:
-        """A fresh private build directory for ``key``, its heartbeat beating."""
-        path = self.layout.tmp / f"{self.layout.entry_dir(key).name}.{_fs.unique_suffix()}"
-        path.mkdir()
+        """A fresh build directory for ``key``, private to this process (no group or other
+        write), its heartbeat beating."""
+        name = f"{self.layout.entry_dir(key).name}.{_fs.unique_suffix()}"
+        tmp = self._open("tmp", create=True)
         try:
-            beat_fd = _fs.create_held_file(path / HEARTBEAT_FILE)
+            tmp.mkdir(name, _fs.private_dir_mode())
+            try:
+                directory = tmp.child(name)
+            except BaseException:
+                tmp.remove_tree(name)
+                raise
+        except BaseException:
+            tmp.close()
+            raise
+        try:
+            beat_fd = directory.create(HEARTBEAT_FILE)
             journal = {"key": key, "format": manifests.FORMAT_VERSION,
                        "cachekit_version": __version__, **_fs.owner(), "started": time.time()}
-            _write_journal(path, journal)
+            directory.replace_json(JOURNAL_FILE, journal)
         except BaseException:
-            _fs.remove_tree(path)
+            tmp.remove_tree(name)
+            directory.close()
+            tmp.close()
             raise
-        return Build(key, path, journal, beat_fd)
+        return Build(key, tmp, name, directory, journal, beat_fd)
+
+    def open_build_dir(self, state: BuildState) -> _fs.DirHandle:
+        """Open another process's build directory to read it (never a symlink)."""
+        with self._open("tmp") as tmp:
+            return tmp.child(state.path.name)
 
     def adopt(self, build: Build, dead: BuildState) -> bool:
-        """Move a dead build's data files and checkpoints into ``build`` to resume from.
+        """Bring a dead build's data file and checkpoint into ``build`` to resume from.
 
-        The dead directory is claimed by renaming it into ``build``'s own directory, so of
-        two processes adopting it at once exactly one gets it, and from that instant it is
-        covered by this build's heartbeat. False when another process claimed it first.
+        A dead build of this user is claimed by renaming its directory into ``build``'s own,
+        so of two processes adopting it at once exactly one gets it, and from that instant
+        it is covered by this build's heartbeat. Another user's directory cannot be moved
+        (nor written), so its finished chunks are copied. False when it was gone.
         """
-        claimed = build.path / _CLAIMED
-        if not self._claim(dead.path, claimed):
+        if dead.uid != os.geteuid():
+            return self._copy_resumable(build, dead)
+        try:
+            build.tmp.rename(dead.path.name, build.dir, _CLAIMED)
+        except FileNotFoundError:
             return False
-        for name in os.listdir(claimed):
-            if _is_resumable_file(name) and os.path.isfile(claimed / name) \
-                    and not os.path.islink(claimed / name):
-                os.rename(claimed / name, build.path / name)
-        _fs.remove_tree(claimed)
+        try:
+            claimed = build.dir.child(_CLAIMED)
+        except OSError:
+            build.dir.remove_tree(_CLAIMED)  # swapped for a symlink meanwhile: unlinked
+            return False
+        with claimed:
+            for name in claimed.names():
+                if _is_resumable_file(name) and stat.S_ISREG(claimed.lstat(name).st_mode):
+                    claimed.rename(name, build.dir, name)
+        build.dir.remove_tree(_CLAIMED)
+        return True
+
+    def _copy_resumable(self, build: Build, dead: BuildState) -> bool:
+        try:
+            with _fs.DirHandle.open(dead.path.name, parent=build.tmp) as source:
+                for name in source.names():
+                    if _is_resumable_file(name):
+                        with source.open_file(name) as f:
+                            fd = build.dir.create(name)
+                            with os.fdopen(fd, "wb") as out:
+                                shutil.copyfileobj(f, out, arrays.CHECKSUM_BLOCK)
+        except FileNotFoundError:
+            return False
+        self.remove_dead(dead)  # best effort: another user's files are theirs to remove
         return True
 
     def remove_dead(self, dead: BuildState) -> None:
         """Remove a dead build's directory (claimed first, so only one process does)."""
-        trash = self._trash_path(dead.key)
-        if self._claim(dead.path, trash):
-            _fs.remove_tree(trash)
+        try:
+            self.remove_temp(dead.path.name, dead.key)
+        except PermissionError:
+            pass  # another user's: `cachekit clear` reports it, and its owner can remove it
 
     def seal(self, build: Build, files: Iterable[tuple[str, str]]) -> tuple[FileRecord, ...]:
         """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in
@@ -291,10 +420,7 @@ class LocalStore:
         for index, (name, kind) in enumerate(files):
             if name != manifests.file_name(index):
                 raise ValueError(f"file {index} of a build must be {manifests.file_name(index)}")
-            path = build.path / name
-            shape, dtype = arrays.read_header(path)  # header and size agree
-            _fs.fsync_file(path)
-            size, digest = arrays.checksum(path)
+            shape, dtype, size, digest = arrays.seal(build.dir, name)
             records.append(FileRecord(name, shape, dtype.str, size, digest, kind))
         return tuple(records)
 
@@ -302,104 +428,136 @@ class LocalStore:
         """Publish ``build`` with ``manifest`` (its files sealed); (entry, True) when this
         build's rename won, (the entry another builder published first, False) otherwise."""
         listed = {f.name for f in manifest.files}
-        stray = [n for n in os.listdir(build.path) if n not in listed and not _is_build_state(n)]
+        stray = [n for n in build.dir.names() if n not in listed and not _is_build_state(n)]
         if stray:
             raise CacheCorruptError(build.path, f"unexpected files {sorted(stray)[:5]} in the "
                                                 "build directory; nothing was published")
-        manifests.write(build.path, manifest)  # the last file written
+        manifests.write_at(build.dir, manifest)  # the last file written
         build.stop()
-        for name in os.listdir(build.path):  # from here to the rename a crash means rebuilding
+        for name in build.dir.names():  # from here to the rename a crash means rebuilding
             if _is_build_state(name):
-                _fs.remove_file(build.path / name)
-        _fs.fsync_dir(build.path)
-        entry_dir = self.layout.entry_dir(build.key)
-        if not _fs.rename_dir_no_replace(build.path, entry_dir):
-            _fs.remove_tree(build.path)  # another builder won the race: use its entry
+                build.dir.unlink(name)
+        build.dir.fsync()
+        # Any member of the group may now remove it; nobody writes in it. (A setgid bit
+        # inherited from the root stays: fchmod would clear it.)
+        build.dir.chmod(_fs.shared_dir_mode() | (os.fstat(build.dir.fd).st_mode & stat.S_ISGID))
+        mine = os.fstat(build.dir.fd)
+        if not _fs.same_file(build.tmp.lstat(build.name), mine):
+            raise CacheCorruptError(build.path, "the build directory was replaced by another "
+                                                "process; nothing was published")
+        with self._open("entries", create=True) as entries:
+            try:
+                build.tmp.rename(build.name, entries, build.key)
+                won = True
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                won = False
+            if won and not _fs.same_file(entries.lstat(build.key), mine):
+                entries.remove_tree(build.key)  # swapped in between: never publish that
+                raise CacheCorruptError(build.path, "the build directory was replaced by "
+                                                    "another process; nothing was published")
+            if won:
+                try:
+                    entries.fsync()  # makes the rename durable; it is already visible
+                except OSError:
+                    pass  # the entry is complete either way; a power cut may cost a rebuild
+        if not won:
+            build.discard()  # another builder won the race: use its entry
             winner = self.lookup(build.key)
             if winner is None:
                 raise FileNotFoundError(f"entry {build.key} vanished after another builder "
                                         "published it")
             return winner, False
+        build.close()
+        return Published(self.layout.entry_dir(build.key), manifest), True
+
+    # Failure records ---------------------------------------------------------------------
+
+    def record_failure(self, key: str, record: dict[str, Any]) -> None:
+        with self._open("locks", create=True) as locks:
+            locks.replace_json(self.layout.failure_path(key).name, record)
+
+    def read_failure(self, key: str) -> Optional[Any]:
+        """The failure record of ``key`` as parsed JSON, or None when absent or unreadable."""
         try:
-            _fs.fsync_dir(self.layout.entries)  # makes the rename durable; it is visible
-        except OSError:
-            pass  # the entry is complete either way; a power cut may only cost a rebuild
-        return Published(entry_dir, manifest), True
+            with self._open("locks") as locks, \
+                    locks.open_file(self.layout.failure_path(key).name) as f:
+                return json.loads(f.read(_FAILURE_LIMIT))
+        except (OSError, ValueError, RecursionError):
+            return None
+
+    def failure_keys(self) -> list[str]:
+        """Keys with a recorded build failure."""
+        suffix = self.layout.failure_path("0" * 32).name[32:]
+        return [p.name[:-len(suffix)] for p in self._names("locks")
+                if p.name.endswith(suffix) and is_key(p.name[:-len(suffix)])]
+
+    def forget_failure(self, key: str) -> None:
+        try:
+            with self._open("locks") as locks:
+                locks.unlink(self.layout.failure_path(key).name)
+        except FileNotFoundError:
+            pass
 
     # Removal -----------------------------------------------------------------------------
 
-    def remove(self, path: Path, key: str) -> bool:
-        """Remove an entry or dead build directory: renamed into ``tmp/deleting.*`` first
-        (readers see all of it or none; processes that mapped it keep their bytes), then
-        deleted. False when it was already gone."""
-        trash = self._trash_path(key)
-        if not self._claim(path, trash):
-            return False
-        delete_tree(trash)
-        return True
+    def remove_entry(self, key: str) -> bool:
+        """Remove a published entry: renamed into ``tmp/deleting.*`` first (readers see all
+        of it or none; processes that mapped it keep their bytes), then deleted. False when
+        it was already gone. A planted symlink is unlinked, never followed."""
+        with self._open("entries") as entries, self._open("tmp", create=True) as tmp:
+            return self._move_out_and_delete(entries, key, tmp, key)
 
-    def _trash_path(self, key: str) -> Path:
-        self.layout.tmp.mkdir(parents=True, exist_ok=True)
-        return self.layout.tmp / f"{DELETING_PREFIX}{key}.{_fs.unique_suffix()}"
+    def remove_temp(self, name: str, key: str) -> bool:
+        """Remove the build directory or leftover ``tmp/NAME`` the same way."""
+        with self._open("tmp") as tmp:
+            return self._move_out_and_delete(tmp, name, tmp, key)
 
     @staticmethod
-    def _claim(path: Path, to: Path) -> bool:
-        if not _fs.is_plain_dir(path):
-            return False  # a symlink is never followed, nor made ours
+    def _move_out_and_delete(parent: _fs.DirHandle, name: str, tmp: _fs.DirHandle,
+                             key: str) -> bool:
         try:
-            os.rename(path, to)
+            st = parent.lstat(name)
         except FileNotFoundError:
             return False
+        if not stat.S_ISDIR(st.st_mode):
+            parent.unlink(name)  # a symlink or file where a directory belongs: just the link
+            return True
+        trash = f"{DELETING_PREFIX}{key}.{_fs.unique_suffix()}"
+        try:
+            parent.rename(name, tmp, trash)
+        except FileNotFoundError:
+            return False
+        tmp.remove_tree(trash)
         return True
 
     # Scan --------------------------------------------------------------------------------
 
     def entry_dirs(self) -> list[Path]:
         """Everything directly under ``entries/`` (the caller tells entries from strays)."""
-        return _children(self.layout.entries)
+        return self._names("entries")
 
     def temp_dirs(self) -> list[Path]:
         """Everything directly under ``tmp/``."""
-        return _children(self.layout.tmp)
+        return self._names("tmp")
+
+    def _names(self, folder: str) -> list[Path]:
+        directory = self._open_if_any(folder)
+        if directory is None:
+            return []
+        with directory:
+            return [directory.path / name for name in directory.names()]
 
 
-def delete_tree(path: Path) -> None:
-    """Delete ``path``; retry once when another remover raced us and rmtree stopped early."""
-    _fs.remove_tree(path)
-    if os.path.lexists(path):
-        _fs.remove_tree(path)
-
-
-def mark_used(entry_dir: Path) -> None:
-    """Record a use as the entry directory's mtime (prune removes the least recently used
-    first): one syscall, no lock, the immutable entry is not rewritten."""
-    try:
-        os.utime(entry_dir)
-    except OSError:
-        pass  # a read-only or foreign-owned cache root must still serve hits
-
-
-def read_journal(build_dir: Path) -> Optional[dict[str, Any]]:
+def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
     """The journal of a build directory (owner, key, progress), or None when unreadable."""
     try:
-        with _fs.open_regular(build_dir / JOURNAL_FILE) as f:
+        with directory.open_file(JOURNAL_FILE) as f:
             journal = json.loads(f.read(_JOURNAL_LIMIT))
     except (OSError, ValueError, RecursionError):
         return None
     return journal if isinstance(journal, dict) else None
-
-
-def _write_journal(build_dir: Path, journal: dict[str, Any]) -> None:
-    _fs.write_json_atomic(build_dir / JOURNAL_FILE, journal, durable=False)
-
-
-def _heartbeat_time(build_dir: Path) -> float:
-    """The builder's last heartbeat: the heartbeat file's mtime, or, in the instant between
-    creating the directory and the file, the directory's own."""
-    try:
-        return os.lstat(build_dir / HEARTBEAT_FILE).st_mtime
-    except FileNotFoundError:
-        return os.lstat(build_dir).st_mtime
 
 
 def _is_build_state(name: str) -> bool:
@@ -410,13 +568,6 @@ def _is_build_state(name: str) -> bool:
 
 def _is_resumable_file(name: str) -> bool:
     return name == manifests.DATA_FILE or name == manifests.DATA_FILE + CHECKPOINT_SUFFIX
-
-
-def _children(directory: Path) -> list[Path]:
-    try:
-        return sorted(directory / name for name in os.listdir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def _is_count(value: Any) -> bool:
