@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from .. import _fs, arrays, liveness
 from ..build import CHECKPOINT_SUFFIX
 from .. import manifest as manifests
 from .._version import __version__
-from ..errors import CacheCorruptError, ReadOnlyCacheError
+from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
 from ..manifest import FileRecord, Manifest
 
@@ -186,7 +187,10 @@ class LocalStore:
     def lookup(self, key: str) -> Optional[Published]:
         """The published entry for ``key``, or None. Takes no lock; records the use.
 
-        CacheCorruptError when the entry exists but its manifest is missing or bad.
+        CacheCorruptError when the entry exists but its manifest is missing or bad. With
+        ``CACHEKIT_SIGNING_KEY`` set, an entry without a valid signature is refused: it is
+        removed, with a note on stderr, and this returns None, so that the caller builds and
+        publishes a signed entry in its place (UnsignedEntryError when it cannot be removed).
         """
         entry_dir = self.layout.entry_dir(key)
         try:
@@ -196,8 +200,34 @@ class LocalStore:
                 raise CacheCorruptError(entry_dir / manifests.MANIFEST_FILE,
                                         "the manifest is missing") from None
             return None
+        except UnsignedEntryError as refused:
+            self._remove_refused(entry_dir, key, refused)
+            return None
         mark_used(entry_dir)
         return Published(entry_dir, found)
+
+    def _remove_refused(self, entry_dir: Path, key: str, refused: UnsignedEntryError) -> None:
+        """Move the refused entry at ``entry_dir`` out of the way and delete it.
+
+        Claimed by a rename first, then read again: if another process replaced it with a
+        validly signed entry between our read and the rename, that one is put back instead.
+        """
+        try:
+            trash = self._trash_path(key)
+            claimed = self._claim(entry_dir, trash)
+        except OSError:
+            raise refused from None  # e.g. a read-only root: this process cannot replace it
+        if not claimed:
+            return  # another process removed it first
+        try:
+            manifests.read(trash, key)
+            if _fs.rename_dir_no_replace(trash, entry_dir):
+                return  # a signed entry, published meanwhile: keep it
+        except (OSError, ValueError):
+            pass  # still refused (or unreadable): delete it
+        delete_tree(trash)
+        print(f"cachekit: refused entry {key[:12]}: {refused.reason}; removed it, a signed "
+              "entry is built in its place", file=sys.stderr, flush=True)
 
     def still_published(self, published: Published) -> bool:
         """Whether ``published`` is still the entry under its key (not cleared meanwhile)."""
@@ -313,13 +343,17 @@ class LocalStore:
                 _fs.remove_file(build.path / name)
         _fs.fsync_dir(build.path)
         entry_dir = self.layout.entry_dir(build.key)
-        if not _fs.rename_dir_no_replace(build.path, entry_dir):
-            _fs.remove_tree(build.path)  # another builder won the race: use its entry
-            winner = self.lookup(build.key)
-            if winner is None:
-                raise FileNotFoundError(f"entry {build.key} vanished after another builder "
-                                        "published it")
-            return winner, False
+        for _ in range(3):
+            if _fs.rename_dir_no_replace(build.path, entry_dir):
+                break
+            winner = self.lookup(build.key)  # another builder won the race: use its entry,
+            if winner is not None:  # unless it is refused (not signed with our key)
+                _fs.remove_tree(build.path)
+                return winner, False
+        else:
+            _fs.remove_tree(build.path)
+            raise FileNotFoundError(f"entry {build.key} vanished after another builder "
+                                    "published it")
         try:
             _fs.fsync_dir(self.layout.entries)  # makes the rename durable; it is visible
         except OSError:
