@@ -13,6 +13,7 @@ from .errors import (
     ImageDecodeError,
     LockTimeout,
     ReadOnlyCacheError,
+    UnsignedEntryError,
 )
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "ImageDecodeError",
     "LockTimeout",
     "ReadOnlyCacheError",
+    "UnsignedEntryError",
     "__version__",
 ]

@@ -8,6 +8,8 @@
     +-- NotAnArrayError (TypeError)     a map function returned something that is not an array
     +-- CacheCorruptError (OSError)     an entry on disk disagrees with its manifest
     |   +-- DatasetCorruptError         ... found where a torch Dataset reads its rows
+    |   +-- UnsignedEntryError          ... has no valid signature while CACHEKIT_SIGNING_KEY
+    |                                       is set (see :mod:`cachekit.signing`)
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
 
@@ -83,6 +85,26 @@ class CacheCorruptError(CachekitError, OSError):
         super().__init__(
             f"corrupt cache entry {self.path}: {reason}; "
             "remove it with `cachekit clear KEY` and it will be rebuilt on next use"
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.path, self.reason))
+
+
+class UnsignedEntryError(CacheCorruptError):
+    """``CACHEKIT_SIGNING_KEY`` is set and the manifest at ``path`` is not signed with it
+    (no signature, or one that does not match). A cache hit refuses such an entry, removes
+    it and builds its own; ``ls`` and ``verify`` report it as a problem."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        OSError.__init__(
+            self,
+            f"refused cache entry {self.path}: {reason}; the entry was not written with this "
+            "key: set the same CACHEKIT_SIGNING_KEY for every process that "
+            "writes this cache root, or unset it to accept unsigned entries; "
+            "`cachekit clear KEY` removes the entry (the next use builds it again, signed)"
         )
 
     def __reduce__(self):  # type: ignore[override]

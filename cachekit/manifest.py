@@ -9,6 +9,15 @@ file's, for people and tools that read ``entry.manifest``; reading checks that t
 A manifest is untrusted input (another process, user or host may have written it): every
 field is type-checked, file names come from a fixed set (never a path), and numbers that
 size an allocation are checked against the data file before use (see :mod:`cachekit.arrays`).
+
+With ``CACHEKIT_SIGNING_KEY`` set, :func:`dumps` (and so :func:`write`) adds a
+``"signature"`` field, and :func:`loads` (and so :func:`read`: every hit, ``ls``, ``info``
+and ``verify``) checks it before any other field, raising
+:class:`~cachekit.errors.UnsignedEntryError` when it is missing or wrong; see
+:mod:`cachekit.signing` for what is signed. Without the key a signature is not checked.
+The signature belongs to the file, not to the :class:`Manifest`: it is not a dataclass field
+(it is computed from the other fields), so equality and the JSON round trip do not depend on
+whether, or with which key, a manifest was signed.
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _fs
-from .errors import CacheCorruptError, Failure
+from . import _fs, signing
+from .errors import CacheCorruptError, Failure, UnsignedEntryError
 from .keys import is_key
 
 FORMAT_VERSION = 2
@@ -105,7 +114,8 @@ class Manifest:
         return replace(self, key=key)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object written to ``manifest.json`` (also ``entry.manifest``)."""
+        """The JSON object written to ``manifest.json`` (also ``entry.manifest``), without
+        the ``"signature"`` field that :func:`dumps` adds when a signing key is set."""
         out: dict[str, Any] = {
             "format": self.format, "key": self.key, "kind": self.kind, "rows": self.rows,
             "shape": list(self.shape), "dtype": self.files[0].dtype,
@@ -126,8 +136,9 @@ class Manifest:
         return _parse(raw, path, key)
 
 
-def read(entry_dir: Path) -> Manifest:
-    """Parse and check ``entry_dir/manifest.json``.
+def read(entry_dir: Path, key: Optional[str] = None) -> Manifest:
+    """Parse and check ``entry_dir/manifest.json``; ``key``: the key it must name (default:
+    the directory's name).
 
     FileNotFoundError when there is no entry or no manifest; CacheCorruptError when the
     entry is a symlink, or the manifest unreadable, malformed, a symlink or not a file;
@@ -140,7 +151,7 @@ def read(entry_dir: Path) -> Manifest:
             raise
         raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
     with directory:
-        return read_at(directory, entry_dir.name)
+        return read_at(directory, entry_dir.name if key is None else key)
 
 
 def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
@@ -159,19 +170,37 @@ def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
 
 
 def loads(raw: bytes, path: Path, key: Optional[str] = None) -> Manifest:
-    """Parse manifest bytes read from ``path`` (a local file or a remote object)."""
+    """Parse manifest bytes read from ``path`` (a local file or a remote object).
+
+    With ``CACHEKIT_SIGNING_KEY`` set, UnsignedEntryError (a CacheCorruptError) unless the
+    parsed object carries a valid signature; checked before any other field.
+    """
     if len(raw) > MANIFEST_LIMIT:
         raise CacheCorruptError(path, f"manifest is larger than {MANIFEST_LIMIT} bytes")
     try:
         parsed = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
+    secret = signing.key()
+    if secret is not None:
+        reason = signing.problem(parsed, secret)
+        if reason is not None:
+            raise UnsignedEntryError(path, reason)
     return Manifest.from_json(parsed, path, key)
 
 
 def dumps(manifest: Manifest) -> bytes:
-    """The bytes of ``manifest.json`` for ``manifest``."""
-    return (json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode()
+    """The bytes of ``manifest.json`` for ``manifest``, signed when CACHEKIT_SIGNING_KEY is
+    set."""
+    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True)
+    secret = signing.key()
+    if secret is not None:
+        # Sign the object as a reader will parse it back (JSON has string keys only, and
+        # lists for tuples), so writer and reader canonicalize the same object.
+        parsed = json.loads(text)
+        parsed[signing.FIELD] = signing.sign(signing.canonical(parsed), secret)
+        text = json.dumps(parsed, indent=1, sort_keys=True)
+    return (text + "\n").encode()
 
 
 def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:

@@ -44,10 +44,9 @@ ZYGOTE = textwrap.dedent(r'''
     from cachekit.stores import local
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed children
-    real = {"load": images.load_image, "fsync_file": _fs.fsync_file, "checksum": arrays.checksum,
-            "write_manifest": manifests.write, "rename": _fs.rename_dir_no_replace,
-            "fsync_dir": _fs.fsync_dir, "claim": local.LocalStore._claim,
-            "begin": local.LocalStore.begin}
+    real = {"load": images.load_image, "seal": arrays.seal, "checksum": arrays._checksum_of,
+            "write_manifest": manifests.write_at, "rename": _fs.DirHandle.rename,
+            "fsync": _fs.DirHandle.fsync, "begin": local.LocalStore.begin}
 
     def run(job):
         root, point, chunk = Path(job["root"]), job["point"], job["chunk"]
@@ -91,44 +90,40 @@ ZYGOTE = textwrap.dedent(r'''
             decoded.append(row)
             return real["load"](path, *args, **kwargs)
 
-        fsyncs = []
-        def fsync_file(path):
-            if not fsyncs:
-                fsyncs.append(path)
-                reach("fsync")
-            return real["fsync_file"](path)
+        def seal(directory, name):  # fsyncs, then checksums, each data file
+            reach("fsync")
+            return real["seal"](directory, name)
 
-        def checksum(path):
+        def checksum(f):
             reach("checksum")
-            return real["checksum"](path)
+            return real["checksum"](f)
 
-        def write_manifest(build_dir, manifest):
+        def write_manifest(directory, manifest):
             reach("manifest")
-            real["write_manifest"](build_dir, manifest)
+            real["write_manifest"](directory, manifest)
             reach("manifest-written")
 
-        def rename(src, dst):
-            reach("rename")
-            barrier("rename")
-            return real["rename"](src, dst)
+        def rename(directory, name, to, new_name):
+            if to.path.name == "entries":  # the rename that publishes
+                reach("rename")
+                barrier("rename")
+            if new_name == "claimed":  # a dead build claimed for resuming
+                barrier("claim")
+            return real["rename"](directory, name, to, new_name)
 
-        def claim(path, to):
-            barrier("claim")
-            return real["claim"](path, to)
+        def fsync_dir(directory):
+            real["fsync"](directory)
+            if directory.path == root / "entries":
+                reach("published")
 
         def begin(store, key):
             barrier("begin")  # every builder has looked for live builds and found none
             return real["begin"](store, key)
 
-        def fsync_dir(path):
-            real["fsync_dir"](path)
-            if Path(path) == root / "entries":
-                reach("published")
-
         images.load_image = load
-        _fs.fsync_file, arrays.checksum, manifests.write = fsync_file, checksum, write_manifest
-        _fs.rename_dir_no_replace, _fs.fsync_dir = rename, fsync_dir
-        local.LocalStore._claim, local.LocalStore.begin = staticmethod(claim), begin
+        arrays.seal, arrays._checksum_of, manifests.write_at = seal, checksum, write_manifest
+        _fs.DirHandle.rename, _fs.DirHandle.fsync = rename, fsync_dir
+        local.LocalStore.begin = begin
         if job.get("start"):
             while not os.path.exists(job["start"]):
                 time.sleep(0.002)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from .. import _fs, arrays, liveness
 from ..build import CHECKPOINT_SUFFIX
 from .. import manifest as manifests
 from .._version import __version__
-from ..errors import CacheCorruptError, ReadOnlyCacheError
+from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
 from ..manifest import FileRecord, Manifest
 
@@ -246,7 +247,10 @@ class LocalStore:
     def lookup(self, key: str) -> Optional[Published]:
         """The published entry for ``key``, or None. Takes no lock; records the use.
 
-        CacheCorruptError when the entry exists but its manifest is missing or bad.
+        CacheCorruptError when the entry exists but its manifest is missing or bad. With
+        ``CACHEKIT_SIGNING_KEY`` set, an entry without a valid signature is refused: it is
+        removed, with a note on stderr, and this returns None, so that the caller builds and
+        publishes a signed entry in its place (UnsignedEntryError when it cannot be removed).
         """
         entry_dir = self.layout.entry_dir(key)
         entries = self._open_if_any("entries")
@@ -267,11 +271,41 @@ class LocalStore:
             except FileNotFoundError:
                 raise CacheCorruptError(entry_dir / manifests.MANIFEST_FILE,
                                         "the manifest is missing") from None
+            except UnsignedEntryError as refused:
+                self._remove_refused(key, refused)
+                return None
             try:
                 entry.touch()  # the last use, for prune; the entry itself is not rewritten
             except OSError:
                 pass  # a read-only or foreign-owned cache root must still serve hits
         return Published(entry_dir, found)
+
+    def _remove_refused(self, key: str, refused: UnsignedEntryError) -> None:
+        """Move the refused entry of ``key`` out of ``entries/`` and delete it.
+
+        Claimed by a rename first, then read again: if another process replaced it with a
+        validly signed entry between our read and the rename, that one is put back instead.
+        """
+        trash = f"{DELETING_PREFIX}{key}.{_fs.unique_suffix()}"
+        try:
+            with self._open("entries") as entries, self._open("tmp", create=True) as tmp:
+                if not stat.S_ISDIR(entries.lstat(key).st_mode):
+                    return
+                entries.rename(key, tmp, trash)
+                try:
+                    with tmp.child(trash) as moved:
+                        manifests.read_at(moved, key)
+                    tmp.rename(trash, entries, key)
+                    return  # a signed entry, published meanwhile: keep it
+                except (OSError, ValueError):
+                    pass  # still refused (or unreadable, or a new entry took the name)
+                tmp.remove_tree(trash)
+        except FileNotFoundError:
+            return  # another process removed it first
+        except OSError:
+            raise refused from None  # e.g. a read-only root: this process cannot replace it
+        print(f"cachekit: refused entry {key[:12]}: {refused.reason}; removed it, a signed "
+              "entry is built in its place", file=sys.stderr, flush=True)
 
     def still_published(self, published: Published) -> bool:
         """Whether ``published`` is still the entry under its key (not cleared meanwhile)."""
@@ -446,13 +480,19 @@ class LocalStore:
             raise CacheCorruptError(build.path, "the build directory was replaced by another "
                                                 "process; nothing was published")
         with self._open("entries", create=True) as entries:
-            try:
-                build.tmp.rename(build.name, entries, build.key)
-                won = True
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise
-                won = False
+            for _ in range(3):
+                try:
+                    build.tmp.rename(build.name, entries, build.key)
+                    won = True
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    won = False
+                # Another builder won the race: use its entry, unless it is refused (not
+                # signed with our key), which the lookup removes; then try again.
+                winner = None if won else self.lookup(build.key)
+                if won or winner is not None:
+                    break
             if won and not _fs.same_file(entries.lstat(build.key), mine):
                 entries.remove_tree(build.key)  # swapped in between: never publish that
                 raise CacheCorruptError(build.path, "the build directory was replaced by "
@@ -463,8 +503,7 @@ class LocalStore:
                 except OSError:
                     pass  # the entry is complete either way; a power cut may cost a rebuild
         if not won:
-            build.discard()  # another builder won the race: use its entry
-            winner = self.lookup(build.key)
+            build.discard()
             if winner is None:
                 raise FileNotFoundError(f"entry {build.key} vanished after another builder "
                                         "published it")
