@@ -78,17 +78,17 @@ class NotAnArrayError(CachekitError, TypeError):
 class CacheCorruptError(CachekitError, OSError):
     """An entry's files disagree with its manifest; its bytes are never returned."""
 
-    def __init__(self, path: str | Path, reason: str) -> None:
+    FIX = "remove it with `cachekit clear KEY` and it will be rebuilt on next use"
+
+    def __init__(self, path: str | Path, reason: str, fix: Optional[str] = None) -> None:
         self.path = str(path)
         self.reason = reason
+        self.fix = fix
         # OSError treats a 2-tuple of args as (errno, strerror): pass one message instead.
-        super().__init__(
-            f"corrupt cache entry {self.path}: {reason}; "
-            "remove it with `cachekit clear KEY` and it will be rebuilt on next use"
-        )
+        super().__init__(f"corrupt cache entry {self.path}: {reason}; {fix or self.FIX}")
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.path, self.reason))
+        return (type(self), (self.path, self.reason, self.fix))
 
 
 class UnsignedEntryError(CacheCorruptError):

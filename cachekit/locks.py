@@ -29,6 +29,7 @@ from typing import Any, Optional
 import filelock
 
 from . import _fs, liveness
+from .errors import CacheCorruptError
 
 LOCK_ENV = "CACHEKIT_LOCK"
 KINDS = ("os", "soft", "none")
@@ -78,6 +79,12 @@ class OsLock(BuildLock):
             self._lock.acquire(timeout=timeout)
         except filelock.Timeout:
             return False
+        except OSError as e:
+            if e.errno not in _fs.NOT_A_FILE_ERRNOS:
+                raise
+            raise CacheCorruptError(self.path, f"the lock file is a symlink or not a file "
+                                    f"({e.strerror})", "remove it, and cachekit makes a new "
+                                    "one") from None
         return True
 
     def release(self) -> None:

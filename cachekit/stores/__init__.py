@@ -3,6 +3,7 @@ build, commit it, remove, scan) and never for filesystem operations, so that a s
 store, an object store, can sit behind or beside the local one.
 """
 
-from .local import Build, BuildState, Layout, LocalStore, Published, default_root
+from .builds import Build, BuildState
+from .local import Layout, LocalStore, Published, default_root
 
 __all__ = ["Build", "BuildState", "Layout", "LocalStore", "Published", "default_root"]

@@ -32,18 +32,16 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .. import _fs, arrays, liveness
-from ..build import CHECKPOINT_SUFFIX
+from .builds import (HEARTBEAT_FILE, JOURNAL_FILE, Build, BuildState, is_build_state,
+                     is_resumable_file, parse_build_dir_name, read_journal)
 from .. import manifest as manifests
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
 from ..manifest import FileRecord, Manifest
 
-JOURNAL_FILE = "journal.json"
-HEARTBEAT_FILE = "heartbeat"
 DELETING_PREFIX = "deleting."
 _CLAIMED = "claimed"
-_JOURNAL_LIMIT = 1 << 20
 _FAILURE_LIMIT = 64 << 20
 
 
@@ -87,116 +85,12 @@ class Layout:
         return self.locks / f"{self.entry_dir(key).name}.failed.json"
 
 
-def parse_build_dir_name(name: str) -> tuple[Optional[str], str, Optional[int]]:
-    """(key, host, pid) from a ``KEY.HOST.PID.UUID`` build directory name (the host may
-    hold dots); key is None when the name is not one of those."""
-    key, _, rest = name.partition(".")
-    parts = rest.rsplit(".", 2)
-    if not is_key(key) or len(parts) != 3:
-        return None, "", None
-    host, pid, _ = parts
-    return key, host, int(pid) if pid.isdigit() else None
-
-
 @dataclass(frozen=True)
 class Published:
     """A published entry: its directory and its checked manifest."""
 
     path: Path
     manifest: Manifest
-
-
-@dataclass(frozen=True)
-class BuildState:
-    """A build directory under ``tmp/`` as any process sees it: whose, how far, alive."""
-
-    key: str
-    path: Path
-    owner: dict[str, Any]
-    journal: Optional[dict[str, Any]]
-    heartbeat: float
-    alive: bool
-    uid: int = -1
-
-    @property
-    def abandoned(self) -> bool:
-        return bool(self.journal and self.journal.get("abandoned") is True)
-
-    @property
-    def same_version(self) -> bool:
-        """Its journal is of this key, cachekit version and entry format: safe to resume."""
-        j = self.journal or {}
-        return (j.get("key") == self.key and j.get("cachekit_version") == __version__
-                and j.get("format") == manifests.FORMAT_VERSION)
-
-    def describe(self) -> str:
-        """``pid 4242 on node7 (2048/10000 rows, 20%)``, for people."""
-        j = self.journal or {}
-        done, total = j.get("done"), j.get("total")
-        if _is_count(done) and _is_count(total) and total:
-            progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
-        else:
-            progress = "starting"
-        return f"pid {self.owner.get('pid')} on {self.owner.get('host')} ({progress})"
-
-
-class Build:
-    """A build directory this process owns, open as ``dir``: every file of the build is made
-    through that handle. Its heartbeat beats from :meth:`LocalStore.begin` until it is
-    committed, abandoned or discarded."""
-
-    def __init__(self, key: str, tmp: _fs.DirHandle, name: str, directory: _fs.DirHandle,
-                 journal: dict[str, Any], beat_fd: int) -> None:
-        self.key = key
-        self.name = name
-        self.tmp = tmp
-        self.dir = directory
-        self.path = directory.path
-        self.journal = journal
-        self._beat_fd: Optional[int] = beat_fd
-        self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
-
-    def progress(self, done: int, total: int) -> None:
-        """Record rows done, for the messages of processes that wait for this build."""
-        self.journal.update(done=done, total=total, updated=time.time())
-        self.dir.replace_json(JOURNAL_FILE, self.journal)
-
-    def stop(self) -> None:
-        """Stop the heartbeat (idempotent)."""
-        self._heartbeat.stop()
-        if self._beat_fd is not None:
-            os.close(self._beat_fd)
-            self._beat_fd = None
-
-    def close(self) -> None:
-        self.stop()
-        self.dir.close()
-        self.tmp.close()
-
-    def abandon(self) -> None:
-        """Leave the directory for any later builder to resume (best effort)."""
-        self.stop()
-        try:
-            self.dir.replace_json(JOURNAL_FILE, {**self.journal, "abandoned": True})
-        except OSError:
-            self._remove()
-        self.close()
-
-    def discard(self) -> None:
-        self.stop()
-        self._remove()
-        self.close()
-
-    def _remove(self) -> None:
-        """Delete our directory, by name only while the name is still ours."""
-        try:
-            if _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd)):
-                self.tmp.remove_tree(self.name)
-                return
-        except FileNotFoundError:
-            pass
-        for name in self.dir.names():  # renamed away by someone: empty it where it is
-            self.dir.remove_tree(name)
 
 
 class LocalStore:
@@ -232,9 +126,9 @@ class LocalStore:
             except OSError as e:
                 if e.errno not in manifests.NOT_A_FILE_ERRNOS:
                     raise
-                raise CacheCorruptError(root.path / name, "it is a symlink or not a directory; "
-                                        "cachekit never follows one (remove it, and cachekit "
-                                        "makes a real directory)") from None
+                raise CacheCorruptError(root.path / name, "it is a symlink or not a directory, "
+                                        "and cachekit never follows one", "remove it, and "
+                                        "cachekit makes a real directory") from None
 
     def _open_if_any(self, name: str) -> Optional[_fs.DirHandle]:
         try:
@@ -421,7 +315,7 @@ class LocalStore:
             return False
         with claimed:
             for name in claimed.names():
-                if _is_resumable_file(name) and stat.S_ISREG(claimed.lstat(name).st_mode):
+                if is_resumable_file(name) and stat.S_ISREG(claimed.lstat(name).st_mode):
                     claimed.rename(name, build.dir, name)
         build.dir.remove_tree(_CLAIMED)
         return True
@@ -430,7 +324,7 @@ class LocalStore:
         try:
             with _fs.DirHandle.open(dead.path.name, parent=build.tmp) as source:
                 for name in source.names():
-                    if _is_resumable_file(name):
+                    if is_resumable_file(name):
                         with source.open_file(name) as f:
                             fd = build.dir.create(name)
                             with os.fdopen(fd, "wb") as out:
@@ -462,14 +356,14 @@ class LocalStore:
         """Publish ``build`` with ``manifest`` (its files sealed); (entry, True) when this
         build's rename won, (the entry another builder published first, False) otherwise."""
         listed = {f.name for f in manifest.files}
-        stray = [n for n in build.dir.names() if n not in listed and not _is_build_state(n)]
+        stray = [n for n in build.dir.names() if n not in listed and not is_build_state(n)]
         if stray:
             raise CacheCorruptError(build.path, f"unexpected files {sorted(stray)[:5]} in the "
                                                 "build directory; nothing was published")
         manifests.write_at(build.dir, manifest)  # the last file written
         build.stop()
         for name in build.dir.names():  # from here to the rename a crash means rebuilding
-            if _is_build_state(name):
+            if is_build_state(name):
                 build.dir.unlink(name)
         build.dir.fsync()
         # Any member of the group may now remove it; nobody writes in it. (A setgid bit
@@ -587,27 +481,3 @@ class LocalStore:
             return []
         with directory:
             return [directory.path / name for name in directory.names()]
-
-
-def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
-    """The journal of a build directory (owner, key, progress), or None when unreadable."""
-    try:
-        with directory.open_file(JOURNAL_FILE) as f:
-            journal = json.loads(f.read(_JOURNAL_LIMIT))
-    except (OSError, ValueError, RecursionError):
-        return None
-    return journal if isinstance(journal, dict) else None
-
-
-def _is_build_state(name: str) -> bool:
-    """Files of a build in progress that are never published."""
-    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.endswith(CHECKPOINT_SUFFIX)
-            or (name.startswith(".") and name.endswith(".tmp")))
-
-
-def _is_resumable_file(name: str) -> bool:
-    return name == manifests.DATA_FILE or name == manifests.DATA_FILE + CHECKPOINT_SUFFIX
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

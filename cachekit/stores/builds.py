@@ -1,0 +1,154 @@
+"""Build directories under ``tmp/``: the one a process owns (:class:`Build`), and any one
+as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
+
+A build directory holds ``journal.json`` (owner, key, progress), ``heartbeat`` (its mtime
+is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files and their fill
+checkpoints. Its name is ``KEY.HOST.PID.UUID``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from .. import _fs, liveness
+from .. import manifest as manifests
+from .._version import __version__
+from ..build import CHECKPOINT_SUFFIX
+from ..keys import is_key
+
+JOURNAL_FILE = "journal.json"
+HEARTBEAT_FILE = "heartbeat"
+_JOURNAL_LIMIT = 1 << 20
+
+
+def parse_build_dir_name(name: str) -> tuple[Optional[str], str, Optional[int]]:
+    """(key, host, pid) from a ``KEY.HOST.PID.UUID`` build directory name (the host may
+    hold dots); key is None when the name is not one of those."""
+    key, _, rest = name.partition(".")
+    parts = rest.rsplit(".", 2)
+    if not is_key(key) or len(parts) != 3:
+        return None, "", None
+    host, pid, _ = parts
+    return key, host, int(pid) if pid.isdigit() else None
+
+
+@dataclass(frozen=True)
+class BuildState:
+    """A build directory under ``tmp/`` as any process sees it: whose, how far, alive."""
+
+    key: str
+    path: Path
+    owner: dict[str, Any]
+    journal: Optional[dict[str, Any]]
+    heartbeat: float
+    alive: bool
+    uid: int = -1
+
+    @property
+    def abandoned(self) -> bool:
+        return bool(self.journal and self.journal.get("abandoned") is True)
+
+    @property
+    def same_version(self) -> bool:
+        """Its journal is of this key, cachekit version and entry format: safe to resume."""
+        j = self.journal or {}
+        return (j.get("key") == self.key and j.get("cachekit_version") == __version__
+                and j.get("format") == manifests.FORMAT_VERSION)
+
+    def describe(self) -> str:
+        """``pid 4242 on node7 (2048/10000 rows, 20%)``, for people."""
+        j = self.journal or {}
+        done, total = j.get("done"), j.get("total")
+        if _is_count(done) and _is_count(total) and total:
+            progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
+        else:
+            progress = "starting"
+        return f"pid {self.owner.get('pid')} on {self.owner.get('host')} ({progress})"
+
+
+class Build:
+    """A build directory this process owns, open as ``dir``: every file of the build is made
+    through that handle. Its heartbeat beats from :meth:`LocalStore.begin` until it is
+    committed, abandoned or discarded."""
+
+    def __init__(self, key: str, tmp: _fs.DirHandle, name: str, directory: _fs.DirHandle,
+                 journal: dict[str, Any], beat_fd: int) -> None:
+        self.key = key
+        self.name = name
+        self.tmp = tmp
+        self.dir = directory
+        self.path = directory.path
+        self.journal = journal
+        self._beat_fd: Optional[int] = beat_fd
+        self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
+
+    def progress(self, done: int, total: int) -> None:
+        """Record rows done, for the messages of processes that wait for this build."""
+        self.journal.update(done=done, total=total, updated=time.time())
+        self.dir.replace_json(JOURNAL_FILE, self.journal)
+
+    def stop(self) -> None:
+        """Stop the heartbeat (idempotent)."""
+        self._heartbeat.stop()
+        if self._beat_fd is not None:
+            os.close(self._beat_fd)
+            self._beat_fd = None
+
+    def close(self) -> None:
+        self.stop()
+        self.dir.close()
+        self.tmp.close()
+
+    def abandon(self) -> None:
+        """Leave the directory for any later builder to resume (best effort)."""
+        self.stop()
+        try:
+            self.dir.replace_json(JOURNAL_FILE, {**self.journal, "abandoned": True})
+        except OSError:
+            self._remove()
+        self.close()
+
+    def discard(self) -> None:
+        self.stop()
+        self._remove()
+        self.close()
+
+    def _remove(self) -> None:
+        """Delete our directory, by name only while the name is still ours."""
+        try:
+            if _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd)):
+                self.tmp.remove_tree(self.name)
+                return
+        except FileNotFoundError:
+            pass
+        for name in self.dir.names():  # renamed away by someone: empty it where it is
+            self.dir.remove_tree(name)
+
+
+def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
+    """The journal of a build directory (owner, key, progress), or None when unreadable."""
+    try:
+        with directory.open_file(JOURNAL_FILE) as f:
+            journal = json.loads(f.read(_JOURNAL_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return journal if isinstance(journal, dict) else None
+
+
+def is_build_state(name: str) -> bool:
+    """Files of a build in progress that are never published."""
+    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.endswith(CHECKPOINT_SUFFIX)
+            or (name.startswith(".") and name.endswith(".tmp")))
+
+
+def is_resumable_file(name: str) -> bool:
+    return name == manifests.DATA_FILE or name == manifests.DATA_FILE + CHECKPOINT_SUFFIX
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
