@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -190,6 +191,9 @@ class SoftLock(BuildLock):
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheCorruptError(self.path, "the lock file is a symlink or not a file",
+                                    "remove it, and cachekit makes a new one")
         if not liveness.is_alive(self.owner(), st.st_mtime, lease=self.lease):
             self._take_over(st)
 

@@ -106,6 +106,8 @@ class Build:
 
     def abandon(self) -> None:
         """Leave the directory for any later builder to resume (best effort)."""
+        if self.dir.fd < 0:
+            return  # already committed, abandoned or discarded
         self.stop()
         try:
             self.dir.replace_json(JOURNAL_FILE, {**self.journal, "abandoned": True})
@@ -114,6 +116,8 @@ class Build:
         self.close()
 
     def discard(self) -> None:
+        if self.dir.fd < 0:
+            return  # already committed, abandoned or discarded
         self.stop()
         self._remove()
         self.close()

@@ -269,11 +269,7 @@ class LocalStore:
         tmp = self._open("tmp", create=True)
         try:
             tmp.mkdir(name, _fs.private_dir_mode())
-            try:
-                directory = tmp.child(name)
-            except BaseException:
-                tmp.remove_tree(name)
-                raise
+            directory = self._open_own(tmp, name)
         except BaseException:
             tmp.close()
             raise
@@ -293,6 +289,29 @@ class LocalStore:
         """Open another process's build directory to read it (never a symlink)."""
         with self._open("tmp") as tmp:
             return tmp.child(state.path.name)
+
+    @staticmethod
+    def _open_own(tmp: _fs.DirHandle, name: str) -> _fs.DirHandle:
+        """Open the build directory just made as ``tmp/NAME``, checking that it is still
+        ours: in a shared root another member may swap it at once for a symlink or a
+        directory of theirs."""
+        try:
+            directory = tmp.child(name)
+        except OSError as e:
+            if e.errno not in manifests.NOT_A_FILE_ERRNOS:
+                tmp.remove_tree(name)
+                raise
+            raise CacheCorruptError(tmp.path / name, "the new build directory was replaced by "
+                                    "another process before it was opened", "nothing was "
+                                    "written; try again, and see who writes under the root"
+                                    ) from None
+        st = os.fstat(directory.fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            directory.close()
+            raise CacheCorruptError(tmp.path / name, "the new build directory was replaced by "
+                                    "another user's", "nothing was written; try again, and "
+                                    "see who writes under the root")
+        return directory
 
     def adopt(self, build: Build, dead: BuildState) -> bool:
         """Bring a dead build's data file and checkpoint into ``build`` to resume from.
@@ -373,11 +392,16 @@ class LocalStore:
         if not _fs.same_file(build.tmp.lstat(build.name), mine):
             raise CacheCorruptError(build.path, "the build directory was replaced by another "
                                                 "process; nothing was published")
+        won, winner = False, None
         with self._open("entries", create=True) as entries:
             for _ in range(3):
                 try:
                     build.tmp.rename(build.name, entries, build.key)
                     won = True
+                except NotADirectoryError:  # a symlink or file planted under the key
+                    if not stat.S_ISDIR(entries.lstat(build.key).st_mode):
+                        entries.unlink(build.key)
+                    continue
                 except OSError as e:
                     if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                         raise
@@ -399,8 +423,10 @@ class LocalStore:
         if not won:
             build.discard()
             if winner is None:
-                raise FileNotFoundError(f"entry {build.key} vanished after another builder "
-                                        "published it")
+                raise CacheCorruptError(self.layout.entry_dir(build.key), "another process "
+                                        "keeps putting something that is not an entry under "
+                                        "this key", "nothing was published; see who writes "
+                                        "under the root")
             return winner, False
         build.close()
         return Published(self.layout.entry_dir(build.key), manifest), True
