@@ -1,4 +1,5 @@
-"""Shared fixtures: small real image files, an empty cache root per test, simulated hosts."""
+"""Shared fixtures: small real image files, an empty cache root per test, simulated hosts,
+plain users sharing one cache root."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 import cachekit
 import hosts
+import users
 
 
 @pytest.fixture
@@ -44,3 +46,19 @@ def two_hosts(tmp_path: Path) -> Iterator[tuple[hosts.Host, hosts.Host]]:
     finally:
         a.kill_all()
         b.kill_all()
+
+
+@pytest.fixture
+def shared_root(tmp_path: Path) -> Iterator[users.SharedRoot]:
+    """A cache root ``tmp_path/shared/cache`` owned by root:GID with mode 2775 (setgid) and
+    two plain uids of group GID that share it, ``victim`` and ``attacker``; see
+    tests/users.py. Skips when not root or when children cannot run as those uids here.
+    Processes still running at teardown are killed."""
+    reason = users.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    shared = users.make_shared_root(tmp_path)
+    try:
+        yield shared
+    finally:
+        shared.kill_all()
