@@ -52,7 +52,7 @@ VICTIM = textwrap.dedent(r'''
     the test to kill. Globals are not part of a function's key, so DELAY, GATE and
     $VICTIM_POISON (nonzero: wrong rows under the same key, for an attacker) change no key.
     """
-    import json, os, resource, sys, time, traceback
+    import json, os, sys, time, traceback
     from pathlib import Path
 
     import numpy as np
@@ -68,6 +68,13 @@ VICTIM = textwrap.dedent(r'''
     DELAY = 0.0 if mode == "keys" else config.get("delay", 0.0)
     GATE = config.get("gate") if mode == "crash" else None
     POISON = int(os.environ.get("VICTIM_POISON", "0"))
+
+
+    def peak_rss_kb():
+        """This program's peak RSS (VmHWM, which starts afresh at exec; ru_maxrss would
+        also count the pages of the large pytest process this child was forked from)."""
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     CALLS = [0]
 
     def row(v):
@@ -146,7 +153,7 @@ VICTIM = textwrap.dedent(r'''
         if "barrier" in config:
             StartBarrier(Path(config["barrier"][0]), config["barrier"][1]).wait("victim")
         results = [attempt(v, what) for v in VARIANTS for what in config.get("calls", ["build", "hit"])]
-        report(results=results, maxrss_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        report(results=results, maxrss_kb=peak_rss_kb())
 ''')
 
 ATTACKER = textwrap.dedent(r'''
