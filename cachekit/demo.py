@@ -39,6 +39,7 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
     print(f"  ready in {time.perf_counter() - started:.1f} s (generated once, reused later)\n")
 
     with tempfile.TemporaryDirectory(prefix="cachekit-demo-") as scratch:
+        race_cache = Path(scratch) / "cache"
         paths_file = Path(scratch) / "paths.txt"
         paths_file.write_text("\n".join(paths), encoding="utf-8")
         cache_dir = Path(scratch) / "cache"
@@ -59,7 +60,16 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
     print(f"\nbuilt once: {build:.2f} s for {images} images ({images / build:.0f} images/s); "
           f"a hit took {hit * 1000:.1f} ms (median), {build / hit:.0f}x faster than decoding.")
     print(f"{agents * 2 - 1} of {agents * 2} agents decoded nothing.")
+    _print_next_steps(race_cache, root, sample_dir)
     return 0
+
+
+def _print_next_steps(race_cache: Path, root: Path, sample_dir: Path) -> None:
+    print(f"\nThe agents raced in a temporary cache, {race_cache}, now removed: no entry of "
+          f"your cache at {root} was made or touched (the sample images stay in "
+          f"{sample_dir} for the next demo). On your own data, with a CSV of image paths:")
+    print("  cachekit build train.csv --column img_path --size 32x32")
+    print('  entry = cachekit.Cache().images(pd.read_csv("train.csv")["img_path"], size=32)')
 
 
 def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 
 def test_demo_builds_once_and_reports_hits(tmp_path):
@@ -17,6 +18,13 @@ def test_demo_builds_once_and_reports_hits(tmp_path):
     assert len(re.findall(r"agent \d \(pid \d+\): hit", out)) >= 3  # the whole warm wave
     assert "5 of 6 agents decoded nothing" in out
     assert len(list((tmp_path / "root" / "demo-images").glob("*.jpg"))) == 24
+    # it says where the race ran, that the user's cache got no entry, and what to try next
+    race = re.search(r"raced in a temporary cache, (\S+), now removed", out)
+    assert race and not Path(race.group(1)).exists()
+    assert f"your cache at {tmp_path / 'root'} was made or touched" in out
+    assert not (tmp_path / "root" / "entries").exists()
+    assert "cachekit build train.csv --column img_path --size 32x32" in out
+    assert 'cachekit.Cache().images(pd.read_csv("train.csv")["img_path"], size=32)' in out
 
 
 def test_demo_rejects_nonsense_sizes(tmp_path):
