@@ -4,8 +4,10 @@
     python benchmarks/run.py --quick    # small sizes, for checking the script (< 3 minutes)
 
 Generates its data under a temporary directory, measures every figure in fresh
-interpreters (``bench_worker.py``), and writes ``docs/benchmarks.md``, ``docs/benchmarks.png``
-and the generated block of the README's "Benchmarks" section. Needs the ``bench`` extra:
+interpreters (``bench_worker.py``). Only a full run writes the published figures,
+``docs/benchmarks.md``, ``docs/benchmarks.png`` and the generated block of the README's
+"Benchmarks" section; ``--quick`` writes to a new temporary folder unless ``--out`` is given,
+and says where. Needs the ``bench`` extra:
 ``pip install -e ".[bench]"``.
 """
 
@@ -186,8 +188,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help=f"comma-separated phases out of {','.join(PHASES)}")
     parser.add_argument("--contestants", default=",".join(CONTESTANTS),
                         help=f"comma-separated, out of {','.join(CONTESTANTS)}")
-    parser.add_argument("--out", type=Path, default=REPO / "docs",
-                        help="where benchmarks.md and benchmarks.png go (default: docs/)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where benchmarks.md, .png and .json go (default: docs/, the "
+                             "published figures, for a full run; a new temporary folder "
+                             "for --quick, whose noisy figures must not replace them)")
     parser.add_argument("--readme", type=Path, default=None,
                         help="README to update (default: the repo's, when --out is docs/)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -218,9 +222,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Report:
     config = config_from(args)
     command = "python benchmarks/run.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
+    if args.out is None:
+        args.out = (Path(tempfile.mkdtemp(prefix="cachekit-bench-quick-")) if args.quick
+                    else REPO / "docs")
     readme = args.readme
     if readme is None and args.out.resolve() == (REPO / "docs").resolve():
         readme = REPO / "README.md"
+    if readme is not None:
+        say(f"a full run: this updates the published figures in {args.out} and {readme}")
+    else:
+        say(f"figures go to {args.out} (the published ones in docs/ and README.md stay)")
     if args.replot:
         report = Report.from_json(args.replot.read_text(encoding="utf-8"))
         write_outputs(report, args.out, readme)

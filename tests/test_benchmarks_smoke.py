@@ -40,3 +40,19 @@ def test_tiny_run_writes_table_and_chart(tmp_path: Path) -> None:
     text = (out / "benchmarks.md").read_text(encoding="utf-8")
     assert "cachekit exact, 2 workers" in text and "joblib.Memory, object" in text
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys) -> None:
+    import subprocess
+
+    repo = RUN_PY.parent.parent
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
+                            text=True).stdout
+    run = load_run_module()
+    run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
+              "--hit-rows", "200", "--repeats", "1", "--only", "hit",
+              "--contestants", "cachekit"])
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
+                           text=True).stdout
+    assert after == before
+    assert "the published ones in docs/ and README.md stay" in capsys.readouterr().err
