@@ -95,15 +95,7 @@ class DirHandle:
         """Open the regular file ``name``: no symlink, no FIFO or device (never blocks)."""
         flags = (os.O_RDWR if writable else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK
         with _naming(self.path / name):
-            fd = os.open(name, flags, dir_fd=self.fd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", str(self.path / name))
-            if _NONBLOCK:
-                os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
+            fd = _regular(os.open(name, flags, dir_fd=self.fd), self.path / name)
         return os.fdopen(fd, "r+b" if writable else "rb")
 
     def write_new(self, name: str, data: bytes, *, durable: bool = True) -> None:
@@ -225,18 +217,23 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> BinaryIO
     nofollow = 0 if follow_symlinks else _NOFOLLOW
 
     def opener(name: str, flags: int) -> int:
-        fd = os.open(name, os.O_RDONLY | nofollow | _NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", str(name))
-            if _NONBLOCK:
-                os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return _regular(os.open(name, os.O_RDONLY | nofollow | _NONBLOCK), name)
 
     return open(path, "rb", opener=opener)
+
+
+def _regular(fd: int, where: str | Path) -> int:
+    """``fd``, opened with O_NONBLOCK (so a FIFO could not block the open), once it is known
+    to be a regular file, switched back to blocking reads; closed and EINVAL otherwise."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(where))
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def umask() -> int:

@@ -17,7 +17,8 @@ import numpy as np
 
 from . import _fs
 from .errors import CacheCorruptError
-from .manifest import NOT_A_FILE_ERRNOS, FileRecord
+from ._fs import NOT_A_FILE_ERRNOS
+from .manifest import FileRecord
 
 CHECKSUM_BLOCK = 16 << 20
 
@@ -79,12 +80,6 @@ def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "
     with _open_data(path) as f:
         offset = _validated_offset(f, path, shape, dtype, expected_bytes)
         return _map(f, shape, dtype, mode, offset)
-
-
-def data_offset(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:
-    """Validate ``path``'s .npy header and size against shape/dtype; return the data offset."""
-    with _open_data(path) as f:
-        return _validated_offset(f, path, shape, dtype, None)
 
 
 def seal(directory: _fs.DirHandle, name: str) -> tuple[tuple[int, ...], np.dtype, int, str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,8 +43,6 @@ MEMOIZE_KIND = "memoize"
 LEAF_KINDS = ("numpy", "torch")
 MANIFEST_LIMIT = 64 << 20  # a tampered manifest must not exhaust memory
 _CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
-# Errors of opening a path that is a symlink, a directory or another non-file: tampering.
-NOT_A_FILE_ERRNOS = _fs.NOT_A_FILE_ERRNOS
 
 
 def file_name(index: int) -> str:
@@ -110,9 +108,6 @@ class Manifest:
     def bytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
-    def with_key(self, key: str) -> "Manifest":
-        return replace(self, key=key)
-
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to ``manifest.json`` (also ``entry.manifest``), without
         the ``"signature"`` field that :func:`dumps` adds when a signing key is set."""
@@ -147,7 +142,7 @@ def read(entry_dir: Path, key: Optional[str] = None) -> Manifest:
     try:
         directory = _fs.DirHandle.open(entry_dir)
     except OSError as e:
-        if e.errno not in NOT_A_FILE_ERRNOS:
+        if e.errno not in _fs.NOT_A_FILE_ERRNOS:
             raise
         raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
     with directory:
@@ -163,7 +158,7 @@ def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
     except FileNotFoundError:
         raise
     except OSError as e:
-        if e.errno not in NOT_A_FILE_ERRNOS:
+        if e.errno not in _fs.NOT_A_FILE_ERRNOS:
             raise  # an I/O error is not evidence of a corrupt entry
         raise CacheCorruptError(path, f"unreadable manifest ({e})") from None
     return loads(raw, path, key)

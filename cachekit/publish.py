@@ -17,6 +17,7 @@ other dead ones, or starts afresh.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -213,7 +214,7 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         manifest = Manifest(
             key=key, kind=made.kind, rows=made.rows, files=files, created=time.time(),
             failed_rows=tuple(made.failed_rows), params=made.params or {}, column=made.column,
-            structure=made.structure, builder={"host": _fs.host(), "pid": _fs.owner()["pid"]},
+            structure=made.structure, builder={"host": _fs.host(), "pid": os.getpid()},
             build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__)
         published, won = store.commit(current, manifest)
     except KeyboardInterrupt:

@@ -124,7 +124,7 @@ class LocalStore:
             try:
                 return root.child(name)
             except OSError as e:
-                if e.errno not in manifests.NOT_A_FILE_ERRNOS:
+                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
                     raise
                 raise CacheCorruptError(root.path / name, "it is a symlink or not a directory, "
                                         "and cachekit never follows one", "remove it, and "
@@ -156,7 +156,7 @@ class LocalStore:
             except FileNotFoundError:
                 return None
             except OSError as e:
-                if e.errno not in manifests.NOT_A_FILE_ERRNOS:
+                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
                     raise
                 raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
         with entry:
@@ -251,11 +251,12 @@ class LocalStore:
             return None  # gone, a symlink or a file: not a build of ours to judge
         with directory:
             journal = read_journal(directory)
+            itself = os.fstat(directory.fd)
             try:
                 heartbeat = directory.lstat(HEARTBEAT_FILE).st_mtime
             except FileNotFoundError:  # between making the directory and the file
-                heartbeat = os.fstat(directory.fd).st_mtime
-            uid = os.fstat(directory.fd).st_uid
+                heartbeat = itself.st_mtime
+        uid = itself.st_uid
         owner = journal if journal and "host" in journal and "pid" in journal else \
             {"host": host, "pid": pid}
         alive = liveness.is_alive(owner, heartbeat, where=directory.path,
@@ -298,7 +299,7 @@ class LocalStore:
         try:
             directory = tmp.child(name)
         except OSError as e:
-            if e.errno not in manifests.NOT_A_FILE_ERRNOS:
+            if e.errno not in _fs.NOT_A_FILE_ERRNOS:
                 tmp.remove_tree(name)
                 raise
             raise CacheCorruptError(tmp.path / name, "the new build directory was replaced by "
