@@ -1,0 +1,401 @@
+"""Every code block of README.md and docs/*.md runs, or says why it does not.
+
+The rules (docs/index.md, "About the examples", says the same for readers):
+
+- A fenced block's language decides what runs. ```python: the block's code, in a Python
+  interpreter. ```console: each line that starts with "$ " is a shell command (a line
+  ending in a backslash continues on the next); the other lines are shown output, not
+  compared. Every command must exit with status 0.
+- An HTML comment line directly above the opening fence marks a block:
+  ``<!-- not run: REASON -->`` skips it, and the reason must not be empty;
+  ``<!-- needs: s3 -->`` runs it with the environment of the ``s3_env`` fixture (a test S3
+  server; CACHEKIT_REMOTE and the AWS_* variables).
+  A block in any other language (```bash, ```text, none) without ``not run`` fails, so a
+  new block cannot silently go unrun.
+- Each page runs in a temporary folder of its own holding sample data: covers/ with 24
+  cover-like JPEGs and covers.csv with the columns img_path (relative paths, e.g.
+  covers/cover_0_000000.jpg) and label (0, 1 or 2), made by cachekit.samples;
+  CACHEKIT_DIR is ./cache there; the checkout is on PYTHONPATH and its interpreter first on
+  PATH (``python``, ``cachekit``). Progress bars are off: stderr is not a terminal.
+- The blocks of a page run in document order, each once. The python blocks of a page share
+  one interpreter, like the cells of a notebook: a block may use what an earlier python
+  block of the same page defined. The commands of one console block run in one bash
+  process (a variable set on one line is seen on the next), with ``set -e``. Running a
+  block first runs the page's earlier blocks (so ``-k`` picking one block still works).
+- A ``needs: s3`` block runs on its own, in a fresh interpreter or shell with the s3
+  environment: it must not depend on other blocks.
+- A failing block fails its test with the block's file:line and its output (stderr
+  included; tracebacks point at lines of the markdown file). Later blocks of that page are
+  skipped, naming the failed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RUNNABLE = ("python", "console")
+SAMPLE_IMAGES = 24
+BLOCK_TIMEOUT = 180.0  # seconds; generous for a loaded machine, never hit by a sane block
+
+_FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
+_MARK = re.compile(r"^\s*<!--\s*(not run|needs)\s*:(.*?)-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of a markdown page."""
+
+    page: Path
+    line: int  # 1-based line of the opening fence
+    language: str
+    code: str
+    not_run: Optional[str]  # the reason, "" when the marker has none; None: no marker
+    needs: tuple[str, ...]
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+    @property
+    def first_code_line(self) -> int:
+        return self.line + 1
+
+
+def parse_blocks(page: Path) -> list[Block]:
+    """The fenced code blocks of ``page`` (CommonMark fences: ``` or ~~~, indented at most
+    three spaces, closed by a fence of the same character at least as long), with the
+    marker comments on the lines directly above each opening fence."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if opening is None or (opening.group(2)[0] == "`" and "`" in opening.group(3)):
+            i += 1
+            continue
+        indent, fence, info = opening.groups()
+        end = i + 1
+        while end < len(lines):
+            closing = _FENCE.match(lines[end])
+            if (closing and closing.group(2)[0] == fence[0]
+                    and len(closing.group(2)) >= len(fence) and not closing.group(3).strip()):
+                break
+            end += 1
+        body = [line[len(indent):] if line.startswith(indent) else line.lstrip()
+                for line in lines[i + 1:end]]
+        not_run, needs = None, []
+        above = i - 1
+        while above >= 0 and (mark := _MARK.match(lines[above])):
+            if mark.group(1) == "not run":
+                not_run = mark.group(2).strip()
+            else:
+                needs += [n.strip() for n in mark.group(2).split(",") if n.strip()]
+            above -= 1
+        language = info.strip().split()[0].lower() if info.strip() else ""
+        blocks.append(Block(page, i + 1, language, "\n".join(body) + "\n", not_run,
+                            tuple(needs)))
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [block for page in PAGES for block in parse_blocks(page)]
+
+
+# --- running -------------------------------------------------------------------------------
+
+_SESSION = r"""
+import sys
+
+
+def _serve():
+    import json, os, traceback
+    requests, replies = os.fdopen(int(sys.argv[1])), os.fdopen(int(sys.argv[2]), "w")
+    # The blocks run in __main__'s own namespace, as a script's code would, so that what
+    # they define pickles by reference (a process pool's workers find it after a fork).
+    namespace = sys.modules["__main__"].__dict__
+    saved = os.dup(1), os.dup(2)
+    for line in requests:
+        request = json.loads(line)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1), os.dup2(log, 2), os.close(log)
+        ok = True
+        try:
+            # Padded so that line numbers in tracebacks are the markdown file's own.
+            code = "\n" * (request["line"] - 1) + request["code"]
+            exec(compile(code, request["file"], "exec"), namespace)
+        except BaseException:
+            ok = False
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        replies.write(json.dumps({"ok": ok}) + "\n")
+        replies.flush()
+
+
+_serve()
+"""
+
+
+class PythonSession:
+    """One interpreter that runs python blocks in order, in one namespace."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self.cwd = cwd
+        to_child, self._requests = os.pipe()
+        self._replies, from_child = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SESSION, str(to_child), str(from_child)],
+            cwd=cwd, env=env, stdin=subprocess.DEVNULL, pass_fds=(to_child, from_child))
+        os.close(to_child)
+        os.close(from_child)
+        self._send = os.fdopen(self._requests, "w")
+        self._receive = os.fdopen(self._replies)
+
+    def run(self, block: Block, log: Path) -> tuple[bool, str]:
+        """Run ``block``; (succeeded, its output)."""
+        self._send.write(json.dumps({"code": block.code, "line": block.first_code_line,
+                                     "file": str(block.page), "log": str(log)}) + "\n")
+        self._send.flush()
+        reply = _read_line(self._receive, BLOCK_TIMEOUT)
+        output = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+        if reply is None:
+            self.close()
+            return False, output + f"\n(the interpreter died or hung; exit status " \
+                                   f"{self.proc.returncode})"
+        return json.loads(reply)["ok"], output
+
+    def close(self) -> None:
+        for f in (self._send, self._receive):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _read_line(f, timeout: float) -> Optional[str]:
+    import select
+
+    ready, _, _ = select.select([f], [], [], timeout)
+    if not ready:
+        return None
+    return f.readline() or None
+
+
+def console_script(block: Block) -> str:
+    """The block's "$ " commands as one bash script that stops at the first failure."""
+    commands: list[str] = []
+    continued = False
+    for line in block.code.splitlines():
+        if continued:
+            commands[-1] += "\n" + line
+        elif line.startswith("$ "):
+            commands.append(line[2:])
+        else:
+            continue
+        continued = line.endswith("\\")
+    if not commands:
+        raise AssertionError(f"{block.where}: a console block with no `$ ` command; mark it "
+                             "`<!-- not run: REASON -->` or use a ```text block")
+    trap = 'trap \'echo "[exit status $?: $BASH_COMMAND]" >&2\' ERR'
+    return "\n".join(["set -eE -o pipefail", trap, *commands]) + "\n"
+
+
+def run_console(block: Block, cwd: Path, env: dict[str, str]) -> tuple[bool, str]:
+    try:
+        done = subprocess.run(["bash", "-c", console_script(block)], cwd=cwd, env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        return False, f"{e.output or ''}\n(timed out after {BLOCK_TIMEOUT:g} s)"
+    return done.returncode == 0, done.stdout
+
+
+def make_samples(folder: Path) -> None:
+    """covers/*.jpg and covers.csv (img_path, label) in ``folder``: the examples' data."""
+    import pandas as pd
+
+    from cachekit.samples import write_sample_images
+
+    paths = write_sample_images(folder / "covers", SAMPLE_IMAGES, seed=0)
+    relative = [os.path.relpath(p, folder) for p in paths]
+    pd.DataFrame({"img_path": relative, "label": [i % 3 for i in range(len(relative))]}
+                 ).to_csv(folder / "covers.csv", index=False)
+
+
+def base_env(folder: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CACHEKIT_", "AWS_", "WANDB_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["CACHEKIT_DIR"] = str(folder / "cache")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+class Page:
+    """A page's folder, its interpreter session and which of its blocks ran."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.env = base_env(folder)
+        self.done: dict[Block, bool] = {}
+        self.session: Optional[PythonSession] = None
+        self.logs = 0
+
+    def run(self, block: Block, extra_env: Optional[dict[str, str]] = None) -> tuple[bool, str]:
+        self.logs += 1
+        log = self.folder.parent / f"{self.folder.name}-block-{self.logs}.log"
+        if extra_env is not None:  # on its own, with the extra environment
+            env = {**self.env, **extra_env}
+            if block.language == "console":
+                return run_console(block, self.folder, env)
+            alone = PythonSession(self.folder, env)
+            try:
+                return alone.run(block, log)
+            finally:
+                alone.close()
+        if block.language == "console":
+            return run_console(block, self.folder, self.env)
+        if self.session is None:
+            self.session = PythonSession(self.folder, self.env)
+        return self.session.run(block, log)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    samples = tmp_path_factory.mktemp("samples")
+    make_samples(samples)
+    made: dict[Path, Page] = {}
+
+    def page_of(path: Path) -> Page:
+        if path not in made:
+            folder = tmp_path_factory.mktemp(path.stem.lower())
+            shutil.copytree(samples, folder, dirs_exist_ok=True)
+            made[path] = Page(folder)
+        return made[path]
+
+    yield page_of
+    for page in made.values():
+        page.close()
+
+
+def _runs_in_page_order(block: Block) -> bool:
+    return block.not_run is None and block.language in RUNNABLE and not block.needs
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[f"{b.where}-{b.language or 'plain'}"
+                                                  for b in ALL_BLOCKS])
+def test_example(block: Block, pages, request) -> None:
+    if block.not_run is not None:
+        if not block.not_run:
+            pytest.fail(f"{block.where}: `<!-- not run: -->` needs a reason after the colon")
+        pytest.skip(f"not run: {block.not_run}")
+    if block.language not in RUNNABLE:
+        pytest.fail(f"{block.where}: a ```{block.language} block is not runnable; make it "
+                    "```python or ```console, or put `<!-- not run: REASON -->` directly "
+                    "above its opening fence")
+    unknown = set(block.needs) - {"s3"}
+    if unknown:
+        pytest.fail(f"{block.where}: unknown `needs` marker {sorted(unknown)}; known: s3")
+    page = pages(block.page)
+    for earlier in [b for b in ALL_BLOCKS if b.page == block.page and b.line < block.line
+                    and _runs_in_page_order(b)]:
+        if earlier not in page.done:
+            page.done[earlier], output = page.run(earlier)
+            if not page.done[earlier]:
+                pytest.fail(f"{earlier.where}: an earlier block of this page, run first, "
+                            f"failed:\n{output}")
+        if not page.done[earlier]:
+            pytest.skip(f"the earlier block {earlier.where} of this page failed")
+    extra = dict(request.getfixturevalue("s3_env")) if "s3" in block.needs else None
+    ok, output = page.run(block, extra)
+    page.done[block] = ok
+    if not ok:
+        pytest.fail(f"{block.where}: this ```{block.language} block failed:\n{output}",
+                    pytrace=False)
+
+
+# --- the runner itself ------------------------------------------------------------------
+
+
+def test_every_page_is_found_and_has_blocks() -> None:
+    assert REPO / "README.md" in PAGES and (REPO / "docs" / "index.md") in PAGES
+    assert sum(b.language in RUNNABLE and b.not_run is None for b in ALL_BLOCKS) >= 20
+
+
+def test_the_parser_finds_fences_markers_and_line_numbers(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("\n".join([
+        "# t", "", "```python", "x = 1", "```", "", "<!-- needs: s3 -->", "~~~~console",
+        "$ echo ```", "~~~~", "<!-- not run: needs a GPU -->", "```bash", "nvidia-smi",
+        "```", "<!-- not run: -->", "```", "plain", "````", "", "```text", "unclosed"]),
+        encoding="utf-8")
+    blocks = parse_blocks(page)
+    assert [(b.line, b.language, b.not_run, b.needs) for b in blocks] == [
+        (3, "python", None, ()), (8, "console", None, ("s3",)),
+        (12, "bash", "needs a GPU", ()), (16, "", "", ()), (20, "text", None, ())]
+    assert blocks[0].code == "x = 1\n" and blocks[1].code == "$ echo ```\n"
+    assert blocks[3].code == "plain\n"  # a longer closing fence closes it
+
+
+def test_console_lines_become_one_script() -> None:
+    block = Block(REPO / "x.md", 1, "console",
+                  "$ A=1 \\\n  B=2\noutput\n$ echo $A$B\n", None, ())
+    script = console_script(block)
+    assert script.endswith("A=1 \\\n  B=2\necho $A$B\n") and "output" not in script
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert done.stdout == "12\n"
+
+
+def test_a_failing_python_block_reports_its_markdown_line(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("intro\n\n```python\nx = 1\nraise ValueError(x)\n```\n", encoding="utf-8")
+    (block,) = parse_blocks(page)
+    session = PythonSession(tmp_path, base_env(tmp_path))
+    try:
+        ok, output = session.run(block, tmp_path / "log")
+        assert not ok
+        assert f'File "{page}", line 5' in output and "ValueError: 1" in output
+        assert "raise ValueError(x)" in output  # the source line, read from the page
+        ok, output = session.run(Block(page, 10, "python", "print(x + 1)\n", None, ()),
+                                 tmp_path / "log2")
+        assert ok and output == "2\n"  # one namespace per page
+    finally:
+        session.close()
+
+
+def test_a_failing_command_stops_its_block(tmp_path) -> None:
+    block = Block(REPO / "x.md", 1, "console", "$ false\n$ echo unreachable\n", None, ())
+    ok, output = run_console(block, tmp_path, base_env(tmp_path))
+    assert not ok and "unreachable" not in output and "exit status 1: false" in output
+
+
+def test_the_readme_commands_are_those_ci_runs() -> None:
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for command in ('pip install -e ".[dev]"', "python -m pytest -q"):
+        assert command in ci.splitlines(), command
+        assert command in readme, command
+    assert 'pip install -e ".[dev]" && cachekit demo' in readme
