@@ -81,9 +81,9 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
         if found is not None:
             return Outcome(found, "local", waiting.seconds)
         _raise_failure_seen_while_waiting(store, key, asked)
+        waited = waiting.seconds  # before the build: waiting, not building
         # "built" even when another builder's rename won the race: this call did the work.
-        return Outcome(_build_and_commit(store, key, build_fn, announce), "built",
-                       waiting.seconds)
+        return Outcome(_build_and_commit(store, key, build_fn, announce), "built", waited)
     finally:
         build_lock.release()
 

@@ -84,6 +84,20 @@ def test_a_miss_then_a_hit_are_recorded_in_the_run_summary(fake_wandb, cache_roo
         "cachekit/entries", "cachekit/build_seconds_total", "cachekit/wait_seconds_total"}
 
 
+def _slow_row(value: int) -> np.ndarray:
+    time.sleep(0.1)
+    return np.full(2, value, dtype=np.int16)
+
+
+def test_a_builder_that_waited_for_nobody_reports_no_wait(fake_wandb, cache_root):
+    # wait_seconds is time spent waiting for another process's build, not this one's build
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    built = cache.map(_slow_row, pd.Series([1, 2, 3, 4]))
+    summary = fake_wandb.run.summary
+    assert built.source == "built" and summary["cachekit/build_seconds"] >= 0.4
+    assert summary["cachekit/wait_seconds"] < summary["cachekit/build_seconds"] / 4
+
+
 def test_totals_start_again_with_a_new_run(fake_wandb, cache_root):
     cache = cachekit.Cache(cache_root, progress=False)
     cache.map(_row, pd.Series([1]))
