@@ -9,7 +9,8 @@ The rules (docs/index.md, "About the examples", says the same for readers):
 - An HTML comment line directly above the opening fence marks a block:
   ``<!-- not run: REASON -->`` skips it, and the reason must not be empty;
   ``<!-- needs: s3 -->`` runs it with the environment of the ``s3_env`` fixture (a test S3
-  server; CACHEKIT_REMOTE and the AWS_* variables).
+  server; CACHEKIT_REMOTE and the AWS_* variables), and the placeholder URL
+  ``s3://bucket/prefix`` in its code stands for that server's $CACHEKIT_REMOTE.
   A block in any other language (```bash, ```text, none) without ``not run`` fails, so a
   new block cannot silently go unrun.
 - Each page runs in a temporary folder of its own holding sample data: covers/ with 24
@@ -37,9 +38,9 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytest
 
@@ -47,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = ("python", "console")
 SAMPLE_IMAGES = 24
+PLACEHOLDER_URL = "s3://bucket/prefix"  # in a `needs: s3` block: the test server's bucket
 BLOCK_TIMEOUT = 180.0  # seconds; generous for a loaded machine, never hit by a sane block
 
 _FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
@@ -120,8 +122,13 @@ import sys
 
 
 def _serve():
-    import json, os, traceback
+    import importlib, json, os, traceback
     requests, replies = os.fdopen(int(sys.argv[1])), os.fdopen(int(sys.argv[2]), "w")
+    for name in sys.argv[3:]:  # what the page's blocks import anyway, while others run
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass  # the block that imports it reports the error
     # The blocks run in __main__'s own namespace, as a script's code would, so that what
     # they define pickles by reference (a process pool's workers find it after a fork).
     namespace = sys.modules["__main__"].__dict__
@@ -152,12 +159,12 @@ _serve()
 class PythonSession:
     """One interpreter that runs python blocks in order, in one namespace."""
 
-    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], preload: Sequence[str] = ()) -> None:
         self.cwd = cwd
         to_child, self._requests = os.pipe()
         self._replies, from_child = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SESSION, str(to_child), str(from_child)],
+            [sys.executable, "-c", _SESSION, str(to_child), str(from_child), *preload],
             cwd=cwd, env=env, stdin=subprocess.DEVNULL, pass_fds=(to_child, from_child))
         os.close(to_child)
         os.close(from_child)
@@ -177,14 +184,18 @@ class PythonSession:
                                    f"{self.proc.returncode})"
         return json.loads(reply)["ok"], output
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """Let the interpreter exit (it does once its requests end), without waiting."""
         for f in (self._send, self._receive):
             try:
                 f.close()
             except OSError:
                 pass
+
+    def close(self) -> None:
+        self.finish()
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -250,14 +261,29 @@ def base_env(folder: Path) -> dict[str, str]:
     return env
 
 
-class Page:
-    """A page's folder, its interpreter session and which of its blocks ran."""
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
 
-    def __init__(self, folder: Path) -> None:
+
+def imported_modules(blocks: Sequence[Block]) -> list[str]:
+    """The top-level modules that the python blocks import, in order of first import."""
+    names = [m for b in blocks if b.language == "python" for m in _IMPORT.findall(b.code)]
+    return list(dict.fromkeys(names))
+
+
+class Page:
+    """A page's folder, its interpreter session and which of its blocks ran.
+
+    The session starts at once, importing what the page's blocks import, so that the slow
+    imports (torch takes seconds) overlap the blocks of the page before it."""
+
+    def __init__(self, folder: Path, blocks: Sequence[Block]) -> None:
         self.folder = folder
         self.env = base_env(folder)
         self.done: dict[Block, bool] = {}
         self.session: Optional[PythonSession] = None
+        in_order = [b for b in blocks if _runs_in_page_order(b) and b.language == "python"]
+        if in_order:
+            self.session = PythonSession(folder, self.env, imported_modules(in_order))
         self.logs = 0
 
     def run(self, block: Block, extra_env: Optional[dict[str, str]] = None) -> tuple[bool, str]:
@@ -265,6 +291,9 @@ class Page:
         log = self.folder.parent / f"{self.folder.name}-block-{self.logs}.log"
         if extra_env is not None:  # on its own, with the extra environment
             env = {**self.env, **extra_env}
+            if "CACHEKIT_REMOTE" in env:
+                block = replace(block, code=block.code.replace(PLACEHOLDER_URL,
+                                                               env["CACHEKIT_REMOTE"]))
             if block.language == "console":
                 return run_console(block, self.folder, env)
             alone = PythonSession(self.folder, env)
@@ -284,17 +313,27 @@ class Page:
 
 
 @pytest.fixture(scope="module")
-def pages(tmp_path_factory):
+def pages(tmp_path_factory, request):
     samples = tmp_path_factory.mktemp("samples")
     make_samples(samples)
     made: dict[Path, Page] = {}
 
-    def page_of(path: Path) -> Page:
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if getattr(item, "callspec", None) and "block" in item.callspec.params]
+    order = list(dict.fromkeys(b.page for b in selected if _runs_in_page_order(b)))
+
+    def make(path: Path) -> Page:
         if path not in made:
             folder = tmp_path_factory.mktemp(path.stem.lower())
             shutil.copytree(samples, folder, dirs_exist_ok=True)
-            made[path] = Page(folder)
+            made[path] = Page(folder, [b for b in ALL_BLOCKS if b.page == path])
         return made[path]
+
+    def page_of(path: Path) -> Page:
+        page = make(path)
+        if path in order and order.index(path) + 1 < len(order):
+            make(order[order.index(path) + 1])  # its imports overlap this page's blocks
+        return page
 
     yield page_of
     for page in made.values():
@@ -311,7 +350,7 @@ def test_example(block: Block, pages, request) -> None:
     if block.not_run is not None:
         if not block.not_run:
             pytest.fail(f"{block.where}: `<!-- not run: -->` needs a reason after the colon")
-        pytest.skip(f"not run: {block.not_run}")
+        pytest.skip(f"{block.where}: not run: {block.not_run}")
     if block.language not in RUNNABLE:
         pytest.fail(f"{block.where}: a ```{block.language} block is not runnable; make it "
                     "```python or ```console, or put `<!-- not run: REASON -->` directly "
@@ -332,6 +371,9 @@ def test_example(block: Block, pages, request) -> None:
     extra = dict(request.getfixturevalue("s3_env")) if "s3" in block.needs else None
     ok, output = page.run(block, extra)
     page.done[block] = ok
+    if page.session is not None and all(b in page.done for b in ALL_BLOCKS
+                                        if b.page == block.page and _runs_in_page_order(b)):
+        page.session.finish()  # its exit (atexit work: wandb's, say) overlaps later pages
     if not ok:
         pytest.fail(f"{block.where}: this ```{block.language} block failed:\n{output}",
                     pytrace=False)
