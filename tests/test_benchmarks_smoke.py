@@ -56,3 +56,26 @@ def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys) 
                            text=True).stdout
     assert after == before
     assert "the published ones in docs/ and README.md stay" in capsys.readouterr().err
+
+
+def test_a_replot_fills_the_generated_parts_and_keeps_the_prose(tmp_path: Path) -> None:
+    run = load_run_module()
+    published = RUN_PY.parent.parent / "docs" / "benchmarks.json"
+    out = tmp_path / "docs"
+    out.mkdir()
+    page = out / "benchmarks.md"
+    page.write_text(f"# By hand\n\nprose\n\n{run.RESULTS_START}\nOLD-RESULTS\n"
+                    f"{run.RESULTS_END}\n\ntail\n", encoding="utf-8")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{run.README_START}\nOLD-BLOCK\n{run.README_END}\nlinks\n",
+                      encoding="utf-8")
+    run.main(["--replot", str(published), "--out", str(out), "--readme", str(readme)])
+
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("# By hand\n\nprose\n") and text.endswith("\ntail\n")
+    assert "OLD-RESULTS" not in text and "# cachekit benchmarks" not in text
+    assert "## Cold build" in text and "range (runs)" in text and "## Contestants" in text
+    front = readme.read_text(encoding="utf-8")
+    assert front.startswith("intro\n") and front.endswith("links\n") and "OLD-BLOCK" not in front
+    assert "![benchmark chart](docs/benchmarks.png)" in front and "| budget" in front
+    assert "range (runs)" not in front  # the full tables stay on the docs page
