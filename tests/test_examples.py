@@ -68,7 +68,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(REPO)}:{self.line}"
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page}:{self.line}"
 
     @property
     def first_code_line(self) -> int:
@@ -340,6 +341,22 @@ def pages(tmp_path_factory, request):
         page.close()
 
 
+def marking_problem(block: Block) -> Optional[str]:
+    """Why ``block`` is marked wrongly (so that it could go unrun silently), or None."""
+    if block.not_run is not None:
+        if not block.not_run:
+            return f"{block.where}: `<!-- not run: -->` needs a reason after the colon"
+        return None
+    if block.language not in RUNNABLE:
+        return (f"{block.where}: a ```{block.language} block is not runnable; make it "
+                "```python or ```console, or put `<!-- not run: REASON -->` directly above "
+                "its opening fence")
+    unknown = set(block.needs) - {"s3"}
+    if unknown:
+        return f"{block.where}: unknown `needs` marker {sorted(unknown)}; known: s3"
+    return None
+
+
 def _runs_in_page_order(block: Block) -> bool:
     return block.not_run is None and block.language in RUNNABLE and not block.needs
 
@@ -347,17 +364,11 @@ def _runs_in_page_order(block: Block) -> bool:
 @pytest.mark.parametrize("block", ALL_BLOCKS, ids=[f"{b.where}-{b.language or 'plain'}"
                                                   for b in ALL_BLOCKS])
 def test_example(block: Block, pages, request) -> None:
+    problem = marking_problem(block)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
     if block.not_run is not None:
-        if not block.not_run:
-            pytest.fail(f"{block.where}: `<!-- not run: -->` needs a reason after the colon")
         pytest.skip(f"{block.where}: not run: {block.not_run}")
-    if block.language not in RUNNABLE:
-        pytest.fail(f"{block.where}: a ```{block.language} block is not runnable; make it "
-                    "```python or ```console, or put `<!-- not run: REASON -->` directly "
-                    "above its opening fence")
-    unknown = set(block.needs) - {"s3"}
-    if unknown:
-        pytest.fail(f"{block.where}: unknown `needs` marker {sorted(unknown)}; known: s3")
     page = pages(block.page)
     for earlier in [b for b in ALL_BLOCKS if b.page == block.page and b.line < block.line
                     and _runs_in_page_order(b)]:
@@ -365,7 +376,7 @@ def test_example(block: Block, pages, request) -> None:
             page.done[earlier], output = page.run(earlier)
             if not page.done[earlier]:
                 pytest.fail(f"{earlier.where}: an earlier block of this page, run first, "
-                            f"failed:\n{output}")
+                            f"failed:\n{output}", pytrace=False)
         if not page.done[earlier]:
             pytest.skip(f"the earlier block {earlier.where} of this page failed")
     extra = dict(request.getfixturevalue("s3_env")) if "s3" in block.needs else None
@@ -400,6 +411,21 @@ def test_the_parser_finds_fences_markers_and_line_numbers(tmp_path) -> None:
         (12, "bash", "needs a GPU", ()), (16, "", "", ()), (20, "text", None, ())]
     assert blocks[0].code == "x = 1\n" and blocks[1].code == "$ echo ```\n"
     assert blocks[3].code == "plain\n"  # a longer closing fence closes it
+
+
+def test_unrunnable_or_unexplained_blocks_are_failures(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("\n".join([
+        "```bash", "ls", "```", "<!-- not run:   -->", "```python", "x", "```",
+        "<!-- needs: gpu -->", "```python", "x", "```", "", "```", "plain", "```",
+        "<!-- not run: output -->", "```text", "out", "```", "<!-- needs: s3 -->",
+        "```console", "$ true", "```"]), encoding="utf-8")
+    problems = [marking_problem(b) for b in parse_blocks(page)]
+    assert f"{page}:1: a ```bash block is not runnable" in problems[0]
+    assert "needs a reason" in problems[1]
+    assert "unknown `needs` marker ['gpu']" in problems[2]
+    assert "a ``` block is not runnable" in problems[3]
+    assert problems[4:] == [None, None]
 
 
 def test_console_lines_become_one_script() -> None:
