@@ -113,6 +113,20 @@ class DirHandle:
             raise
         os.close(fd)
 
+    def publish_new(self, name: str, data: bytes) -> bool:
+        """Make ``name`` hold ``data`` (fsynced) in one step, only if it does not exist yet:
+        readers see all of it or nothing. False when it already existed (a hard link never
+        replaces a file, on local and network filesystems alike)."""
+        tmp = f".{name}.{unique_suffix()}.tmp"
+        self.write_new(tmp, data)
+        try:
+            os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        finally:
+            self.unlink(tmp)
+        return True
+
     def replace_json(self, name: str, value: Any) -> None:
         """Write ``value`` as JSON to ``name`` so readers see the old file or the new one."""
         tmp = f".{name}.{unique_suffix()}.tmp"
