@@ -10,7 +10,8 @@ needs no lock and means the same on every host of a shared root::
     claim.C.G       chunk C is being filled by the owner (host, pid) inside; G counts the
                     claims of C (the highest is the current one). Its mtime is the owner's
                     heartbeat (cachekit.liveness): when it is older than the lease, or the
-                    owner is a gone process of this host, anyone may claim C again as G+1
+                    owner is a gone process of this host, anyone may claim C again as G+1.
+                    The owner removes it once C is done, or when it gives C up
     done.C          chunk C's rows are on disk (flushed before this was written) and these
                     rows of it failed: written once, by whoever finished C first
 
@@ -48,10 +49,12 @@ class Claim:
         self._heartbeat = liveness.Heartbeat(fd).start()
 
     def finish(self, failures: list[Failure]) -> bool:
-        """Record the chunk done (its rows must already be flushed); False when another
-        process recorded it first. The claim file stays until the build is committed."""
-        self.stop()
-        return self.journal.mark_done(self.chunk, failures)
+        """Record the chunk done (its rows must already be flushed), then drop the claim;
+        False when another process recorded it first."""
+        try:
+            return self.journal.mark_done(self.chunk, failures)
+        finally:
+            self.release()
 
     def release(self) -> None:
         """Give the chunk up unfinished, so that another process claims it at once."""
@@ -149,8 +152,8 @@ class Journal:
                 continue
             if claim is None:
                 continue  # another process claimed it first
-            if self.is_done(chunk):  # finished by a process whose claim we thought dead
-                claim.stop()
+            if self.is_done(chunk):  # finished since we listed the folder
+                claim.release()
                 continue
             yield claim
 

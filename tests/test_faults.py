@@ -30,6 +30,8 @@ from cachekit import ImageDecodeError, arrays, build, locks, manifest as manifes
 from cachekit.stores import Layout
 from cachekit.images import load_image
 
+from helpers import small_chunks
+
 SIZE = (8, 8)
 
 # module-qualified call -> the error it raises when injected
@@ -42,7 +44,7 @@ TARGETS = {
     "cachekit._fs.os.write": OSError(errno.ENOSPC, "No space left on device"),
     "cachekit.arrays.os.ftruncate": OSError(errno.EFBIG, "File too large"),
     "cachekit.arrays._checksum_of": OSError(errno.EIO, "Input/output error"),
-    "cachekit.build.np.memmap.flush": OSError(errno.EIO, "Input/output error"),
+    "cachekit.arrays.flush_bytes": OSError(errno.EIO, "Input/output error"),
     "cachekit._fs.json.dumps": OSError(errno.ENOSPC, "No space left on device"),
 }
 
@@ -120,7 +122,7 @@ def assert_clean_after_failure(root: Path, key: str) -> None:
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_a_write_fault_at_every_call_position_fails_cleanly(tmp_path, column, reference,
                                                             target, monkeypatch):
-    monkeypatch.setattr(build, "CHUNK_ROWS", 4)  # 12 rows: three chunks, three checkpoints
+    small_chunks(monkeypatch, 4)  # 12 rows: three chunks, three done records
     monkeypatch.setenv("CACHEKIT_LOCK", "os")
     key = fresh_build(tmp_path / "probe", column).key
     calls = count_calls(target, lambda: fresh_build(tmp_path / "count", column))
