@@ -3,9 +3,9 @@
 The build engine (:mod:`cachekit.build`) computes chunks through :func:`make_runner`; this
 module stands in for the executors module until it is merged, and only knows threads. Each
 chunk is one task on a thread pool that writes its rows into the caller's memmap in place
-(Pillow releases the GIL while it decodes and resizes). At most ``workers + 1`` chunks are
-in flight, and the chunk iterable is pulled lazily, one chunk each time a worker is free, so
-the caller may hand out chunks as it claims them.
+(Pillow releases the GIL while it decodes and resizes). At most ``workers`` chunks are in
+flight, and the chunk iterable is pulled lazily, one chunk each time a worker is free, so
+the caller may hand out chunks as it claims them (and leave the rest to other processes).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ChunkRunner:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(in_flight) <= self.workers:
+                while not exhausted and len(in_flight) < self.workers:
                     chunk = next(pending, None)
                     if chunk is None:
                         exhausted = True

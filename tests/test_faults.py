@@ -26,7 +26,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import ImageDecodeError, arrays, build, locks, manifest as manifests
+from cachekit import ImageDecodeError, arrays, locks, manifest as manifests
 from cachekit.stores import Layout
 from cachekit.images import load_image
 
