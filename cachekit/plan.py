@@ -127,12 +127,13 @@ def chunk_rows(rows: int, row_bytes: int, workers: int, *, page: Optional[int] =
                max_rows: Optional[int] = None) -> int:
     """Rows per chunk: a multiple of the page-aligned unit, at most ``max_rows`` (default
     :data:`MAX_CHUNK_ROWS`) and :data:`MAX_CHUNK_BYTES` unless one unit is more, and at most
-    ``rows / (CHUNKS_PER_WORKER * workers)`` rounded up to a unit."""
+    ``rows / (CHUNKS_PER_WORKER * workers)`` (so each worker gets that many chunks when
+    there are rows enough)."""
     page = PAGE_BYTES if page is None else page
     max_rows = MAX_CHUNK_ROWS if max_rows is None else max_rows
     unit = page // math.gcd(row_bytes, page) if row_bytes else 1
     cap = min(max_rows, MAX_CHUNK_BYTES // row_bytes if row_bytes else max_rows)
-    share = math.ceil(max(rows, 1) / (CHUNKS_PER_WORKER * max(1, workers)))
+    share = max(1, rows // (CHUNKS_PER_WORKER * max(1, workers)))
     wanted = min(cap, share)
     return max(unit, wanted // unit * unit if wanted >= unit else unit)
 
