@@ -88,8 +88,12 @@ def read_progress(directory: _fs.DirHandle, name: str) -> Optional[Progress]:
     no usable one (no plan, or a data file whose header and size disagree with it)."""
     try:
         with Journal.open(directory, name) as journal:
-            _open_planned(directory, name, journal.plan, writable=False)
-            return Progress(journal.plan, tuple(journal.done()))
+            with directory.open_file(name) as f:
+                offset = arrays.check_header(f, directory.path / name, journal.plan.shape,
+                                             journal.plan.dtype)
+            if offset != journal.plan.offset:
+                return None
+            return Progress(journal.plan, tuple(journal.done(drop_bad=False)))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -167,7 +171,7 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
                 or (template is not None and not _same_template(planned, template))):
             return None
         try:
-            array = _open_planned(directory, name, planned, writable=True)
+            array = _open_planned(directory, name, planned)
         except (OSError, ValueError):
             return None
         task = RowTask(row_fn, record)
@@ -290,22 +294,16 @@ def _resumed(directory: _fs.DirHandle, name: str, n: int, template: Any, key: st
         if planned.rows != n or (key and planned.key != key) or (
                 template is not None and not _same_template(planned, template)):
             raise ValueError("a journal of another fill")
-        return journal, _open_planned(directory, name, planned, writable=True)
+        return journal, _open_planned(directory, name, planned)
     except (OSError, ValueError, TypeError):
         journal.close()
         return None
 
 
-def _open_planned(directory: _fs.DirHandle, name: str, planned: Plan, *, writable: bool):
-    """Map the data file of ``planned`` (checked: its header, size and data offset)."""
-    if writable:
-        array = arrays.open_writable(directory, name)
-    else:
-        with directory.open_file(name) as f:
-            offset = arrays.check_header(f, directory.path / name, planned.shape, planned.dtype)
-        if offset != planned.offset:
-            raise ValueError("the data file's data offset is not the plan's")
-        return None
+def _open_planned(directory: _fs.DirHandle, name: str, planned: Plan) -> np.ndarray:
+    """Map the data file of ``planned`` for writing (checked: its header, size and data
+    offset), through ``directory``: never by a path that another process could swap."""
+    array = arrays.open_writable(directory, name)
     if (array.shape != planned.shape or array.dtype != planned.dtype
             or _data_offset(array, directory, name) != planned.offset):
         raise ValueError("the data file does not match the plan")

@@ -205,9 +205,10 @@ class Journal:
                 out.append(int(name[5:]))
         return sorted(out)
 
-    def done(self) -> dict[int, list[Failure]]:
+    def done(self, *, drop_bad: bool = True) -> dict[int, list[Failure]]:
         """chunk index -> the failures of that done chunk. A done record that cannot be
-        read or does not match the plan counts as not done (the chunk is filled again)."""
+        read or does not match the plan counts as not done; with ``drop_bad`` (the builder,
+        whose build this is) it is removed, so that the chunk is filled again."""
         chunks = self.plan.chunks
         out: dict[int, list[Failure]] = {}
         for index in self.done_indices():
@@ -215,7 +216,8 @@ class Journal:
                 raw = self._read(f"done.{index}")
                 out[index] = _failures(raw, chunks[index])
             except (OSError, ValueError):
-                self.dir.unlink(f"done.{index}")
+                if drop_bad:
+                    self.dir.unlink(f"done.{index}")
         return out
 
     def rows_done(self) -> int:
