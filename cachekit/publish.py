@@ -35,6 +35,9 @@ from .manifest import DATA_FILE, Manifest
 from .stores import Build, BuildState, LocalStore, Published
 
 POLL_SECONDS = 0.25
+JOIN_POLL_SECONDS = 0.05
+"""How often a process that may join looks for a build to join: a joiner that starts late
+fills fewer chunks."""
 WAIT_REPORT_SECONDS = 10.0
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -124,6 +127,7 @@ class _Wait:
         self.store, self.key, self.timeout, self.announce, self.lock = (
             store, key, timeout, announce, lock)
         self.join = join
+        self.poll = POLL_SECONDS if join is None else JOIN_POLL_SECONDS
         self.filled = self.rows_filled = 0
         self.started = time.monotonic()
         self.next_report = self.started + POLL_SECONDS * 4
@@ -136,7 +140,7 @@ class _Wait:
         """Acquire the lock; return early with the entry if its builder publishes meanwhile."""
         while True:
             remaining = self._remaining()
-            slice_ = POLL_SECONDS if remaining is None else max(0.0, min(POLL_SECONDS, remaining))
+            slice_ = self.poll if remaining is None else max(0.0, min(self.poll, remaining))
             if self.lock.acquire(timeout=slice_):
                 return None
             found = self.store.lookup(self.key)
@@ -157,8 +161,7 @@ class _Wait:
             if self._join_live_builds():
                 continue  # look for the entry at once: we may have filled the last chunk
             remaining = self._remaining()
-            time.sleep(POLL_SECONDS if remaining is None else max(0.0, min(POLL_SECONDS,
-                                                                           remaining)))
+            time.sleep(self.poll if remaining is None else max(0.0, min(self.poll, remaining)))
             self._tick(remaining)
 
     def _join_live_builds(self) -> int:
