@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import Failure, NotAnArrayError
+from .arrays import as_row
+from .errors import Failure, NotAnArrayError, failure_reason
 from .plan import Chunk
 
 
@@ -84,11 +85,11 @@ class ChunkRunner:
         expected = out.shape[1:], out.dtype
         for row in range(chunk.start, chunk.stop):
             try:
-                result = as_array(self.task.row_fn(values[row]))
+                result = as_row(self.task.row_fn(values[row]))
             except Exception as exc:
                 if not self.task.record_failures or isinstance(exc, NotAnArrayError):
                     raise
-                failures.append((row, str(values[row]), reason(exc)))
+                failures.append((row, str(values[row]), failure_reason(exc)))
                 continue
             check_row(row, result, expected)
             out[row] = result
@@ -104,16 +105,3 @@ def check_row(row: int, result: np.ndarray, expected: tuple[tuple[int, ...], np.
         raise ValueError(
             f"row {row} gave shape {result.shape} dtype {result.dtype}, but earlier rows "
             f"gave shape {expected[0]} dtype {expected[1]}; every row must have one shape")
-
-
-def as_array(result: Any) -> np.ndarray:
-    """Accept numpy arrays and torch tensors (or anything numpy can view) as a row."""
-    if isinstance(result, np.ndarray):
-        return result
-    if hasattr(result, "detach") and hasattr(result, "cpu"):
-        return result.detach().cpu().numpy()
-    return np.asarray(result)
-
-
-def reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc) or repr(exc)}"

@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _fs, arrays, plan as plans
-from ._threads_runner import RowTask, as_array, reason
-from .errors import Failure, NotAnArrayError
+from ._threads_runner import RowTask, make_runner  # cachekit.executors once it is merged
+from .errors import Failure, NotAnArrayError, failure_reason
 from .journal import Claim, Journal, is_gone, journal_name
 from .plan import Chunk, Plan
 
@@ -36,13 +36,6 @@ RowFunction = Callable[[Any], Any]
 ChunkCallback = Callable[[int, int], None]
 POLL_SECONDS = 0.05
 """How often a builder looks at chunks that other processes hold."""
-
-
-def make_runner(executor: Any, workers: int, task: RowTask):
-    """The chunk runner of a build: the one place the runner implementation is chosen."""
-    from ._threads_runner import make_runner as threads_runner
-
-    return threads_runner(executor, workers, task)
 
 
 @dataclass
@@ -327,11 +320,11 @@ def _first_success(values: Sequence[Any], task: RowTask,
     """Run rows in order until one succeeds; its shape and dtype fix the array's."""
     for row, value in enumerate(values):
         try:
-            return row, as_array(task.row_fn(value))
+            return row, arrays.as_row(task.row_fn(value))
         except Exception as exc:
             if not task.record_failures or isinstance(exc, NotAnArrayError):
                 raise
-            failures.append((row, str(value), reason(exc)))
+            failures.append((row, str(value), failure_reason(exc)))
     raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
 
 

@@ -288,3 +288,25 @@ def test_a_joiner_on_another_host_fills_chunks_and_no_page_is_written_by_two_hos
     assert [r["source"] for r in reports] == ["built", "joined"]
     assert all(r["ok"] for r in reports) and len({r["sha"] for r in reports}) == 1
     assert entries(a.root) == [reports[0]["key"]] and leftovers(a.root) == []
+
+
+def test_a_dead_joiner_on_another_host_loses_its_chunk_once_its_heartbeat_is_a_lease_old(
+        two_hosts):
+    a, b = two_hosts
+    env = {"CACHEKIT_LOCK_LEASE": "2"}
+    builder = a.python(MAP_AGENT, a.root, a.work, "host-a", "builder", 64, 2048, env=env)
+    wait_for((a.work / "builder-mid").exists, timeout=TIMEOUT, what="host-a mid-chunk",
+             watch=[builder])
+    joiner = b.python(MAP_AGENT, b.root, b.work, "host-b", "joiner-dies", 64, 2048, env=env)
+    wait_for((a.work / "joiner-mid").exists, timeout=TIMEOUT, what="host-b mid-chunk",
+             watch=[builder, joiner])
+    row = int((a.work / "joiner-mid").read_text())
+    b.kill_all()  # host-a cannot see host-b's pids: only the claim's heartbeat tells
+    (a.work / "go").touch()
+    report = finish(builder, TIMEOUT).report()
+
+    computed = rows_by(a.work)
+    assert computed["host-b"] == [row]
+    assert sorted(computed["host-a"]) == list(range(64))  # its chunk too, once it was stale
+    assert report["ok"] and report["source"] == "built"
+    assert entries(a.root) == [report["key"]] and leftovers(a.root) == []
