@@ -29,7 +29,7 @@ import numpy as np
 from . import _fs, arrays, plan as plans
 from ._threads_runner import RowTask, make_runner  # cachekit.executors once it is merged
 from .errors import Failure, NotAnArrayError, failure_reason
-from .journal import Claim, Journal, is_gone, journal_name
+from .journal import BuildGone, Claim, Journal, journal_name
 from .plan import Chunk, Plan
 
 RowFunction = Callable[[Any], Any]
@@ -172,9 +172,8 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         try:
             for chunk in _run_claimed(journal, array, values, task, workers, executor):
                 filled, rows = filled + 1, rows + chunk.rows
-        except OSError as e:
-            if not is_gone(e):
-                raise
+        except BuildGone:
+            pass  # published (or failed) meanwhile: the caller looks again
         return Joined(filled, rows, len(planned.chunks))
 
 

@@ -28,12 +28,25 @@ import os
 from typing import Any, Iterable, Iterator, Optional
 
 from . import _fs, liveness
-from .errors import Failure
+from .errors import CachekitError, Failure
 from .plan import Chunk, Plan
 
 SUFFIX = ".chunks"
 PLAN_FILE = "plan.json"
 _RECORD_LIMIT = 64 << 20
+
+
+class BuildGone(CachekitError):
+    """The build a process was filling chunks of was committed or discarded meanwhile (a
+    joiner then looks for the entry; a builder whose own build went fails with this)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"the chunk journal {where} was removed while this process filled "
+                         "chunks of its build; nothing of it was published by this process")
+        self.where = where
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.where,))
 
 
 def journal_name(name: str) -> str:
@@ -50,9 +63,14 @@ class Claim:
 
     def finish(self, failures: list[Failure]) -> bool:
         """Record the chunk done (its rows must already be flushed), then drop the claim;
-        False when another process recorded it first."""
+        False when another process recorded it first. BuildGone when the build was
+        committed or discarded meanwhile (its journal folder is gone)."""
         try:
             return self.journal.mark_done(self.chunk, failures)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ESTALE):
+                raise BuildGone(str(self.journal.dir.path)) from e
+            raise
         finally:
             self.release()
 
@@ -260,8 +278,3 @@ def _failures(raw: Any, chunk: Chunk) -> list[Failure]:
 
 def _dumps(value: Any) -> bytes:
     return (json.dumps(value, sort_keys=True) + "\n").encode()
-
-
-def is_gone(error: OSError) -> bool:
-    """Whether ``error`` says the journal folder itself is gone (committed or discarded)."""
-    return error.errno in (errno.ENOENT, errno.ESTALE)
