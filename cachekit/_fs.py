@@ -21,6 +21,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 NOT_A_FILE_ERRNOS = (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR)
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
 """Errors of opening a path that is a symlink, a directory or another non-file."""
 
 
@@ -123,6 +124,17 @@ class DirHandle:
             os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
         except FileExistsError:
             return False
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            # A filesystem without hard links (some FUSE and SMB mounts): check, then rename.
+            # Two writers may then both succeed; they write records of the same chunk.
+            try:
+                self.lstat(name)
+                return False
+            except FileNotFoundError:
+                os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                return True
         finally:
             self.unlink(tmp)
         return True

@@ -322,3 +322,20 @@ def test_a_hit_writes_nothing_but_its_best_effort_use_stamp(cache_root, cover_pa
     finally:
         for patch in patches:
             patch.stop()
+
+
+def test_a_filesystem_without_hard_links_still_builds(tmp_path, column, reference,
+                                                      monkeypatch):
+    """Done records are published with link(2); where a mount refuses links (EPERM, some
+    FUSE and SMB mounts) they fall back to a checked rename, and the build still works."""
+    small_chunks(monkeypatch, 4)
+    refused = []
+
+    def no_links(*args, **kwargs):
+        refused.append(args)
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr("cachekit._fs.os.link", no_links)
+    entry = fresh_build(tmp_path / "cache", column)
+    assert refused  # every chunk's done record took the fallback
+    np.testing.assert_array_equal(np.asarray(entry.array), reference)
