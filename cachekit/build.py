@@ -19,6 +19,7 @@ joins what.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -123,21 +124,26 @@ def fill(
     """
     n = len(values)
     task = RowTask(row_fn, record)
-    started = _resumed(directory, name, n, template, key) if resume else None
-    head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
-    if started is None:
-        directory.remove_tree(journal_name(name))
-        directory.unlink(name)
-        journal, array, head = _start(directory, name, values, task, template, key, workers)
-    else:
-        journal, array = started
-    bar = _progress_bar(n, progress, description)
+    runner = make_runner(executor, workers, task)  # first: it refuses what cannot run there
     try:
-        with journal:
-            _fill_all(journal, array, values, task, workers, executor, head, on_chunk, bar)
-            failures = sorted(f for chunk in journal.done().values() for f in chunk)
+        started = _resumed(directory, name, n, template, key) if resume else None
+        head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
+        if started is None:
+            directory.remove_tree(journal_name(name))
+            directory.unlink(name)
+            journal, array, head = _start(directory, name, values, task, template, key,
+                                          workers)
+        else:
+            journal, array = started
+        bar = _progress_bar(n, progress, description)
+        try:
+            with journal:
+                _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
+                failures = sorted(f for chunk in journal.done().values() for f in chunk)
+        finally:
+            bar.close()
     finally:
-        bar.close()
+        runner.close()
     return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
 
 
@@ -167,13 +173,15 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
             array = _open_planned(directory, name, planned)
         except (OSError, ValueError):
             return None
-        task = RowTask(row_fn, record)
+        runner = _LazyRunner(executor, workers, RowTask(row_fn, record))
         filled = rows = 0
         try:
-            for chunk in _run_claimed(journal, array, values, task, workers, executor):
+            for chunk in _run_claimed(journal, array, values, runner):
                 filled, rows = filled + 1, rows + chunk.rows
         except BuildGone:
             pass  # published (or failed) meanwhile: the caller looks again
+        finally:
+            runner.close()
         return Joined(filled, rows, len(planned.chunks))
 
 
@@ -213,8 +221,8 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
     return journal, array, head
 
 
-def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any], task: RowTask,
-              workers: int, executor: Any, head: Any, on_chunk: Optional[ChunkCallback],
+def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
+              runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
               bar: Any) -> None:
     """Fill chunks until every chunk is done, by us or by others."""
     total = len(array)
@@ -231,7 +239,7 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any], task: 
                 on_chunk(done, total)
 
     while True:
-        for _ in _run_claimed(journal, array, values, task, workers, executor, head):
+        for _ in _run_claimed(journal, array, values, runner, head):
             report()
         head = None
         held, free = journal.pending()
@@ -246,10 +254,11 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any], task: 
         on_chunk(0, 0)
 
 
-def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any], task: RowTask,
-                 workers: int, executor: Any, head: Any = None) -> Iterator[Chunk]:
+def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any],
+                 runner: Callable[[], Any], head: Any = None) -> Iterator[Chunk]:
     """Claim free chunks as the runner asks for them, compute them, flush each and record it
-    done; yield each chunk this process finished. Claims not finished are released."""
+    done; yield each chunk this process finished. Claims not finished are released.
+    ``runner()`` gives the chunk runner, asked for only once a chunk is claimed."""
     planned = journal.plan
     claims: dict[int, tuple[Claim, list[Failure]]] = {}
 
@@ -262,17 +271,37 @@ def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any], tas
             claims[claim.chunk.index] = (claim, [])
             yield claim.chunk
 
-    runner = make_runner(executor, workers, task)
+    source = chunks()
     try:
-        for chunk, failures in runner.run(chunks(), values, array):
+        first = next(source, None)
+        if first is None:
+            return
+        for chunk, failures in runner().run(itertools.chain([first], source), values, array):
             claim, earlier = claims.pop(chunk.index)
             arrays.flush_bytes(array, *planned.byte_range(claim.chunk))
             if claim.finish(earlier + failures):
                 yield claim.chunk
     finally:
-        runner.close()
         for claim, _ in claims.values():
             claim.release()
+
+
+class _LazyRunner:
+    """The chunk runner of a joiner, made only once it has claimed a chunk (a joiner looks
+    for free chunks every few tens of milliseconds, and a process pool is costly to start)."""
+
+    def __init__(self, executor: Any, workers: int, task: RowTask) -> None:
+        self.args = (executor, workers, task)
+        self.runner: Any = None
+
+    def __call__(self) -> Any:
+        if self.runner is None:
+            self.runner = make_runner(*self.args)
+        return self.runner
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
 
 
 def _resumed(directory: _fs.DirHandle, name: str, n: int, template: Any, key: str):
