@@ -21,6 +21,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 NOT_A_FILE_ERRNOS = (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR)
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
 """Errors of opening a path that is a symlink, a directory or another non-file."""
 
 
@@ -112,6 +113,31 @@ class DirHandle:
             self.unlink(name)
             raise
         os.close(fd)
+
+    def publish_new(self, name: str, data: bytes) -> bool:
+        """Make ``name`` hold ``data`` (fsynced) in one step, only if it does not exist yet:
+        readers see all of it or nothing. False when it already existed (a hard link never
+        replaces a file, on local and network filesystems alike)."""
+        tmp = f".{name}.{unique_suffix()}.tmp"
+        self.write_new(tmp, data)
+        try:
+            os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            # A filesystem without hard links (some FUSE and SMB mounts): check, then rename.
+            # Two writers may then both succeed; they write records of the same chunk.
+            try:
+                self.lstat(name)
+                return False
+            except FileNotFoundError:
+                os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                return True
+        finally:
+            self.unlink(tmp)
+        return True
 
     def replace_json(self, name: str, value: Any) -> None:
         """Write ``value`` as JSON to ``name`` so readers see the old file or the new one."""

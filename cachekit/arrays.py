@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -21,23 +22,26 @@ from ._fs import NOT_A_FILE_ERRNOS
 from .manifest import FileRecord
 
 CHECKSUM_BLOCK = 16 << 20
+HEADER_ALIGN = np.lib.format.ARRAY_ALIGN
+"""numpy's own alignment of the data start (64 bytes)."""
+MAX_HEADER_BYTES = 1 << 20
+"""The largest .npy header read: page-padded headers pass numpy's default of 10,000 bytes
+on hosts with pages over 8 KiB."""
 
 
 def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
-                 dtype: np.dtype) -> np.ndarray:
+                 dtype: np.dtype, *, align: int = HEADER_ALIGN) -> np.ndarray:
     """Create a zero-filled .npy file ``name`` of ``shape`` in ``directory``, its blocks
     reserved (a full disk fails here, not with SIGBUS later), and map it for writing: the
-    map is made from the very file created, never reopened by name."""
+    map is made from the very file created, never reopened by name.
+
+    The header is padded with spaces so the data start at a multiple of ``align`` bytes
+    (numpy pads to 64; a build pads to a page, see :mod:`cachekit.plan`); ``np.load`` reads
+    the file as usual."""
     dtype = np.dtype(dtype)
     fd = directory.create(name)
     with os.fdopen(fd, "r+b") as f:
-        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                  "shape": tuple(shape)}
-        try:
-            np.lib.format.write_array_header_1_0(f, header)
-        except ValueError:  # a header over 64 KiB needs format 2.0
-            f.seek(0)
-            np.lib.format.write_array_header_2_0(f, header)
+        f.write(_padded_header(shape, dtype, align))
         f.flush()
         offset = f.tell()
         os.ftruncate(f.fileno(), offset + math.prod(shape) * dtype.itemsize)
@@ -45,10 +49,48 @@ def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
         return _map(f, shape, dtype, "r+", offset)
 
 
+def _padded_header(shape: tuple[int, ...], dtype: np.dtype, align: int) -> bytes:
+    """A .npy header (format 1.0, or 2.0 when it needs more than 64 KiB) for a C-ordered
+    array, padded so that its length is a multiple of ``align`` (and of 64)."""
+    align = math.lcm(max(1, align), np.lib.format.ARRAY_ALIGN)
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (
+        np.lib.format.dtype_to_descr(dtype), tuple(shape))
+    for version, prefix, limit in (((1, 0), 10, 0xFFFF), ((2, 0), 12, 0xFFFFFFFF)):
+        total = -(-(prefix + len(text) + 1) // align) * align
+        if total - prefix <= limit:
+            body = (text + " " * (total - prefix - len(text) - 1) + "\n").encode("latin1")
+            length = len(body).to_bytes(prefix - 8, "little")
+            return np.lib.format.magic(*version) + length + body
+    raise ValueError(f"a .npy header for shape {tuple(shape)} is too large")
+
+
+def as_row(result: Any) -> np.ndarray:
+    """A row function's result as an array: numpy arrays and torch tensors (or anything
+    numpy can view)."""
+    if isinstance(result, np.ndarray):
+        return result
+    if hasattr(result, "detach") and hasattr(result, "cpu"):
+        return result.detach().cpu().numpy()
+    return np.asarray(result)
+
+
 def flush(array: np.ndarray) -> None:
     """msync a writable map (an empty array maps nothing and needs none)."""
     if isinstance(array, np.memmap):
         array.flush()
+
+
+def flush_bytes(array: np.ndarray, first: int, end: int) -> None:
+    """msync bytes [first, end) of the file behind the writable map ``array`` (file
+    offsets), so a chunk is on disk before its done record says so, without writing back
+    pages of chunks that other threads or processes are still filling."""
+    mapped = getattr(array, "_mmap", None)
+    if not isinstance(array, np.memmap) or mapped is None or end <= first:
+        flush(array)
+        return
+    base = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's map starts
+    low = (first - base) // mmap.PAGESIZE * mmap.PAGESIZE
+    mapped.flush(low, min(end - base, len(mapped)) - low)
 
 
 def open_writable(directory: _fs.DirHandle, name: str) -> np.ndarray:
@@ -140,9 +182,11 @@ def _header(f: BinaryIO, path: Path) -> tuple[tuple[int, ...], np.dtype]:
         f.seek(0)
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(
+                f, max_header_size=MAX_HEADER_BYTES)
         elif version == (2, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(f)
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(
+                f, max_header_size=MAX_HEADER_BYTES)
         else:
             raise ValueError(f"unsupported .npy version {version}")
     except (OSError, ValueError, TypeError, SyntaxError) as e:

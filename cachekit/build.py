@@ -1,39 +1,42 @@
-"""Fill a .npy memmap from a per-row function, in parallel, in order, in fixed-size chunks.
+"""Fill a .npy memmap from a per-row function, chunk by chunk, with any number of processes.
 
-Rows run on a thread pool: Pillow releases the GIL while it decodes and resizes, so threads
-scale without pickling rows or results across processes. At most a few rows per worker are
-in flight, and each result is written into the memmap as soon as it is ready, so peak memory
-does not grow with the number of rows.
+A fill follows a :class:`~cachekit.plan.Plan` (rows, row shape and dtype, page-aligned
+chunks) and keeps a chunk journal next to the data file (:mod:`cachekit.journal`). Chunks
+are computed through a chunk runner (``make_runner(...).run(chunks, values, out)``), which
+writes each chunk's rows into the memmap; once a chunk's rows are flushed to disk (msync of
+its byte range) a create-only done record names it, with its failed rows. So the journal
+holds the set of done chunks, in any order, and a later fill of the same rows into the same
+file (a resume after a crash) computes exactly the chunks that are not done.
 
-A fill is resumable: after each chunk the memmap is flushed (msync) and only then a
-checkpoint next to the file records how many rows are done, so a checkpoint never claims
-rows that are not on disk. A later fill of the same rows into the same file continues from
-there. publish.py decides whether a dead builder's file may be reused at all.
+Every chunk is claimed before it is computed (a create-only claim record with a
+heartbeat), so other processes can fill chunks of the same build at the same time: the
+builder (:func:`fill`) and any number of joiners (:func:`join`), on this host or on other
+hosts of a shared root. The builder waits for the chunks that joiners hold, takes over
+those of joiners that die, and returns once every chunk is done, with every participant's
+failures. publish.py decides whether a dead builder's file may be reused at all, and who
+joins what.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import _fs, arrays
-from .errors import Failure
-
-CHUNK_ROWS = 1024
-"""Rows per chunk: the unit of progress reports, of flushing to disk and of resuming."""
-
-CHECKPOINT_SUFFIX = ".progress.json"
-_CHECKPOINT_FORMAT = 1
-_CHECKPOINT_LIMIT = 256 << 20
+from . import _fs, arrays, plan as plans
+from ._threads_runner import RowTask, make_runner  # cachekit.executors once it is merged
+from .errors import Failure, NotAnArrayError, failure_reason
+from .journal import BuildGone, Claim, Journal, journal_name
+from .plan import Chunk, Plan
 
 RowFunction = Callable[[Any], Any]
 ChunkCallback = Callable[[int, int], None]
+POLL_SECONDS = 0.05
+"""How often a builder looks at chunks that other processes hold."""
 
 
 @dataclass
@@ -46,13 +49,25 @@ class Filled:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """Rows [0, done) of a partly filled .npy are on disk; ``failures`` are those that failed."""
+class Joined:
+    """What a joiner did for another process's build: chunks and rows it filled."""
 
-    done: int
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    failures: tuple[Failure, ...]
+    chunks: int
+    rows: int
+    total_chunks: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A partly filled data file: its plan and which of its chunks are done."""
+
+    plan: Plan
+    done: tuple[int, ...]
+
+    @property
+    def rows_done(self) -> int:
+        chunks = self.plan.chunks
+        return sum(chunks[i].rows for i in self.done)
 
 
 def usable_cpus() -> int:
@@ -62,44 +77,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def checkpoint_name(name: str) -> str:
-    """The name of the checkpoint of a fill into ``name`` (removed before publishing)."""
-    return name + CHECKPOINT_SUFFIX
-
-
-def read_checkpoint(directory: _fs.DirHandle, name: str) -> Optional[Checkpoint]:
-    """The checkpoint of the partly filled file ``name`` of ``directory``, or None when there
-    is no usable one.
-
-    Usable: well-formed, and the file's .npy header and size agree with its shape and dtype.
-    """
+def read_progress(directory: _fs.DirHandle, name: str) -> Optional[Progress]:
+    """The journal of the partly filled file ``name`` of ``directory``, or None when there is
+    no usable one (no plan, or a data file whose header and size disagree with it)."""
     try:
-        with directory.open_file(checkpoint_name(name)) as f:
-            raw = json.loads(f.read(_CHECKPOINT_LIMIT))
-        if not isinstance(raw, dict) or raw.get("format") != _CHECKPOINT_FORMAT:
-            return None
-        shape, done, failures = raw["shape"], raw["done"], raw["failures"]
-        if not (isinstance(shape, list) and shape and all(_is_count(n) for n in shape)
-                and _is_count(done) and done <= shape[0] and isinstance(failures, list)):
-            return None
-        dtype = np.dtype(raw["dtype"])
-        if dtype.hasobject:
-            return None
-        rows = []
-        for item in failures:
-            if not (isinstance(item, list) and len(item) == 3 and _is_count(item[0])
-                    and item[0] < done and isinstance(item[1], str) and isinstance(item[2], str)):
+        with Journal.open(directory, name) as journal:
+            with directory.open_file(name) as f:
+                offset = arrays.check_header(f, directory.path / name, journal.plan.shape,
+                                             journal.plan.dtype)
+            if offset != journal.plan.offset:
                 return None
-            rows.append((item[0], item[1], item[2]))
-        with directory.open_file(name) as f:  # CacheCorruptError is an OSError
-            arrays.check_header(f, directory.path / name, tuple(shape), dtype)
-    except (OSError, ValueError, KeyError, TypeError, SyntaxError, RecursionError):
+            return Progress(journal.plan, tuple(journal.done(drop_bad=False)))
+    except (OSError, ValueError, TypeError):
         return None
-    return Checkpoint(done, tuple(shape), dtype, tuple(rows))
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def fill(
@@ -109,155 +99,261 @@ def fill(
     row_fn: RowFunction,
     *,
     workers: int,
-    record: Callable[[Exception], bool],
+    record: bool,
     template: tuple[tuple[int, ...], np.dtype] | None = None,
     on_chunk: ChunkCallback | None = None,
     progress: bool = False,
     description: str = "cachekit build",
     resume: bool = True,
+    key: str = "",
+    executor: Any = None,
 ) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
     ``template`` gives the per-row shape and dtype; without it the first row that succeeds
-    fixes them, and a later row of another shape or dtype raises ValueError naming both.
-    ``record(exc)`` decides for an exception from ``row_fn``: True records the row as a
-    failure (its row stays zeros), False re-raises it unchanged. ``on_chunk(done, total)``
-    is called each time another CHUNK_ROWS rows are written and flushed.
+    fixes them (rows before it are failures), and a later row of another shape or dtype
+    raises ValueError naming both. ``record``: True makes a row whose function raises
+    (anything but NotAnArrayError) a failure whose row stays zeros; False re-raises the
+    exception unchanged. ``on_chunk(done, total)`` is called each time another chunk is
+    written and flushed, with the rows done by every process.
 
-    With ``resume`` and a usable checkpoint for ``name`` of the same row count (and the
-    same ``template``, if given), rows before the checkpoint are kept and not recomputed.
-    The caller vouches that those rows came from the same values and row function
-    (publish.py checks the key and cachekit version).
+    With ``resume`` and a usable journal for ``name`` of the same row count, key (and
+    ``template``, if given), the done chunks are kept and not recomputed. The caller vouches
+    that they came from the same values and row function (publish.py checks the key and
+    cachekit version).
     """
     n = len(values)
-    checkpoint = read_checkpoint(directory, name) if resume else None
-    if checkpoint is not None and not _fits(checkpoint, n, template):
-        checkpoint = None
-    failures: list[Failure] = []
-    start, first_result = 0, None
-    if checkpoint is not None:
-        array = arrays.open_writable(directory, name)
-        failures.extend(checkpoint.failures)
-        start = checkpoint.done
-    else:
-        directory.unlink(checkpoint_name(name))
-        directory.unlink(name)
-        if template is None:
-            start, first_result = _first_success(values, row_fn, record, failures)
-            template = (first_result.shape, first_result.dtype)
-        array = arrays.create_array(directory, name, (n, *template[0]), np.dtype(template[1]))
-    writer = _RowWriter(array, directory, name, values, record, failures, on_chunk,
-                        done=start if checkpoint is not None else 0)
-    bar = _progress_bar(n, progress, description)
+    task = RowTask(row_fn, record)
+    runner = make_runner(executor, workers, task)  # first: it refuses what cannot run there
     try:
-        if first_result is not None:
-            writer.advance(start)  # the rows before the first success all failed
-            writer.put(start, first_result)
-            start += 1
-        bar.update(start)
-        window = 4 * max(1, workers)
-        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cachekit")
+        started = _resumed(directory, name, n, template, key) if resume else None
+        head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
+        if started is None:
+            directory.remove_tree(journal_name(name))
+            directory.unlink(name)
+            journal, array, head = _start(directory, name, values, task, template, key,
+                                          workers)
+        else:
+            journal, array = started
+        bar = _progress_bar(n, progress, description)
         try:
-            in_flight: deque[tuple[int, Future]] = deque()
-            for row in range(start, n):
-                in_flight.append((row, pool.submit(row_fn, values[row])))
-                if len(in_flight) >= window:
-                    writer.take(*in_flight.popleft())
-                    bar.update(1)
-            while in_flight:
-                writer.take(*in_flight.popleft())
-                bar.update(1)
+            with journal:
+                _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
+                failures = sorted(f for chunk in journal.done().values() for f in chunk)
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        arrays.flush(array)
+            bar.close()
     finally:
-        bar.close()
+        runner.close()
     return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
 
 
-def _fits(checkpoint: Checkpoint, n: int, template: Any) -> bool:
-    if checkpoint.shape[0] != n:
-        return False
-    return template is None or (tuple(template[0]) == checkpoint.shape[1:]
-                                and np.dtype(template[1]) == checkpoint.dtype)
+def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
+         workers: int, record: bool, template: tuple[tuple[int, ...], np.dtype] | None,
+         key: str, executor: Any = None) -> Optional[Joined]:
+    """Fill chunks that nobody holds of another process's build in ``directory`` (opened
+    by handle, and of this user), until none is left; None when it cannot be joined (no
+    plan yet, or a plan of other rows). Writes only claims, done records and rows.
 
-
-class _RowWriter:
-    """Checks each finished row and writes it into the memmap, in row order."""
-
-    def __init__(self, array, directory, name, values, record, failures, on_chunk,
-                 done) -> None:
-        self.array = array
-        self.directory = directory
-        self.name = name
-        self.values = values
-        self.record = record
-        self.failures = failures
-        self.on_chunk = on_chunk
-        self.done = done
-
-    def take(self, row: int, future: Future) -> None:
+    Returns as soon as no chunk is free: the builder waits for the claims it leaves and
+    commits. If the build is committed or discarded meanwhile, stops and says what it did.
+    """
+    try:
+        own = os.fstat(directory.fd)
+        if own.st_uid != os.geteuid() or own.st_mode & 0o022:
+            return None  # not a private build directory of ours: never write there
+        journal = Journal.open(directory, name)
+    except (OSError, ValueError):
+        return None
+    with journal:
+        planned = journal.plan
+        if (planned.key != key or planned.rows != len(values)
+                or (template is not None and not _same_template(planned, template))):
+            return None
         try:
-            result = future.result()
-        except Exception as exc:
-            if not self.record(exc):
-                raise
-            self.failures.append((row, str(self.values[row]), _reason(exc)))
-            self.advance(1)
-        else:
-            self.put(row, result)
-
-    def put(self, row: int, result: Any) -> None:
-        result = _as_array(result)
-        expected = self.array.shape[1:], self.array.dtype
-        if (result.shape, result.dtype) != expected:
-            raise ValueError(
-                f"row {row} gave shape {result.shape} dtype {result.dtype}, but earlier rows "
-                f"gave shape {expected[0]} dtype {expected[1]}; every row must have one shape"
-            )
-        self.array[row] = result
-        self.advance(1)
-
-    def advance(self, rows: int) -> None:
-        before, self.done = self.done, self.done + rows
-        total = len(self.array)
-        if rows and (before // CHUNK_ROWS != self.done // CHUNK_ROWS or self.done == total):
-            arrays.flush(self.array)  # msync: the rows are on disk before a checkpoint names them
-            self.checkpoint()
-            if self.on_chunk is not None:
-                self.on_chunk(self.done, total)
-
-    def checkpoint(self) -> None:
-        # Not fsynced: a checkpoint lost in a power cut only makes a resume redo rows.
-        self.directory.replace_json(checkpoint_name(self.name), {
-            "format": _CHECKPOINT_FORMAT, "done": self.done, "shape": list(self.array.shape),
-            "dtype": self.array.dtype.str, "failures": [list(f) for f in self.failures],
-        })
+            array = _open_planned(directory, name, planned)
+        except (OSError, ValueError):
+            return None
+        runner = _LazyRunner(executor, workers, RowTask(row_fn, record))
+        filled = rows = 0
+        try:
+            for chunk in _run_claimed(journal, array, values, runner):
+                filled, rows = filled + 1, rows + chunk.rows
+        except BuildGone:
+            pass  # published (or failed) meanwhile: the caller looks again
+        finally:
+            runner.close()
+        return Joined(filled, rows, len(planned.chunks))
 
 
-def _first_success(values, row_fn, record, failures) -> tuple[int, np.ndarray]:
+def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
+           template: Any, key: str, workers: int):
+    """Create the data file, the journal and the plan of a fresh fill. Without a template,
+    rows run in order until one succeeds (its shape and dtype fix the plan's); the chunk
+    holding that row stays claimed by us, as (claim, the rest of its rows, its failures)."""
+    failures: list[Failure] = []
+    first: Optional[tuple[int, np.ndarray]] = None
+    if template is None:
+        first = _first_success(values, task, failures)
+        template = (first[1].shape, first[1].dtype)
+    shape, dtype = (len(values), *tuple(template[0])), np.dtype(template[1])
+    array = arrays.create_array(directory, name, shape, dtype, align=plans.PAGE_BYTES)
+    planned = plans.make_plan(key, len(values), tuple(template[0]), dtype, workers,
+                              offset=_data_offset(array, directory, name))
+    journal = Journal.create(directory, name)
+    journal.plan = planned
+    head = None
+    try:
+        if first is not None:
+            row, result = first
+            array[row] = result
+            for chunk in planned.chunks[:planned.chunk_of(row).index]:
+                journal.mark_done(chunk, [f for f in failures if chunk.start <= f[0] < chunk.stop])
+            chunk = planned.chunk_of(row)
+            claim = journal.claim(chunk)
+            head = (claim, Chunk(chunk.index, row + 1, chunk.stop),
+                    [f for f in failures if f[0] >= chunk.start])
+        journal.write_plan(planned)  # last: from here on other processes may join
+    except BaseException:
+        if head is not None:
+            head[0].stop()
+        journal.close()
+        raise
+    return journal, array, head
+
+
+def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
+              runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
+              bar: Any) -> None:
+    """Fill chunks until every chunk is done, by us or by others."""
+    total = len(array)
+    shown = journal.rows_done()
+    bar.update(shown)
+
+    def report() -> None:
+        nonlocal shown
+        done = journal.rows_done()
+        if done != shown:
+            bar.update(done - shown)
+            shown = done
+            if on_chunk is not None:
+                on_chunk(done, total)
+
+    while True:
+        for _ in _run_claimed(journal, array, values, runner, head):
+            report()
+        head = None
+        held, free = journal.pending()
+        if not held and not free:
+            missing = len(journal.plan.chunks) - len(journal.done())
+            if not missing:  # (done() drops unreadable records: those chunks run again)
+                break
+        elif not free:
+            time.sleep(POLL_SECONDS)  # other processes fill the rest; take over any that die
+        report()
+    if total == 0 and on_chunk is not None:
+        on_chunk(0, 0)
+
+
+def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any],
+                 runner: Callable[[], Any], head: Any = None) -> Iterator[Chunk]:
+    """Claim free chunks as the runner asks for them, compute them, flush each and record it
+    done; yield each chunk this process finished. Claims not finished are released.
+    ``runner()`` gives the chunk runner, asked for only once a chunk is claimed."""
+    planned = journal.plan
+    claims: dict[int, tuple[Claim, list[Failure]]] = {}
+
+    def chunks() -> Iterator[Chunk]:
+        if head is not None:
+            claim, rest, failures = head
+            claims[claim.chunk.index] = (claim, failures)
+            yield rest
+        for claim in journal.claimable(planned.chunks):
+            claims[claim.chunk.index] = (claim, [])
+            yield claim.chunk
+
+    source = chunks()
+    try:
+        first = next(source, None)
+        if first is None:
+            return
+        for chunk, failures in runner().run(itertools.chain([first], source), values, array):
+            claim, earlier = claims.pop(chunk.index)
+            arrays.flush_bytes(array, *planned.byte_range(claim.chunk))
+            if claim.finish(earlier + failures):
+                yield claim.chunk
+    finally:
+        for claim, _ in claims.values():
+            claim.release()
+
+
+class _LazyRunner:
+    """The chunk runner of a joiner, made only once it has claimed a chunk (a joiner looks
+    for free chunks every few tens of milliseconds, and a process pool is costly to start)."""
+
+    def __init__(self, executor: Any, workers: int, task: RowTask) -> None:
+        self.args = (executor, workers, task)
+        self.runner: Any = None
+
+    def __call__(self) -> Any:
+        if self.runner is None:
+            self.runner = make_runner(*self.args)
+        return self.runner
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+def _resumed(directory: _fs.DirHandle, name: str, n: int, template: Any, key: str):
+    """(journal, writable array) of a usable partial fill of ``name``, or None."""
+    try:
+        journal = Journal.open(directory, name)
+    except (OSError, ValueError):
+        return None
+    planned = journal.plan
+    try:
+        if planned.rows != n or (key and planned.key != key) or (
+                template is not None and not _same_template(planned, template)):
+            raise ValueError("a journal of another fill")
+        return journal, _open_planned(directory, name, planned)
+    except (OSError, ValueError, TypeError):
+        journal.close()
+        return None
+
+
+def _open_planned(directory: _fs.DirHandle, name: str, planned: Plan) -> np.ndarray:
+    """Map the data file of ``planned`` for writing (checked: its header, size and data
+    offset), through ``directory``: never by a path that another process could swap."""
+    array = arrays.open_writable(directory, name)
+    if (array.shape != planned.shape or array.dtype != planned.dtype
+            or _data_offset(array, directory, name) != planned.offset):
+        raise ValueError("the data file does not match the plan")
+    return array
+
+
+def _data_offset(array: np.ndarray, directory: _fs.DirHandle, name: str) -> int:
+    offset = getattr(array, "offset", None)
+    if isinstance(array, np.memmap) and isinstance(offset, int):
+        return offset
+    with directory.open_file(name) as f:  # an empty array maps nothing
+        return arrays.check_header(f, directory.path / name, array.shape, array.dtype)
+
+
+def _same_template(planned: Plan, template: Any) -> bool:
+    return (tuple(template[0]), np.dtype(template[1])) == (planned.row_shape, planned.dtype)
+
+
+def _first_success(values: Sequence[Any], task: RowTask,
+                   failures: list[Failure]) -> tuple[int, np.ndarray]:
     """Run rows in order until one succeeds; its shape and dtype fix the array's."""
     for row, value in enumerate(values):
         try:
-            return row, _as_array(row_fn(value))
+            return row, arrays.as_row(task.row_fn(value))
         except Exception as exc:
-            if not record(exc):
+            if not task.record_failures or isinstance(exc, NotAnArrayError):
                 raise
-            failures.append((row, str(value), _reason(exc)))
+            failures.append((row, str(value), failure_reason(exc)))
     raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
-
-
-def _as_array(result: Any) -> np.ndarray:
-    """Accept numpy arrays and torch tensors (or anything numpy can view) as a row."""
-    if isinstance(result, np.ndarray):
-        return result
-    if hasattr(result, "detach") and hasattr(result, "cpu"):
-        return result.detach().cpu().numpy()
-    return np.asarray(result)
-
-
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc) or repr(exc)}"
 
 
 class _NoBar:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _wandb, build, keys, options, publish
+from . import _fs, _wandb, build, keys, options, publish
 from .entry import Entry
 from .manifest import DATA_FILE, FORMAT_VERSION
 from .errors import ImageDecodeError, NotAnArrayError
@@ -29,12 +29,15 @@ class Cache:
 
     ``root``: a directory, or None for $CACHEKIT_DIR, else $XDG_CACHE_HOME/cachekit, else
     ~/.cache/cachekit. ``lock_timeout``: seconds to wait for another process's build (None
-    waits forever). ``workers``: parallel rows in a build (None: usable CPUs). ``progress``:
-    show bars (None: only when stderr is a terminal).
+    waits forever). ``workers``: parallel rows in a build (None: usable CPUs). ``join``: a
+    process that finds a live build of its key (this host, or another host of a shared
+    root) fills chunks nobody holds instead of only waiting. ``progress``: show bars (None:
+    only when stderr is a terminal).
     """
 
     def __init__(self, root: Optional[PathLike] = None, *, lock_timeout: Optional[float] = None,
-                 workers: Optional[int] = None, progress: Optional[bool] = None) -> None:
+                 workers: Optional[int] = None, join: bool = True,
+                 progress: Optional[bool] = None) -> None:
         if lock_timeout is not None and (
             isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
             or lock_timeout < 0
@@ -44,10 +47,13 @@ class Cache:
             isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
         ):
             raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
+        if not isinstance(join, bool):
+            raise TypeError(f"join must be True or False, not {join!r}")
         if progress not in (True, False, None):
             raise ValueError(f"progress must be True, False or None, not {progress!r}")
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
+        self.join = join
         self.workers = workers if workers is not None else build.usable_cpus()
         self.progress = progress
         self._store = LocalStore(self.root)
@@ -127,12 +133,13 @@ class Cache:
         return memoize(self._obtain, fn, version=version, ignore=ignore)
 
     def _obtain(self, key: str, build_fn: publish.BuildFunction,
-                open_entry: Callable[[publish.Outcome], Any]) -> Any:
-        """The one path every entry takes: obtain it (building on a miss), open it, and
-        report the use to an active W&B run."""
+                open_entry: Callable[[publish.Outcome], Any],
+                join_fn: Optional[publish.JoinFunction] = None) -> Any:
+        """The one path every entry takes: obtain it (building on a miss, or joining the
+        build under way with ``join_fn``), open it, and report the use to an active W&B run."""
         outcome, opened = publish.obtain_and_open(
             self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
-            announce=self.progress is not False)
+            announce=self.progress is not False, join=join_fn if self.join else None)
         _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
         return opened
 
@@ -142,15 +149,12 @@ class Cache:
         """Key, then obtain: the one path every per-row entry takes."""
         key = keys.digest({"kind": kind, "format": FORMAT_VERSION, "params": params,
                            "n": len(column), **material})
-        record_failures = collect_errors or on_error == "zero"
-
-        def record(exc: Exception) -> bool:
-            return record_failures and not isinstance(exc, NotAnArrayError)
+        record = collect_errors or on_error == "zero"
 
         def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
             filled = build.fill(current.dir, DATA_FILE, values, row_fn,
-                                workers=self.workers, record=record,
+                                workers=self.workers, record=record, key=key,
                                 template=template, on_chunk=on_chunk,
                                 progress=self._show_progress(), description=f"cachekit {kind}")
             if filled.failures and on_error == "raise":
@@ -160,9 +164,17 @@ class Cache:
                 failed_rows=tuple(filled.failures), params=params,
                 column=column.name if isinstance(column.name, str) else None)
 
+        values: list = []  # made once, on the first attempt to join
+
+        def join_entry(directory: _fs.DirHandle) -> Optional[build.Joined]:
+            if not values:
+                values.append(column.to_numpy(dtype=object))
+            return build.join(directory, DATA_FILE, values[0], row_fn, workers=self.workers,
+                              record=record, template=template, key=key)
+
         return self._obtain(key, build_entry, lambda outcome: Entry(
             outcome.entry.path, outcome.entry.manifest, source=outcome.source,
-            wait_seconds=outcome.wait_seconds))
+            wait_seconds=outcome.wait_seconds), join_entry)
 
     # Inspection and maintenance: thin wrappers over cachekit.maintenance/removal/integrity.
 

@@ -2,8 +2,9 @@
 
 It generates cover-like sample JPEGs once (kept under ROOT/demo-images), then starts fresh
 Python processes that each call ``cache.images`` on the same column at the same moment, as
-W&B sweep agents would: one builds, the others wait for it and map its file. A second wave
-of agents then starts on the warm cache and only hits. The race runs in a temporary cache
+W&B sweep agents would: one builds, the others join its build (each fills chunks nobody
+holds, and says so) and then map its file. A second wave of agents then starts on the warm
+cache and only hits. The race runs in a temporary cache
 so that every run of the demo shows it; the temporary cache is removed afterwards.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -51,15 +53,20 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
         warm = _race(cache_dir, paths_file, agents)
         _print_wave(warm)
 
-    builders = [r for r in cold if not r["hit"]]
+    builders = [r for r in cold if r["source"] == "built"]
     if len(builders) != 1 or any(not r["hit"] for r in warm):
         print("\nunexpected: the cache did not build exactly once", file=sys.stderr)
         return 1
     build = builders[0]["seconds"]
     hit = statistics.median(r["seconds"] for r in warm)
+    joiners = [r for r in cold if r["source"] == "joined"]
+    joined_rows = sum(r["rows"] for r in joiners)
     print(f"\nbuilt once: {build:.2f} s for {images} images ({images / build:.0f} images/s); "
           f"a hit took {hit * 1000:.1f} ms (median), {build / hit:.0f}x faster than decoding.")
-    print(f"{agents * 2 - 1} of {agents * 2} agents decoded nothing.")
+    if joiners:
+        print(f"{len(joiners)} waiting agents joined the build and decoded {joined_rows} of the "
+              f"{images} images; the builder decoded the other {images - joined_rows}.")
+    print(f"{agents * 2 - 1 - len(joiners)} of {agents * 2} agents decoded nothing.")
     _print_next_steps(race_cache, root, sample_dir)
     return 0
 
@@ -77,7 +84,7 @@ def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:
     start = cache_dir.parent / f"start-{_fs.unique_suffix()}"
     procs = [
         subprocess.Popen([sys.executable, "-m", "cachekit.demo", str(cache_dir), str(paths_file),
-                          str(start)], stdout=subprocess.PIPE, text=True)
+                          str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(agents)
     ]
     ready = [cache_dir.parent / f"{start.name}.ready.{p.pid}" for p in procs]
@@ -87,22 +94,33 @@ def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:
     start.touch()
     reports = []
     for number, proc in enumerate(procs, 1):
-        out, _ = proc.communicate()
+        out, err = proc.communicate()
         if proc.returncode != 0:
-            raise RuntimeError(f"demo agent {number} (pid {proc.pid}) failed")
-        reports.append({"agent": number, **json.loads(out)})
+            raise RuntimeError(f"demo agent {number} (pid {proc.pid}) failed:\n{err}")
+        filled = [int(n) for n in _FILLED.findall(err)]  # what a joiner says it did
+        reports.append({"agent": number, **json.loads(out), "rows": sum(filled),
+                        "said": [line for line in err.splitlines()
+                                 if line.startswith("cachekit: joined")]})
     return reports
+
+
+_FILLED = re.compile(r"^cachekit: joined the build of entry .*\((\d+) rows\)$", re.M)
 
 
 def _print_wave(reports: list[dict]) -> None:
     for r in reports:
-        if not r["hit"]:
+        if r["source"] == "built":
             role = f"built the entry      {r['seconds']:7.2f} s"
+        elif r["source"] == "joined":
+            role = (f"joined the build     {r['seconds']:7.2f} s (decoded {r['rows']} images "
+                    "of it, then mapped the entry)")
         elif r["waited"] > 0.05:
             role = f"waited, then mapped  {r['seconds']:7.2f} s (waited {r['waited']:.2f} s)"
         else:
             role = f"hit                  {r['seconds'] * 1000:7.1f} ms"
         print(f"  agent {r['agent']} (pid {r['pid']}): {role}")
+        for line in r.get("said", []):
+            print(f"      its stderr: {line}")
 
 
 def _agent(cache_dir: str, paths_file: str, start: str) -> None:
@@ -113,15 +131,15 @@ def _agent(cache_dir: str, paths_file: str, start: str) -> None:
 
     column = pd.Series(Path(paths_file).read_text(encoding="utf-8").splitlines(),
                        name="img_path")
-    cache = cachekit.Cache(cache_dir, progress=False)
+    cache = cachekit.Cache(cache_dir, progress=None)  # no bars (stderr is a pipe), messages
     Path(f"{start}.ready.{os.getpid()}").touch()
     while not os.path.exists(start):
         time.sleep(0.002)
     began = time.perf_counter()
     entry = cache.images(column, SIZE)
     seconds = time.perf_counter() - began
-    print(json.dumps({"pid": os.getpid(), "hit": entry.hit, "seconds": seconds,
-                      "waited": entry.wait_seconds, "key": entry.key}))
+    print(json.dumps({"pid": os.getpid(), "hit": entry.hit, "source": entry.source,
+                      "seconds": seconds, "waited": entry.wait_seconds, "key": entry.key}))
 
 
 if __name__ == "__main__":

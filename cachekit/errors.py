@@ -160,3 +160,8 @@ class ReadOnlyCacheError(CachekitError, PermissionError):
 
 class UsageError(CachekitError):
     """Bad command-line input: reported in one line, and ``cachekit`` exits with status 2."""
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The reason recorded for a row whose function raised ``exc``: its type and message."""
+    return f"{type(exc).__name__}: {str(exc) or repr(exc)}"

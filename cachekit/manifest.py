@@ -35,7 +35,8 @@ from . import _fs, signing
 from .errors import CacheCorruptError, Failure, UnsignedEntryError
 from .keys import is_key
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: a per-row entry's data start on a page boundary (cachekit.plan); keys include it."""
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "data.npy"
 KINDS = ("images", "map", "memoize")

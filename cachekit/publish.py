@@ -10,8 +10,13 @@ A process that misses takes the key's build lock (one builder per host, or per r
 locks work across hosts). Holding it, it also waits while another builder of the key is
 alive by the heartbeat rule of :mod:`cachekit.liveness`: a builder on another host whose
 lock this host cannot see. When no live builder is left, it resumes the most advanced
-dead build (one with a usable fill checkpoint, made by this cachekit version), removes the
+dead build (one with a usable chunk journal, made by this cachekit version), removes the
 other dead ones, or starts afresh.
+
+While it waits, a process given a join function (a per-row build, ``Cache(join=True)``)
+joins a live build of the key made by its own user, on this host or another: it fills the
+chunks nobody holds (see :func:`cachekit.build.join`), then goes on waiting for the
+builder's commit, and says that it joined and how many chunks it filled.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from .manifest import DATA_FILE, Manifest
 from .stores import Build, BuildState, LocalStore, Published
 
 POLL_SECONDS = 0.25
+JOIN_POLL_SECONDS = 0.05
+"""How often a process that may join looks for a build to join: a joiner that starts late
+fills fewer chunks."""
 WAIT_REPORT_SECONDS = 10.0
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -52,6 +60,8 @@ class Built:
 
 BuildFunction = Callable[[Build, ChunkCallback], Built]
 """Fills the build's directory, reporting (rows done, rows total) after each chunk."""
+JoinFunction = Callable[[_fs.DirHandle], Optional[build.Joined]]
+"""Fills free chunks of another process's live build, given its directory by handle."""
 Opened = TypeVar("Opened")
 
 
@@ -65,21 +75,23 @@ class Outcome:
 
 
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
-           lock_timeout: Optional[float], announce: bool = True) -> Outcome:
-    """Return the entry for ``key``, building it with ``build_fn`` if no process has yet."""
+           lock_timeout: Optional[float], announce: bool = True,
+           join: Optional[JoinFunction] = None) -> Outcome:
+    """Return the entry for ``key``, building it with ``build_fn`` if no process has yet.
+    With ``join``, fill chunks of a live build of the key while waiting for it."""
     asked = time.time()
     found = store.lookup(key)
     if found is not None:
         return Outcome(found, "local")
     store.ensure_writable(key)
     build_lock = locks.make_lock(store.layout.lock_path(key))
-    waiting = _Wait(store, key, lock_timeout, announce, build_lock)
+    waiting = _Wait(store, key, lock_timeout, announce, build_lock, join)
     found = waiting.for_lock()
     try:
         if found is None:
             found = waiting.for_live_builders()
         if found is not None:
-            return Outcome(found, "local", waiting.seconds)
+            return Outcome(found, waiting.published(found), waiting.seconds)
         _raise_failure_seen_while_waiting(store, key, asked)
         waited = waiting.seconds  # before the build: waiting, not building
         # "built" even when another builder's rename won the race: this call did the work.
@@ -111,9 +123,12 @@ class _Wait:
     ``lock_timeout``, saying every so often whom we wait for."""
 
     def __init__(self, store: LocalStore, key: str, timeout: Optional[float], announce: bool,
-                 lock: locks.BuildLock) -> None:
+                 lock: locks.BuildLock, join: Optional[JoinFunction] = None) -> None:
         self.store, self.key, self.timeout, self.announce, self.lock = (
             store, key, timeout, announce, lock)
+        self.join = join
+        self.poll = POLL_SECONDS if join is None else JOIN_POLL_SECONDS
+        self.filled = self.rows_filled = 0
         self.started = time.monotonic()
         self.next_report = self.started + POLL_SECONDS * 4
 
@@ -125,12 +140,13 @@ class _Wait:
         """Acquire the lock; return early with the entry if its builder publishes meanwhile."""
         while True:
             remaining = self._remaining()
-            slice_ = POLL_SECONDS if remaining is None else max(0.0, min(POLL_SECONDS, remaining))
+            slice_ = self.poll if remaining is None else max(0.0, min(self.poll, remaining))
             if self.lock.acquire(timeout=slice_):
                 return None
             found = self.store.lookup(self.key)
             if found is not None:
                 return found
+            self._join_live_builds()
             self._tick(remaining)
 
     def for_live_builders(self) -> Optional[Published]:
@@ -142,10 +158,51 @@ class _Wait:
                 return found
             if not any(state.alive for state in self.store.builds(self.key)):
                 return None
+            if self._join_live_builds():
+                continue  # look for the entry at once: we may have filled the last chunk
             remaining = self._remaining()
-            time.sleep(POLL_SECONDS if remaining is None else max(0.0, min(POLL_SECONDS,
-                                                                           remaining)))
+            time.sleep(self.poll if remaining is None else max(0.0, min(self.poll, remaining)))
             self._tick(remaining)
+
+    def _join_live_builds(self) -> int:
+        """Fill free chunks of each live build of the key that this user owns; the chunks
+        filled. A build on another host of a shared root counts as well as one here."""
+        if self.join is None:
+            return 0
+        filled = 0
+        for state in self.store.builds(self.key):
+            if not (state.alive and state.uid == os.geteuid() and state.same_version):
+                continue
+            try:
+                directory = self.store.open_build_dir(state)
+            except OSError:
+                continue  # gone meanwhile, or not a directory we may follow
+            with directory:
+                joined = self.join(directory)
+            if joined is None or not joined.chunks:
+                continue
+            filled += joined.chunks
+            self.filled += joined.chunks
+            self.rows_filled += joined.rows
+            if self.announce:
+                print(f"cachekit: joined the build of entry {self.key[:12]} by "
+                      f"{state.describe()}: filled {joined.chunks} of its "
+                      f"{joined.total_chunks} chunks ({joined.rows} rows)", file=sys.stderr,
+                      flush=True)
+        return filled
+
+    def published(self, found: Published) -> str:
+        """The source of an entry another process published while we waited: "joined" when
+        we filled chunks of it (and say so), else "local"."""
+        if not self.filled:
+            return "local"
+        builder = found.manifest.builder
+        if self.announce:
+            print(f"cachekit: entry {self.key[:12]} published by pid {builder.get('pid')} on "
+                  f"{builder.get('host')}; this process filled {self.filled} chunks "
+                  f"({self.rows_filled} of {found.manifest.rows} rows)", file=sys.stderr,
+                  flush=True)
+        return "joined"
 
     def _remaining(self) -> Optional[float]:
         return None if self.timeout is None else self.timeout - self.seconds
@@ -207,8 +264,9 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
     try:
         resumed = _resume_dead_builds(store, current)
         if resumed and announce:
-            print(f"cachekit: resuming the build of entry {key[:12]} from row {resumed}, "
-                  "where a builder that died stopped", file=sys.stderr, flush=True)
+            print(f"cachekit: resuming the build of entry {key[:12]}: {resumed} rows were done "
+                  "by a builder that died; only the other chunks are filled", file=sys.stderr,
+                  flush=True)
         made = build_fn(current, current.progress)
         files = store.seal(current, made.files)
         manifest = Manifest(
@@ -232,10 +290,10 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
     return published
 
 
-def _checkpoint_of(store: LocalStore, state: BuildState) -> Optional[build.Checkpoint]:
+def _progress_of(store: LocalStore, state: BuildState) -> Optional[build.Progress]:
     try:
         with store.open_build_dir(state) as directory:
-            return build.read_checkpoint(directory, DATA_FILE)
+            return build.read_progress(directory, DATA_FILE)
     except OSError:
         return None
 
@@ -249,13 +307,13 @@ def _disk_full(error: OSError, store: LocalStore, key: str) -> OSError:
 
 def _resume_dead_builds(store: LocalStore, current: Build) -> int:
     """Adopt the most advanced dead build of the key into ``current``; remove the other dead
-    ones. Returns the rows the adopted checkpoint holds (0 when none was adopted)."""
+    ones. Returns the rows its done chunks hold (0 when none was adopted)."""
     dead = [s for s in store.builds(current.key) if not s.alive and s.path != current.path]
     resumable: list[tuple[int, BuildState]] = []
     for state in dead:
-        checkpoint = _checkpoint_of(store, state)
-        if state.same_version and checkpoint is not None:
-            resumable.append((checkpoint.done, state))
+        progress = _progress_of(store, state)
+        if state.same_version and progress is not None:
+            resumable.append((progress.rows_done, state))
         else:
             store.remove_dead(state)
     adopted, resumed = False, 0
@@ -264,6 +322,6 @@ def _resume_dead_builds(store: LocalStore, current: Build) -> int:
             store.remove_dead(state)  # less advanced than the adopted one, or gone
             continue
         adopted = True
-        checkpoint = build.read_checkpoint(current.dir, DATA_FILE)  # ours now
-        resumed = checkpoint.done if checkpoint is not None else 0
+        progress = build.read_progress(current.dir, DATA_FILE)  # ours now
+        resumed = progress.rows_done if progress is not None else 0
     return resumed

@@ -75,3 +75,36 @@ def start_gated_builder(work: Path, root: Path, *, crash: bool = False
         assert time.monotonic() < deadline, "the builder never started"
         time.sleep(0.01)
     return proc, go
+
+
+def small_chunks(monkeypatch, rows: int) -> None:
+    """Make every build's chunks ``rows`` rows long (while the row count allows): no page
+    alignment, at most ``rows`` rows, one chunk per worker at least."""
+    from cachekit import plan
+
+    monkeypatch.setattr(plan, "PAGE_BYTES", 1)
+    monkeypatch.setattr(plan, "MAX_CHUNK_ROWS", rows)
+    monkeypatch.setattr(plan, "CHUNKS_PER_WORKER", 1)
+
+
+def chunk_journal(build_dir: Path) -> Path:
+    return build_dir / "data.npy.chunks"
+
+
+def done_chunks(build_dir: Path) -> set[int]:
+    """Indices of the chunks a build directory's journal records done."""
+    journal = chunk_journal(build_dir)
+    if not journal.is_dir():
+        return set()
+    return {int(p.name[5:]) for p in journal.iterdir()
+            if p.name.startswith("done.") and p.name[5:].isdigit()}
+
+
+def rows_not_done(build_dir: Path) -> list[int]:
+    """The rows of a build directory that a resume must still compute (all rows when it
+    has no plan)."""
+    import json
+
+    plan = json.loads((chunk_journal(build_dir) / "plan.json").read_text())
+    step, done = plan["chunk_rows"], done_chunks(build_dir)
+    return [r for r in range(plan["rows"]) if r // step not in done]

@@ -16,7 +16,11 @@ def test_demo_builds_once_and_reports_hits(tmp_path):
     out = result.stdout
     assert out.count("built the entry") == 1
     assert len(re.findall(r"agent \d \(pid \d+\): hit", out)) >= 3  # the whole warm wave
-    assert "5 of 6 agents decoded nothing" in out
+    joined = len(re.findall(r"agent \d \(pid \d+\): joined the build", out))
+    assert f"{5 - joined} of 6 agents decoded nothing" in out
+    # each joiner's own words, relayed: it joined, and how much it filled
+    assert len(re.findall(r"its stderr: cachekit: joined the build of entry \w+ by pid \d+ .*"
+                          r"filled \d+ of its \d+ chunks", out)) >= joined
     assert len(list((tmp_path / "root" / "demo-images").glob("*.jpg"))) == 24
     # it says where the race ran, that the user's cache got no entry, and what to try next
     race = re.search(r"raced in a temporary cache, (\S+), now removed", out)

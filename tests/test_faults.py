@@ -26,9 +26,11 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import ImageDecodeError, arrays, build, locks, manifest as manifests
+from cachekit import ImageDecodeError, arrays, locks, manifest as manifests
 from cachekit.stores import Layout
 from cachekit.images import load_image
+
+from helpers import small_chunks
 
 SIZE = (8, 8)
 
@@ -42,7 +44,7 @@ TARGETS = {
     "cachekit._fs.os.write": OSError(errno.ENOSPC, "No space left on device"),
     "cachekit.arrays.os.ftruncate": OSError(errno.EFBIG, "File too large"),
     "cachekit.arrays._checksum_of": OSError(errno.EIO, "Input/output error"),
-    "cachekit.build.np.memmap.flush": OSError(errno.EIO, "Input/output error"),
+    "cachekit.arrays.flush_bytes": OSError(errno.EIO, "Input/output error"),
     "cachekit._fs.json.dumps": OSError(errno.ENOSPC, "No space left on device"),
 }
 
@@ -120,7 +122,7 @@ def assert_clean_after_failure(root: Path, key: str) -> None:
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_a_write_fault_at_every_call_position_fails_cleanly(tmp_path, column, reference,
                                                             target, monkeypatch):
-    monkeypatch.setattr(build, "CHUNK_ROWS", 4)  # 12 rows: three chunks, three checkpoints
+    small_chunks(monkeypatch, 4)  # 12 rows: three chunks, three done records
     monkeypatch.setenv("CACHEKIT_LOCK", "os")
     key = fresh_build(tmp_path / "probe", column).key
     calls = count_calls(target, lambda: fresh_build(tmp_path / "count", column))
@@ -320,3 +322,20 @@ def test_a_hit_writes_nothing_but_its_best_effort_use_stamp(cache_root, cover_pa
     finally:
         for patch in patches:
             patch.stop()
+
+
+def test_a_filesystem_without_hard_links_still_builds(tmp_path, column, reference,
+                                                      monkeypatch):
+    """Done records are published with link(2); where a mount refuses links (EPERM, some
+    FUSE and SMB mounts) they fall back to a checked rename, and the build still works."""
+    small_chunks(monkeypatch, 4)
+    refused = []
+
+    def no_links(*args, **kwargs):
+        refused.append(args)
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr("cachekit._fs.os.link", no_links)
+    entry = fresh_build(tmp_path / "cache", column)
+    assert refused  # every chunk's done record took the fallback
+    np.testing.assert_array_equal(np.asarray(entry.array), reference)

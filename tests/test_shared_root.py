@@ -180,7 +180,7 @@ ATTACKER = textwrap.dedent(r'''
     FILES, DIRS = itertools.cycle(config["file_targets"]), itertools.cycle(config["dir_targets"])
     KNOWN = set(config.get("keys", []))
     NAMES = ("manifest.json", "data.npy", "leaf_1.npy", "leaf_2.npy", "journal.json",
-             "heartbeat", "data.npy.progress.json")
+             "heartbeat", "data.npy.chunks")
     TEMP = re.compile(r"^\..+\.tmp$")
     KEY = re.compile(r"^(?:deleting\.)?([0-9a-f]{32})(?:\.|$)")
     TMP, ENTRIES, LOCKS = root / "tmp", root / "entries", root / "locks"
@@ -392,7 +392,7 @@ OPS: dict[str, dict[str, Any]] = {
 """What the victim does: rows per build, the variants (distinct keys) it builds and then
 hits, the lock kind of each variant in turn, and how slow each row (map) or call is."""
 GATE_ROW = 1500
-"""Where a build to be resumed is killed: after its first checkpoint (1024 rows)."""
+"""Where a build to be resumed is killed: after its first done chunks (320 rows each)."""
 
 
 # --- the victim's own files outside the cache --------------------------------------------
@@ -498,7 +498,7 @@ def learn_keys(shared: users.SharedRoot, script: Path, config: Path) -> list[str
 
 
 def interrupt_a_build(shared: users.SharedRoot, script: Path, config: Path) -> list[Path]:
-    """Start the victim's gated build, SIGKILL it after its first checkpoint, and return the
+    """Start the victim's gated build, SIGKILL it after its first done chunks, and return the
     dead build directories it left."""
     gate = shared.work / "gate"
     process = shared.victim.python(script, shared.root, config, "crash", env=VICTIM_ENV)
@@ -507,8 +507,8 @@ def interrupt_a_build(shared: users.SharedRoot, script: Path, config: Path) -> l
     process.kill_group()
     finish(process, 30)
     dead = [p for p in (shared.root / "tmp").iterdir()
-            if (p / "data.npy.progress.json").exists()]
-    assert dead, f"no checkpointed build directory under {shared.root / 'tmp'}"
+            if (p / "data.npy.chunks" / "done.0").exists()]
+    assert dead, f"no build directory with a done chunk under {shared.root / 'tmp'}"
     return dead
 
 

@@ -204,7 +204,8 @@ IMAGES_AGENT = textwrap.dedent("""
     hosts.StartBarrier(work).wait(me)
     entry = cache.images(paths, 32)
     hosts.report(me=me, hostname=socket.gethostname(), key=entry.key, hit=entry.hit,
-                 builder=entry.manifest["builder"], shape=list(entry.array.shape),
+                 source=entry.source, builder=entry.manifest["builder"],
+                 shape=list(entry.array.shape),
                  sha=hashlib.sha256(entry.array.tobytes()).hexdigest())
 """)
 
@@ -227,8 +228,9 @@ def test_four_agents_on_two_hosts_publish_one_entry_with_identical_bytes(two_hos
     assert len({r["sha"] for r in reports}) == 1, reports
     assert len({(r["builder"]["host"], r["builder"]["pid"]) for r in reports}) == 1
     assert reports[0]["builder"]["host"] in ("host-a", "host-b")
-    builds = [r["me"] for r in reports if not r["hit"]]
+    builds = [r["me"] for r in reports if r["source"] == "built"]
     assert 1 <= len(builds) <= 2, reports  # within a host the lock works: one build at most
+    assert {r["source"] for r in reports} <= {"built", "joined", "local"}, reports
     assert _leftovers(a.root) == []
 
 

@@ -2,8 +2,9 @@
 as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
 
 A build directory holds ``journal.json`` (owner, key, progress), ``heartbeat`` (its mtime
-is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files and their fill
-checkpoints. Its name is ``KEY.HOST.PID.UUID``.
+is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files, and the chunk
+journal of a per-row fill (``data.npy.chunks/``, see :mod:`cachekit.journal`), through which
+joiners of the same user fill chunks of it too. Its name is ``KEY.HOST.PID.UUID``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Optional
 from .. import _fs, liveness
 from .. import manifest as manifests
 from .._version import __version__
-from ..build import CHECKPOINT_SUFFIX
+from ..journal import SUFFIX as CHUNKS_SUFFIX
 from ..keys import is_key
 
 JOURNAL_FILE = "journal.json"
@@ -124,14 +125,20 @@ class Build:
 
     def _remove(self) -> None:
         """Delete our directory, by name only while the name is still ours."""
-        try:
-            if _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd)):
-                self.tmp.remove_tree(self.name)
-                return
-        except FileNotFoundError:
-            pass
-        for name in self.dir.names():  # renamed away by someone: empty it where it is
-            self.dir.remove_tree(name)
+        for attempt in range(3):  # a joiner may add a record while the tree goes
+            try:
+                if _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd)):
+                    self.tmp.remove_tree(self.name)
+                    return
+            except FileNotFoundError:
+                pass
+            except OSError:
+                if attempt == 2:
+                    raise
+                continue
+            for name in self.dir.names():  # renamed away by someone: empty it where it is
+                self.dir.remove_tree(name)
+            return
 
 
 def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
@@ -146,12 +153,13 @@ def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
 
 def is_build_state(name: str) -> bool:
     """Files of a build in progress that are never published."""
-    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.endswith(CHECKPOINT_SUFFIX)
+    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.endswith(CHUNKS_SUFFIX)
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
 def is_resumable_file(name: str) -> bool:
-    return name == manifests.DATA_FILE or name == manifests.DATA_FILE + CHECKPOINT_SUFFIX
+    """The data file and chunk journal that a resumed build takes over."""
+    return name == manifests.DATA_FILE or name == manifests.DATA_FILE + CHUNKS_SUFFIX
 
 
 def _is_count(value: Any) -> bool:

@@ -7,7 +7,8 @@
       entries/KEY/data.npy, leaf_N.npy the files the manifest lists
       tmp/KEY.HOST.PID.UUID/           a private build directory: journal.json (owner,
                                        progress), heartbeat (its mtime is the builder's
-                                       heartbeat), data files and fill checkpoints
+                                       heartbeat), data files and the chunk journal
+                                       data.npy.chunks/ (plan, claims, done records)
       tmp/deleting.KEY.HOST.PID.UUID/  an entry or dead build being removed
       locks/KEY.lock                   build locks (they only save duplicate work)
       locks/KEY.failed.json            the rows of the last failed build, for its waiters
@@ -335,7 +336,10 @@ class LocalStore:
             return False
         with claimed:
             for name in claimed.names():
-                if is_resumable_file(name) and stat.S_ISREG(claimed.lstat(name).st_mode):
+                mode = claimed.lstat(name).st_mode
+                if is_resumable_file(name) and (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    # The journal folder moves with its claims: joiners still filling
+                    # chunks keep their handles on it and go on, now for this build.
                     claimed.rename(name, build.dir, name)
         build.dir.remove_tree(_CLAIMED)
         return True
@@ -344,11 +348,12 @@ class LocalStore:
         try:
             with _fs.DirHandle.open(dead.path.name, parent=build.tmp) as source:
                 for name in source.names():
-                    if is_resumable_file(name):
-                        with source.open_file(name) as f:
-                            fd = build.dir.create(name)
-                            with os.fdopen(fd, "wb") as out:
-                                shutil.copyfileobj(f, out, arrays.CHECKSUM_BLOCK)
+                    if not is_resumable_file(name):
+                        continue
+                    if stat.S_ISDIR(source.lstat(name).st_mode):
+                        _copy_journal(source, build.dir, name)
+                    else:
+                        _copy_file(source, build.dir, name)
         except FileNotFoundError:
             return False
         self.remove_dead(dead)  # best effort: another user's files are theirs to remove
@@ -384,7 +389,7 @@ class LocalStore:
         build.stop()
         for name in build.dir.names():  # from here to the rename a crash means rebuilding
             if is_build_state(name):
-                build.dir.unlink(name)
+                self._remove_state(build, name)
         build.dir.fsync()
         # Any member of the group may now remove it; nobody writes in it. (A setgid bit
         # inherited from the root stays: fchmod would clear it.)
@@ -431,6 +436,24 @@ class LocalStore:
             return winner, False
         build.close()
         return Published(self.layout.entry_dir(build.key), manifest), True
+
+    def _remove_state(self, build: Build, name: str) -> None:
+        """Remove a file or the chunk journal folder of ``build`` before it is published.
+
+        The folder is first renamed out of the build (a late joiner's record then lands in
+        the trash, never in the entry), then deleted."""
+        if not stat.S_ISDIR(build.dir.lstat(name).st_mode):
+            build.dir.unlink(name)
+            return
+        trash = f"{DELETING_PREFIX}{build.key}.{_fs.unique_suffix()}"
+        build.dir.rename(name, build.tmp, trash)
+        for attempt in range(3):
+            try:
+                build.tmp.remove_tree(trash)
+                return
+            except OSError:
+                if attempt == 2:
+                    return  # left for `cachekit clear`: it removes leftovers of dead processes
 
     # Failure records ---------------------------------------------------------------------
 
@@ -508,3 +531,21 @@ class LocalStore:
             return []
         with directory:
             return [directory.path / name for name in directory.names()]
+
+
+def _copy_file(source: _fs.DirHandle, target: _fs.DirHandle, name: str) -> None:
+    with source.open_file(name) as f:
+        fd = target.create(name)
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(f, out, arrays.CHECKSUM_BLOCK)
+
+
+def _copy_journal(source: _fs.DirHandle, target: _fs.DirHandle, name: str) -> None:
+    """Copy another user's dead chunk journal: its plan and done records (its claims are
+    of a dead build, so none is copied)."""
+    with source.child(name) as journal:
+        target.mkdir(name, _fs.private_dir_mode())
+        with target.child(name) as copy:
+            for record in journal.names():
+                if record == "plan.json" or record.startswith("done."):
+                    _copy_file(journal, copy, record)

@@ -1,0 +1,280 @@
+"""The chunk journal of one build: its plan, who holds which chunk, and which chunks are done.
+
+It lives in the folder ``NAME.chunks/`` next to the data file ``NAME`` in the build
+directory, and every record in it is created once and never rewritten (``O_EXCL``), so it
+needs no lock and means the same on every host of a shared root::
+
+    plan.json       the plan (rows, row shape, dtype, chunk rows, data offset); written
+                    by the builder last, once the data file exists: from then on the build
+                    can be joined
+    claim.C.G       chunk C is being filled by the owner (host, pid) inside; G counts the
+                    claims of C (the highest is the current one). Its mtime is the owner's
+                    heartbeat (cachekit.liveness): when it is older than the lease, or the
+                    owner is a gone process of this host, anyone may claim C again as G+1.
+                    The owner removes it once C is done, or when it gives C up
+    done.C          chunk C's rows are on disk (flushed before this was written) and these
+                    rows of it failed: written once, by whoever finished C first
+
+A chunk is done exactly when ``done.C`` exists, so a resumed build skips exactly the done
+chunks, wherever they are. A process only ever writes the records it creates, through a
+handle on this folder, and never by a path that another process could swap.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from typing import Any, Iterable, Iterator, Optional
+
+from . import _fs, liveness
+from .errors import CachekitError, Failure
+from .plan import Chunk, Plan
+
+SUFFIX = ".chunks"
+PLAN_FILE = "plan.json"
+_RECORD_LIMIT = 64 << 20
+
+
+class BuildGone(CachekitError):
+    """The build a process was filling chunks of was committed or discarded meanwhile (a
+    joiner then looks for the entry; a builder whose own build went fails with this)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"the chunk journal {where} was removed while this process filled "
+                         "chunks of its build; nothing of it was published by this process")
+        self.where = where
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.where,))
+
+
+def journal_name(name: str) -> str:
+    """The journal folder of the data file ``name``."""
+    return name + SUFFIX
+
+
+class Claim:
+    """A chunk this process holds: the open claim file, its heartbeat beating."""
+
+    def __init__(self, journal: "Journal", chunk: Chunk, name: str, fd: int) -> None:
+        self.journal, self.chunk, self.name, self._fd = journal, chunk, name, fd
+        self._heartbeat = liveness.Heartbeat(fd).start()
+
+    def finish(self, failures: list[Failure]) -> bool:
+        """Record the chunk done (its rows must already be flushed), then drop the claim;
+        False when another process recorded it first. BuildGone when the build was
+        committed or discarded meanwhile (its journal folder is gone)."""
+        try:
+            return self.journal.mark_done(self.chunk, failures)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ESTALE):
+                raise BuildGone(str(self.journal.dir.path)) from e
+            raise
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the chunk up unfinished, so that another process claims it at once."""
+        self.stop()
+        try:
+            self.journal.dir.unlink(self.name)
+        except OSError:
+            pass  # it then looks dead once the lease runs out
+
+    def stop(self) -> None:
+        if self._fd >= 0:
+            self._heartbeat.stop()
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Journal:
+    """The journal folder of one build, open as ``dir``."""
+
+    def __init__(self, directory: _fs.DirHandle, plan: Optional[Plan] = None) -> None:
+        self.dir = directory
+        self.plan = plan
+
+    @classmethod
+    def create(cls, build_dir: _fs.DirHandle, name: str) -> "Journal":
+        build_dir.mkdir(journal_name(name), _fs.private_dir_mode())
+        return cls(build_dir.child(journal_name(name)))
+
+    @classmethod
+    def open(cls, build_dir: _fs.DirHandle, name: str) -> "Journal":
+        """Open the journal of ``name`` and read its plan. OSError when there is none (or it
+        is a symlink or not a folder); ValueError when the plan is unreadable."""
+        journal = cls(build_dir.child(journal_name(name)))
+        try:
+            journal.plan = journal.read_plan()
+        except BaseException:
+            journal.close()
+            raise
+        return journal
+
+    def close(self) -> None:
+        self.dir.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # The plan ---------------------------------------------------------------------------
+
+    def write_plan(self, plan: Plan) -> None:
+        if not self.dir.publish_new(PLAN_FILE, _dumps(plan.to_json())):
+            raise FileExistsError(errno.EEXIST, "a build has one plan", str(self.dir.path))
+        self.plan = plan
+
+    def read_plan(self) -> Plan:
+        return Plan.from_json(self._read(PLAN_FILE))
+
+    # Claims -----------------------------------------------------------------------------
+
+    def claim(self, chunk: Chunk, generation: int = 0) -> Optional[Claim]:
+        """Create ``claim.C.G``; None when another process made it first."""
+        name = f"claim.{chunk.index}.{generation}"
+        try:
+            fd = self.dir.create(name)
+        except FileExistsError:
+            return None
+        try:
+            data = _dumps(_fs.owner())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            self.dir.unlink(name)
+            raise
+        return Claim(self, chunk, name, fd)
+
+    def claimable(self, chunks: Iterable[Chunk]) -> Iterator[Claim]:
+        """Claim each chunk of ``chunks`` that is neither done nor held by a live claim, in
+        order, as the caller pulls them (so a slow caller leaves chunks to others)."""
+        names = self.dir.names()
+        done = {n for n in names if n.startswith("done.")}
+        newest = _newest_claims(names)
+        for chunk in chunks:
+            if f"done.{chunk.index}" in done:
+                continue
+            generation = newest.get(chunk.index)
+            if generation is None:
+                claim = self.claim(chunk)
+            elif self._claim_alive(chunk.index, generation) is False:
+                claim = self.claim(chunk, generation + 1)
+            else:
+                continue
+            if claim is None:
+                continue  # another process claimed it first
+            if self.is_done(chunk):  # finished since we listed the folder
+                claim.release()
+                continue
+            yield claim
+
+    def _claim_alive(self, index: int, generation: int) -> Optional[bool]:
+        """Whether claim ``generation`` of chunk ``index`` is alive; None when it is gone."""
+        name = f"claim.{index}.{generation}"
+        try:
+            beat = self.dir.lstat(name).st_mtime
+            owner = self._read(name)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            owner = None  # being written right now, or damaged: judged by its heartbeat
+        return liveness.is_alive(owner if isinstance(owner, dict) else None, beat)
+
+    def pending(self) -> tuple[list[int], list[int]]:
+        """(chunks not done that a live claim holds, chunks not done that none holds)."""
+        names = self.dir.names()
+        newest = _newest_claims(names)
+        held, free = [], []
+        for chunk in self.plan.chunks:
+            if f"done.{chunk.index}" in names:
+                continue
+            generation = newest.get(chunk.index)
+            alive = generation is not None and self._claim_alive(chunk.index, generation)
+            (held if alive else free).append(chunk.index)
+        return held, free
+
+    # Done records -----------------------------------------------------------------------
+
+    def mark_done(self, chunk: Chunk, failures: list[Failure]) -> bool:
+        record = {"chunk": chunk.index, "start": chunk.start, "stop": chunk.stop,
+                  "failures": [list(f) for f in failures], "by": _fs.owner()}
+        return self.dir.publish_new(f"done.{chunk.index}", _dumps(record))
+
+    def is_done(self, chunk: Chunk) -> bool:
+        try:
+            self.dir.lstat(f"done.{chunk.index}")
+        except FileNotFoundError:
+            return False
+        return True
+
+    def done_indices(self) -> list[int]:
+        """The indices of the done chunks (by their names; see :meth:`done` for contents)."""
+        count = len(self.plan.chunks)
+        out = []
+        for name in self.dir.names():
+            if name.startswith("done.") and name[5:].isdigit() and int(name[5:]) < count:
+                out.append(int(name[5:]))
+        return sorted(out)
+
+    def done(self, *, drop_bad: bool = True) -> dict[int, list[Failure]]:
+        """chunk index -> the failures of that done chunk. A done record that cannot be
+        read or does not match the plan counts as not done; with ``drop_bad`` (the builder,
+        whose build this is) it is removed, so that the chunk is filled again."""
+        chunks = self.plan.chunks
+        out: dict[int, list[Failure]] = {}
+        for index in self.done_indices():
+            try:
+                raw = self._read(f"done.{index}")
+                out[index] = _failures(raw, chunks[index])
+            except (OSError, ValueError):
+                if drop_bad:
+                    self.dir.unlink(f"done.{index}")
+        return out
+
+    def rows_done(self) -> int:
+        chunks = self.plan.chunks
+        return sum(chunks[i].rows for i in self.done_indices())
+
+    def _read(self, name: str) -> Any:
+        with self.dir.open_file(name) as f:
+            try:
+                return json.loads(f.read(_RECORD_LIMIT))
+            except RecursionError:
+                raise ValueError(f"{name} is nested too deeply") from None
+
+
+def _newest_claims(names: list[str]) -> dict[int, int]:
+    """chunk index -> the highest generation of its claims, from a listing."""
+    newest: dict[int, int] = {}
+    for name in names:
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == "claim" and parts[1].isdigit() and parts[2].isdigit():
+            index, generation = int(parts[1]), int(parts[2])
+            newest[index] = max(generation, newest.get(index, -1))
+    return newest
+
+
+def _failures(raw: Any, chunk: Chunk) -> list[Failure]:
+    if not (isinstance(raw, dict) and raw.get("chunk") == chunk.index
+            and raw.get("start") == chunk.start and raw.get("stop") == chunk.stop
+            and isinstance(raw.get("failures"), list)):
+        raise ValueError("a done record that does not match the plan")
+    out = []
+    for item in raw["failures"]:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], int)
+                and not isinstance(item[0], bool) and chunk.start <= item[0] < chunk.stop
+                and isinstance(item[1], str) and isinstance(item[2], str)):
+            raise ValueError("a malformed failure in a done record")
+        out.append((item[0], item[1], item[2]))
+    return out
+
+
+def _dumps(value: Any) -> bytes:
+    return (json.dumps(value, sort_keys=True) + "\n").encode()
