@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from .. import _fs
 from .. import manifest as manifests
-from ..errors import CacheCorruptError, RemoteUnavailableError
+from ..errors import CacheCorruptError, CachekitError, RemoteUnavailableError
 from ..keys import is_key
 from ..manifest import MANIFEST_FILE, FileRecord, Manifest
 from .local import LocalStore, Published
@@ -532,8 +532,8 @@ def _filesystem(url: str, timeout: float) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(CachekitError):
+    """A remote call still running at its deadline (turned into RemoteUnavailableError)."""
 
 
 def _within(deadline: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
