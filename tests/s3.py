@@ -92,7 +92,8 @@ class Seaweed:
         argv += [f"-{flag}={port}" for flag, port in self.ports.items()]
         self._log = open(self.directory / "weed.log", "ab")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         self._wait_ready(timeout)
         return self
 
@@ -148,6 +149,17 @@ class Seaweed:
                 "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM it when the test process dies (a killed pytest run must not
+    leave a server behind). Linux only; elsewhere the fixture's stop() is all there is."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 # The proxy ---------------------------------------------------------------------------------
 
 REJECTIONS = {
@@ -199,7 +211,7 @@ class Proxy:
     def _serve(self, client: socket.socket) -> None:
         with client:
             try:
-                head, body = _read_request(client)
+                head, rest = _read_head(client)
             except (OSError, ValueError):
                 return
             if self.mode == "stall":
@@ -207,15 +219,20 @@ class Proxy:
                 return
             lines = head.split(b"\r\n")
             method = lines[0].split(b" ", 1)[0]
-            headers = {k.strip().lower(): v.strip() for k, _, v in
-                       (line.partition(b":") for line in lines[1:] if line)}
+            headers = _fields(head)
             if (self.mode in REJECTIONS and method == b"PUT"
                     and b"if-none-match" in headers):
-                self.rejected += 1
-                client.sendall(_rejection(*REJECTIONS[self.mode]))
+                self.rejected += 1  # (a client that sent Expect: 100-continue gets the
+                client.sendall(_rejection(*REJECTIONS[self.mode]))  # final answer at once)
+                return
+            if headers.get(b"expect", b"").lower() == b"100-continue":
+                client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            try:
+                body = _read_body(client, headers, rest)
+            except (OSError, ValueError):
                 return
             kept = [line for line in lines[1:] if line and not line.lower().startswith(
-                (b"connection:", b"keep-alive:"))]
+                (b"connection:", b"keep-alive:", b"expect:"))]
             request = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body
             try:
                 with socket.create_connection(self.upstream, timeout=30) as up:
@@ -226,8 +243,8 @@ class Proxy:
                 return
 
 
-def _read_request(sock: socket.socket) -> tuple[bytes, bytes]:
-    """(head without the blank line, body) of one HTTP request."""
+def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(request head without the blank line, the bytes read past it)."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(1 << 16)
@@ -235,22 +252,30 @@ def _read_request(sock: socket.socket) -> tuple[bytes, bytes]:
             raise ValueError("connection closed before a request")
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
-    fields = {k.strip().lower(): v.strip() for k, _, v in
-              (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+    return head, rest
+
+
+def _fields(head: bytes) -> dict[bytes, bytes]:
+    return {k.strip().lower(): v.strip() for k, _, v in
+            (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)}
+
+
+def _read_body(sock: socket.socket, fields: dict[bytes, bytes], rest: bytes) -> bytes:
+    """The request body (raw, chunked or by Content-Length), ``rest`` already read."""
     if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
         while not rest.endswith(b"0\r\n\r\n"):
             chunk = sock.recv(1 << 16)
             if not chunk:
                 raise ValueError("connection closed inside a chunked body")
             rest += chunk
-        return head, rest
+        return rest
     length = int(fields.get(b"content-length", b"0"))
     while len(rest) < length:
         chunk = sock.recv(1 << 16)
         if not chunk:
             raise ValueError("connection closed inside a body")
         rest += chunk
-    return head, rest
+    return rest
 
 
 def _rejection(status: int, code: str, extra: str) -> bytes:

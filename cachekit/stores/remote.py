@@ -408,8 +408,10 @@ class RemoteStore:
         upload = uuid.uuid4().hex
         bar = _bar(progress, manifest.bytes, f"cachekit push {key[:12]}")
         try:
-            for record in manifest.files:
-                self._put(published, record, self.upload_path(key, upload, record.name), bar)
+            objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
+            for record, path in zip(manifest.files, objects):
+                self._put(published, record, path, bar)
+            self._check_sizes(manifest.files, objects)  # all there before the commit point
             body = manifests.dumps(manifest, {UPLOAD_FIELD: upload})
             won = self.create(self.manifest_path(key), body,
                               f"publishing {self.object_url(self.manifest_path(key))}")
@@ -421,7 +423,10 @@ class RemoteStore:
                 bar.close()
         if not won:
             # A create retried after its answer was lost finds its own manifest: a win.
-            found = self.lookup(key)
+            try:
+                found = self.lookup(key)
+            except CacheCorruptError:
+                found = None  # a bad manifest is there: ours was not published
             won = found is not None and found.upload == upload
         if not won:
             self.remove_upload(key, upload, quiet=True)
