@@ -89,7 +89,7 @@ def _wait_for_lease(tier: Tier, local: LocalStore, key: str, remaining: Optional
     next_report = started + min(2.0, WAIT_REPORT_SECONDS)
     poll = min(1.0, watch.lease / 8)
     while True:
-        lease = watch.take_or_wait()
+        lease = watch.take_or_wait(lambda: remote.lookup(key) is None)
         if lease is not None:
             return lease
         found = remote.lookup(key)

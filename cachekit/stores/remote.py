@@ -523,7 +523,9 @@ def _filesystem(url: str, timeout: float) -> tuple[Any, str]:
                           'pip install "cachekit[remote]" (fsspec, s3fs; gcsfs for GCS, '
                           "adlfs for Azure)") from None
     protocol = fsspec.core.split_protocol(url)[0] or "file"
-    options: dict[str, Any] = {}
+    # A filesystem of our own: fsspec's instance cache keys on arguments, not on the
+    # environment (AWS_ENDPOINT_URL, credentials) that the store reads when it connects.
+    options: dict[str, Any] = {"skip_instance_cache": True}
     if protocol in ("s3", "s3a"):
         config = {"connect_timeout": min(timeout, 10.0), "read_timeout": timeout,
                   "retries": {"max_attempts": 3, "mode": "standard"}}

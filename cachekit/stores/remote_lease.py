@@ -28,7 +28,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import _fs, liveness
 from ..errors import RemoteUnavailableError
@@ -127,12 +127,15 @@ class Watch:
         self.lease = liveness.lease_from_env()
         self._seen: Optional[_Seen] = None
 
-    def take_or_wait(self) -> Optional[Lease]:
+    def take_or_wait(self, still_wanted: Callable[[], bool] = lambda: True
+                     ) -> Optional[Lease]:
         """Take the key's lease if no live one stands in the way: the started Lease, or
-        None when another holder is alive (or won the takeover) and we should wait."""
+        None when another holder is alive (or won the takeover) and we should wait.
+        ``still_wanted()`` is asked before taking over a dead or released lease (has its
+        holder published the entry meanwhile?)."""
         gens = generations(self.remote, self.key)
         current = gens[-1] if gens else 0
-        if current and self._alive(current):
+        if current and (self._alive(current) or not still_wanted()):
             return None
         record = {"generation": current + 1, **_fs.owner(), "started": time.time()}
         path = lease_path(self.remote, self.key, current + 1, "json")
