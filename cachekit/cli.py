@@ -434,7 +434,7 @@ def _build(args: argparse.Namespace) -> int:
     failed = entry.manifest["failed_rows"]
     for row, path, reason in failed:
         _say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
-    how = "already cached" if entry.hit else "built"
+    how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
     _say(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
          f"{units.format_size(entry.array.nbytes)}"
          + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)

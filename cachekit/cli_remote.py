@@ -74,7 +74,7 @@ def push(args: argparse.Namespace) -> int:
 
 def pull(args: argparse.Namespace) -> int:
     remote, local = store(args), cli._layout(args)
-    found = rm.scan(remote, read=False)
+    found = rm.scan(remote)
     with cli._key_errors():
         keys = resolve_keys(args.keys, [e.key for e in found.entries])
     status = 0
@@ -138,7 +138,10 @@ def ls(args: argparse.Namespace) -> int:
 
 def _report_leftovers(found: rm.RemoteScan, out: Any = None) -> None:
     out = sys.stderr if out is None else out
+    published = {e.key for e in found.entries}
     for x in found.leftovers:
+        if x.what == "lease" and x.key in published:
+            continue  # the lease of a finished build: clear --remote KEY removes it
         state = "removable" if x.removable else "recent, maybe in progress"
         cli._say(f"{x.what} of {x.key[:cli.SHORT_KEY]}: {len(x.objects)} object(s), "
                  f"{units.format_size(x.bytes)} ({state}); `cachekit clear --remote "
@@ -149,7 +152,7 @@ def _report_leftovers(found: rm.RemoteScan, out: Any = None) -> None:
 
 def info(args: argparse.Namespace) -> int:
     remote = store(args)
-    found = rm.scan(remote, read=False)
+    found = rm.scan(remote)
     with cli._key_errors():
         key = resolve_keys([args.key], found.keys)[0]
     entry_info = next((e for e in found.entries if e.key == key), None)
@@ -161,7 +164,8 @@ def info(args: argparse.Namespace) -> int:
             entry = None
         if entry is not None:
             _print_entry(remote, entry, entry_info)
-    leftovers = rm.RemoteScan((), tuple(x for x in found.leftovers if x.key == key), (), ())
+    leftovers = rm.RemoteScan(tuple(e for e in found.entries if e.key == key),
+                              tuple(x for x in found.leftovers if x.key == key), (), ())
     _report_leftovers(leftovers, out=sys.stdout)
     return 0
 
@@ -214,7 +218,7 @@ def verify(args: argparse.Namespace) -> int:
     for problem in problems:
         cli._say(f"{problem.key}: {problem.message}")
     if not args.keys:
-        _report_leftovers(rm.scan(remote, read=False))
+        _report_leftovers(rm.scan(remote))
     if problems:
         cli._say(f"{cli._count(len(problems), 'problem', 'problems')} in "
                  f"{cli._count(checked, 'entry', 'entries')} on {remote.display}; remove a "

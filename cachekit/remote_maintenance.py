@@ -77,9 +77,9 @@ class RemoteScan:
     """Every key with any object, published or not."""
 
 
-def scan(remote: RemoteStore, *, read: bool = True) -> RemoteScan:
-    """Describe the remote: each published entry (its manifest read and checked when
-    ``read``), and the leftovers of interrupted uploads and builds."""
+def scan(remote: RemoteStore) -> RemoteScan:
+    """Describe the remote: each published entry (its manifest read and checked: it names
+    the upload that holds its data), and the leftovers of interrupted uploads and builds."""
     listed, unknown = remote.scan()
     now = time.time()
     lease = liveness.lease_from_env()
@@ -88,7 +88,7 @@ def scan(remote: RemoteStore, *, read: bool = True) -> RemoteScan:
     for item in listed:
         named = None
         if item.manifest is not None:
-            info = _entry_info(remote, item, read)
+            info = _entry_info(remote, item)
             entries.append(info)
             named = info.entry.upload if info.entry is not None else None
         for upload, objects in sorted(item.uploads.items()):
@@ -104,17 +104,16 @@ def scan(remote: RemoteStore, *, read: bool = True) -> RemoteScan:
                       tuple(item.key for item in listed))
 
 
-def _entry_info(remote: RemoteStore, item: RemoteKey, read: bool) -> RemoteEntryInfo:
+def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
     assert item.manifest is not None
     url = remote.object_url(item.manifest.path)
     entry, problem = None, None
-    if read:
-        try:
-            entry = remote.lookup(item.key)
-            if entry is None:
-                problem = "the manifest went away while we looked"
-        except CacheCorruptError as e:
-            problem = e.reason
+    try:
+        entry = remote.lookup(item.key)
+        if entry is None:
+            problem = "the manifest went away while we looked"
+    except CacheCorruptError as e:
+        problem = e.reason
     size = item.manifest.size
     if entry is not None:
         size += sum(o.size for o in item.uploads.get(entry.upload, []))

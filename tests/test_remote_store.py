@@ -145,9 +145,9 @@ def test_of_two_uploaders_racing_past_the_lookup_exactly_one_manifest_wins(s3_en
                                                                            monkeypatch):
     entry = local_entry(tmp_path / "a")
     remote = remote_of(s3_env)
-    monkeypatch.setattr(remote, "lookup", lambda key: None)  # both think the key is free
+    remote.lookup = lambda key: None  # both think the key is free
     first = remote.upload(published(tmp_path / "a", entry.key))
-    monkeypatch.undo()
+    del remote.lookup
     assert first is True
     second_store = remote_of(s3_env)
     real_lookup = second_store.lookup
