@@ -281,3 +281,19 @@ def test_remote_none_reads_the_environment_and_empty_means_local_only(s3_env, tm
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="CACHEKIT_REMOTE_TIMEOUT"):
         cachekit.Cache(tmp_path, remote="s3://b/p")
+
+
+def test_a_host_waiting_for_another_hosts_live_lease_names_it_and_honours_lock_timeout(
+        s3_env, tmp_path):
+    scout = cachekit.Cache(tmp_path / "scout", remote="", workers=2, progress=False)
+    key = scout.map(row, list(range(12))).key
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    remote.fs.pipe_file(lease_path(remote, key, 1, "json"), json.dumps(
+        {"generation": 1, "host": "node7", "pid": 4242, "started": 0}).encode())
+    remote.fs.pipe_file(lease_path(remote, key, 1, "beat"), json.dumps(
+        {"seq": 3, "done": 5, "total": 12, "state": "building"}).encode())
+    waiting = cachekit.Cache(tmp_path / "b", lock_timeout=1.5, workers=2, progress=False)
+    with pytest.raises(cachekit.LockTimeout, match=r"pid 4242 on node7 \(5/12 rows, 42%\)"):
+        waiting.map(row, list(range(12)))
+    assert list((tmp_path / "b" / "entries").glob("*")) == []
+    assert generations(remote, key) == [1]  # a live lease is never taken over
