@@ -7,10 +7,12 @@ Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage
 - 0: done, also ``--help``, ``--version``, a dry run and a declined confirmation.
 - 1: the command ran and failed or found a problem: ``verify`` found one; a build failed
   (rows that cannot be decoded, or a column the cache refuses: empty, missing values, not
-  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry).
+  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry, a
+  remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT``).
 - 2: usage error, found before anything is changed: bad arguments; a KEY that is not a
   key, matches nothing or is ambiguous; a CSV that cannot be read or lacks the column; a
-  bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``).
+  bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``, ``$CACHEKIT_REMOTE_TIMEOUT``);
+  a remote command without a remote (``--remote URL`` or ``$CACHEKIT_REMOTE``).
 - 128 + the number of a signal, as a shell reports a command that signal ended: 130 on
   Ctrl-C (SIGINT); 141 when the reader of the output has gone (SIGPIPE, e.g.
   ``cachekit ls | head``), without a message.
@@ -76,8 +78,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _check_settings() -> None:
-    """Refuse a bad $CACHEKIT_LOCK, $CACHEKIT_LOCK_LEASE or $CACHEKIT_REMOTE_TIMEOUT before any command starts, so that
-    it is a usage error for every command, whether or not (or how late) it takes a lock."""
+    """Refuse a bad $CACHEKIT_LOCK, $CACHEKIT_LOCK_LEASE or $CACHEKIT_REMOTE_TIMEOUT before
+    any command starts, so that it is a usage error for every command, whether or not (or
+    how late) it takes a lock or calls the remote."""
     try:
         locks.kind_from_env()
         liveness.lease_from_env()

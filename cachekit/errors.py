@@ -14,8 +14,8 @@
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
 
-``RemoteWarning`` (a CachekitError and a ``UserWarning``) is the category of the one warning a process gives
-when its remote tier fails and it carries on with the local root.
+``RemoteWarning`` (a CachekitError and a ``UserWarning``) is the category of the one warning
+a process gives when its remote tier fails and it carries on with the local root.
 
 Every exception carries the path or rows it is about, says how to fix it, and survives
 pickling, because errors cross process and thread pools.
