@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import LockTimeout, RemoteUnavailableError, RemoteWarning
+from .errors import CacheCorruptError, LockTimeout, RemoteUnavailableError, RemoteWarning
 from .stores import LocalStore, Published
 from .stores.remote import RemoteEntry, RemoteStore
 from .stores.remote_lease import Watch, lease_path
@@ -64,8 +64,8 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
         published = build(_reporting(build_fn, lease))
         try:
             remote.upload(published, progress=tier.progress)
-        except RemoteUnavailableError as e:
-            warn_once(remote, e)
+        except (RemoteUnavailableError, CacheCorruptError) as e:
+            warn_once(remote, e)  # the local entry is good; only the sharing failed
         return published, "built"
     except RemoteUnavailableError as e:
         warn_once(remote, e)
@@ -119,7 +119,7 @@ def _reporting(build_fn: Any, lease: Any) -> Any:
     return run
 
 
-def warn_once(remote: RemoteStore, error: RemoteUnavailableError) -> None:
+def warn_once(remote: RemoteStore, error: Exception) -> None:
     """Warn (once per process and remote) that the remote failed and we carry on locally."""
     if remote.display in _warned:
         return

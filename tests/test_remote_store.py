@@ -302,3 +302,12 @@ def test_with_signing_on_a_signed_remote_entry_is_downloaded_and_stays_signed(s3
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "another key")
     with pytest.raises(UnsignedEntryError, match="does not match"):
         obtain_from_remote(tmp_path / "c", s3_env)
+
+
+def test_without_fsspec_a_remote_says_which_extra_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec now fails
+    store = RemoteStore("s3://bucket/prefix")  # nothing imported yet
+    with pytest.raises(ImportError, match=r'cachekit\[remote\]'):
+        store.fs
