@@ -311,3 +311,15 @@ def test_without_fsspec_a_remote_says_which_extra_to_install(monkeypatch):
     store = RemoteStore("s3://bucket/prefix")  # nothing imported yet
     with pytest.raises(ImportError, match=r'cachekit\[remote\]'):
         store.fs
+
+
+def test_a_shared_folder_works_as_a_remote(tmp_path):
+    url = (tmp_path / "shared").as_uri()
+    built = cachekit.Cache(tmp_path / "a", remote=url, workers=2, progress=False).map(
+        row, VALUES)
+    pulled = cachekit.Cache(tmp_path / "b", remote=url, workers=2, progress=False).map(
+        row, VALUES)
+    assert (built.source, pulled.source) == ("built", "remote")
+    assert np.array_equal(built.array, pulled.array)
+    keys, unknown = RemoteStore(url).scan()
+    assert unknown == [] and len(keys) == 1 and len(keys[0].uploads) == 1

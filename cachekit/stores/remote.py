@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from .. import _fs
 from .. import manifest as manifests
-from ..errors import CacheCorruptError, RemoteUnavailableError
+from ..errors import CacheCorruptError, RemoteUnavailableError, UnsignedEntryError
 from ..keys import is_key
 from ..manifest import MANIFEST_FILE, FileRecord, Manifest
 from .local import LocalStore, Published
@@ -61,6 +61,7 @@ RANGE_BYTES = 16 << 20
 one part always fits well within the timeout on a working link."""
 PARALLEL_RANGES = 4
 WRITEBACK_BYTES = 64 << 20
+MANIFEST_RETRY_SECONDS = 0.2
 UPLOAD_FIELD = "upload"
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _ATTEMPTS = 3
@@ -218,12 +219,23 @@ class RemoteStore:
         validly signed while ``$CACHEKIT_SIGNING_KEY`` is set."""
         path = self.manifest_path(key)
         url = self.object_url(path)
-        try:
-            raw = self.call(f"reading {url}", self.fs.cat_file, path, start=0,
-                            end=manifests.MANIFEST_LIMIT + 1)
-        except FileNotFoundError:
-            return None
-        return self.parse_manifest(raw, url, key)
+        for attempt in (1, 2):
+            try:
+                raw = self.call(f"reading {url}", self.fs.cat_file, path, start=0,
+                                end=manifests.MANIFEST_LIMIT + 1)
+            except FileNotFoundError:
+                return None
+            try:
+                return self.parse_manifest(raw, url, key)
+            except UnsignedEntryError:
+                raise
+            except CacheCorruptError:
+                # On a shared folder (file://) a create-only write is O_EXCL and then a
+                # write, so a reader may catch a manifest half written: read it once more.
+                if attempt == 2:
+                    raise
+                time.sleep(MANIFEST_RETRY_SECONDS)
+        raise AssertionError("unreachable")
 
     @staticmethod
     def parse_manifest(raw: bytes, url: str, key: str) -> RemoteEntry:

@@ -110,6 +110,8 @@ def filesystem(url: str, timeout: float) -> tuple[Any, str]:
     # A filesystem of our own: fsspec's instance cache keys on arguments, not on the
     # environment (AWS_ENDPOINT_URL, credentials) that the store reads when it connects.
     options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in ("file", "local"):
+        options["auto_mkdir"] = True  # object stores have no folders to make first
     if protocol in ("s3", "s3a"):
         config = {"connect_timeout": min(timeout, 10.0), "read_timeout": timeout,
                   "retries": {"max_attempts": 3, "mode": "standard"}}
