@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cachekit
 import s3
@@ -323,3 +325,53 @@ def test_a_shared_folder_works_as_a_remote(tmp_path):
     assert np.array_equal(built.array, pulled.array)
     keys, unknown = RemoteStore(url).scan()
     assert unknown == [] and len(keys) == 1 and len(keys[0].uploads) == 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+@pytest.fixture(scope="module")
+def remote_manifest(tmp_path_factory) -> tuple[str, dict]:
+    entry = local_entry(tmp_path_factory.mktemp("manifest") / "a")
+    from cachekit import manifest as manifests
+
+    raw = manifests.dumps(entry._manifest, {"upload": "0" * 32})
+    return entry.key, json.loads(raw)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.lists(st.integers(0, 20), min_size=1, max_size=3), value=json_values)
+def test_a_remote_manifest_either_parses_whole_or_is_refused_as_corrupt(remote_manifest,
+                                                                        where, value):
+    key, good = remote_manifest
+    raw = json.loads(json.dumps(good))
+    node = raw
+    for step in where[:-1]:  # walk down to a container, then replace one of its items
+        children = list(node) if isinstance(node, dict) else list(range(len(node))) \
+            if isinstance(node, list) else []
+        if not children or not isinstance(node[children[step % len(children)]],
+                                          (dict, list)):
+            break
+        node = node[children[step % len(children)]]
+    children = list(node) if isinstance(node, dict) else list(range(len(node)))
+    if children:
+        node[children[where[-1] % len(children)]] = value
+    try:
+        parsed = RemoteStore.parse_manifest(json.dumps(raw).encode(), "s3://b/m.json", key)
+    except CacheCorruptError:
+        return
+    assert parsed.key == key and len(parsed.upload) == 32
+    assert [f.name for f in parsed.manifest.files] == \
+        [("data.npy" if i == 0 else f"leaf_{i}.npy") for i in range(len(parsed.manifest.files))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_bytes_as_a_remote_manifest_are_refused_as_corrupt(data):
+    with pytest.raises(CacheCorruptError):
+        RemoteStore.parse_manifest(data, "s3://b/m.json", "0" * 32)
