@@ -375,3 +375,23 @@ def test_a_remote_manifest_either_parses_whole_or_is_refused_as_corrupt(remote_m
 def test_any_bytes_as_a_remote_manifest_are_refused_as_corrupt(data):
     with pytest.raises(CacheCorruptError):
         RemoteStore.parse_manifest(data, "s3://b/m.json", "0" * 32)
+
+
+def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_env, tmp_path):
+    entry = local_entry(tmp_path / "a")
+    for _ in range(2):  # a store that ignores If-None-Match: both uploads "win"
+        remote = remote_of(s3_env)
+        remote.lookup = lambda key: None
+
+        def overwrite(path, data, what, remote=remote):
+            remote.fs.pipe_file(path, data)
+            return True
+
+        remote.create = overwrite
+        assert remote.upload(published(tmp_path / "a", entry.key)) is True
+    remote = remote_of(s3_env)
+    found = remote.lookup(entry.key)
+    got, _ = remote.download(found, LocalStore(tmp_path / "b"))
+    assert got.manifest == entry._manifest  # the last manifest names a complete upload
+    keys, _ = remote.scan()
+    assert len(keys[0].uploads) == 2  # the other upload is an orphan for clear --remote
