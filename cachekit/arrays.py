@@ -12,7 +12,7 @@ import math
 import mmap
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
@@ -124,9 +124,12 @@ def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "
         return _map(f, shape, dtype, mode, offset)
 
 
-def seal(directory: _fs.DirHandle, name: str) -> tuple[tuple[int, ...], np.dtype, int, str]:
+def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None
+         ) -> tuple[tuple[int, ...], np.dtype, int, str]:
     """(shape, dtype, size, checksum) of a .npy file this process wrote into ``directory``,
-    after checking its header against its size and fsyncing it: one open descriptor."""
+    after checking its header against its size and fsyncing it: one open descriptor.
+    ``digest``: the checksum of the bytes the writer wrote, computed as it wrote them (a
+    download), which saves reading the file again."""
     path = directory.path / name
     try:
         f = directory.open_file(name)
@@ -141,7 +144,10 @@ def seal(directory: _fs.DirHandle, name: str) -> tuple[tuple[int, ...], np.dtype
         shape, dtype = _header(f, path)
         _validated_offset(f, path, shape, dtype, None)
         os.fsync(f.fileno())
-        size, digest = _checksum_of(f)
+        if digest is None:
+            size, digest = _checksum_of(f)
+        else:
+            size = os.fstat(f.fileno()).st_size
     return shape, dtype, size, digest
 
 

@@ -28,15 +28,18 @@ class Cache:
     """A content-addressed, process-safe cache of preprocessed arrays under ``root``.
 
     ``root``: a directory, or None for $CACHEKIT_DIR, else $XDG_CACHE_HOME/cachekit, else
-    ~/.cache/cachekit. ``lock_timeout``: seconds to wait for another process's build (None
+    ~/.cache/cachekit. ``remote``: an fsspec URL of a remote tier shared by several hosts
+    (``"s3://bucket/prefix"``; None: $CACHEKIT_REMOTE; "" or unset: local only), see
+    docs/object-stores.md. ``lock_timeout``: seconds to wait for another process's build (None
     waits forever). ``workers``: parallel rows in a build (None: usable CPUs). ``join``: a
     process that finds a live build of its key (this host, or another host of a shared
     root) fills chunks nobody holds instead of only waiting. ``progress``: show bars (None:
     only when stderr is a terminal).
     """
 
-    def __init__(self, root: Optional[PathLike] = None, *, lock_timeout: Optional[float] = None,
-                 workers: Optional[int] = None, join: bool = True,
+    def __init__(self, root: Optional[PathLike] = None, *, remote: Optional[str] = None,
+                 lock_timeout: Optional[float] = None, workers: Optional[int] = None,
+                 join: bool = True,
                  progress: Optional[bool] = None) -> None:
         if lock_timeout is not None and (
             isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
@@ -57,6 +60,7 @@ class Cache:
         self.workers = workers if workers is not None else build.usable_cpus()
         self.progress = progress
         self._store = LocalStore(self.root)
+        self.remote, self._remote = _remote_tier(remote)
 
     def __repr__(self) -> str:
         return f"cachekit.Cache({str(self.root)!r})"
@@ -101,7 +105,7 @@ class Cache:
         channels = options.MODES[mode]
         return self._rows("images", paths, row, params, material,
                           template=((channels, height, width), np.dtype(np.uint8)),
-                          collect_errors=True, on_error=on_error)
+                          collect_errors=True, on_error=on_error, decoders=True)
 
     def map(self, fn: Callable[[Any], Any], values: Any, *,
             version: Optional[Union[str, int]] = None, on_error: str = "raise") -> Entry:
@@ -139,13 +143,22 @@ class Cache:
         build under way with ``join_fn``), open it, and report the use to an active W&B run."""
         outcome, opened = publish.obtain_and_open(
             self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
-            announce=self.progress is not False, join=join_fn if self.join else None)
+            announce=self.progress is not False, join=join_fn if self.join else None,
+            remote=self._remote_tier())
         _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
         return opened
 
+    def _remote_tier(self) -> Any:
+        if self._remote is None:
+            return None
+        from .remote_tier import Tier
+
+        return Tier(self._remote, progress=self._show_progress())
+
     def _rows(self, kind: str, column: Any, row_fn: Callable[[Any], Any],
               params: dict[str, Any], material: dict[str, Any], *,
-              template: Optional[tuple], collect_errors: bool, on_error: str) -> Entry:
+              template: Optional[tuple], collect_errors: bool, on_error: str,
+              decoders: bool = False) -> Entry:
         """Key, then obtain: the one path every per-row entry takes."""
         key = keys.digest({"kind": kind, "format": FORMAT_VERSION, "params": params,
                            "n": len(column), **material})
@@ -162,7 +175,8 @@ class Cache:
             return publish.Built(
                 kind=kind, rows=len(values), files=((DATA_FILE, "numpy"),),
                 failed_rows=tuple(filled.failures), params=params,
-                column=column.name if isinstance(column.name, str) else None)
+                column=column.name if isinstance(column.name, str) else None,
+                builder=_decoders() if decoders else None)
 
         values: list = []  # made once, on the first attempt to join
 
@@ -216,6 +230,27 @@ class Cache:
         if isinstance(keys, str):
             keys = [keys]
         return verify(self._store, keys)
+
+
+def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
+    """(URL or None, RemoteStore or None) for Cache(remote=...): None -> $CACHEKIT_REMOTE;
+    "" -> local only. The store imports fsspec only when it is first used."""
+    from .stores.remote import RemoteStore, url_from_env
+
+    if remote is None:
+        remote = url_from_env()
+    elif not isinstance(remote, str):
+        raise TypeError(f"remote must be an fsspec URL (str) or None, not "
+                        f"{type(remote).__qualname__}")
+    if not remote:
+        return None, None
+    return remote, RemoteStore(remote)
+
+
+def _decoders() -> dict[str, Any]:
+    from .images import decoder_versions
+
+    return {"decoders": decoder_versions()}
 
 
 def _array_rows(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -7,10 +7,12 @@ Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage
 - 0: done, also ``--help``, ``--version``, a dry run and a declined confirmation.
 - 1: the command ran and failed or found a problem: ``verify`` found one; a build failed
   (rows that cannot be decoded, or a column the cache refuses: empty, missing values, not
-  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry).
+  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry, a
+  remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT``).
 - 2: usage error, found before anything is changed: bad arguments; a KEY that is not a
   key, matches nothing or is ambiguous; a CSV that cannot be read or lacks the column; a
-  bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``).
+  bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``, ``$CACHEKIT_REMOTE_TIMEOUT``);
+  a remote command without a remote (``--remote URL`` or ``$CACHEKIT_REMOTE``).
 - 128 + the number of a signal, as a shell reports a command that signal ended: 130 on
   Ctrl-C (SIGINT); 141 when the reader of the output has gone (SIGPIPE, e.g.
   ``cachekit ls | head``), without a message.
@@ -38,6 +40,8 @@ from . import _version, liveness, locks, maintenance, options, units
 from . import manifest as manifests
 from .errors import CachekitError, ImageDecodeError, UsageError
 from .stores import LocalStore, default_root
+from .stores import remote as remote_store
+from . import cli_remote  # (imports this module back: only names used at call time)
 
 SHORT_KEY = 12
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
@@ -74,11 +78,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _check_settings() -> None:
-    """Refuse a bad $CACHEKIT_LOCK or $CACHEKIT_LOCK_LEASE before any command starts, so that
-    it is a usage error for every command, whether or not (or how late) it takes a lock."""
+    """Refuse a bad $CACHEKIT_LOCK, $CACHEKIT_LOCK_LEASE or $CACHEKIT_REMOTE_TIMEOUT before
+    any command starts, so that it is a usage error for every command, whether or not (or
+    how late) it takes a lock or calls the remote."""
     try:
         locks.kind_from_env()
         liveness.lease_from_env()
+        remote_store.timeout_from_env()
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -113,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachekit",
                      description="Inspect, check, clean and prebuild a cachekit cache.")
     parser.add_argument("--root", metavar="DIR", default=None, help=root_help)
+    parser.add_argument("--remote", metavar="URL", dest="remote_url", default=None,
+                        help="fsspec URL of the remote tier (default: $CACHEKIT_REMOTE)")
     # Also accepted after the command; SUPPRESS keeps a --root given before it.
     common = _Parser(add_help=False)
     common.add_argument("--root", metavar="DIR", default=argparse.SUPPRESS, help=root_help)
@@ -130,20 +138,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON array of entries")
     p.add_argument("--sort", choices=tuple(SORTS), default="used",
                    help="newest use, largest, or newest entry first (default: used)")
+    cli_remote.add_flag(p)
     p = command("info", _info, "show one entry in full")
     p.add_argument("key", metavar="KEY", help="a key or a unique prefix of one")
+    cli_remote.add_flag(p)
     p = command("clear", _clear, "remove entries (safe while other processes read)")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
     p.add_argument("--all", action="store_true", help="remove every entry")
     p.add_argument("--older-than", metavar="AGE", type=_arg(units.parse_duration),
                    help="only entries unused for this long, e.g. 7d, 12h, 1w")
     _destructive(p)
+    cli_remote.add_flag(p)
     p = command("prune", _prune, "remove least recently used entries down to a size")
     p.add_argument("--max-size", metavar="SIZE", type=_arg(units.parse_size), required=True,
                    help="size to shrink to, e.g. 10G (GiB), 500MB, 2.5T")
     _destructive(p)
     p = command("verify", _verify, "check entries fully, data checksums included")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or prefixes (default: all)")
+    cli_remote.add_flag(p)
     p = command("build", _build, "decode and resize a CSV's image column into the cache")
     p.add_argument("csv", metavar="CSV", help="CSV file with a column of image paths")
     p.add_argument("--column", required=True, help="the image path column, e.g. img_path")
@@ -156,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
     p.add_argument("--validate", choices=options.VALIDATE, default="path")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
+    cli_remote.add_commands(command)
     p = command("demo", _demo, "the end-to-end demo on generated sample images")
     p.add_argument("--images", type=positive, default=2000)
     p.add_argument("--agents", type=positive, default=4)
@@ -196,6 +209,8 @@ def _dir(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    if args.on_remote:
+        return cli_remote.ls(args)
     layout = _layout(args)
     found = maintenance.scan(layout)
     entries = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
@@ -221,6 +236,8 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    if args.on_remote:
+        return cli_remote.info(args)
     layout = _layout(args)
     found = maintenance.scan(layout)
     with _key_errors():
@@ -271,6 +288,8 @@ def _print_entry(e: maintenance.EntryInfo) -> None:
 
 
 def _clear(args: argparse.Namespace) -> int:
+    if args.on_remote:
+        return cli_remote.clear(args)
     if args.all and args.keys:
         raise UsageError("give KEYs or --all, not both")
     if not (args.all or args.keys or args.older_than is not None):
@@ -345,6 +364,8 @@ def _confirm(question: str) -> bool:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    if args.on_remote:
+        return cli_remote.verify(args)
     from .integrity import verify
 
     layout = _layout(args)
@@ -397,7 +418,7 @@ def _build(args: argparse.Namespace) -> int:
     if args.column not in frame.columns:
         raise UsageError(f"{args.csv} has no column {args.column!r}; its columns are "
                          f"{', '.join(map(str, frame.columns))}")
-    cache = Cache(_layout(args).root, workers=args.workers)
+    cache = Cache(_layout(args).root, remote=args.remote_url, workers=args.workers)
     height, width = args.size
     _say(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
          f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
@@ -416,7 +437,7 @@ def _build(args: argparse.Namespace) -> int:
     failed = entry.manifest["failed_rows"]
     for row, path, reason in failed:
         _say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
-    how = "already cached" if entry.hit else "built"
+    how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
     _say(f"{how}: {len(entry)} rows {_shape(entry.array.shape)} {entry.array.dtype}, "
          f"{units.format_size(entry.array.nbytes)}"
          + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)

@@ -11,7 +11,11 @@
     |   +-- UnsignedEntryError          ... has no valid signature while CACHEKIT_SIGNING_KEY
     |                                       is set (see :mod:`cachekit.signing`)
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
+    +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
+
+``RemoteWarning`` (a CachekitError and a ``UserWarning``) is the category of the one warning
+a process gives when its remote tier fails and it carries on with the local root.
 
 Every exception carries the path or rows it is about, says how to fix it, and survives
 pickling, because errors cross process and thread pools.
@@ -165,3 +169,25 @@ class UsageError(CachekitError):
 def failure_reason(exc: BaseException) -> str:
     """The reason recorded for a row whose function raised ``exc``: its type and message."""
     return f"{type(exc).__name__}: {str(exc) or repr(exc)}"
+
+
+class RemoteUnavailableError(CachekitError, OSError):
+    """A call to the remote tier at ``url`` (``what`` it was doing) failed or took longer
+    than ``$CACHEKIT_REMOTE_TIMEOUT``. ``reason`` never holds credentials: the URL is shown
+    without any user:password part, and cachekit never has the keys themselves."""
+
+    def __init__(self, url: str, what: str, reason: str) -> None:
+        self.url = url
+        self.what = what
+        self.reason = reason
+        OSError.__init__(self, f"remote {url} did not work while {what}: {reason}; check the "
+                               "endpoint and credentials of the store (fsspec/AWS "
+                               "configuration), or raise CACHEKIT_REMOTE_TIMEOUT")
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.url, self.what, self.reason))
+
+
+class RemoteWarning(CachekitError, UserWarning):
+    """The remote tier failed; cachekit goes on with the local root (warned once per
+    process and remote)."""

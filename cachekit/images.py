@@ -8,6 +8,7 @@ touched.  Argument values are validated by the caller.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
@@ -15,7 +16,7 @@ from PIL import ExifTags, Image, ImageOps
 from . import _fs
 from .options import FITS, MODES, RESAMPLE_NAMES
 
-__all__ = ["FITS", "MODES", "RESAMPLES", "load_image"]
+__all__ = ["FITS", "MODES", "RESAMPLES", "decoder_versions", "load_image"]
 
 RESAMPLES: dict[str, Image.Resampling] = {
     name: Image.Resampling[name.upper()] for name in RESAMPLE_NAMES
@@ -142,3 +143,20 @@ def _draft_request(
     pick = max if fit == "crop" else min
     scale = pick(tw / src_w, th / src_h)
     return math.ceil(src_w * scale), math.ceil(src_h * scale)
+
+
+def decoder_versions() -> dict[str, Optional[str]]:
+    """The versions of what decodes the images: Pillow, its libjpeg (the libjpeg API level,
+    e.g. "6.2" or "8.0") and libjpeg-turbo when that is the implementation. Recorded in an
+    images entry's manifest (``builder.decoders``), not in its key: see docs/object-stores.md."""
+    import PIL
+    from PIL import features
+
+    def version(feature: str) -> Optional[str]:
+        try:
+            return features.version(feature)
+        except (ValueError, KeyError):  # a feature this Pillow does not know
+            return None
+
+    return {"pillow": PIL.__version__, "libjpeg": version("jpg"),
+            "libjpeg_turbo": version("libjpeg_turbo")}

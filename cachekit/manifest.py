@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -125,7 +125,7 @@ class Manifest:
         return out
 
     @classmethod
-    def from_json(cls, raw: Any, path: Path, key: Optional[str] = None) -> "Manifest":
+    def from_json(cls, raw: Any, path: Union[str, Path], key: Optional[str] = None) -> "Manifest":
         """Check ``raw`` (parsed from ``path``) field by field; CacheCorruptError naming the
         field when anything is missing, of the wrong type or inconsistent. ``key``: the key
         the entry is stored under, which the manifest must name."""
@@ -165,8 +165,8 @@ def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
     return loads(raw, path, key)
 
 
-def loads(raw: bytes, path: Path, key: Optional[str] = None) -> Manifest:
-    """Parse manifest bytes read from ``path`` (a local file or a remote object).
+def loads(raw: bytes, path: Union[str, Path], key: Optional[str] = None) -> Manifest:
+    """Parse manifest bytes read from ``path`` (a local file, or a remote object's URL).
 
     With ``CACHEKIT_SIGNING_KEY`` set, UnsignedEntryError (a CacheCorruptError) unless the
     parsed object carries a valid signature; checked before any other field.
@@ -185,10 +185,11 @@ def loads(raw: bytes, path: Path, key: Optional[str] = None) -> Manifest:
     return Manifest.from_json(parsed, path, key)
 
 
-def dumps(manifest: Manifest) -> bytes:
+def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
     """The bytes of ``manifest.json`` for ``manifest``, signed when CACHEKIT_SIGNING_KEY is
-    set."""
-    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True)
+    set. ``extra``: fields added to the JSON object (and so signed with it), such as the
+    upload a remote manifest names; reading ignores fields it does not know."""
+    text = json.dumps({**manifest.to_json(), **(extra or {})}, indent=1, sort_keys=True)
     secret = signing.key()
     if secret is not None:
         # Sign the object as a reader will parse it back (JSON has string keys only, and
@@ -208,7 +209,7 @@ def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:
 # Parsing ---------------------------------------------------------------------------------
 
 
-def _parse(raw: Any, path: Path, key: Optional[str]) -> Manifest:
+def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     def fail(reason: str) -> CacheCorruptError:
         return CacheCorruptError(path, reason)
 

@@ -26,13 +26,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from . import _fs, build, locks
 from ._version import __version__
 from .errors import CacheCorruptError, ImageDecodeError, LockTimeout
 from .manifest import DATA_FILE, Manifest
 from .stores import Build, BuildState, LocalStore, Published
+
+if TYPE_CHECKING:
+    from . import remote_tier
 
 POLL_SECONDS = 0.25
 JOIN_POLL_SECONDS = 0.05
@@ -56,6 +59,8 @@ class Built:
     params: Optional[dict[str, Any]] = None
     column: Optional[str] = None
     structure: Optional[dict[str, Any]] = None
+    builder: Optional[dict[str, Any]] = None
+    """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
 
 
 BuildFunction = Callable[[Build, ChunkCallback], Built]
@@ -76,9 +81,14 @@ class Outcome:
 
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
            lock_timeout: Optional[float], announce: bool = True,
-           join: Optional[JoinFunction] = None) -> Outcome:
+           join: Optional[JoinFunction] = None,
+           remote: Optional["remote_tier.Tier"] = None) -> Outcome:
     """Return the entry for ``key``, building it with ``build_fn`` if no process has yet.
-    With ``join``, fill chunks of a live build of the key while waiting for it."""
+
+    With ``join``, fill chunks of a live build of the key while waiting for it. With
+    ``remote``, a local miss looks the key up there before building, and a build is
+    uploaded after its local commit (:mod:`cachekit.remote_tier`); a local hit never
+    touches the remote."""
     asked = time.time()
     found = store.lookup(key)
     if found is not None:
@@ -94,6 +104,14 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
             return Outcome(found, waiting.published(found), waiting.seconds)
         _raise_failure_seen_while_waiting(store, key, asked)
         waited = waiting.seconds  # before the build: waiting, not building
+        if remote is not None:
+            from . import remote_tier
+
+            published, source = remote_tier.obtain(
+                remote, store, key, build_fn,
+                lambda fn: _build_and_commit(store, key, fn, announce),
+                remaining=waiting._remaining(), announce=announce)
+            return Outcome(published, source, waited)
         # "built" even when another builder's rename won the race: this call did the work.
         return Outcome(_build_and_commit(store, key, build_fn, announce), "built", waited)
     finally:
@@ -272,7 +290,8 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         manifest = Manifest(
             key=key, kind=made.kind, rows=made.rows, files=files, created=time.time(),
             failed_rows=tuple(made.failed_rows), params=made.params or {}, column=made.column,
-            structure=made.structure, builder={"host": _fs.host(), "pid": os.getpid()},
+            structure=made.structure,
+            builder={"host": _fs.host(), "pid": os.getpid(), **(made.builder or {})},
             build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__)
         published, won = store.commit(current, manifest)
     except KeyboardInterrupt:

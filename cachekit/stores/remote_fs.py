@@ -1,0 +1,176 @@
+"""How cachekit talks to an object store through fsspec: the filesystem for a URL (with
+timeouts for S3), every call bounded by one deadline, what a failed create-only write means
+whatever the store, and URLs shown without credentials. The remote store
+(:mod:`cachekit.stores.remote`) is built on these; nothing here knows about entries.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+from ..errors import CachekitError
+
+REMOTE_ENV = "CACHEKIT_REMOTE"
+TIMEOUT_ENV = "CACHEKIT_REMOTE_TIMEOUT"
+DEFAULT_TIMEOUT = 30.0
+T = TypeVar("T")
+
+
+def url_from_env() -> Optional[str]:
+    """``$CACHEKIT_REMOTE``, or None when it is unset or empty (local only)."""
+    return os.environ.get(REMOTE_ENV) or None
+
+
+def timeout_from_env() -> float:
+    """Seconds per remote call, ``$CACHEKIT_REMOTE_TIMEOUT`` (default 30)."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+    return value
+
+
+def redact(url: str) -> str:
+    """``url`` without a ``user:password@`` part, for messages."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", url)
+
+
+# Failed create-only writes ----------------------------------------------------------------
+
+EXISTS, CHECK, OTHER = "exists", "check", "other"
+
+
+def classify_failed_create(error: BaseException) -> str:
+    """What a failed create-only write says about the object, as each store answers it:
+
+    - EXISTS: it exists (or another writer is creating it): FileExistsError (s3fs for AWS's
+      412 with ``<Condition>If-None-Match</Condition>``, gcsfs, adlfs, local files); an
+      HTTP 412 or 409 anywhere in the exception's causes, e.g. SeaweedFS's 412 without a
+      Condition, which s3fs turns into ``OSError(EINVAL)``, or a 409
+      ``ConditionalRequestConflict`` (``OSError(EBUSY)``).
+    - CHECK: an OSError (EINVAL, EBUSY, EEXIST) that may mean it, with no HTTP answer to
+      tell: the caller looks whether the object exists.
+    - OTHER: a failure that is not about the object existing.
+    """
+    if isinstance(error, FileExistsError):
+        return EXISTS
+    status, code = _http_answer(error)
+    if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+        return EXISTS
+    if isinstance(error, OSError) and error.errno in (errno.EINVAL, errno.EBUSY, errno.EEXIST):
+        return CHECK
+    return OTHER
+
+
+def _http_answer(error: BaseException) -> tuple[Optional[int], Optional[str]]:
+    """(HTTP status, error code) of the first exception in ``error``'s causes that carries
+    one: botocore's ClientError (``.response``), gcsfs's HttpError (``.code``), azure's
+    HttpResponseError (``.status_code``)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            meta = response.get("ResponseMetadata") or {}
+            status = meta.get("HTTPStatusCode")
+            code = (response.get("Error") or {}).get("Code")
+            if isinstance(status, int) or isinstance(code, str):
+                return (status if isinstance(status, int) else None,
+                        code if isinstance(code, str) else None)
+        for name in ("status_code", "status", "code"):
+            value = getattr(current, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+                return value, None
+        current = current.__cause__ or current.__context__
+    return None, None
+
+
+def filesystem(url: str, timeout: float) -> tuple[Any, str]:
+    """(fsspec filesystem, root path) for ``url``, with connect/read timeouts and retries
+    set for S3 (within the user's own fsspec configuration)."""
+    try:
+        import fsspec
+        import fsspec.config
+    except ImportError:
+        raise ImportError("a remote tier needs fsspec and the store's package: "
+                          'pip install "cachekit[remote]" (fsspec, s3fs; gcsfs for GCS, '
+                          "adlfs for Azure)") from None
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    # A filesystem of our own: fsspec's instance cache keys on arguments, not on the
+    # environment (AWS_ENDPOINT_URL, credentials) that the store reads when it connects.
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in ("file", "local"):
+        options["auto_mkdir"] = True  # object stores have no folders to make first
+    if protocol in ("s3", "s3a"):
+        config = {"connect_timeout": min(timeout, 10.0), "read_timeout": timeout,
+                  "retries": {"max_attempts": 3, "mode": "standard"}}
+        user = (fsspec.config.conf.get(protocol) or {}).get("config_kwargs") or {}
+        options["config_kwargs"] = {**config, **user}
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:
+        raise ImportError(f"no fsspec filesystem for {redact(url)!r}: {e}; for S3: "
+                          'pip install "cachekit[remote]"') from None
+    return fs, root.rstrip("/")
+
+
+class Timeout(CachekitError):
+    """A remote call still running at its deadline (turned into RemoteUnavailableError)."""
+
+
+def within(deadline: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` in a daemon thread and wait for it until ``deadline`` (monotonic); a call
+    still running then is left behind (it cannot be stopped) and Timeout raised."""
+    box: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="cachekit-remote-call", daemon=True).start()
+    if not finished.wait(max(0.0, deadline - time.monotonic())):
+        raise Timeout
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def describe(error: BaseException) -> str:
+    status, code = _http_answer(error)
+    answer = f" (HTTP {status}{' ' + code if code else ''})" if status or code else ""
+    return f"{type(error).__name__}: {str(error)[:300]}{answer}"
+
+
+def modified(info: dict[str, Any]) -> Optional[float]:
+    """An object's modification time from a listing (S3 LastModified, local mtime, GCS
+    updated), as seconds since the epoch."""
+    for name in ("LastModified", "mtime", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                import datetime
+
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None

