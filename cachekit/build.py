@@ -1,29 +1,25 @@
-"""Fill a .npy memmap from a per-row function, in parallel, in order, in fixed-size chunks.
+"""Fill a .npy memmap from a per-row function, in parallel, in fixed-size chunks.
 
-Rows run on a thread pool: Pillow releases the GIL while it decodes and resizes, so threads
-scale without pickling rows or results across processes. At most a few rows per worker are
-in flight, and each result is written into the memmap as soon as it is ready, so peak memory
-does not grow with the number of rows.
+The rows of each chunk run on an executor (cachekit.executors: threads writing in place,
+processes, or a user's concurrent.futures.Executor whose rows come back here), with only a
+few pieces per worker in flight, so peak memory does not grow with the number of rows.
 
-A fill is resumable: after each chunk the memmap is flushed (msync) and only then a
-checkpoint next to the file records how many rows are done, so a checkpoint never claims
-rows that are not on disk. A later fill of the same rows into the same file continues from
+A fill is resumable: once a chunk and every chunk before it are in the memmap, it is flushed
+(msync) and only then a checkpoint next to the file records how many rows are done, so a
+checkpoint never claims rows that are not on disk. A later fill of the same rows into the same file continues from
 there. publish.py decides whether a dead builder's file may be reused at all.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import _fs, arrays
-from .errors import Failure
+from . import _fs, arrays, executors
+from .errors import Failure, NotAnArrayError
 
 CHUNK_ROWS = 1024
 """Rows per chunk: the unit of progress reports, of flushing to disk and of resuming."""
@@ -55,11 +51,7 @@ class Checkpoint:
     failures: tuple[Failure, ...]
 
 
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+usable_cpus = executors.usable_cpus
 
 
 def checkpoint_name(name: str) -> str:
@@ -109,7 +101,8 @@ def fill(
     row_fn: RowFunction,
     *,
     workers: int,
-    record: Callable[[Exception], bool],
+    record_failures: bool,
+    executor: executors.ExecutorSpec = None,
     template: tuple[tuple[int, ...], np.dtype] | None = None,
     on_chunk: ChunkCallback | None = None,
     progress: bool = False,
@@ -120,15 +113,37 @@ def fill(
 
     ``template`` gives the per-row shape and dtype; without it the first row that succeeds
     fixes them, and a later row of another shape or dtype raises ValueError naming both.
-    ``record(exc)`` decides for an exception from ``row_fn``: True records the row as a
-    failure (its row stays zeros), False re-raises it unchanged. ``on_chunk(done, total)``
-    is called each time another CHUNK_ROWS rows are written and flushed.
+    With ``record_failures`` an exception from ``row_fn`` (other than NotAnArrayError)
+    records the row as a failure (its row stays zeros); without, it propagates unchanged.
+    The rows run on ``executor`` (see cachekit.executors; a row function that cannot be
+    pickled for processes or a cluster is a TypeError before any row runs).
+    ``on_chunk(done, total)`` is called each time another CHUNK_ROWS rows are written and
+    flushed.
 
     With ``resume`` and a usable checkpoint for ``name`` of the same row count (and the
     same ``template``, if given), rows before the checkpoint are kept and not recomputed.
     The caller vouches that those rows came from the same values and row function
     (publish.py checks the key and cachekit version).
     """
+    n = len(values)
+    task = executors.RowTask(row_fn, record_failures)
+    runner = executors.make_runner(executor, max(1, workers), task, rows=n)
+    try:
+        return _fill(directory, name, values, task, runner, template, on_chunk, progress,
+                     description, resume)
+    finally:
+        runner.close()
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    index: int
+    start: int
+    stop: int
+
+
+def _fill(directory, name, values, task, runner, template, on_chunk, progress, description,
+          resume) -> Filled:
     n = len(values)
     checkpoint = read_checkpoint(directory, name) if resume else None
     if checkpoint is not None and not _fits(checkpoint, n, template):
@@ -143,36 +158,28 @@ def fill(
         directory.unlink(checkpoint_name(name))
         directory.unlink(name)
         if template is None:
-            start, first_result = _first_success(values, row_fn, record, failures)
+            start, first_result = _first_success(values, task, failures)
             template = (first_result.shape, first_result.dtype)
         array = arrays.create_array(directory, name, (n, *template[0]), np.dtype(template[1]))
-    writer = _RowWriter(array, directory, name, values, record, failures, on_chunk,
-                        done=start if checkpoint is not None else 0)
+    if first_result is not None:
+        array[start] = first_result  # the rows before the first success all failed
+        start += 1
+    progress_file = _Checkpointer(array, directory, name, on_chunk, done=start,
+                                  earlier=failures)
     bar = _progress_bar(n, progress, description)
     try:
-        if first_result is not None:
-            writer.advance(start)  # the rows before the first success all failed
-            writer.put(start, first_result)
-            start += 1
         bar.update(start)
-        window = 4 * max(1, workers)
-        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cachekit")
-        try:
-            in_flight: deque[tuple[int, Future]] = deque()
-            for row in range(start, n):
-                in_flight.append((row, pool.submit(row_fn, values[row])))
-                if len(in_flight) >= window:
-                    writer.take(*in_flight.popleft())
-                    bar.update(1)
-            while in_flight:
-                writer.take(*in_flight.popleft())
-                bar.update(1)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        arrays.flush(array)
+        # Chunks end on multiples of CHUNK_ROWS, the only places a checkpoint may name.
+        bounds = [start, *range((start // CHUNK_ROWS + 1) * CHUNK_ROWS, n, CHUNK_ROWS), n]
+        chunks = [_Chunk(i, a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if a < b]
+        for chunk, chunk_failures in runner.run(chunks, values, array):
+            progress_file.done_chunk(chunk, chunk_failures)
+            bar.update(chunk.stop - chunk.start)
+        progress_file.finish()
     finally:
         bar.close()
-    return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
+    failures.extend(progress_file.failures)
+    return Filled(shape=array.shape, dtype=array.dtype, failures=sorted(failures))
 
 
 def _fits(checkpoint: Checkpoint, n: int, template: Any) -> bool:
@@ -182,82 +189,52 @@ def _fits(checkpoint: Checkpoint, n: int, template: Any) -> bool:
                                 and np.dtype(template[1]) == checkpoint.dtype)
 
 
-class _RowWriter:
-    """Checks each finished row and writes it into the memmap, in row order."""
+class _Checkpointer:
+    """Turns chunks completed in any order into a checkpoint of the done prefix of rows."""
 
-    def __init__(self, array, directory, name, values, record, failures, on_chunk,
-                 done) -> None:
+    def __init__(self, array, directory, name, on_chunk, done, earlier) -> None:
         self.array = array
         self.directory = directory
         self.name = name
-        self.values = values
-        self.record = record
-        self.failures = failures
         self.on_chunk = on_chunk
-        self.done = done
+        self.done = done  # rows [0, done) are on disk and named by the checkpoint
+        self.waiting: dict[int, tuple[int, list[Failure]]] = {}  # start -> (stop, failures)
+        self.earlier: list[Failure] = earlier  # of rows before ``done`` at the start
+        self.failures: list[Failure] = []  # of the rows this fill computed, in the prefix
 
-    def take(self, row: int, future: Future) -> None:
-        try:
-            result = future.result()
-        except Exception as exc:
-            if not self.record(exc):
-                raise
-            self.failures.append((row, str(self.values[row]), _reason(exc)))
-            self.advance(1)
-        else:
-            self.put(row, result)
-
-    def put(self, row: int, result: Any) -> None:
-        result = _as_array(result)
-        expected = self.array.shape[1:], self.array.dtype
-        if (result.shape, result.dtype) != expected:
-            raise ValueError(
-                f"row {row} gave shape {result.shape} dtype {result.dtype}, but earlier rows "
-                f"gave shape {expected[0]} dtype {expected[1]}; every row must have one shape"
-            )
-        self.array[row] = result
-        self.advance(1)
-
-    def advance(self, rows: int) -> None:
-        before, self.done = self.done, self.done + rows
-        total = len(self.array)
-        if rows and (before // CHUNK_ROWS != self.done // CHUNK_ROWS or self.done == total):
+    def done_chunk(self, chunk: _Chunk, failures: list[Failure]) -> None:
+        self.waiting[chunk.start] = (chunk.stop, failures)
+        before = self.done
+        while self.done in self.waiting:
+            self.done, chunk_failures = self.waiting.pop(self.done)
+            self.failures.extend(chunk_failures)
+        if self.done != before:
             arrays.flush(self.array)  # msync: the rows are on disk before a checkpoint names them
             self.checkpoint()
             if self.on_chunk is not None:
-                self.on_chunk(self.done, total)
+                self.on_chunk(self.done, len(self.array))
+
+    def finish(self) -> None:
+        arrays.flush(self.array)
 
     def checkpoint(self) -> None:
         # Not fsynced: a checkpoint lost in a power cut only makes a resume redo rows.
         self.directory.replace_json(checkpoint_name(self.name), {
             "format": _CHECKPOINT_FORMAT, "done": self.done, "shape": list(self.array.shape),
-            "dtype": self.array.dtype.str, "failures": [list(f) for f in self.failures],
+            "dtype": self.array.dtype.str, "failures": [list(f) for f in sorted(self.earlier + self.failures)],
         })
 
 
-def _first_success(values, row_fn, record, failures) -> tuple[int, np.ndarray]:
+def _first_success(values, task: executors.RowTask, failures) -> tuple[int, np.ndarray]:
     """Run rows in order until one succeeds; its shape and dtype fix the array's."""
     for row, value in enumerate(values):
         try:
-            return row, _as_array(row_fn(value))
+            return row, executors.as_array(task.row_fn(value))
         except Exception as exc:
-            if not record(exc):
+            if not task.record_failures or isinstance(exc, NotAnArrayError):
                 raise
-            failures.append((row, str(value), _reason(exc)))
+            failures.append((row, str(value), executors.reason(exc)))
     raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
-
-
-def _as_array(result: Any) -> np.ndarray:
-    """Accept numpy arrays and torch tensors (or anything numpy can view) as a row."""
-    if isinstance(result, np.ndarray):
-        return result
-    if hasattr(result, "detach") and hasattr(result, "cpu"):
-        return result.detach().cpu().numpy()
-    return np.asarray(result)
-
-
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc) or repr(exc)}"
 
 
 class _NoBar:

@@ -227,14 +227,14 @@ def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(build, "CHUNK_ROWS", chunk), \
             _fs.DirHandle.open(tmp) as directory:
         straight = build.fill(directory, "straight.npy", list(range(n)), row,
-                              workers=workers, record=lambda exc: True, template=template)
+                              workers=workers, record_failures=True, template=template)
         out = Path(tmp) / "resumed.npy"
         with pytest.raises(Stop):
             build.fill(directory, out.name, list(range(n)), lambda v: row(v, stop),
-                       workers=workers, record=lambda exc: True, template=template)
+                       workers=workers, record_failures=True, template=template)
         computed.clear()
         resumed = build.fill(directory, out.name, list(range(n)), row, workers=workers,
-                             record=lambda exc: True, template=template)
+                             record_failures=True, template=template)
         kept = stop // chunk * chunk
         starts = (kept,) if with_template else (0, kept)
         assert any(sorted(computed) == [v for v in range(start, n) if v not in bad]
