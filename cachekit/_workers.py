@@ -105,9 +105,9 @@ class WorkerPool(Executor):
                     if process is None:
                         process = self._start()
                     ok, value = _call(process, (fn, args, kwargs))
-                except _WorkerDied as died:
+                except BrokenProcessPool as died:
                     self._break(str(died))
-                    future.set_exception(BrokenProcessPool(str(died)))
+                    future.set_exception(died)
                     continue
                 except BaseException as exc:  # noqa: B036 - our side failed to send it
                     future.set_exception(exc)
@@ -135,17 +135,13 @@ class WorkerPool(Executor):
             self._cancel_queued()
 
 
-class _WorkerDied(Exception):
-    pass
-
-
 def _call(process: subprocess.Popen, message: Any) -> tuple[bool, Any]:
     try:
         _send(process.stdin, message)
         return _receive(process.stdout)
     except (EOFError, BrokenPipeError, struct.error) as exc:
         code = process.wait()
-        raise _WorkerDied(f"a cachekit worker process exited with code {code} while "
+        raise BrokenProcessPool(f"a cachekit worker process exited with code {code} while "
                           f"computing rows ({type(exc).__name__}); see its stderr above") from None
 
 

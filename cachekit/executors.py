@@ -48,6 +48,12 @@ a future's hand-off (tens of microseconds) is lost in the rows' decoding."""
 REMOTE_PIECE_ROWS = 256
 """Largest piece sent to another process: its pickling and transfer (about a millisecond on
 a process pool, several on a Dask cluster) must be small against its rows' work."""
+REMOTE_PIECE_BYTES = 8 << 20
+"""...and its rows, pickled back, at most this many bytes (large rows, many workers: the
+pieces in flight stay a few hundred MB at most)."""
+PROCESSES_FROM_ROWS = 4096
+"""The default rule's threshold: builds of at least this many rows, with 2 or more workers,
+run on processes. See :func:`default_executor`."""
 PIECES_PER_WORKER = 2
 """Pieces in flight per worker: one running and one queued, so no worker waits for the
 builder between pieces."""
@@ -201,10 +207,14 @@ class _PieceRunner(ChunkRunner):
         if self.owned:
             self.executor.shutdown(wait=True, cancel_futures=True)
 
-    def _pieces(self, chunks: Iterable[ChunkLike]) -> Iterator[tuple[_ChunkState, int, int]]:
+    def _pieces(self, chunks: Iterable[ChunkLike], row_bytes: int
+                ) -> Iterator[tuple[_ChunkState, int, int]]:
+        largest = self.max_piece
+        if not self.in_place:
+            largest = min(largest, max(1, REMOTE_PIECE_BYTES // max(1, row_bytes)))
         for chunk in chunks:
             rows = chunk.stop - chunk.start
-            size = max(1, min(self.max_piece, math.ceil(rows / (2 * self.parallelism))))
+            size = max(1, min(largest, math.ceil(rows / (2 * self.parallelism))))
             state = _ChunkState(chunk, pieces_left=math.ceil(rows / size))
             if rows == 0:
                 yield state, chunk.start, chunk.stop
@@ -221,7 +231,7 @@ class _PieceRunner(ChunkRunner):
     def run(self, chunks: Iterable[ChunkLike], values: Sequence[Any], out: np.ndarray
             ) -> Iterator[tuple[ChunkLike, list[Failure]]]:
         out = _plain(out)
-        pieces = self._pieces(chunks)
+        pieces = self._pieces(chunks, out[:1].nbytes)
         pending: dict[Future, tuple[_ChunkState, int, int]] = {}
         limit = PIECES_PER_WORKER * self.parallelism
         error: Optional[BaseException] = None
@@ -295,10 +305,23 @@ def _plain(out: np.ndarray) -> np.ndarray:
 def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) -> str:
     """The executor ``executor=None`` stands for: "threads" or "processes".
 
-    Rule (measured: docs/build-engine.md, benchmarks/bench_engine.py): threads, which share
-    the output memmap and start at once.
+    Processes when all of: 2 or more workers; at least PROCESSES_FROM_ROWS rows to compute
+    (``rows`` None: unknown, so no); and a row function that cachekit's worker processes can
+    load (it pickles and needs nothing from the main script). Threads otherwise.
+
+    Why (benchmarks/bench_engine.py; numbers in docs/build-engine.md): 16% of a cover's
+    decode holds the GIL (66% for 64x48 images), so Amdahl's law caps threads at 1.7x on 2
+    cores, 4.6x on 16 and 5.6x on 64, where processes scale with the cores; but a worker
+    process costs about 0.6 s to start (numpy, Pillow, cachekit), which a build of a few
+    thousand rows does not earn back: threads start at once and write in place.
     """
-    return "threads"
+    if workers < 2 or rows is None or rows < PROCESSES_FROM_ROWS:
+        return "threads"
+    try:
+        check_picklable(task, "processes")
+    except TypeError:
+        return "threads"  # a lambda or a function of the main script: threads can run it
+    return "processes"
 
 
 def make_runner(executor: ExecutorSpec, workers: int, task: RowTask, *,

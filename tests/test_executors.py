@@ -85,6 +85,17 @@ class CountedRow:
         return np.array([value], dtype=np.int64)
 
 
+def pid_row(value: int) -> np.ndarray:
+    """Logs the process that computed each row to $PID_LOG (workers inherit it)."""
+    with open(os.environ["PID_LOG"], "a", encoding="utf-8") as f:
+        f.write(f"{os.getpid()} {value}\n")
+    return np.array([value], dtype=np.int64)
+
+
+def pids(log: Path) -> set[int]:
+    return {int(line.split()[0]) for line in log.read_text(encoding="utf-8").splitlines()}
+
+
 def counted(log: Path) -> list[int]:
     if not log.exists():
         return []
@@ -328,10 +339,29 @@ def test_cache_validates_the_executor(tmp_path):
     assert cachekit.Cache(tmp_path).executor is None
 
 
-def test_default_rule_names_a_kind():
+def test_the_default_rule():
+    big = executors.PROCESSES_FROM_ROWS
     task = RowTask(square_row, False)
-    assert executors.default_executor(1, task, 10) in executors.KINDS
-    assert executors.default_executor(64, task, 1_000_000) in executors.KINDS
+    assert executors.default_executor(2, task, big) == "processes"
+    assert executors.default_executor(64, task, 10 * big) == "processes"
+    assert executors.default_executor(1, task, 10 * big) == "threads"  # one worker
+    assert executors.default_executor(8, task, big - 1) == "threads"  # start-up not earned
+    assert executors.default_executor(8, task, None) == "threads"  # size unknown
+    unpicklable = RowTask(lambda v: v, False)
+    assert executors.default_executor(8, unpicklable, 10 * big) == "threads"
+
+
+def test_a_large_default_build_runs_on_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(executors, "PROCESSES_FROM_ROWS", 40)
+    monkeypatch.setenv("PID_LOG", str(tmp_path / "big.log"))
+    entry = cachekit.Cache(tmp_path / "cache", workers=2, progress=False).map(
+        pid_row, pd.Series(range(60)))
+    assert entry.array[:, 0].tolist() == list(range(60))
+    # The first row (it fixes the row shape) here, the rest in worker processes.
+    assert os.getpid() in pids(tmp_path / "big.log") and len(pids(tmp_path / "big.log")) >= 2
+    monkeypatch.setenv("PID_LOG", str(tmp_path / "small.log"))
+    cachekit.Cache(tmp_path / "cache", workers=2, progress=False).map(pid_row, pd.Series(range(30)))
+    assert pids(tmp_path / "small.log") == {os.getpid()}  # a small build stays on threads
 
 
 def test_cli_build_takes_an_executor(tmp_path, cover_paths):
