@@ -1,8 +1,8 @@
 """Decode, orient, convert and resize one image file: pure ``path -> ndarray`` functions.
 
-The build code calls :func:`load_image` once per row, in threads, so everything here is
-stateless and thread-safe: no global Pillow settings are changed and no warning filters are
-touched.  Argument values are validated by the caller.
+The build code calls :func:`load_image` once per row, in threads or worker processes, so
+everything here is stateless and thread-safe: no global Pillow settings are changed and no
+warning filters are touched.  Argument values are validated by the caller.
 """
 
 from __future__ import annotations

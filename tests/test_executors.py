@@ -108,8 +108,10 @@ def counted(log: Path) -> list[int]:
 def dask_executor() -> Iterator[Executor]:
     """``client.get_executor()`` of a LocalCluster: 2 worker processes on 127.0.0.1."""
     distributed = pytest.importorskip("distributed")
+    # dashboard_address=None would still bind the dashboard on 0.0.0.0:8787, and warn (an
+    # error here) when another cluster on this machine holds that port: a free loopback port.
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       host="127.0.0.1", dashboard_address=None)
+                                       host="127.0.0.1", dashboard_address="127.0.0.1:0")
     client = distributed.Client(cluster)
     try:
         yield client.get_executor()
