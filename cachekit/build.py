@@ -6,8 +6,9 @@ few pieces per worker in flight, so peak memory does not grow with the number of
 
 A fill is resumable: once a chunk and every chunk before it are in the memmap, it is flushed
 (msync) and only then a checkpoint next to the file records how many rows are done, so a
-checkpoint never claims rows that are not on disk. A later fill of the same rows into the same file continues from
-there. publish.py decides whether a dead builder's file may be reused at all.
+checkpoint never claims rows that are not on disk. A later fill of the same rows into the
+same file continues from there. publish.py decides whether a dead builder's file may be
+reused at all.
 """
 
 from __future__ import annotations
@@ -219,9 +220,10 @@ class _Checkpointer:
 
     def checkpoint(self) -> None:
         # Not fsynced: a checkpoint lost in a power cut only makes a resume redo rows.
+        failures = sorted(self.earlier + self.failures)
         self.directory.replace_json(checkpoint_name(self.name), {
             "format": _CHECKPOINT_FORMAT, "done": self.done, "shape": list(self.array.shape),
-            "dtype": self.array.dtype.str, "failures": [list(f) for f in sorted(self.earlier + self.failures)],
+            "dtype": self.array.dtype.str, "failures": [list(f) for f in failures],
         })
 
 

@@ -105,8 +105,9 @@ class Cache:
         results to (N, ...).
 
         The first result fixes the row shape and dtype. For executor="processes" or an
-        Executor instance, ``fn`` must pickle (a module-level function, not a lambda). The key covers ``fn``'s module,
-        qualified name and source, ``version``, and the values in order. With
+        Executor instance, ``fn`` must pickle (a module-level function, not a lambda). The
+        key covers ``fn``'s module, qualified name and source, ``version``, and the values
+        in order. With
         ``on_error="raise"`` an exception from ``fn`` propagates unchanged and nothing is
         published; with ``"zero"`` the row is stored as zeros and marked invalid.
         """
