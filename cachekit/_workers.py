@@ -6,7 +6,7 @@ script imports torch at the top, so each pool paid 6-18 s before its first row h
 (2 workers, 2 loaded cores), and a script without an ``if __name__ == "__main__":`` guard
 would run its own training, or its own ``cache.images`` call, in every worker. These workers
 are fresh interpreters that import only cachekit and what the pickled task names (about
-0.6 s), and never the main script; a function defined in the main script therefore cannot
+0.2-0.7 s), and never the main script; a function defined in the main script therefore cannot
 run here, which :func:`main_references` lets the caller say before any work starts.
 
 Protocol: length-prefixed pickles over the worker's stdin and stdout. The worker's own

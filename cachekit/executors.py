@@ -312,7 +312,7 @@ def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) ->
     Why (benchmarks/bench_engine.py; numbers in docs/build-engine.md): 16% of a cover's
     decode holds the GIL (66% for 64x48 images), so Amdahl's law caps threads at 1.7x on 2
     cores, 4.6x on 16 and 5.6x on 64, where processes scale with the cores; but a worker
-    process costs about 0.6 s to start (numpy, Pillow, cachekit), which a build of a few
+    process costs 0.2-0.7 s to start (numpy, Pillow, cachekit), which a build of a few
     thousand rows does not earn back: threads start at once and write in place.
     """
     if workers < 2 or rows is None or rows < PROCESSES_FROM_ROWS:
