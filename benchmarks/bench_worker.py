@@ -112,10 +112,10 @@ def read_column(paths_file: str, dtype: str = "object"):
     return pd.Series(paths, name="img_path", dtype=object if dtype == "object" else "str")
 
 
-def cachekit_cache(root: str, workers: int = 2):
+def cachekit_cache(root: str, workers: int = 2, executor: Any = None):
     import cachekit
 
-    return cachekit.Cache(root, workers=workers, progress=False)
+    return cachekit.Cache(root, workers=workers, executor=executor, progress=False)
 
 
 # --- roles -------------------------------------------------------------------------------
@@ -210,7 +210,9 @@ def role_fixture(a: dict[str, Any]) -> dict[str, Any]:
         from cachekit import images
 
         images.load_image = lambda *args, **kwargs: np.zeros((3, 32, 32), dtype=np.uint8)
-        keys = {cachekit_cache(a["store"]).images(column, 32).key for column in columns}
+        # threads: the patched load_image above lives in this process only
+        keys = {cachekit_cache(a["store"], executor="threads").images(column, 32).key
+                for column in columns}
         assert len(keys) == 1, "object and str columns must share one key"
     else:
         raise ValueError(f"unknown contestant {who!r}")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _fs, arrays, plan as plans
-from ._threads_runner import RowTask, make_runner  # cachekit.executors once it is merged
+from .executors import RowTask, make_runner, usable_cpus  # noqa: F401 (re-exported)
 from .errors import Failure, NotAnArrayError, failure_reason
 from .journal import BuildGone, Claim, Journal, journal_name
 from .plan import Chunk, Plan
@@ -68,13 +68,6 @@ class Progress:
     def rows_done(self) -> int:
         chunks = self.plan.chunks
         return sum(chunks[i].rows for i in self.done)
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def read_progress(directory: _fs.DirHandle, name: str) -> Optional[Progress]:
@@ -124,7 +117,7 @@ def fill(
     """
     n = len(values)
     task = RowTask(row_fn, record)
-    runner = make_runner(executor, workers, task)  # first: it refuses what cannot run there
+    runner = make_runner(executor, workers, task, rows=n)  # first: it refuses what cannot run
     try:
         started = _resumed(directory, name, n, template, key) if resume else None
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
@@ -173,7 +166,7 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
             array = _open_planned(directory, name, planned)
         except (OSError, ValueError):
             return None
-        runner = _LazyRunner(executor, workers, RowTask(row_fn, record))
+        runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
         filled = rows = 0
         try:
             for chunk in _run_claimed(journal, array, values, runner):
@@ -290,13 +283,14 @@ class _LazyRunner:
     """The chunk runner of a joiner, made only once it has claimed a chunk (a joiner looks
     for free chunks every few tens of milliseconds, and a process pool is costly to start)."""
 
-    def __init__(self, executor: Any, workers: int, task: RowTask) -> None:
+    def __init__(self, executor: Any, workers: int, task: RowTask, rows: int) -> None:
         self.args = (executor, workers, task)
+        self.rows = rows
         self.runner: Any = None
 
     def __call__(self) -> Any:
         if self.runner is None:
-            self.runner = make_runner(*self.args)
+            self.runner = make_runner(*self.args, rows=self.rows)
         return self.runner
 
     def close(self) -> None:

@@ -15,10 +15,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _fs, _wandb, build, keys, options, publish
+from . import _fs, _wandb, build, executors, keys, options, publish
 from .entry import Entry
 from .manifest import DATA_FILE, FORMAT_VERSION
-from .errors import ImageDecodeError, NotAnArrayError
+from .errors import ImageDecodeError
+from .rows import ArrayRow, ImageRow
 from .stores import Build, LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -31,15 +32,17 @@ class Cache:
     ~/.cache/cachekit. ``remote``: an fsspec URL of a remote tier shared by several hosts
     (``"s3://bucket/prefix"``; None: $CACHEKIT_REMOTE; "" or unset: local only), see
     docs/object-stores.md. ``lock_timeout``: seconds to wait for another process's build (None
-    waits forever). ``workers``: parallel rows in a build (None: usable CPUs). ``join``: a
-    process that finds a live build of its key (this host, or another host of a shared
-    root) fills chunks nobody holds instead of only waiting. ``progress``: show bars (None:
-    only when stderr is a terminal).
+    waits forever). ``workers``: parallel rows in a build (None: usable CPUs).
+    ``executor``: where a build's rows run: None (cachekit's rule), "threads", "processes",
+    or a concurrent.futures.Executor such as dask's ``client.get_executor()`` (see
+    docs/build-engine.md). ``join``: a process that finds a live build of its key (this
+    host, or another host of a shared root) fills chunks nobody holds instead of only
+    waiting. ``progress``: show bars (None: only when stderr is a terminal).
     """
 
     def __init__(self, root: Optional[PathLike] = None, *, remote: Optional[str] = None,
                  lock_timeout: Optional[float] = None, workers: Optional[int] = None,
-                 join: bool = True,
+                 executor: Any = None, join: bool = True,
                  progress: Optional[bool] = None) -> None:
         if lock_timeout is not None and (
             isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
@@ -52,12 +55,14 @@ class Cache:
             raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
         if not isinstance(join, bool):
             raise TypeError(f"join must be True or False, not {join!r}")
+        executors.check_executor(executor)
         if progress not in (True, False, None):
             raise ValueError(f"progress must be True, False or None, not {progress!r}")
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
         self.join = join
         self.workers = workers if workers is not None else build.usable_cpus()
+        self.executor = executor
         self.progress = progress
         self._store = LocalStore(self.root)
         self.remote, self._remote = _remote_tier(remote)
@@ -97,11 +102,7 @@ class Cache:
             material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
                                                          self.workers)
 
-        def row(path: str) -> np.ndarray:
-            from . import images  # Pillow is imported only when a build decodes
-
-            return images.load_image(path, (height, width), mode, fit, resample, draft)
-
+        row = ImageRow((height, width), mode, fit, resample, draft)
         channels = options.MODES[mode]
         return self._rows("images", paths, row, params, material,
                           template=((channels, height, width), np.dtype(np.uint8)),
@@ -109,10 +110,13 @@ class Cache:
 
     def map(self, fn: Callable[[Any], Any], values: Any, *,
             version: Optional[Union[str, int]] = None, on_error: str = "raise") -> Entry:
-        """Run ``fn`` on every value (in parallel threads) and stack the results to (N, ...).
+        """Run ``fn`` on every value (in parallel, on the cache's executor) and stack the
+        results to (N, ...).
 
-        The first result fixes the row shape and dtype. The key covers ``fn``'s module,
-        qualified name and source, ``version``, and the values in order. With
+        The first result fixes the row shape and dtype. For executor="processes" or an
+        Executor instance, ``fn`` must pickle (a module-level function, not a lambda). The
+        key covers ``fn``'s module, qualified name and source, ``version``, and the values
+        in order. With
         ``on_error="raise"`` an exception from ``fn`` propagates unchanged and nothing is
         published; with ``"zero"`` the row is stored as zeros and marked invalid.
         """
@@ -120,7 +124,7 @@ class Cache:
         _choose("on_error", on_error, options.ON_ERROR)
         params = {"function": keys.function_identity(fn, version), "on_error": on_error}
         material: dict[str, Any] = {"column": keys.column_material(column)}
-        return self._rows("map", column, _array_rows(fn), params, material, template=None,
+        return self._rows("map", column, ArrayRow(fn), params, material, template=None,
                           collect_errors=False, on_error=on_error)
 
     def memoize(self, fn: Optional[Callable[..., Any]] = None, *,
@@ -168,7 +172,7 @@ class Cache:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
             filled = build.fill(current.dir, DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record, key=key,
-                                template=template, on_chunk=on_chunk,
+                                executor=self.executor, template=template, on_chunk=on_chunk,
                                 progress=self._show_progress(), description=f"cachekit {kind}")
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures)
@@ -184,7 +188,8 @@ class Cache:
             if not values:
                 values.append(column.to_numpy(dtype=object))
             return build.join(directory, DATA_FILE, values[0], row_fn, workers=self.workers,
-                              record=record, template=template, key=key)
+                              record=record, template=template, key=key,
+                              executor=self.executor)
 
         return self._obtain(key, build_entry, lambda outcome: Entry(
             outcome.entry.path, outcome.entry.manifest, source=outcome.source,
@@ -251,23 +256,6 @@ def _decoders() -> dict[str, Any]:
     from .images import decoder_versions
 
     return {"decoders": decoder_versions()}
-
-
-def _array_rows(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Wrap ``fn`` so a row that is not a plain-dtype array or tensor fails with a clear error."""
-
-    def row(value: Any) -> Any:
-        result = fn(value)
-        torch = sys.modules.get("torch")
-        if isinstance(result, (np.ndarray, np.generic)) and not result.dtype.hasobject:
-            return result
-        if torch is not None and isinstance(result, torch.Tensor):
-            return result
-        raise NotAnArrayError(f"map: {getattr(fn, '__qualname__', fn)} returned "
-                         f"{type(result).__qualname__} {str(result)[:80]} for {value!r}; it must "
-                         "return a numpy array (not of Python objects) or a torch tensor")
-
-    return row
 
 
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:

@@ -164,7 +164,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=tuple(options.MODES), default="RGB")
     p.add_argument("--fit", choices=options.FITS, default="stretch")
     p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
-    p.add_argument("--workers", type=positive, default=None, help="decode threads (default: CPUs)")
+    p.add_argument("--workers", type=positive, default=None,
+                   help="parallel decode workers (default: CPUs)")
+    p.add_argument("--executor", choices=("threads", "processes"), default=None,
+                   help="where rows are decoded (default: cachekit's rule, see "
+                        "docs/build-engine.md)")
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
     p.add_argument("--validate", choices=options.VALIDATE, default="path")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
@@ -418,7 +422,8 @@ def _build(args: argparse.Namespace) -> int:
     if args.column not in frame.columns:
         raise UsageError(f"{args.csv} has no column {args.column!r}; its columns are "
                          f"{', '.join(map(str, frame.columns))}")
-    cache = Cache(_layout(args).root, remote=args.remote_url, workers=args.workers)
+    cache = Cache(_layout(args).root, remote=args.remote_url, workers=args.workers,
+                  executor=args.executor)
     height, width = args.size
     _say(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
          f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)

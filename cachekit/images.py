@@ -1,8 +1,8 @@
 """Decode, orient, convert and resize one image file: pure ``path -> ndarray`` functions.
 
-The build code calls :func:`load_image` once per row, in threads, so everything here is
-stateless and thread-safe: no global Pillow settings are changed and no warning filters are
-touched.  Argument values are validated by the caller.
+The build code calls :func:`load_image` once per row, in threads or worker processes, so
+everything here is stateless and thread-safe: no global Pillow settings are changed and no
+warning filters are touched.  Argument values are validated by the caller.
 """
 
 from __future__ import annotations
@@ -22,6 +22,16 @@ RESAMPLES: dict[str, Image.Resampling] = {
     name: Image.Resampling[name.upper()] for name in RESAMPLE_NAMES
 }
 
+_ORIENTATION = ExifTags.Base.Orientation
+_TRANSPOSITIONS: dict[int, Image.Transpose] = {  # as in ImageOps.exif_transpose
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 # EXIF orientations 5-8 swap width and height (transpose, rotate 90/270, transverse).
 _SWAPS_AXES = frozenset({5, 6, 7, 8})
 
@@ -65,14 +75,18 @@ def load_image(
     height, width = size
     # A FIFO or device path would block or never end: only regular files are opened.
     with _fs.open_regular(path, follow_symlinks=True) as f, Image.open(f) as im:
-        orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
         if draft:
+            orientation = im.getexif().get(_ORIENTATION, 1)
             im.draft(None, _draft_request(im.size, (width, height), fit, orientation))
         im.load()
-        ImageOps.exif_transpose(im, in_place=True)
+        # After load(): some formats (PNG eXIf after the pixels) only then have their EXIF.
+        # The same transposition as ImageOps.exif_transpose, without its rewriting of the
+        # EXIF bytes, which nothing here reads again.
+        method = _TRANSPOSITIONS.get(im.getexif().get(_ORIENTATION, 1))
         # Everything stays inside `with`: _convert may return `im` itself, and a closed
         # image is not guaranteed to keep its pixels.
-        converted = _convert(im, mode)
+        oriented = im if method is None else im.transpose(method)
+        converted = _convert(oriented, mode)
         filt = RESAMPLES[resample]
         if fit == "stretch":
             return _chw(np.asarray(converted.resize((width, height), filt)))

@@ -79,3 +79,22 @@ def test_a_replot_fills_the_generated_parts_and_keeps_the_prose(tmp_path: Path) 
     assert front.startswith("intro\n") and front.endswith("links\n") and "OLD-BLOCK" not in front
     assert "![benchmark chart](docs/benchmarks.png)" in front and "| budget" in front
     assert "range (runs)" not in front  # the full tables stay on the docs page
+
+
+def test_the_engine_benchmark_prints_every_ratio(tmp_path: Path, monkeypatch) -> None:
+    # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    engine = importlib.import_module("bench_engine")
+    result = engine.main(["--covers", "6", "--rounds", "1", "--json", str(tmp_path / "e.json")])
+    text = result["table"]
+    for figure in ("exact 1 worker / seed loop", "exact 1 worker / bare Pillow loop",
+                   "exact 2 workers / 1 worker (threads)", "processes / threads, 2 workers",
+                   "CPU per image, default build / bare loop"):
+        assert f"| {figure} |" in text
+    installed = {name: importlib.util.find_spec(module) is not None for name, module in
+                 (("datasets", "datasets"), ("OpenCV", "cv2"), ("Dask", "distributed"))}
+    assert ("| default build / datasets map |" in text) == installed["datasets"]
+    assert ("| Dask 2 workers / 1 worker |" in text) == installed["Dask"]
+    assert all(len(runs) == 1 and runs[0][0] > 0 for runs in result["runs"].values())
+    assert 0 <= result["gil"]["covers"]["gil"] <= 1
+    assert (tmp_path / "e.json").exists()

@@ -1,0 +1,243 @@
+"""A pool of clean worker processes: the ``executor="processes"`` of cachekit.executors.
+
+Why not ``ProcessPoolExecutor``: with spawn or forkserver (fork is ruled out, the builder has
+threads) every worker first re-runs the user's main script as ``__mp_main__``. A training
+script imports torch at the top, so each pool paid 6-18 s before its first row here
+(2 workers, 2 loaded cores), and a script without an ``if __name__ == "__main__":`` guard
+would run its own training, or its own ``cache.images`` call, in every worker. These workers
+are fresh interpreters that import only cachekit and what the pickled task names (about
+0.2-0.7 s), and never the main script; a function defined in the main script therefore cannot
+run here, which :func:`main_references` lets the caller say before any work starts.
+
+Protocol: length-prefixed pickles over the worker's stdin and stdout. The worker's own
+stdout is moved to stderr, so a print in a row function cannot corrupt the channel, and it
+exits when its stdin closes, so it never outlives the builder.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+import types
+from concurrent.futures import Executor, Future
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Optional
+
+_HEADER = struct.Struct("<Q")
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from cachekit._workers import serve; serve()")
+
+
+class WorkerPool(Executor):
+    """``workers`` fresh interpreters; each runs one submitted call at a time."""
+
+    def __init__(self, workers: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._shutdown = False
+        self._broken: Optional[str] = None
+        self._processes: list[subprocess.Popen] = []
+        self._threads = [threading.Thread(target=self._feed, name=f"cachekit-worker-{i}",
+                                          daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        with self._lock:
+            if self._broken is not None:
+                raise BrokenProcessPool(self._broken)
+            if self._shutdown:
+                raise RuntimeError("cannot submit to a WorkerPool after shutdown")
+            future: Future = Future()
+            self._queue.put((future, fn, args, kwargs))
+            return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if not self._shutdown:
+                self._shutdown = True
+                if cancel_futures:
+                    self._cancel_queued()
+                for _ in self._threads:
+                    self._queue.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _cancel_queued(self) -> None:
+        pending = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                pending.append(item)
+            elif item[0].cancel():
+                item[0].set_running_or_notify_cancel()  # what tells wait() it is over
+        for item in pending:
+            self._queue.put(item)
+
+    def _feed(self) -> None:
+        """One worker process: start it, then hand it calls one by one until the sentinel."""
+        process = None
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                future, fn, args, kwargs = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                if self._broken is not None:
+                    future.set_exception(BrokenProcessPool(self._broken))
+                    continue
+                try:
+                    if process is None:
+                        process = self._start()
+                    ok, value = _call(process, (fn, args, kwargs))
+                except BrokenProcessPool as died:
+                    self._break(str(died))
+                    future.set_exception(died)
+                    continue
+                except BaseException as exc:  # noqa: B036 - our side failed to send it
+                    future.set_exception(exc)
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+        finally:
+            if process is not None:
+                _stop(process)
+
+    def _start(self) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", _BOOT, _PACKAGE_PARENT],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        with self._lock:
+            self._processes.append(process)
+        _send(process.stdin, list(sys.path))  # the builder's imports resolve the same way
+        return process
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = why
+            self._cancel_queued()
+
+
+def _call(process: subprocess.Popen, message: Any) -> tuple[bool, Any]:
+    try:
+        _send(process.stdin, message)
+        return _receive(process.stdout)
+    except (EOFError, BrokenPipeError, struct.error) as exc:
+        code = process.wait()
+        raise BrokenProcessPool(f"a cachekit worker process exited with code {code} while "
+                          f"computing rows ({type(exc).__name__}); see its stderr above") from None
+
+
+def _stop(process: subprocess.Popen) -> None:
+    try:
+        process.stdin.close()  # the worker exits at end of input
+    except OSError:
+        pass
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.stdout.close()
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    return pickle.loads(_receive_bytes(stream))
+
+
+def _receive_bytes(stream: BinaryIO) -> bytes:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("worker channel closed")
+    size = _HEADER.unpack(header)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("worker channel closed mid-message")
+    return data
+
+
+def serve() -> None:
+    """The worker's loop: read a call, run it, send back (True, result) or (False, error)."""
+    channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints go to stderr, not the channel
+    channel_in = sys.stdin.buffer
+    try:
+        sys.path[:] = pickle.loads(_receive_bytes(channel_in))
+        while True:
+            try:
+                message = _receive_bytes(channel_in)
+            except EOFError:
+                return
+            try:
+                fn, args, kwargs = pickle.loads(message)  # may import the user's modules
+                reply = (True, fn(*args, **kwargs))
+            except Exception as exc:
+                reply = (False, _portable(exc))
+            data = _dumps_reply(reply)
+            channel_out.write(_HEADER.pack(len(data)))
+            channel_out.write(data)
+            channel_out.flush()
+    except (KeyboardInterrupt, BrokenPipeError):  # the builder was interrupted or has gone
+        return
+
+
+def _portable(exc: Exception) -> Exception:
+    """The exception itself when it pickles (so the builder re-raises it unchanged), with the
+    worker's traceback as a note; otherwise a RuntimeError that says what it was."""
+    remote = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in a cachekit worker process:\n{remote}")
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc} (raised in a cachekit worker "
+                            f"process, and it cannot be pickled)\n{remote}")
+    return exc
+
+
+def _dumps_reply(reply: tuple[bool, Any]) -> bytes:
+    try:
+        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        return pickle.dumps((False, RuntimeError(
+            f"a row result could not be pickled back to the builder: {exc!r}")))
+
+
+def main_references(obj: Any) -> list[str]:
+    """Names of the main script's globals that pickling ``obj`` refers to: a worker that does
+    not run the main script cannot load them."""
+    found: list[str] = []
+
+    class Finder(pickle._Pickler):  # the Python pickler: each object it saves is seen
+        def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+            if (isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType))
+                    and getattr(obj, "__module__", None) == "__main__"):
+                found.append(f"__main__.{getattr(obj, '__qualname__', obj)}")
+            super().save(obj, save_persistent_id)
+
+    Finder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return found

@@ -1,0 +1,405 @@
+"""Run a build's chunks of rows on threads, on processes, or on any concurrent.futures.Executor.
+
+The build engine decides the chunks (which rows, in what order, what is already done); a
+:class:`ChunkRunner` only computes them into the output array and says when each chunk is
+complete. Three kinds, one contract (:meth:`ChunkRunner.run`):
+
+- ``"threads"``: the rows of a chunk run in a thread pool and are written in place into the
+  output memmap; Pillow releases the GIL while it decodes and resizes. One worker runs the
+  rows in the calling thread: a pool of one only adds hand-offs.
+- ``"processes"``: a pool of fresh worker interpreters this runner owns
+  (:mod:`cachekit._workers`): never ``fork`` (the builder has threads, whose locks a forked
+  child would inherit mid-use), and, unlike spawn or forkserver pools, the workers never
+  re-run the user's main script. Rows come back as arrays and are copied into the output.
+- an Executor instance of the user (a process pool, loky, Dask's ``client.get_executor()``):
+  pieces of chunks are submitted to it, their rows come back as arrays and are copied into
+  the output here, so the executor's workers need no access to the cache's filesystem.
+
+Work travels as pieces: a chunk is cut into a few runs of consecutive rows so that every
+worker has work even when there are fewer chunks than workers, and at most a few pieces per
+worker are in flight, so memory stays bounded whatever the number of rows.
+
+The default (``executor=None``) is :func:`default_executor`'s rule; see
+docs/build-engine.md for the measurements behind it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, Union
+
+import numpy as np
+
+from .arrays import as_row
+from .errors import Failure, NotAnArrayError, failure_reason
+
+__all__ = ["ChunkRunner", "Failure", "RowTask", "default_executor", "make_runner",
+           "usable_cpus"]
+
+ExecutorSpec = Union[None, str, Executor]
+KINDS = ("threads", "processes")
+
+THREAD_PIECE_ROWS = 32
+"""Largest piece for threads: small enough to balance the tail of a chunk, large enough that
+a future's hand-off (tens of microseconds) is lost in the rows' decoding."""
+REMOTE_PIECE_ROWS = 256
+"""Largest piece sent to another process: its pickling and transfer (about a millisecond on
+a process pool, several on a Dask cluster) must be small against its rows' work."""
+REMOTE_PIECE_BYTES = 8 << 20
+"""...and its rows, pickled back, at most this many bytes (large rows, many workers: the
+pieces in flight stay a few hundred MB at most)."""
+PROCESSES_FROM_ROWS = 4096
+"""The default rule's threshold: builds of at least this many rows, with 2 or more workers,
+run on processes. See :func:`default_executor`."""
+PIECES_PER_WORKER = 2
+"""Pieces in flight per worker: one running and one queued, so no worker waits for the
+builder between pieces."""
+
+
+class ChunkLike(Protocol):
+    """A run of rows ``[start, stop)`` of the output, numbered ``index`` (plan.Chunk)."""
+
+    index: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class RowTask:
+    """Everything a worker needs to compute rows; it must pickle for processes and clusters.
+
+    ``row_fn(value)`` returns one row (a numpy array or a torch tensor). With
+    ``record_failures`` an exception from it (other than :class:`NotAnArrayError`, a bug in
+    the function) makes the row a failure stored as zeros; without, it propagates unchanged.
+    """
+
+    row_fn: Callable[[Any], Any]
+    record_failures: bool
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# --- computing rows (runs in the worker: a thread, a process or a cluster node) ------------
+
+def compute_rows(task: RowTask, values: Sequence[Any], out: np.ndarray,
+                 first_row: int) -> list[Failure]:
+    """``out[i] = task.row_fn(values[i])`` for every i; rows ``first_row + i`` of the build.
+
+    A failed row (when recorded) is written as zeros and listed as (row, value, reason). A
+    result of another shape or dtype than ``out``'s rows raises ValueError naming the row.
+    """
+    row_fn, record = task.row_fn, task.record_failures
+    shape, dtype = out.shape[1:], out.dtype
+    failures: list[Failure] = []
+    for i, value in enumerate(values):
+        try:
+            result = row_fn(value)
+        except Exception as exc:
+            if not record or isinstance(exc, NotAnArrayError):
+                raise
+            failures.append((first_row + i, str(value), failure_reason(exc)))
+            out[i] = 0  # a redone chunk may hold bytes of an earlier attempt
+            continue
+        if type(result) is not np.ndarray:
+            result = as_row(result)
+        if result.shape != shape or result.dtype != dtype:
+            raise ValueError(
+                f"row {first_row + i} gave shape {result.shape} dtype {result.dtype}, but "
+                f"the rows are shape {shape} dtype {dtype}; every row must have one shape")
+        out[i] = result
+    return failures
+
+
+def compute_piece(task: RowTask, values: Sequence[Any], first_row: int,
+                  shape: tuple[int, ...], dtype: str) -> tuple[np.ndarray, list[Failure]]:
+    """A piece computed away from the output array: its rows as a new array, and failures."""
+    out = np.zeros((len(values), *shape), dtype=np.dtype(dtype))
+    return out, compute_rows(task, values, out, first_row)
+
+
+# --- runners -------------------------------------------------------------------------------
+
+class ChunkRunner:
+    """Computes chunks of rows into an output array; see :meth:`run`. Close it when done
+    (or use it as a context manager): that stops the threads or processes it owns."""
+
+    def run(self, chunks: Iterable[ChunkLike], values: Sequence[Any], out: np.ndarray
+            ) -> Iterator[tuple[ChunkLike, list[Failure]]]:
+        """Compute each chunk's rows into ``out[chunk.start:chunk.stop]`` and yield
+        ``(chunk, failures)`` once all of them are in ``out``, in completion order.
+
+        ``out`` is the writable array of the whole build (row shape and dtype fixed);
+        ``values`` is indexed by row position. At most a few pieces per worker are in
+        flight. A row of the wrong shape or dtype raises ValueError naming the row; an
+        exception that is not recorded propagates unchanged, after the queued pieces are
+        cancelled and the running ones have finished (chunks they complete are still
+        yielded first, so a resume keeps them).
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the workers this runner owns (a user's Executor is left running)."""
+
+    def __enter__(self) -> "ChunkRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _InlineRunner(ChunkRunner):
+    """One thread: the rows run in the caller's thread, in order, straight into ``out``."""
+
+    def __init__(self, task: RowTask) -> None:
+        self.task = task
+
+    def run(self, chunks: Iterable[ChunkLike], values: Sequence[Any], out: np.ndarray
+            ) -> Iterator[tuple[ChunkLike, list[Failure]]]:
+        out = _plain(out)
+        for chunk in chunks:
+            yield chunk, compute_rows(self.task, values[chunk.start:chunk.stop],
+                                      out[chunk.start:chunk.stop], chunk.start)
+
+
+@dataclass
+class _ChunkState:
+    chunk: ChunkLike
+    pieces_left: int
+    failures: list[Failure] = field(default_factory=list)
+
+
+class _PieceRunner(ChunkRunner):
+    """Chunks cut into pieces, submitted to an Executor, collected as they complete."""
+
+    def __init__(self, executor: Executor, parallelism: int, max_piece: int, task: RowTask,
+                 *, owned: bool, in_place: bool) -> None:
+        self.executor = executor
+        self.parallelism = max(1, parallelism)
+        self.max_piece = max_piece
+        self.task = task
+        self.owned = owned
+        self.in_place = in_place  # threads write into ``out``; others return their rows
+
+    def close(self) -> None:
+        if self.owned:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def _pieces(self, chunks: Iterable[ChunkLike], row_bytes: int
+                ) -> Iterator[tuple[_ChunkState, int, int]]:
+        largest = self.max_piece
+        if not self.in_place:
+            largest = min(largest, max(1, REMOTE_PIECE_BYTES // max(1, row_bytes)))
+        for chunk in chunks:
+            rows = chunk.stop - chunk.start
+            size = max(1, min(largest, math.ceil(rows / (2 * self.parallelism))))
+            state = _ChunkState(chunk, pieces_left=math.ceil(rows / size))
+            if rows == 0:
+                yield state, chunk.start, chunk.stop
+            for start in range(chunk.start, chunk.stop, size):
+                yield state, start, min(start + size, chunk.stop)
+
+    def _submit(self, values: Sequence[Any], out: np.ndarray, start: int, stop: int) -> Future:
+        if self.in_place:
+            return self.executor.submit(compute_rows, self.task, values[start:stop],
+                                        out[start:stop], start)
+        return self.executor.submit(compute_piece, self.task, list(values[start:stop]), start,
+                                    out.shape[1:], out.dtype.str)
+
+    def run(self, chunks: Iterable[ChunkLike], values: Sequence[Any], out: np.ndarray
+            ) -> Iterator[tuple[ChunkLike, list[Failure]]]:
+        out = _plain(out)
+        pieces = self._pieces(chunks, out[:1].nbytes)
+        pending: dict[Future, tuple[_ChunkState, int, int]] = {}
+        limit = PIECES_PER_WORKER * self.parallelism
+        error: Optional[BaseException] = None
+        try:
+            more = True
+            while more or pending:
+                while more and error is None and len(pending) < limit:
+                    piece = next(pieces, None)
+                    if piece is None:
+                        more = False
+                    elif piece[1] == piece[2]:  # an empty chunk is complete at once
+                        yield piece[0].chunk, []
+                    else:
+                        pending[self._submit(values, out, piece[1], piece[2])] = piece
+                if not pending:
+                    continue
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                # A piece the executor cancelled (a broken pool) fails with CancelledError;
+                # the real error of the others comes first.
+                for future in sorted(done, key=lambda f: (f.cancelled(), pending[f][1])):
+                    if future not in pending:  # cancelled by us after an earlier error
+                        continue
+                    state, start, stop = pending.pop(future)
+                    try:
+                        failures = self._land(future, out, start, stop)
+                    except BaseException as exc:  # noqa: B036 - re-raised below, unchanged
+                        if error is None:
+                            error = exc
+                            more = False
+                            _cancel_queued(pending)
+                        continue
+                    state.failures.extend(failures)
+                    state.pieces_left -= 1
+                    if state.pieces_left == 0:
+                        yield state.chunk, sorted(state.failures)
+            if error is not None:
+                raise error
+        finally:
+            _cancel_queued(pending)
+            if self.in_place and pending:
+                # Threads write into ``out``: none may still run once the caller moves on.
+                wait(pending)
+
+    def _land(self, future: Future, out: np.ndarray, start: int, stop: int) -> list[Failure]:
+        if self.in_place:
+            return future.result()
+        rows, failures = future.result()
+        if rows.shape != (stop - start, *out.shape[1:]) or rows.dtype != out.dtype:
+            raise ValueError(f"rows {start}-{stop - 1} came back as shape {rows.shape} dtype "
+                             f"{rows.dtype}, expected {out.shape[1:]} rows of {out.dtype}")
+        out[start:stop] = rows
+        return failures
+
+
+def _cancel_queued(pending: dict[Future, Any]) -> None:
+    """Cancel the pieces not started yet and forget them (an executor need not tell wait()
+    about a cancelled future); the running ones stay in ``pending``."""
+    for future in list(pending):
+        if future.cancel():
+            del pending[future]
+
+
+def _plain(out: np.ndarray) -> np.ndarray:
+    """The same memory without the np.memmap subclass, whose bookkeeping runs on every
+    slice taken from it."""
+    return out.view(np.ndarray) if isinstance(out, np.memmap) else out
+
+
+# --- choosing a runner ---------------------------------------------------------------------
+
+def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) -> str:
+    """The executor ``executor=None`` stands for: "threads" or "processes".
+
+    Processes when all of: 2 or more workers; at least PROCESSES_FROM_ROWS rows to compute
+    (``rows`` None: unknown, so no); and a row function that cachekit's worker processes can
+    load (it pickles and needs nothing from the main script). Threads otherwise.
+
+    Why (benchmarks/bench_engine.py; numbers in docs/build-engine.md): 16% of a cover's
+    decode holds the GIL (66% for 64x48 images), so Amdahl's law caps threads at 1.7x on 2
+    cores, 4.6x on 16 and 5.6x on 64, where processes scale with the cores; but a worker
+    process costs 0.2-0.7 s to start (numpy, Pillow, cachekit), which a build of a few
+    thousand rows does not earn back: threads start at once and write in place.
+    """
+    if workers < 2 or rows is None or rows < PROCESSES_FROM_ROWS:
+        return "threads"
+    try:
+        check_picklable(task, "processes")
+    except TypeError:
+        return "threads"  # a lambda or a function of the main script: threads can run it
+    return "processes"
+
+
+def make_runner(executor: ExecutorSpec, workers: int, task: RowTask, *,
+                rows: Optional[int] = None) -> ChunkRunner:
+    """A runner for ``executor``: None (the default rule), "threads", "processes", or a
+    concurrent.futures.Executor instance. ``workers`` sizes threads and processes (an
+    Executor instance has its own size). ``rows``: how many rows the build will compute,
+    a hint for the default rule.
+
+    Raises TypeError naming the row function when it cannot be pickled for a process or
+    cluster executor, before any work starts.
+    """
+    check_executor(executor)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, not {workers!r}")
+    if executor is None:
+        executor = default_executor(workers, task, rows)
+    if executor == "threads":
+        if workers == 1:
+            return _InlineRunner(task)
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachekit")
+        return _PieceRunner(pool, workers, THREAD_PIECE_ROWS, task, owned=True, in_place=True)
+    if isinstance(executor, ThreadPoolExecutor):  # the user's threads: in process, no pickling
+        return _PieceRunner(executor, _executor_size(executor), THREAD_PIECE_ROWS, task,
+                            owned=False, in_place=True)
+    check_picklable(task, executor)
+    if executor == "processes":
+        from ._workers import WorkerPool
+
+        return _PieceRunner(WorkerPool(workers), workers, REMOTE_PIECE_ROWS, task,
+                            owned=True, in_place=False)
+    return _PieceRunner(executor, _executor_size(executor), REMOTE_PIECE_ROWS, task,
+                        owned=False, in_place=False)
+
+
+def check_executor(executor: Any) -> None:
+    """ValueError for an unknown executor name, TypeError for anything else unusable."""
+    if executor is None or isinstance(executor, Executor):
+        return
+    if isinstance(executor, str):
+        if executor not in KINDS:
+            raise ValueError(f"executor must be None, 'threads', 'processes' or a "
+                             f"concurrent.futures.Executor; got {executor!r}")
+        return
+    raise TypeError(f"executor must be None, 'threads', 'processes' or a "
+                    f"concurrent.futures.Executor (a ProcessPoolExecutor, loky, dask's "
+                    f"client.get_executor()); got {type(executor).__qualname__}")
+
+
+def check_picklable(task: RowTask, executor: Any) -> None:
+    """TypeError naming the row function when ``task`` cannot be pickled for ``executor``,
+    or, for "processes" (whose workers do not run the main script), when it refers to a
+    function of the main script."""
+    where = executor if isinstance(executor, str) else type(executor).__qualname__
+    try:
+        pickle.dumps(task)
+    except Exception as exc:  # PicklingError, AttributeError ("local object"), TypeError
+        raise TypeError(
+            f"the row function {describe(task.row_fn)} cannot be pickled, so it cannot run "
+            f"on the {where} executor ({type(exc).__name__}: {exc}); define it at the top "
+            "level of a module (not a lambda, a local function or a closure), or use "
+            "executor='threads'") from exc
+    if executor == "processes":
+        from ._workers import main_references
+
+        names = main_references(task)
+        if names:
+            raise TypeError(
+                f"the row function {describe(task.row_fn)} needs {', '.join(names)}, defined "
+                "in the main script, which cachekit's worker processes do not run; move it "
+                "into an importable module, or pass executor='threads' or your own "
+                "concurrent.futures.ProcessPoolExecutor")
+
+
+def describe(row_fn: Callable[..., Any]) -> str:
+    """The name of the user's function behind ``row_fn`` (wrappers set ``__wrapped__``)."""
+    fn = getattr(row_fn, "__wrapped__", row_fn)
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None)
+    if name is None:
+        return repr(fn)
+    return f"{module}.{name}" if module else name
+
+
+def _executor_size(executor: Executor) -> int:
+    """How many tasks ``executor`` runs at once, to size the pieces and the window."""
+    client = getattr(executor, "_client", None)  # distributed.cfexecutor.ClientExecutor
+    if client is not None and hasattr(client, "nthreads"):
+        try:
+            return max(1, sum(client.nthreads().values()))
+        except Exception:  # a closed or unreachable client: fall back to this host's size
+            return usable_cpus()
+    size = getattr(executor, "_max_workers", None)  # ProcessPool/ThreadPool, loky
+    return size if isinstance(size, int) and size > 0 else usable_cpus()

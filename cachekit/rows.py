@@ -1,0 +1,62 @@
+"""The per-row functions of ``Cache.images`` and ``Cache.map``, as picklable objects.
+
+A build may run its rows in other processes or on a cluster (cachekit.executors), so the
+row function travels by pickle: these are module-level classes holding plain parameters, not
+closures. Importing this module imports neither Pillow nor torch: a cache hit never needs them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import NotAnArrayError
+
+
+@dataclass(frozen=True)
+class ImageRow:
+    """``path -> (C, H, W) uint8``: :func:`cachekit.images.load_image` with fixed options."""
+
+    size: tuple[int, int]
+    mode: str = "RGB"
+    fit: str = "stretch"
+    resample: str = "bilinear"
+    draft: bool = False
+
+    def __call__(self, path: str) -> np.ndarray:
+        from . import images  # Pillow is imported only where rows are decoded
+
+        # Looked up on the module at each call (not bound once), so a test that patches
+        # cachekit.images.load_image to count decodes sees every row.
+        return images.load_image(path, self.size, self.mode, self.fit, self.resample,
+                                 self.draft)
+
+
+class ArrayRow:
+    """``fn`` checked to return a plain-dtype numpy array or a torch tensor.
+
+    Anything else raises :class:`NotAnArrayError`: a bug in ``fn``, so it is never recorded
+    as a failed row. Pickles when ``fn`` does (a module-level function).
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.__wrapped__ = fn  # the convention functools.wraps uses: names the user's function
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.__wrapped__,))
+
+    def __call__(self, value: Any) -> Any:
+        fn = self.__wrapped__
+        result = fn(value)
+        if isinstance(result, (np.ndarray, np.generic)) and not result.dtype.hasobject:
+            return result
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(result, torch.Tensor):
+            return result
+        raise NotAnArrayError(f"map: {getattr(fn, '__qualname__', fn)} returned "
+                              f"{type(result).__qualname__} {str(result)[:80]} for {value!r}; "
+                              "it must return a numpy array (not of Python objects) or a "
+                              "torch tensor")

@@ -1,0 +1,385 @@
+"""cachekit.executors: every executor gives the same bytes and key, errors cross processes.
+
+Processes are real: cachekit's own worker interpreters, a ProcessPoolExecutor, and a Dask
+LocalCluster with worker processes on loopback. The row functions used with processes are
+module-level (workers import this module by name), and count their calls in files, since a
+worker's globals are not the test's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import executors
+from cachekit.errors import ImageDecodeError, NotAnArrayError
+from cachekit.executors import RowTask, make_runner
+
+SIZE = (12, 10)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start: int
+    stop: int
+
+
+def chunks_of(n: int, size: int) -> list[Chunk]:
+    return [Chunk(i, start, min(start + size, n)) for i, start in enumerate(range(0, n, size))]
+
+
+# --- module-level row functions (picklable by reference) ----------------------------------
+
+class RowError(Exception):
+    """A user's own exception type: it must come back from a worker as itself."""
+
+
+def square_row(value: int) -> np.ndarray:
+    if value < 0:
+        raise RowError(f"negative {value}")
+    return np.array([value, value * value], dtype=np.int64)
+
+
+def talkative_row(value: int) -> np.ndarray:
+    print(f"row {value}")  # a worker's stdout must not corrupt its result channel
+    return np.array([value], dtype=np.int64)
+
+
+def not_an_array_row(value: int) -> list:
+    return [value]
+
+
+def wrong_shape_row(value: int) -> np.ndarray:
+    return np.zeros(3 if value == 5 else 2, dtype=np.int64)
+
+
+def dying_row(value: int) -> np.ndarray:
+    if value == 3:
+        os._exit(7)  # a worker killed mid-chunk
+    return np.array([value], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class CountedRow:
+    """Appends each value to a file, so decodes are counted across processes."""
+
+    log: str
+
+    def __call__(self, value: int) -> np.ndarray:
+        with open(self.log, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()} {value}\n")
+        return np.array([value], dtype=np.int64)
+
+
+def pid_row(value: int) -> np.ndarray:
+    """Logs the process that computed each row to $PID_LOG (workers inherit it)."""
+    with open(os.environ["PID_LOG"], "a", encoding="utf-8") as f:
+        f.write(f"{os.getpid()} {value}\n")
+    return np.array([value], dtype=np.int64)
+
+
+def pids(log: Path) -> set[int]:
+    return {int(line.split()[0]) for line in log.read_text(encoding="utf-8").splitlines()}
+
+
+def counted(log: Path) -> list[int]:
+    if not log.exists():
+        return []
+    return [int(line.split()[1]) for line in log.read_text(encoding="utf-8").splitlines()]
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dask_executor() -> Iterator[Executor]:
+    """``client.get_executor()`` of a LocalCluster: 2 worker processes on 127.0.0.1."""
+    distributed = pytest.importorskip("distributed")
+    # dashboard_address=None would still bind the dashboard on 0.0.0.0:8787, and warn (an
+    # error here) when another cluster on this machine holds that port: a free loopback port.
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       host="127.0.0.1", dashboard_address="127.0.0.1:0")
+    client = distributed.Client(cluster)
+    try:
+        yield client.get_executor()
+    finally:
+        client.close()
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def process_pool() -> Iterator[ProcessPoolExecutor]:
+    import multiprocessing
+
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _executor(kind: str, request: pytest.FixtureRequest):
+    if kind == "pool":
+        return request.getfixturevalue("process_pool")
+    if kind == "dask":
+        return request.getfixturevalue("dask_executor")
+    return kind
+
+
+KINDS = ["threads", "processes", "pool", "dask"]
+
+
+# --- same bytes, same key ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_executor_gives_the_same_bytes_and_key(tmp_path, cover_paths, kind, request):
+    column = pd.Series(cover_paths, name="img_path")
+    reference = cachekit.Cache(tmp_path / "ref", workers=1, executor="threads",
+                               progress=False).images(column, SIZE)
+    cache = cachekit.Cache(tmp_path / "cache", workers=2, executor=_executor(kind, request),
+                           progress=False)
+    entry = cache.images(column, SIZE)
+    assert entry.source == "built"
+    assert entry.key == reference.key
+    assert entry.array.tobytes() == reference.array.tobytes()
+    assert entry.array[:, 0].std() > 0  # real pixels, not zeros
+    again = cachekit.Cache(tmp_path / "cache", executor="threads", progress=False)
+    assert again.images(column, SIZE).hit  # the executor is not part of the key
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_map_rows_of_every_executor_agree(tmp_path, kind, request):
+    values = pd.Series(range(50))
+    cache = cachekit.Cache(tmp_path / kind, workers=2, executor=_executor(kind, request),
+                           progress=False)
+    entry = cache.map(square_row, values)
+    np.testing.assert_array_equal(entry.array, np.stack([square_row(v) for v in range(50)]))
+
+
+@pytest.mark.parametrize("kind", ["threads", "processes"])
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize(("n", "chunk"), [(0, 4), (1, 4), (17, 4), (40, 40), (33, 1)])
+def test_runner_fills_every_chunk_once(tmp_path, kind, workers, n, chunk):
+    log = tmp_path / "log"
+    out = np.lib.format.open_memmap(tmp_path / "out.npy", "w+", np.int64, (n, 1))
+    plan = chunks_of(n, chunk)
+    with make_runner(kind, workers, RowTask(CountedRow(str(log)), False)) as runner:
+        seen = [c for c, failures in runner.run(plan, np.arange(n, dtype=object), out)
+                if not failures]
+    assert sorted(seen, key=lambda c: c.index) == plan
+    assert sorted(counted(log)) == list(range(n))  # every row computed exactly once
+    np.testing.assert_array_equal(out[:, 0], np.arange(n))
+
+
+def test_thread_runner_yields_each_chunk_when_its_rows_are_in(tmp_path):
+    out = np.zeros((20, 2), np.int64)
+    with make_runner("threads", 3, RowTask(square_row, False)) as runner:
+        for chunk, _ in runner.run(chunks_of(20, 6), np.arange(20, dtype=object), out):
+            rows = np.arange(chunk.start, chunk.stop)
+            np.testing.assert_array_equal(out[chunk.start:chunk.stop, 1], rows * rows)
+
+
+def test_a_users_thread_pool_is_used_and_left_running(tmp_path):
+    out = np.zeros((9, 2), np.int64)
+    with ThreadPoolExecutor(2) as pool:
+        runner = make_runner(pool, 1, RowTask(square_row, False))
+        list(runner.run(chunks_of(9, 4), np.arange(9, dtype=object), out))
+        runner.close()
+        assert pool.submit(int, "5").result() == 5  # not shut down by the runner
+    assert out[:, 1].tolist() == [v * v for v in range(9)]
+
+
+# --- pickling -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["processes", "pool", "dask"])
+def test_an_unpicklable_map_function_is_a_type_error_before_any_row(tmp_path, kind, request):
+    calls = []
+
+    def local_row(value):  # a closure: cannot be pickled
+        calls.append(value)
+        return np.zeros(2)
+
+    cache = cachekit.Cache(tmp_path, workers=2, executor=_executor(kind, request),
+                           progress=False)
+    for fn, name in ((lambda v: calls.append(v) or np.zeros(2), "<lambda>"),
+                     (local_row, "local_row")):
+        with pytest.raises(TypeError, match=f"row function .*{name}.* cannot be pickled"):
+            cache.map(fn, pd.Series(range(5)))
+    assert calls == []  # nothing ran, not even the first row that fixes the shape
+    assert cache.entries() == []
+
+
+def test_threads_need_no_pickling(tmp_path):
+    entry = cachekit.Cache(tmp_path, workers=2, executor="threads", progress=False).map(
+        lambda v: np.full(2, v), pd.Series(range(5)))
+    assert entry.array[:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_the_images_row_function_pickles():
+    from cachekit.rows import ImageRow
+
+    row = ImageRow((8, 8), "L", "crop", "bicubic", True)
+    assert pickle.loads(pickle.dumps(row)) == row
+
+
+MAIN_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np, pandas as pd
+    import cachekit
+
+    def row(value):
+        return np.zeros(2)
+
+    if __name__ == "__main__":
+        cache = cachekit.Cache(sys.argv[1], executor="processes", workers=2, progress=False)
+        try:
+            cache.map(row, pd.Series(range(4)))
+        except TypeError as e:
+            print(e)
+        else:
+            print("no error")
+""")
+
+
+def test_a_function_of_the_main_script_is_refused_for_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_SCRIPT, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert "__main__.row" in done.stdout and "importable module" in done.stdout
+
+
+# --- failures and errors from processes ---------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["processes", "pool", "dask"])
+def test_decode_failures_are_gathered_from_worker_processes(tmp_path, cover_paths, kind,
+                                                           request):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not a jpeg")
+    paths = list(cover_paths)
+    paths[2], paths[9] = str(broken), str(tmp_path / "missing.jpg")
+    cache = cachekit.Cache(tmp_path / "cache", workers=2, executor=_executor(kind, request),
+                           progress=False)
+    with pytest.raises(ImageDecodeError) as info:
+        cache.images(pd.Series(paths), SIZE)
+    assert [row for row, _, _ in info.value.failures] == [2, 9]
+    assert "missing.jpg" in info.value.failures[1][1]
+    entry = cache.images(pd.Series(paths), SIZE, on_error="zero")
+    assert entry.valid.tolist() == [i not in (2, 9) for i in range(len(paths))]
+    assert not entry.array[[2, 9]].any() and entry.array[[0, 11]].any()
+
+
+@pytest.mark.parametrize("kind", ["processes", "pool"])
+def test_a_row_exception_comes_back_unchanged(tmp_path, kind, request):
+    cache = cachekit.Cache(tmp_path, workers=2, executor=_executor(kind, request),
+                           progress=False)
+    with pytest.raises(RowError, match="negative -3"):
+        cache.map(square_row, pd.Series([1, 2, -3, 4]))
+    zeroed = cache.map(square_row, pd.Series([1, 2, -3, 4]), on_error="zero")
+    assert zeroed.valid.tolist() == [True, True, False, True]
+    with pytest.raises(NotAnArrayError):  # a bug in the function: never a zeroed row
+        cache.map(not_an_array_row, pd.Series([1, 2]), on_error="zero")
+
+
+def test_a_row_of_another_shape_names_the_row(tmp_path):
+    out = np.zeros((8, 2), np.int64)
+    with make_runner("processes", 2, RowTask(wrong_shape_row, True)) as runner:
+        with pytest.raises(ValueError, match="row 5 gave shape"):
+            list(runner.run(chunks_of(8, 8), np.arange(8, dtype=object), out))
+
+
+def test_worker_output_does_not_disturb_results(tmp_path, capfd):
+    out = np.zeros((6, 1), np.int64)
+    with make_runner("processes", 2, RowTask(talkative_row, False)) as runner:
+        list(runner.run(chunks_of(6, 3), np.arange(6, dtype=object), out))
+    assert out[:, 0].tolist() == list(range(6))
+    assert "row 4" in capfd.readouterr().err
+
+
+def test_a_dead_worker_breaks_the_build_instead_of_hanging(tmp_path):
+    out = np.zeros((8, 1), np.int64)
+    with make_runner("processes", 2, RowTask(dying_row, True)) as runner:
+        with pytest.raises(BrokenProcessPool, match="exited with code 7"):
+            list(runner.run(chunks_of(8, 2), np.arange(8, dtype=object), out))
+
+
+def test_an_error_keeps_the_chunks_finished_before_it(tmp_path):
+    """Chunks complete before the failing one are still yielded: a resume keeps them."""
+    out = np.zeros((12, 2), np.int64)
+    values = np.array([0, 1, 2, 3, 4, 5, 6, 7, -8, 9, 10, 11], dtype=object)
+    seen = []
+    with make_runner("threads", 2, RowTask(square_row, False)) as runner:
+        with pytest.raises(RowError):
+            for chunk, _ in runner.run(chunks_of(12, 4), values, out):
+                seen.append(chunk.index)
+    assert seen[:2] == [0, 1] and 2 not in seen
+
+
+# --- validation ---------------------------------------------------------------------------
+
+def test_cache_validates_the_executor(tmp_path):
+    for bad in ("thread", "dask", ""):
+        with pytest.raises(ValueError, match="executor must be"):
+            cachekit.Cache(tmp_path, executor=bad)
+    for bad in (3, ThreadPoolExecutor, object()):
+        with pytest.raises(TypeError, match="executor must be"):
+            cachekit.Cache(tmp_path, executor=bad)
+    with ThreadPoolExecutor(1) as pool:
+        assert cachekit.Cache(tmp_path, executor=pool).executor is pool
+    assert cachekit.Cache(tmp_path).executor is None
+
+
+def test_the_default_rule():
+    big = executors.PROCESSES_FROM_ROWS
+    task = RowTask(square_row, False)
+    assert executors.default_executor(2, task, big) == "processes"
+    assert executors.default_executor(64, task, 10 * big) == "processes"
+    assert executors.default_executor(1, task, 10 * big) == "threads"  # one worker
+    assert executors.default_executor(8, task, big - 1) == "threads"  # start-up not earned
+    assert executors.default_executor(8, task, None) == "threads"  # size unknown
+    unpicklable = RowTask(lambda v: v, False)
+    assert executors.default_executor(8, unpicklable, 10 * big) == "threads"
+
+
+def test_a_large_default_build_runs_on_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(executors, "PROCESSES_FROM_ROWS", 40)
+    monkeypatch.setenv("PID_LOG", str(tmp_path / "big.log"))
+    entry = cachekit.Cache(tmp_path / "cache", workers=2, progress=False).map(
+        pid_row, pd.Series(range(60)))
+    assert entry.array[:, 0].tolist() == list(range(60))
+    # The first row (it fixes the row shape) here, the rest in worker processes.
+    assert os.getpid() in pids(tmp_path / "big.log") and len(pids(tmp_path / "big.log")) >= 2
+    monkeypatch.setenv("PID_LOG", str(tmp_path / "small.log"))
+    cachekit.Cache(tmp_path / "cache", workers=2, progress=False).map(pid_row, pd.Series(range(30)))
+    assert pids(tmp_path / "small.log") == {os.getpid()}  # a small build stays on threads
+
+
+def test_cli_build_takes_an_executor(tmp_path, cover_paths):
+    csv = tmp_path / "covers.csv"
+    pd.DataFrame({"img_path": cover_paths}).to_csv(csv, index=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    keys = []
+    for kind in ("threads", "processes"):
+        done = subprocess.run([sys.executable, "-m", "cachekit", "--root", str(tmp_path / kind),
+                               "build", str(csv), "--column", "img_path", "--size", "8x8",
+                               "--executor", kind, "--workers", "2"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        keys.append(cachekit.Cache(tmp_path / kind).entries()[0].key)
+    assert keys[0] == keys[1]
+    done = subprocess.run([sys.executable, "-m", "cachekit", "build", str(csv), "--column",
+                           "img_path", "--size", "8", "--executor", "cluster"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "--executor" in done.stderr
