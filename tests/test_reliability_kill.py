@@ -88,9 +88,9 @@ ZYGOTE = textwrap.dedent(r'''
             decoded.append(row)
             return real["load"](path, *args, **kwargs)
 
-        def seal(directory, name):  # fsyncs, then checksums, each data file
+        def seal(directory, name, digest=None):  # fsyncs, then checksums, each data file
             reach("fsync")
-            return real["seal"](directory, name)
+            return real["seal"](directory, name, digest)
 
         def checksum(f):
             reach("checksum")
