@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from . import _fs
+from . import _fs, units
 
 LEASE_ENV = "CACHEKIT_LOCK_LEASE"
 DEFAULT_LEASE_SECONDS = 60.0
@@ -33,16 +33,7 @@ BEATS_PER_LEASE = 4
 
 def lease_from_env() -> float:
     """Seconds without a heartbeat after which a builder counts as dead ($CACHEKIT_LOCK_LEASE)."""
-    text = os.environ.get(LEASE_ENV, "").strip()
-    if not text:
-        return DEFAULT_LEASE_SECONDS
-    try:
-        lease = float(text)
-    except ValueError:
-        lease = -1.0
-    if not 0 < lease < float("inf"):
-        raise ValueError(f"{LEASE_ENV}={text!r} must be a positive number of seconds")
-    return lease
+    return units.seconds_from_env(LEASE_ENV, DEFAULT_LEASE_SECONDS)
 
 
 _BEATING_HERE: set[str] = set()

@@ -9,6 +9,7 @@ parses back to the same number of bytes.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 from typing import Union
 
@@ -104,3 +105,18 @@ def format_age(age: float) -> str:
         if age >= span * (2 if unit == "w" else 1):
             return f"{int(age // span)} {unit} ago"
     return f"{int(age)} s ago"
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A positive, finite number of seconds from environment variable ``name``; ``default``
+    when it is unset or blank. Anything else raises ValueError naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={text!r} must be a positive number of seconds")
+    return value

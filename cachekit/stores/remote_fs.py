@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
+from .. import units
 from ..errors import CachekitError
 
 REMOTE_ENV = "CACHEKIT_REMOTE"
@@ -28,16 +29,7 @@ def url_from_env() -> Optional[str]:
 
 def timeout_from_env() -> float:
     """Seconds per remote call, ``$CACHEKIT_REMOTE_TIMEOUT`` (default 30)."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
-    return value
+    return units.seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
 def redact(url: str) -> str:
