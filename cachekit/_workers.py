@@ -9,9 +9,9 @@ are fresh interpreters that import only cachekit and what the pickled task names
 0.2-0.7 s), and never the main script; a function defined in the main script therefore cannot
 run here, which :func:`main_references` lets the caller say before any work starts.
 
-Protocol: length-prefixed pickles over the worker's stdin and stdout. The worker's own
-stdout is moved to stderr, so a print in a row function cannot corrupt the channel, and it
-exits when its stdin closes, so it never outlives the builder.
+The worker's loop is :mod:`cachekit._worker_main`: length-prefixed pickles over its stdin
+and stdout. The worker's own stdout is moved to stderr, so a print in a row function cannot
+corrupt the channel, and it exits when its stdin closes, so it never outlives the builder.
 """
 
 from __future__ import annotations
@@ -24,17 +24,22 @@ import struct
 import subprocess
 import sys
 import threading
-import traceback
 import types
 from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
 
-_HEADER = struct.Struct("<Q")
+from ._worker_main import receive_bytes, send
+
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                       "MKL_NUM_THREADS")}
+"""Each worker is one of many processes: its numpy (and a map function's torch) runs one
+thread, as DataLoader workers do, unless the user's environment says otherwise. Without it,
+numpy's OpenBLAS starts a thread per core at import: 0.15 s more CPU per worker here."""
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from cachekit._workers import serve; serve()")
+         "from cachekit._worker_main import serve; serve()")
 
 
 class WorkerPool(Executor):
@@ -88,9 +93,14 @@ class WorkerPool(Executor):
             self._queue.put(item)
 
     def _feed(self) -> None:
-        """One worker process: start it, then hand it calls one by one until the sentinel."""
+        """One worker process: start it at once (it boots while the builder plans and
+        computes), then hand it calls one by one until the sentinel."""
         process = None
         try:
+            try:
+                process = self._start()
+            except Exception:  # noqa: S110 - tried again for the first call, which gets the error
+                pass
             while True:
                 item = self._queue.get()
                 if item is None:
@@ -122,10 +132,11 @@ class WorkerPool(Executor):
 
     def _start(self) -> subprocess.Popen:
         process = subprocess.Popen([sys.executable, "-c", _BOOT, _PACKAGE_PARENT],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   env={**_ONE_THREAD, **os.environ})
         with self._lock:
             self._processes.append(process)
-        _send(process.stdin, list(sys.path))  # the builder's imports resolve the same way
+        send(process.stdin, list(sys.path))  # the builder's imports resolve the same way
         return process
 
     def _break(self, why: str) -> None:
@@ -137,7 +148,7 @@ class WorkerPool(Executor):
 
 def _call(process: subprocess.Popen, message: Any) -> tuple[bool, Any]:
     try:
-        _send(process.stdin, message)
+        send(process.stdin, message)
         return _receive(process.stdout)
     except (EOFError, BrokenPipeError, struct.error) as exc:
         code = process.wait()
@@ -158,73 +169,8 @@ def _stop(process: subprocess.Popen) -> None:
     process.stdout.close()
 
 
-def _send(stream: BinaryIO, message: Any) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)))
-    stream.write(data)
-    stream.flush()
-
-
 def _receive(stream: BinaryIO) -> Any:
-    return pickle.loads(_receive_bytes(stream))
-
-
-def _receive_bytes(stream: BinaryIO) -> bytes:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError("worker channel closed")
-    size = _HEADER.unpack(header)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("worker channel closed mid-message")
-    return data
-
-
-def serve() -> None:
-    """The worker's loop: read a call, run it, send back (True, result) or (False, error)."""
-    channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints go to stderr, not the channel
-    channel_in = sys.stdin.buffer
-    try:
-        sys.path[:] = pickle.loads(_receive_bytes(channel_in))
-        while True:
-            try:
-                message = _receive_bytes(channel_in)
-            except EOFError:
-                return
-            try:
-                fn, args, kwargs = pickle.loads(message)  # may import the user's modules
-                reply = (True, fn(*args, **kwargs))
-            except Exception as exc:
-                reply = (False, _portable(exc))
-            data = _dumps_reply(reply)
-            channel_out.write(_HEADER.pack(len(data)))
-            channel_out.write(data)
-            channel_out.flush()
-    except (KeyboardInterrupt, BrokenPipeError):  # the builder was interrupted or has gone
-        return
-
-
-def _portable(exc: Exception) -> Exception:
-    """The exception itself when it pickles (so the builder re-raises it unchanged), with the
-    worker's traceback as a note; otherwise a RuntimeError that says what it was."""
-    remote = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"raised in a cachekit worker process:\n{remote}")
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc} (raised in a cachekit worker "
-                            f"process, and it cannot be pickled)\n{remote}")
-    return exc
-
-
-def _dumps_reply(reply: tuple[bool, Any]) -> bytes:
-    try:
-        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        return pickle.dumps((False, RuntimeError(
-            f"a row result could not be pickled back to the builder: {exc!r}")))
+    return pickle.loads(receive_bytes(stream))
 
 
 def main_references(obj: Any) -> list[str]:

@@ -12,7 +12,7 @@ import math
 import mmap
 import os
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import BinaryIO, Optional
 
 import numpy as np
 
@@ -62,16 +62,6 @@ def _padded_header(shape: tuple[int, ...], dtype: np.dtype, align: int) -> bytes
             length = len(body).to_bytes(prefix - 8, "little")
             return np.lib.format.magic(*version) + length + body
     raise ValueError(f"a .npy header for shape {tuple(shape)} is too large")
-
-
-def as_row(result: Any) -> np.ndarray:
-    """A row function's result as an array: numpy arrays and torch tensors (or anything
-    numpy can view)."""
-    if isinstance(result, np.ndarray):
-        return result
-    if hasattr(result, "detach") and hasattr(result, "cpu"):
-        return result.detach().cpu().numpy()
-    return np.asarray(result)
 
 
 def flush(array: np.ndarray) -> None:

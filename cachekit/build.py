@@ -32,6 +32,7 @@ from .executors import RowTask, make_runner, usable_cpus  # noqa: F401 (re-expor
 from .errors import Failure, NotAnArrayError, failure_reason
 from .journal import BuildGone, Claim, Journal, journal_name
 from .plan import Chunk, Plan
+from .rows import as_row
 
 RowFunction = Callable[[Any], Any]
 ChunkCallback = Callable[[int, int], None]
@@ -342,7 +343,7 @@ def _first_success(values: Sequence[Any], task: RowTask,
     """Run rows in order until one succeeds; its shape and dtype fix the array's."""
     for row, value in enumerate(values):
         try:
-            return row, arrays.as_row(task.row_fn(value))
+            return row, as_row(task.row_fn(value))
         except Exception as exc:
             if not task.record_failures or isinstance(exc, NotAnArrayError):
                 raise

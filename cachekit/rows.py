@@ -16,6 +16,16 @@ import numpy as np
 from .errors import NotAnArrayError
 
 
+def as_row(result: Any) -> np.ndarray:
+    """A row function's result as an array: numpy arrays and torch tensors (or anything
+    numpy can view)."""
+    if isinstance(result, np.ndarray):
+        return result
+    if hasattr(result, "detach") and hasattr(result, "cpu"):
+        return result.detach().cpu().numpy()
+    return np.asarray(result)
+
+
 @dataclass(frozen=True)
 class ImageRow:
     """``path -> (C, H, W) uint8``: :func:`cachekit.images.load_image` with fixed options."""

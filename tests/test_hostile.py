@@ -330,7 +330,7 @@ def test_entry_keys_that_are_not_keys_never_become_paths(tmp_path):
 UNPICKLERS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"),
               ("torch", "load"), ("joblib", "load"), ("dill", "load"), ("dill", "loads"),
               ("marshal", "load"), ("marshal", "loads"), ("shelve", "open")}
-CHANNELS = {"_workers.py"}
+CHANNELS = {"_workers.py", "_worker_main.py"}
 """Modules that unpickle only what passes between a builder and the worker processes it
 started itself (over their pipes), never bytes read from a cache root."""
 
