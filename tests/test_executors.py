@@ -22,6 +22,7 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cachekit
 from cachekit import executors
@@ -316,15 +317,86 @@ def test_a_dead_worker_breaks_the_build_instead_of_hanging(tmp_path):
 
 
 def test_an_error_keeps_the_chunks_finished_before_it(tmp_path):
-    """Chunks complete before the failing one are still yielded: a resume keeps them."""
-    out = np.zeros((12, 2), np.int64)
-    values = np.array([0, 1, 2, 3, 4, 5, 6, 7, -8, 9, 10, 11], dtype=object)
-    seen = []
-    with make_runner("threads", 2, RowTask(square_row, False)) as runner:
-        with pytest.raises(RowError):
-            for chunk, _ in runner.run(chunks_of(12, 4), values, out):
-                seen.append(chunk.index)
-    assert seen[:2] == [0, 1] and 2 not in seen
+    """Every chunk whose rows were all computed before the error is still yielded, with its
+    rows in place: a resume keeps them, and no finished work is lost."""
+    out = np.zeros((24, 2), np.int64)
+    values = np.array([*range(17), -17, *range(18, 24)], dtype=object)
+    computed = []
+
+    def recording_row(value):
+        computed.append(value)
+        return square_row(value)
+
+    for workers in (2, 3):
+        out[:] = 0
+        computed.clear()
+        seen = []
+        with make_runner("threads", workers, RowTask(recording_row, False)) as runner:
+            with pytest.raises(RowError):
+                for chunk, _ in runner.run(chunks_of(24, 4), values, out):
+                    seen.append(chunk)
+        finished = {i // 4 for i in range(24) if i in computed}
+        finished = {c for c in finished if all(r in computed for r in range(4 * c, 4 * c + 4))}
+        assert {c.index for c in seen} == finished - {4}
+        for chunk in seen:
+            rows = np.arange(chunk.start, chunk.stop)
+            assert out[chunk.start:chunk.stop].tolist() == [[r, r * r] for r in rows]
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=10),
+       bad=st.sets(st.integers(0, 299), max_size=12), smallest=st.integers(1, 40),
+       helpers=st.integers(1, 3), in_place=st.booleans(), caller_runs=st.booleans(),
+       hint=st.booleans(), span=st.booleans())
+def test_pieces_cut_across_chunks_put_every_row_in_its_place_once(
+        sizes, bad, smallest, helpers, in_place, caller_runs, hint, span):
+    """However pieces are cut (parts of a chunk, or several chunks, of a share of the rows
+    left), every row is computed once into its place, and each chunk is reported once, with
+    exactly its own failures, after all its rows are in."""
+    bounds = np.cumsum([0, *sizes]).tolist()
+    chunks = [Chunk(i, bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+    n = bounds[-1]
+    values = np.array([-(i + 1) if i in bad else i + 1 for i in range(n)], dtype=object)
+    computed = []
+    out = np.full((n, 2), 7, np.int64)
+
+    def row(value):
+        computed.append(value)
+        return square_row(value)
+
+    reported = []
+    with ThreadPoolExecutor(helpers) as pool:
+        runner = executors._PieceRunner(
+            pool, helpers, executors._Sizes(smallest, 48, span), RowTask(row, True), owned=False,
+            in_place=in_place, caller_runs=caller_runs, rows=n if hint else None)
+
+        def rows_in_place(chunk):
+            return all(out[r].tolist() == ([0, 0] if r in bad else [r + 1, (r + 1) ** 2])
+                       for r in range(chunk.start, chunk.stop))
+
+        for chunk, failures in runner.run(chunks, values, out):
+            assert rows_in_place(chunk)
+            reported.append(chunk.index)
+            assert [f[0] for f in failures] == [r for r in range(chunk.start, chunk.stop)
+                                                if r in bad]
+    assert sorted(reported) == list(range(len(chunks)))
+    assert sorted(computed) == sorted(values.tolist())
+
+
+def test_with_processes_the_builder_is_one_of_the_workers(tmp_path, monkeypatch):
+    """workers=2 on processes: the builder computes rows itself beside one worker process,
+    so the pool's start-up is not waited for; workers=1 starts no process at all."""
+    monkeypatch.setenv("PID_LOG", str(tmp_path / "two.log"))
+    out = np.zeros((400, 1), np.int64)
+    with make_runner("processes", 2, RowTask(pid_row, False), rows=400) as runner:
+        done = sorted(c.index for c, _ in runner.run(chunks_of(400, 16), np.arange(400), out))
+    assert done == list(range(25)) and out[:, 0].tolist() == list(range(400))
+    two = pids(tmp_path / "two.log")
+    assert os.getpid() in two and len(two) == 2
+    monkeypatch.setenv("PID_LOG", str(tmp_path / "one.log"))
+    with make_runner("processes", 1, RowTask(pid_row, False), rows=400) as runner:
+        list(runner.run(chunks_of(400, 16), np.arange(400), out))
+    assert pids(tmp_path / "one.log") == {os.getpid()}
 
 
 # --- validation ---------------------------------------------------------------------------
