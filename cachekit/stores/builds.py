@@ -10,6 +10,7 @@ joiners of the same user fill chunks of it too. Its name is ``KEY.HOST.PID.UUID`
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from ..journal import SUFFIX as CHUNKS_SUFFIX
 from ..keys import is_key
 
 JOURNAL_FILE = "journal.json"
+PROGRESS_SECONDS = 0.5
+"""Rows done are rewritten into journal.json at most this often (waiters print them)."""
 HEARTBEAT_FILE = "heartbeat"
 _JOURNAL_LIMIT = 1 << 20
 
@@ -86,10 +89,17 @@ class Build:
         self.path = directory.path
         self.journal = journal
         self._beat_fd: Optional[int] = beat_fd
+        self._progress_written = -math.inf
         self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
 
     def progress(self, done: int, total: int) -> None:
-        """Record rows done, for the messages of processes that wait for this build."""
+        """Record rows done, for the messages of processes that wait for this build: at most
+        every PROGRESS_SECONDS (a rewrite costs a file and a rename; a build of small
+        chunks would spend a few percent of its time on them), and when the last row is in."""
+        now = time.monotonic()
+        if done < total and now - self._progress_written < PROGRESS_SECONDS:
+            return
+        self._progress_written = now
         self.journal.update(done=done, total=total, updated=time.time())
         self.dir.replace_json(JOURNAL_FILE, self.journal)
 
