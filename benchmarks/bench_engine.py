@@ -25,8 +25,10 @@ same images unprofiled). The hook slows only the Python parts, which are not rea
 profiled run. Small reads and numpy copies are counted as holding the GIL even where they
 release it, so the fraction errs high, never low.
 
-Contestants take turns round by round, so load from elsewhere falls on all alike; each
-figure is the median of the rounds. Runs in one process (the processes executors, datasets,
+Contestants take turns round by round, so load from elsewhere falls on all alike. A rate
+is the median of the rounds; a ratio is the median of each round's own ratio (its two
+contestants ran minutes apart at most, where the machine's speed drifts by 10-20% over a
+run), with every round's value shown beside it. Runs in one process (the processes executors, datasets,
 OpenCV and Dask start their own workers, and their start-up is timed except OpenCV's and
 Dask's cluster, which are started once before the rounds).
 """
@@ -422,6 +424,11 @@ RATIOS = [  # (figure, numerator, denominator, target, higher is better)
 UNCOUNTED = ("OpenCV", "cachekit exact, Dask")
 
 
+def spread(values: list[float]) -> str:
+    """Each round's figure, lowest first: how far one run can be from the median."""
+    return ", ".join(f"{v:.2f}" for v in sorted(values))
+
+
 def find(names: list[str], prefix: str) -> Optional[str]:
     return next((n for n in names if n.startswith(prefix)), None)
 
@@ -437,21 +444,25 @@ def table(n: int, runs: dict[str, list[tuple[float, float]]], gil: dict[str, dic
     lines += [f"| {name} | {rate[name]:,.0f} | "
               + (f"{cpu[name] * 1e3:.2f} (builder only) |" if name.startswith(UNCOUNTED)
                  else f"{cpu[name] * 1e3:.2f} |") for name in runs]
-    lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
+    lines += ["", "| ratio (median of the rounds' own ratios) | measured | rounds | target |",
+              "|---|---:|---|---:|"]
     names = list(runs)
     for figure, top, bottom, target in RATIOS:
         a, b = find(names, top), find(names, bottom)
         if a is None or b is None:
             continue
-        value = rate[a] / rate[b]
+        # The two ran back to back in each round, under the same load: speed ratio per round.
+        each = [wb / wa for (wa, _), (wb, _) in zip(runs[a], runs[b])]
+        value = statistics.median(each)
         shown = "" if target is None else (f">= {target:g} " +
                                            ("(met)" if value >= target else "(not met)"))
-        lines.append(f"| {figure} | {value:.2f}x | {shown} |")
+        lines.append(f"| {figure} | {value:.2f}x | {spread(each)} | {shown} |")
     bare, default = find(names, "bare Pillow loop"), find(names, "cachekit exact, default")
     if bare and default:
-        value = cpu[default] / cpu[bare]
-        lines.append(f"| CPU per image, default build / bare loop | {value:.2f}x | <= 1.1 "
-                     + ("(met) |" if value <= 1.1 else "(not met) |"))
+        each = [ca / cb for (_, ca), (_, cb) in zip(runs[default], runs[bare])]
+        value = statistics.median(each)
+        lines.append(f"| CPU per image, default build / bare loop | {value:.2f}x | "
+                     f"{spread(each)} | <= 1.1 " + ("(met) |" if value <= 1.1 else "(not met) |"))
     lines += ["", "| GIL | covers | small 64x48 |", "|---|---:|---:|"]
     for key, label in (("us_per_image", "us per image"),
                        ("us_released", "us in GIL-releasing C calls"), ("gil", "GIL fraction"),
