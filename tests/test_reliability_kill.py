@@ -196,7 +196,10 @@ def wait_for(path: Path, pid: int, result: Path) -> None:
 
 
 def kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it had ended already
+        return
     while True:  # the zygote ignores SIGCHLD, so the kernel reaps the child: wait until gone
         try:
             os.kill(pid, 0)
@@ -209,8 +212,10 @@ def kill_at(zygote, root: Path, paths, point: str, lock: str, tag: str) -> None:
     signal_file, result = root.parent / f"{tag}.reached", root.parent / f"{tag}.json"
     pid = zygote.fork(root=str(root), point=point, chunk=CHUNK, lock=lock, paths=paths,
                       size=SIZE, signal=str(signal_file), result=str(result))
-    wait_for(signal_file, pid, result)
-    kill(pid)
+    try:
+        wait_for(signal_file, pid, result)
+    finally:
+        kill(pid)  # also when it never got there: a stuck child must not outlive the test
 
 
 def assert_nothing_partial(root: Path, key: str, reference: np.ndarray) -> None:
