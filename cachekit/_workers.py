@@ -5,9 +5,10 @@ threads) every worker first re-runs the user's main script as ``__mp_main__``. A
 script imports torch at the top, so each pool paid 6-18 s before its first row here
 (2 workers, 2 loaded cores), and a script without an ``if __name__ == "__main__":`` guard
 would run its own training, or its own ``cache.images`` call, in every worker. These workers
-are fresh interpreters that import only cachekit and what the pickled task names (about
-0.2-0.7 s), and never the main script; a function defined in the main script therefore cannot
-run here, which :func:`main_references` lets the caller say before any work starts.
+are fresh interpreters that import only their loop (:mod:`cachekit._worker_main`) and what
+the pickled task names (0.3-0.4 s of CPU for an images build), and never the main script;
+a function defined in the main script therefore cannot run here, which
+:func:`main_references` lets the caller say before any work starts.
 
 The worker's loop is :mod:`cachekit._worker_main`: length-prefixed pickles over its stdin
 and stdout. The worker's own stdout is moved to stderr, so a print in a row function cannot

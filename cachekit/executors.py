@@ -7,17 +7,19 @@ complete. Three kinds, one contract (:meth:`ChunkRunner.run`):
 - ``"threads"``: the rows of a chunk run in a thread pool and are written in place into the
   output memmap; Pillow releases the GIL while it decodes and resizes. One worker runs the
   rows in the calling thread: a pool of one only adds hand-offs.
-- ``"processes"``: a pool of fresh worker interpreters this runner owns
-  (:mod:`cachekit._workers`): never ``fork`` (the builder has threads, whose locks a forked
-  child would inherit mid-use), and, unlike spawn or forkserver pools, the workers never
-  re-run the user's main script. Rows come back as arrays and are copied into the output.
+- ``"processes"``: the builder's own thread and ``workers - 1`` fresh worker interpreters
+  this runner owns (:mod:`cachekit._workers`): never ``fork`` (the builder has threads,
+  whose locks a forked child would inherit mid-use), and, unlike spawn or forkserver pools,
+  the workers never re-run the user's main script. Their rows come back as arrays and are
+  copied into the output; the builder's own rows are computed in place.
 - an Executor instance of the user (a process pool, loky, Dask's ``client.get_executor()``):
   pieces of chunks are submitted to it, their rows come back as arrays and are copied into
   the output here, so the executor's workers need no access to the cache's filesystem.
 
-Work travels as pieces: a chunk is cut into a few runs of consecutive rows so that every
-worker has work even when there are fewer chunks than workers, and at most a few pieces per
-worker are in flight, so memory stays bounded whatever the number of rows.
+Work travels as pieces: runs of consecutive rows, each a share of the rows not handed out
+yet (guided self-scheduling: large pieces first, small ones at the tail), cut within a chunk
+for threads and across chunks for other processes (:class:`_Cutter`). At most a few pieces
+per worker are in flight, so memory stays bounded whatever the number of rows.
 
 The default (``executor=None``) is :func:`default_executor`'s rule; see
 docs/build-engine.md for the measurements behind it.
@@ -450,8 +452,9 @@ def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) ->
     Why (benchmarks/bench_engine.py; numbers in docs/build-engine.md): 16% of a cover's
     decode holds the GIL (66% for 64x48 images), so Amdahl's law caps threads at 1.7x on 2
     cores, 4.6x on 16 and 5.6x on 64, where processes scale with the cores; but a worker
-    process costs 0.2-0.7 s to start (numpy, Pillow, cachekit), which a build of a few
-    thousand rows does not earn back: threads start at once and write in place.
+    process costs 0.3-0.4 s of CPU to start (numpy, Pillow, cachekit's row functions), which
+    a build of fewer than about a thousand rows does not earn back on 2 cores (the two broke
+    even at 1,024 rows, of covers and of 64x48 images): threads start at once.
     """
     if workers < 2 or rows is None or rows < PROCESSES_FROM_ROWS:
         return "threads"
