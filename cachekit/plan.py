@@ -29,11 +29,12 @@ MAX_CHUNK_ROWS = 1024
 """Rows per chunk at most, unless one page-aligned unit of rows alone is more."""
 MAX_CHUNK_BYTES = 32 << 20
 """Bytes per chunk at most (a process executor returns a chunk's rows as one array)."""
-CHUNKS_PER_WORKER = 8
+CHUNKS_PER_WORKER = 16
 """Chunks per worker to aim for, when the row count allows: enough that processes joining
-late still find free chunks. (Balance within one process's workers comes from the
-executors' pieces, which cut across chunks; each chunk costs a claim, an msync and a durable
-done record, a few milliseconds.)"""
+late still find free chunks, and that the last chunks, which joiners hold, end close
+together (two joined agents took 0.44x one's time with 16, 0.54x with 8). Balance among one
+process's own workers comes from the executors' pieces, which cut across chunks. Each chunk
+costs a claim, an msync and a durable done record: a few milliseconds."""
 PLAN_FORMAT = 1
 
 
