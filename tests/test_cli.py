@@ -197,9 +197,14 @@ def test_closed_output_exits_141_quietly(cache_root, three):
 
 def test_ctrl_c_at_the_confirmation_exits_130_and_removes_nothing(cache_root, three):
     master, slave = pty.openpty()
+    # A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored
+    # across exec (Python then installs no KeyboardInterrupt handler). A handled one is
+    # reset to the default, so the command gets Ctrl-C however pytest was started.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen([str(SCRIPT), "--root", str(cache_root), "clear", "--all"],
                                 stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        signal.signal(signal.SIGINT, previous)
         os.close(slave)
         asked, deadline = b"", time.monotonic() + 120
         while b"[y/N]" not in asked:
@@ -209,6 +214,7 @@ def test_ctrl_c_at_the_confirmation_exits_130_and_removes_nothing(cache_root, th
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
+        signal.signal(signal.SIGINT, previous)
         os.close(master)
     assert proc.returncode == 130
     assert err.decode().endswith("cachekit: error: interrupted\n") and b"Traceback" not in err
