@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _fs, arrays, plan as plans
-from .executors import RowTask, make_runner, usable_cpus  # noqa: F401 (re-exported)
+from .executors import RowTask, make_runner
 from .errors import Failure, NotAnArrayError, failure_reason
 from .journal import BuildGone, Claim, Journal, journal_name
 from .plan import Chunk, Plan
@@ -132,8 +132,8 @@ def fill(
         bar = _progress_bar(n, progress, description)
         try:
             with journal:
-                _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
-                failures = sorted(f for chunk in journal.done().values() for f in chunk)
+                done = _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
+                failures = sorted(f for chunk in done.values() for f in chunk)
         finally:
             bar.close()
     finally:
@@ -217,8 +217,9 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
 
 def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
               runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
-              bar: Any) -> None:
-    """Fill chunks until every chunk is done, by us or by others."""
+              bar: Any) -> dict[int, list[Failure]]:
+    """Fill chunks until every chunk is done, by us or by others; return every chunk's
+    failures (the done records, read once at the end)."""
     total = len(array)
     shown = journal.rows_done()
     bar.update(shown)
@@ -238,14 +239,15 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
         head = None
         held, free = journal.pending()
         if not held and not free:
-            missing = len(journal.plan.chunks) - len(journal.done())
-            if not missing:  # (done() drops unreadable records: those chunks run again)
-                break
+            done = journal.done()
+            if len(done) == len(journal.plan.chunks):  # (done() drops unreadable records:
+                break                                  # those chunks run again)
         elif not free:
             time.sleep(POLL_SECONDS)  # other processes fill the rest; take over any that die
         report()
     if total == 0 and on_chunk is not None:
         on_chunk(0, 0)
+    return done
 
 
 def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any],

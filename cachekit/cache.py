@@ -61,7 +61,7 @@ class Cache:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
         self.join = join
-        self.workers = workers if workers is not None else build.usable_cpus()
+        self.workers = workers if workers is not None else executors.usable_cpus()
         self.executor = executor
         self.progress = progress
         self._store = LocalStore(self.root)
