@@ -58,8 +58,9 @@ REMOTE_PIECE_ROWS = 256
 millisecond)."""
 CLUSTER_PIECE_ROWS = 1024
 """Largest piece sent to a user's Executor, such as a Dask cluster, where a task costs
-several milliseconds of scheduler and client time (at 64 rows a piece, a Dask LocalCluster
-on 2 cores spent a third of the CPU there)."""
+several milliseconds of scheduler and client time (at about 15 rows a piece, a Dask
+LocalCluster on 2 cores cost the builder 0.9 ms of CPU per image, against 0.25 ms with
+pieces of up to 1,024)."""
 REMOTE_PIECE_BYTES = 8 << 20
 """...and for both, its rows, pickled back, at most this many bytes (large rows, many
 workers: the pieces in flight stay a few hundred MB at most)."""
@@ -207,7 +208,7 @@ class _ChunkState:
     """A chunk being computed: complete once all its rows are handed out and came back."""
 
     chunk: ChunkLike
-    out: int = 0  # segments handed out and not back yet
+    outstanding: int = 0  # segments handed out and not back yet
     cut: bool = False  # every row handed out
     failures: list[Failure] = field(default_factory=list)
 
@@ -249,7 +250,7 @@ class _Cutter:
             state = self.current
             stop = min(state.chunk.stop, self.position + rows)
             segments.append(_Segment(state, self.position, stop))
-            state.out += 1
+            state.outstanding += 1
             rows -= stop - self.position
             if self.left is not None:
                 self.left = max(0, self.left - (stop - self.position))
@@ -421,8 +422,8 @@ def _finish(piece: list[_Segment], failures: list[Failure]
     for segment in piece:
         state = segment.state
         state.failures += [f for f in failures if segment.start <= f[0] < segment.stop]
-        state.out -= 1
-        if state.cut and state.out == 0:
+        state.outstanding -= 1
+        if state.cut and state.outstanding == 0:
             yield state.chunk, sorted(state.failures)
 
 
