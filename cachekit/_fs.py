@@ -305,8 +305,9 @@ def file_mode() -> int:
     return 0o666 & ~umask()
 
 
-def preallocate_fd(fd: int) -> None:
-    """Reserve the blocks of the open file ``fd`` now, so a full disk fails here with ENOSPC.
+def preallocate_fd(fd: int, offset: int = 0, length: Optional[int] = None) -> None:
+    """Reserve the blocks of the open file ``fd`` now (``length`` bytes from ``offset``;
+    default the whole file), so a full disk fails here with ENOSPC.
 
     Without it a sparse memmap hits the full disk on a page write, and the kernel kills the
     process with SIGBUS instead of raising. Filesystems that cannot preallocate are skipped.
@@ -314,9 +315,9 @@ def preallocate_fd(fd: int) -> None:
     if not hasattr(os, "posix_fallocate"):  # macOS, Windows
         return
     try:
-        size = os.fstat(fd).st_size
-        if size:
-            os.posix_fallocate(fd, 0, size)
+        size = os.fstat(fd).st_size - offset if length is None else length
+        if size > 0:
+            os.posix_fallocate(fd, offset, size)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise

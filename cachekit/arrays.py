@@ -30,9 +30,11 @@ on hosts with pages over 8 KiB."""
 
 
 def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
-                 dtype: np.dtype, *, align: int = HEADER_ALIGN) -> np.ndarray:
+                 dtype: np.dtype, *, align: int = HEADER_ALIGN,
+                 reserve: bool = True) -> np.ndarray:
     """Create a zero-filled .npy file ``name`` of ``shape`` in ``directory``, its blocks
-    reserved (a full disk fails here, not with SIGBUS later), and map it for writing: the
+    reserved (a full disk fails here, not with SIGBUS later; ``reserve=False`` leaves it
+    sparse for a caller that reserves the ranges it writes), and map it for writing: the
     map is made from the very file created, never reopened by name.
 
     The header is padded with spaces so the data start at a multiple of ``align`` bytes
@@ -45,7 +47,8 @@ def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
         f.flush()
         offset = f.tell()
         os.ftruncate(f.fileno(), offset + math.prod(shape) * dtype.itemsize)
-        _fs.preallocate_fd(f.fileno())
+        if reserve:
+            _fs.preallocate_fd(f.fileno())
         return _map(f, shape, dtype, "r+", offset)
 
 

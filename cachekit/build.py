@@ -13,8 +13,16 @@ heartbeat), so other processes can fill chunks of the same build at the same tim
 builder (:func:`fill`) and any number of joiners (:func:`join`), on this host or on other
 hosts of a shared root. The builder waits for the chunks that joiners hold, takes over
 those of joiners that die, and returns once every chunk is done, with every participant's
-failures. publish.py decides whether a dead builder's file may be reused at all, and who
-joins what.
+failures.
+
+Only the builder writes its data file. A joiner computes into a rows file of its own in the
+journal folder; the builder copies each chunk a joiner finished into its data file once the
+bytes match the checksum in the chunk's done record, and fills the chunk again when they do
+not. A resumed build copies the verified done chunks of dead builds (``resume_from``, build
+directories the caller claimed) into a file of its own, after checking their plan against
+its own key, rows and row template; it never writes into another build's files. So a builder
+or joiner that wakes after a pause longer than its lease writes only into files nobody
+publishes, and stops (:class:`~cachekit.journal.BuildGone`) once its build is gone.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import numpy as np
 from . import _fs, arrays, plan as plans
 from .executors import RowTask, make_runner
 from .errors import Failure, NotAnArrayError, failure_reason
-from .journal import BuildGone, Claim, Journal, journal_name
+from .journal import ROWS_PREFIX, BuildGone, Claim, Done, Journal, digest, journal_name
 from .plan import Chunk, Plan
 from .rows import as_row
 
@@ -47,6 +55,8 @@ class Filled:
     shape: tuple[int, ...]
     dtype: np.dtype
     failures: list[Failure] = field(default_factory=list)
+    resumed: int = 0
+    """Rows copied from the verified done chunks of dead builds."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,8 @@ def fill(
     on_chunk: ChunkCallback | None = None,
     progress: bool = False,
     description: str = "cachekit build",
-    resume: bool = True,
+    resume_from: Sequence[_fs.DirHandle] = (),
+    done_with_sources: Callable[[], None] | None = None,
     key: str = "",
     executor: Any = None,
 ) -> Filled:
@@ -111,34 +122,39 @@ def fill(
     exception unchanged. ``on_chunk(done, total)`` is called each time another chunk is
     written and flushed, with the rows done by every process.
 
-    With ``resume`` and a usable journal for ``name`` of the same row count, key (and
-    ``template``, if given), the done chunks are kept and not recomputed. The caller vouches
-    that they came from the same values and row function (publish.py checks the key and
-    cachekit version).
+    ``resume_from``: build directories of dead builds of this user that the caller claimed.
+    Those whose plan has this ``key``, this row count and ``template`` (if given) give
+    their done chunks, copied only where the bytes match the chunk's checksum; the other
+    chunks are computed. The caller vouches that the directories are its own (publish.py
+    checks their owner and cachekit version). ``done_with_sources()`` is called once
+    nothing more is read from them (the caller may then delete them).
     """
     n = len(values)
     task = RowTask(row_fn, record)
     runner = make_runner(executor, workers, task, rows=n)  # first: it refuses what cannot run
     try:
-        started = _resumed(directory, name, n, template, key) if resume else None
+        directory.remove_tree(journal_name(name))
+        directory.unlink(name)
+        resumed = _resume(directory, name, n, resume_from, template, key)
+        if done_with_sources is not None:
+            done_with_sources()
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
-        if started is None:
-            directory.remove_tree(journal_name(name))
-            directory.unlink(name)
+        if resumed is None:
             journal, array, head = _start(directory, name, values, task, template, key,
                                           workers)
+            copied = 0
         else:
-            journal, array = started
+            journal, array, copied = resumed
         bar = _progress_bar(n, progress, description)
         try:
             with journal:
                 done = _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
-                failures = sorted(f for chunk in done.values() for f in chunk)
+                failures = sorted(f for chunk in done.values() for f in chunk.failures)
         finally:
             bar.close()
     finally:
         runner.close()
-    return Filled(shape=array.shape, dtype=array.dtype, failures=failures)
+    return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied)
 
 
 def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
@@ -146,10 +162,12 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
          key: str, executor: Any = None) -> Optional[Joined]:
     """Fill chunks that nobody holds of another process's build in ``directory`` (opened
     by handle, and of this user), until none is left; None when it cannot be joined (no
-    plan yet, or a plan of other rows). Writes only claims, done records and rows.
+    plan yet, or a plan of other rows). Writes only claims, done records and a rows file
+    of its own in the build's journal folder: never the builder's data file.
 
-    Returns as soon as no chunk is free: the builder waits for the claims it leaves and
-    commits. If the build is committed or discarded meanwhile, stops and says what it did.
+    Returns as soon as no chunk is free: the builder waits for the claims it leaves, copies
+    the rows in and commits. If the build is committed, discarded or taken over meanwhile,
+    stops and says what it did.
     """
     try:
         own = os.fstat(directory.fd)
@@ -160,23 +178,57 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         return None
     with journal:
         planned = journal.plan
-        if (planned.key != key or planned.rows != len(values)
-                or (template is not None and not _same_template(planned, template))):
+        if not _plan_fits(planned, len(values), template, key) or planned.rows == 0:
             return None
         try:
-            array = _open_planned(directory, name, planned)
+            rows_file = _RowsFile.create(journal, planned)
         except (OSError, ValueError):
             return None
         runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
         filled = rows = 0
         try:
-            for chunk in _run_claimed(journal, array, values, runner):
+            for chunk in _run_claimed(journal, rows_file.array, values, runner,
+                                      rows_file=rows_file):
                 filled, rows = filled + 1, rows + chunk.rows
         except BuildGone:
-            pass  # published (or failed) meanwhile: the caller looks again
+            pass  # published, failed or taken over meanwhile: the caller looks again
         finally:
             runner.close()
+            rows_file.close()
         return Joined(filled, rows, len(planned.chunks))
+
+
+class _RowsFile:
+    """A joiner's own rows file: a sparse .npy of the plan's layout in the journal folder,
+    whose blocks are reserved chunk by chunk as the joiner claims them (a full disk then
+    fails the claim with ENOSPC, never a page write with SIGBUS)."""
+
+    def __init__(self, name: str, fd: int, array: np.ndarray) -> None:
+        self.name, self.fd, self.array = name, fd, array
+
+    @classmethod
+    def create(cls, journal: Journal, planned: Plan) -> "_RowsFile":
+        name = f"{ROWS_PREFIX}{_fs.unique_suffix()}"
+        array = arrays.create_array(journal.dir, name, planned.shape, planned.dtype,
+                                    align=planned.page, reserve=False)
+        try:
+            if _data_offset(array, journal.dir, name) != planned.offset:
+                raise ValueError("a rows file whose layout differs from the plan's")
+            with journal.dir.open_file(name, writable=True) as f:
+                fd = os.dup(f.fileno())
+        except BaseException:
+            del array
+            journal.dir.unlink(name)
+            raise
+        return cls(name, fd, array)
+
+    def reserve(self, first: int, end: int) -> None:
+        _fs.preallocate_fd(self.fd, first, end - first)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
@@ -201,7 +253,8 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
             row, result = first
             array[row] = result
             for chunk in planned.chunks[:planned.chunk_of(row).index]:
-                journal.mark_done(chunk, [f for f in failures if chunk.start <= f[0] < chunk.stop])
+                journal.mark_done(chunk, [f for f in failures if chunk.start <= f[0] < chunk.stop],
+                                  digest(array[chunk.start:chunk.stop]))
             chunk = planned.chunk_of(row)
             claim = journal.claim(chunk)
             head = (claim, Chunk(chunk.index, row + 1, chunk.stop),
@@ -217,12 +270,15 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
 
 def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
               runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
-              bar: Any) -> dict[int, list[Failure]]:
-    """Fill chunks until every chunk is done, by us or by others; return every chunk's
-    failures (the done records, read once at the end)."""
+              bar: Any) -> dict[int, Done]:
+    """Fill chunks until every chunk is done and its rows are in ``array``, computed here
+    or copied in from the rows files of joiners; return every chunk's done record (read
+    once at the end)."""
     total = len(array)
     shown = journal.rows_done()
     bar.update(shown)
+    held_here = journal.marked  # done by us: computed here, or put here by _start or a resume
+    joined = _JoinedRows(journal, array)
 
     def report() -> None:
         nonlocal shown
@@ -233,28 +289,110 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
             if on_chunk is not None:
                 on_chunk(done, total)
 
-    while True:
-        for _ in _run_claimed(journal, array, values, runner, head):
+    try:
+        while True:
+            for _ in _run_claimed(journal, array, values, runner, head):
+                report()
+            head = None
+            joined.copy_in(held_here)
+            held, free = journal.pending()
+            if not held and not free:
+                done = journal.done()
+                if len(done) == len(journal.plan.chunks) and held_here.issuperset(done):
+                    break  # (done() drops unreadable records: those chunks run again)
+            elif not free:
+                time.sleep(POLL_SECONDS)  # others fill the rest; take over any that die
             report()
-        head = None
-        held, free = journal.pending()
-        if not held and not free:
-            done = journal.done()
-            if len(done) == len(journal.plan.chunks):  # (done() drops unreadable records:
-                break                                  # those chunks run again)
-        elif not free:
-            time.sleep(POLL_SECONDS)  # other processes fill the rest; take over any that die
-        report()
+    finally:
+        joined.close()
     if total == 0 and on_chunk is not None:
         on_chunk(0, 0)
     return done
 
 
+class _JoinedRows:
+    """The builder's side of joining: copy each chunk a joiner recorded done from the
+    joiner's rows file into the builder's own data file, if its bytes match the record's
+    checksum; otherwise drop the record, so that the chunk is filled again."""
+
+    def __init__(self, journal: Journal, array: np.ndarray) -> None:
+        self.journal, self.array = journal, array
+        self.files: dict[str, Optional[Any]] = {}
+
+    def copy_in(self, held_here: set[int]) -> None:
+        """Copy in every done chunk not yet in ``held_here``, adding it there."""
+        if len(held_here) == len(self.journal.plan.chunks):
+            return
+        planned = self.journal.plan
+        waiting = [c.index for c in planned.chunks if c.index not in held_here]
+        for index, record in self.journal.done(only=waiting).items():
+            chunk = planned.chunks[index]
+            source = self._open(record.file)
+            if source is not None and copy_chunk(source, planned, chunk, record, self.array):
+                held_here.add(index)
+            else:
+                self.journal.drop_done(chunk)
+
+    def _open(self, name: Optional[str]) -> Optional[Any]:
+        if name is None:
+            return None  # "in the builder's data file", yet not put there by this builder
+        if name not in self.files:
+            self.files[name] = _open_rows_file(self.journal.dir, name, self.journal.plan)
+        return self.files[name]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            if f is not None:
+                f.close()
+        self.files.clear()
+
+
+def _open_rows_file(directory: _fs.DirHandle, name: str, planned: Plan) -> Optional[Any]:
+    """Open a rows file (a joiner's, or a dead build's data file) of ``directory`` to copy
+    from: a regular file of this user whose header and size are the plan's; else None."""
+    try:
+        f = directory.open_file(name)
+    except OSError:
+        return None
+    try:
+        if os.fstat(f.fileno()).st_uid != os.geteuid():
+            raise ValueError("another user's file")
+        if arrays.check_header(f, directory.path / name, planned.shape,
+                               planned.dtype) != planned.offset:
+            raise ValueError("a file whose layout differs from the plan's")
+    except (OSError, ValueError):
+        f.close()
+        return None
+    return f
+
+
+def copy_chunk(source: Any, planned: Plan, chunk: Chunk, record: Done,
+               out: np.ndarray) -> bool:
+    """Copy the bytes of ``chunk`` from the open file ``source`` (laid out as ``planned``)
+    into ``out`` and flush them, if they match ``record``'s checksum; False otherwise.
+
+    The bytes are read once into memory, checked there and written from there: a process
+    that still writes into ``source`` cannot change what is copied after the check."""
+    first, end = planned.byte_range(chunk)
+    try:
+        data = os.pread(source.fileno(), end - first, first)
+    except OSError:
+        return False
+    if len(data) != end - first or digest(data) != record.digest:
+        return False
+    out[chunk.start:chunk.stop] = np.frombuffer(data, planned.dtype).reshape(
+        (chunk.rows, *planned.row_shape))
+    arrays.flush_bytes(out, first, end)
+    return True
+
+
 def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any],
-                 runner: Callable[[], Any], head: Any = None) -> Iterator[Chunk]:
-    """Claim free chunks as the runner asks for them, compute them, flush each and record it
-    done; yield each chunk this process finished. Claims not finished are released.
-    ``runner()`` gives the chunk runner, asked for only once a chunk is claimed."""
+                 runner: Callable[[], Any], head: Any = None,
+                 rows_file: Optional[_RowsFile] = None) -> Iterator[Chunk]:
+    """Claim free chunks as the runner asks for them, compute them into ``array``, flush
+    each and record it done with its checksum; yield each chunk this process finished.
+    Claims not finished are released. ``runner()`` gives the chunk runner, asked for only
+    once a chunk is claimed. ``rows_file``: a joiner's, which ``array`` maps."""
     planned = journal.plan
     claims: dict[int, tuple[Claim, list[Failure]]] = {}
 
@@ -265,18 +403,22 @@ def _run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any],
             yield rest
         for claim in journal.claimable(planned.chunks):
             claims[claim.chunk.index] = (claim, [])
+            if rows_file is not None:
+                rows_file.reserve(*planned.byte_range(claim.chunk))
             yield claim.chunk
 
     source = chunks()
+    file = None if rows_file is None else rows_file.name
     try:
         first = next(source, None)
         if first is None:
             return
         for chunk, failures in runner().run(itertools.chain([first], source), values, array):
             claim, earlier = claims.pop(chunk.index)
-            arrays.flush_bytes(array, *planned.byte_range(claim.chunk))
-            if claim.finish(earlier + failures):
-                yield claim.chunk
+            done = claim.chunk
+            arrays.flush_bytes(array, *planned.byte_range(done))
+            if claim.finish(earlier + failures, digest(array[done.start:done.stop]), file):
+                yield done
     finally:
         for claim, _ in claims.values():
             claim.release()
@@ -301,31 +443,86 @@ class _LazyRunner:
             self.runner.close()
 
 
-def _resumed(directory: _fs.DirHandle, name: str, n: int, template: Any, key: str):
-    """(journal, writable array) of a usable partial fill of ``name``, or None."""
+def _resume(directory: _fs.DirHandle, name: str, n: int, sources: Sequence[_fs.DirHandle],
+            template: Any, key: str) -> Optional[tuple[Journal, np.ndarray, int]]:
+    """Start a fill of ``name`` from the verified done chunks of the partial fills of
+    ``name`` in ``sources``: (journal, writable array, rows copied), or None when no
+    source has a usable plan. The first source whose plan fits (``_plan_fits``) gives the
+    plan; sources of another plan are skipped. The plan is written last (from then on the
+    build may be joined)."""
+    journal: Optional[Journal] = None
+    array: Any = None
+    copied = 0
     try:
-        journal = Journal.open(directory, name)
-    except (OSError, ValueError):
-        return None
+        for source in sources:
+            try:
+                dead = Journal.open(source, name)
+            except (OSError, ValueError):
+                continue
+            with dead:
+                planned = dead.plan
+                if not _plan_fits(planned, n, template, key) or planned.rows == 0:
+                    continue
+                data = _open_rows_file(source, name, planned)
+                if data is None:
+                    continue  # its data file disagrees with its plan: trust neither
+                data.close()
+                if journal is None:
+                    array = arrays.create_array(directory, name, planned.shape, planned.dtype,
+                                                align=planned.page)
+                    if _data_offset(array, directory, name) != planned.offset:
+                        del array
+                        directory.unlink(name)
+                        continue
+                    journal = Journal.create(directory, name)
+                    journal.plan = planned
+                elif planned != journal.plan:
+                    continue
+                copied += _copy_done(dead, source, name, journal, array)
+        if journal is None:
+            return None
+        journal.write_plan(journal.plan)
+    except BaseException:
+        if journal is not None:
+            journal.close()
+        raise
+    return journal, array, copied
+
+
+def _copy_done(dead: Journal, source: _fs.DirHandle, name: str, journal: Journal,
+               out: np.ndarray) -> int:
+    """Copy the done chunks of the dead fill ``dead`` that ``journal`` lacks into ``out``,
+    each from the dead build's data file or the joiner's rows file its record names, where
+    the bytes match its checksum, and record them done; the rows copied."""
     planned = journal.plan
+    files = {None: _open_rows_file(source, name, planned)}
+    copied = 0
     try:
-        if planned.rows != n or (key and planned.key != key) or (
-                template is not None and not _same_template(planned, template)):
-            raise ValueError("a journal of another fill")
-        return journal, _open_planned(directory, name, planned)
-    except (OSError, ValueError, TypeError):
-        journal.close()
-        return None
+        have = set(journal.done_indices())
+        for index, record in dead.done(drop_bad=False).items():
+            if index in have:
+                continue
+            if record.file is not None and record.file not in files:
+                files[record.file] = _open_rows_file(dead.dir, record.file, planned)
+            chunk = planned.chunks[index]
+            for f in (files[None], files.get(record.file)):
+                if f is not None and copy_chunk(f, planned, chunk, record, out):
+                    journal.mark_done(chunk, record.failures, record.digest)
+                    copied += chunk.rows
+                    break
+    finally:
+        for f in files.values():
+            if f is not None:
+                f.close()
+    return copied
 
 
-def _open_planned(directory: _fs.DirHandle, name: str, planned: Plan) -> np.ndarray:
-    """Map the data file of ``planned`` for writing (checked: its header, size and data
-    offset), through ``directory``: never by a path that another process could swap."""
-    array = arrays.open_writable(directory, name)
-    if (array.shape != planned.shape or array.dtype != planned.dtype
-            or _data_offset(array, directory, name) != planned.offset):
-        raise ValueError("the data file does not match the plan")
-    return array
+def _plan_fits(planned: Plan, n: int, template: Any, key: str) -> bool:
+    """Whether a plan read from a build directory is one of this very fill: the caller's
+    key, row count and (when known) row template, checked before anything it sizes is
+    read or allocated."""
+    return (planned.key == key and planned.rows == n
+            and (template is None or _same_template(planned, template)))
 
 
 def _data_offset(array: np.ndarray, directory: _fs.DirHandle, name: str) -> int:

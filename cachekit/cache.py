@@ -173,7 +173,9 @@ class Cache:
             filled = build.fill(current.dir, DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record, key=key,
                                 executor=self.executor, template=template, on_chunk=on_chunk,
-                                progress=self._show_progress(), description=f"cachekit {kind}")
+                                progress=self._show_progress(), description=f"cachekit {kind}",
+                                resume_from=current.resume_from,
+                                done_with_sources=current.drop_resumed)
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures)
             return publish.Built(

@@ -12,19 +12,28 @@ needs no lock and means the same on every host of a shared root::
                     heartbeat (cachekit.liveness): when it is older than the lease, or the
                     owner is a gone process of this host, anyone may claim C again as G+1.
                     The owner removes it once C is done, or when it gives C up
-    done.C          chunk C's rows are on disk (flushed before this was written) and these
-                    rows of it failed: written once, by whoever finished C first
+    done.C          chunk C's rows are on disk (flushed before this was written), their
+                    checksum, the file that holds them, and which rows of it failed:
+                    written once, by whoever finished C first
+    rows.HOST.PID.UUID
+                    a joiner's own rows file (a sparse .npy of the plan's layout): a joiner
+                    computes into it, never into the builder's data file
 
-A chunk is done exactly when ``done.C`` exists, so a resumed build skips exactly the done
-chunks, wherever they are. A process only ever writes the records it creates, through a
-handle on this folder, and never by a path that another process could swap.
+Only the builder writes its data file. A chunk a joiner finished is in the joiner's rows
+file until the builder copies it in, checking its checksum; a resumed build copies the
+verified done chunks of a dead one into a file of its own. So no file that is published is
+ever writable by a process that may still be alive (a joiner or builder paused past its
+lease). A process only ever writes the records it creates, through a handle on this
+folder, and never by a path that another process could swap.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from . import _fs, liveness
@@ -33,7 +42,10 @@ from .plan import Chunk, Plan
 
 SUFFIX = ".chunks"
 PLAN_FILE = "plan.json"
+ROWS_PREFIX = "rows."
 _RECORD_LIMIT = 64 << 20
+_DIGEST = "blake2b-128:"
+_GONE = (errno.ENOENT, errno.ESTALE)
 
 
 class BuildGone(CachekitError):
@@ -54,6 +66,21 @@ def journal_name(name: str) -> str:
     return name + SUFFIX
 
 
+def digest(data: Any) -> str:
+    """The checksum of a chunk's bytes (any C-contiguous buffer) in its done record."""
+    return _DIGEST + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Done:
+    """A done record: the chunk's failed rows, the checksum of its bytes, and the rows file
+    of the joiner that holds them (None: the build's own data file)."""
+
+    failures: list[Failure]
+    digest: str
+    file: Optional[str] = None
+
+
 class Claim:
     """A chunk this process holds: the open claim file, its heartbeat beating."""
 
@@ -61,16 +88,14 @@ class Claim:
         self.journal, self.chunk, self.name, self._fd = journal, chunk, name, fd
         self._heartbeat = liveness.Heartbeat(fd).start()
 
-    def finish(self, failures: list[Failure]) -> bool:
-        """Record the chunk done (its rows must already be flushed), then drop the claim;
-        False when another process recorded it first. BuildGone when the build was
-        committed or discarded meanwhile (its journal folder is gone)."""
+    def finish(self, failures: list[Failure], checksum: str,
+               file: Optional[str] = None) -> bool:
+        """Record the chunk done (its rows must already be flushed, ``checksum`` theirs, in
+        ``file``: None for the build's data file), then drop the claim; False when another
+        process recorded it first. BuildGone when the build was committed, discarded or
+        taken over meanwhile (its journal folder is gone)."""
         try:
-            return self.journal.mark_done(self.chunk, failures)
-        except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ESTALE):
-                raise BuildGone(str(self.journal.dir.path)) from e
-            raise
+            return self.journal.mark_done(self.chunk, failures, checksum, file)
         finally:
             self.release()
 
@@ -95,6 +120,8 @@ class Journal:
     def __init__(self, directory: _fs.DirHandle, plan: Optional[Plan] = None) -> None:
         self.dir = directory
         self.plan = plan
+        self.marked: set[int] = set()
+        """The chunks this process recorded done through this handle."""
 
     @classmethod
     def create(cls, build_dir: _fs.DirHandle, name: str) -> "Journal":
@@ -135,12 +162,17 @@ class Journal:
     # Claims -----------------------------------------------------------------------------
 
     def claim(self, chunk: Chunk, generation: int = 0) -> Optional[Claim]:
-        """Create ``claim.C.G``; None when another process made it first."""
+        """Create ``claim.C.G``; None when another process made it first. BuildGone when
+        the journal folder is gone (committed, discarded or taken over meanwhile)."""
         name = f"claim.{chunk.index}.{generation}"
         try:
             fd = self.dir.create(name)
         except FileExistsError:
             return None
+        except OSError as e:
+            if e.errno in _GONE:
+                raise BuildGone(str(self.dir.path)) from e
+            raise
         try:
             data = _dumps(_fs.owner())
             view = memoryview(data)
@@ -202,10 +234,25 @@ class Journal:
 
     # Done records -----------------------------------------------------------------------
 
-    def mark_done(self, chunk: Chunk, failures: list[Failure]) -> bool:
+    def mark_done(self, chunk: Chunk, failures: list[Failure], checksum: str,
+                  file: Optional[str] = None) -> bool:
+        """Create ``done.C``; False when it exists. BuildGone when the folder is gone."""
         record = {"chunk": chunk.index, "start": chunk.start, "stop": chunk.stop,
-                  "failures": [list(f) for f in failures], "by": _fs.owner()}
-        return self.dir.publish_new(f"done.{chunk.index}", _dumps(record))
+                  "failures": [list(f) for f in failures], "digest": checksum,
+                  "file": file, "by": _fs.owner()}
+        try:
+            made = self.dir.publish_new(f"done.{chunk.index}", _dumps(record))
+        except OSError as e:
+            if e.errno in _GONE:
+                raise BuildGone(str(self.dir.path)) from e
+            raise
+        if made:
+            self.marked.add(chunk.index)
+        return made
+
+    def drop_done(self, chunk: Chunk) -> None:
+        """Remove ``done.C`` (its bytes failed their check), so that C is filled again."""
+        self.dir.unlink(f"done.{chunk.index}")
 
     def is_done(self, chunk: Chunk) -> bool:
         try:
@@ -223,16 +270,20 @@ class Journal:
                 out.append(int(name[5:]))
         return sorted(out)
 
-    def done(self, *, drop_bad: bool = True) -> dict[int, list[Failure]]:
-        """chunk index -> the failures of that done chunk. A done record that cannot be
-        read or does not match the plan counts as not done; with ``drop_bad`` (the builder,
-        whose build this is) it is removed, so that the chunk is filled again."""
+    def done(self, *, drop_bad: bool = True, only: Optional[Iterable[int]] = None
+             ) -> dict[int, Done]:
+        """chunk index -> the record of that done chunk (of the chunks ``only``, if given).
+        A done record that cannot be read or does not match the plan counts as not done;
+        with ``drop_bad`` (the builder, whose build this is) it is removed, so that the
+        chunk is filled again."""
         chunks = self.plan.chunks
-        out: dict[int, list[Failure]] = {}
+        wanted = None if only is None else set(only)
+        out: dict[int, Done] = {}
         for index in self.done_indices():
+            if wanted is not None and index not in wanted:
+                continue
             try:
-                raw = self._read(f"done.{index}")
-                out[index] = _failures(raw, chunks[index])
+                out[index] = _done_record(self._read(f"done.{index}"), chunks[index])
             except (OSError, ValueError):
                 if drop_bad:
                     self.dir.unlink(f"done.{index}")
@@ -261,11 +312,24 @@ def _newest_claims(names: list[str]) -> dict[int, int]:
     return newest
 
 
-def _failures(raw: Any, chunk: Chunk) -> list[Failure]:
+def is_rows_file(name: str) -> bool:
+    """Whether ``name`` is a joiner's rows file (in a journal folder)."""
+    return name.startswith(ROWS_PREFIX) and "/" not in name and name not in (".", "..")
+
+
+def _done_record(raw: Any, chunk: Chunk) -> Done:
     if not (isinstance(raw, dict) and raw.get("chunk") == chunk.index
             and raw.get("start") == chunk.start and raw.get("stop") == chunk.stop
-            and isinstance(raw.get("failures"), list)):
+            and isinstance(raw.get("failures"), list)
+            and isinstance(raw.get("digest"), str) and raw["digest"].startswith(_DIGEST)):
         raise ValueError("a done record that does not match the plan")
+    file = raw.get("file")
+    if not (file is None or (isinstance(file, str) and is_rows_file(file))):
+        raise ValueError("a done record naming a file that is not a rows file")
+    return Done(_failures(raw, chunk), raw["digest"], file)
+
+
+def _failures(raw: dict[str, Any], chunk: Chunk) -> list[Failure]:
     out = []
     for item in raw["failures"]:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], int)

@@ -6,7 +6,9 @@ shares a cache root:
 
 ``os`` (default)
     ``filelock.FileLock``: flock(2), released by the kernel when its holder dies. Right for
-    local disks and for network filesystems whose locks work.
+    local disks and for network filesystems whose locks work. Its holder also keeps a
+    record ``KEY.lock.holder`` (owner; its mtime a heartbeat), so that a waiter can tell a
+    holder that works from a process that only sits on the lock.
 ``soft``
     A lock file created with O_EXCL that records its owner (host, pid) and whose mtime the
     holder refreshes from a heartbeat thread. It is stale, and taken over, when its holder
@@ -35,6 +37,7 @@ from .errors import CacheCorruptError
 LOCK_ENV = "CACHEKIT_LOCK"
 KINDS = ("os", "soft", "none")
 SOFT_SUFFIX = ".soft"
+HOLDER_SUFFIX = ".holder"
 _POLL_SECONDS = 0.05
 _RECORD_LIMIT = 4096
 
@@ -67,13 +70,27 @@ class BuildLock:
         """How a user frees this lock when its holder is stuck, for error messages."""
         raise NotImplementedError
 
+    def holder_alive(self) -> bool:
+        """Whether whoever holds the lock shows a heartbeat (by :mod:`cachekit.liveness`).
+        A waiter stops waiting for a holder that shows none for a lease (publish.py)."""
+        return False
+
 
 class OsLock(BuildLock):
-    """flock(2) through filelock; the lock file respects the umask (for shared caches)."""
+    """flock(2) through filelock; the lock file respects the umask (for shared caches).
+
+    Holding it, the holder keeps ``KEY.lock.holder``: its owner record, the mtime refreshed
+    by a heartbeat on the open file (written through a handle on the lock folder, replaced
+    by rename, never written through a name)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._lock = filelock.FileLock(str(path), mode=_fs.file_mode())
+        self._record: Optional[_HolderRecord] = None
+
+    @property
+    def holder_path(self) -> Path:
+        return self.path.with_name(self.path.name + HOLDER_SUFFIX)
 
     def acquire(self, timeout: float) -> bool:
         try:
@@ -86,10 +103,27 @@ class OsLock(BuildLock):
             raise CacheCorruptError(self.path, f"the lock file is a symlink or not a file "
                                     f"({e.strerror})", "remove it, and cachekit makes a new "
                                     "one") from None
+        try:
+            self._record = _HolderRecord.write(self.holder_path)
+        except OSError:
+            self._record = None  # waiters then go on without us after a lease: slower, safe
         return True
 
     def release(self) -> None:
+        if self._record is not None:
+            self._record.remove()
+            self._record = None
         self._lock.release()
+
+    def holder_alive(self) -> bool:
+        try:
+            with _fs.DirHandle.open(self.path.parent) as folder:
+                with folder.open_file(self.holder_path.name) as f:
+                    beat = os.fstat(f.fileno()).st_mtime
+                    record = json.loads(f.read(_RECORD_LIMIT))
+        except (OSError, ValueError):
+            return False
+        return liveness.is_alive(record if isinstance(record, dict) else None, beat)
 
     def release_hint(self) -> str:
         return ("the kernel releases this lock when its holder exits: wait for that process "
@@ -159,6 +193,13 @@ class SoftLock(BuildLock):
             os.close(self._fd)
             self._fd = self._identity = None
 
+    def holder_alive(self) -> bool:
+        try:
+            beat = os.lstat(self.path).st_mtime
+        except FileNotFoundError:
+            return False
+        return liveness.is_alive(self.owner(), beat, lease=self.lease)
+
     def owner(self) -> Optional[dict[str, Any]]:
         """The record of the current holder, or None when free or unreadable."""
         try:
@@ -214,6 +255,44 @@ class SoftLock(BuildLock):
                         raise
         finally:
             _fs.remove_file(aside)
+
+
+class _HolderRecord:
+    """The OS lock holder's record: written as a fresh file, renamed over the last holder's,
+    and beating until removed."""
+
+    def __init__(self, folder: _fs.DirHandle, name: str, fd: int) -> None:
+        self.folder, self.name, self.fd = folder, name, fd
+        self.heartbeat = liveness.Heartbeat(fd).start()
+
+    @classmethod
+    def write(cls, path: Path) -> "_HolderRecord":
+        folder = _fs.DirHandle.open(path.parent)
+        try:
+            tmp = f".{path.name}.{_fs.unique_suffix()}.tmp"
+            fd = folder.create(tmp, _fs.file_mode())
+            try:
+                os.write(fd, json.dumps(_fs.owner()).encode() + b"\n")
+                os.rename(tmp, path.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
+            except BaseException:
+                os.close(fd)
+                folder.unlink(tmp)
+                raise
+        except BaseException:
+            folder.close()
+            raise
+        return cls(folder, path.name, fd)
+
+    def remove(self) -> None:
+        self.heartbeat.stop()
+        try:
+            if _fs.same_file(self.folder.lstat(self.name), os.fstat(self.fd)):
+                self.folder.unlink(self.name)
+        except OSError:
+            pass  # replaced or gone: a stale record only lets waiters go on after a lease
+        finally:
+            os.close(self.fd)
+            self.folder.close()
 
 
 def make_lock(path: Path, kind: Optional[str] = None) -> BuildLock:

@@ -9,9 +9,10 @@ other uses the winner's entry. Readers of published entries never take a lock.
 A process that misses takes the key's build lock (one builder per host, or per root where
 locks work across hosts). Holding it, it also waits while another builder of the key is
 alive by the heartbeat rule of :mod:`cachekit.liveness`: a builder on another host whose
-lock this host cannot see. When no live builder is left, it resumes the most advanced
-dead build (one with a usable chunk journal, made by this cachekit version), removes the
-other dead ones, or starts afresh.
+lock this host cannot see. When no live builder is left, it claims the dead builds of
+the key that its own user made with this cachekit version (the build then copies their
+verified done chunks into a file of its own) and removes this user's other dead ones; another
+user's build state is never resumed, copied or joined.
 
 While it waits, a process given a join function (a per-row build, ``Cache(join=True)``)
 joins a live build of the key made by its own user, on this host or another: it fills the
@@ -28,10 +29,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-from . import _fs, build, locks
+from . import _fs, build, liveness, locks
 from ._version import __version__
 from .errors import CacheCorruptError, ImageDecodeError, LockTimeout
-from .manifest import DATA_FILE, Manifest
+from .journal import BuildGone
+from .manifest import Manifest
 from .stores import Build, BuildState, LocalStore, Published
 
 if TYPE_CHECKING:
@@ -43,6 +45,8 @@ JOIN_POLL_SECONDS = 0.05
 fills fewer chunks."""
 WAIT_REPORT_SECONDS = 10.0
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_TAKEOVERS = 3
+"""Times a call goes back to waiting after its own build was taken over."""
 
 ChunkCallback = build.ChunkCallback
 
@@ -88,7 +92,30 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
     With ``join``, fill chunks of a live build of the key while waiting for it. With
     ``remote``, a local miss looks the key up there before building, and a build is
     uploaded after its local commit (:mod:`cachekit.remote_tier`); a local hit never
-    touches the remote."""
+    touches the remote.
+
+    A build of ours that another process took over (we were paused past the lease, and it
+    claimed our directory) stops writing at once: we then wait for, or join, the build that
+    took it over, as any waiter does, and return its entry."""
+    for attempt in range(_TAKEOVERS):
+        try:
+            return _obtain_once(store, key, build_fn, lock_timeout=lock_timeout,
+                                announce=announce, join=join, remote=remote)
+        except BuildGone:
+            if attempt == _TAKEOVERS - 1:
+                raise
+            if announce:
+                print(f"cachekit: pid {os.getpid()}'s build of entry {key[:12]} was taken over "
+                      "by another process while this one was paused past the lease "
+                      f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
+                      "waits for that build's entry", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
+                 lock_timeout: Optional[float], announce: bool,
+                 join: Optional[JoinFunction],
+                 remote: Optional["remote_tier.Tier"]) -> Outcome:
     asked = time.time()
     found = store.lookup(key)
     if found is not None:
@@ -115,7 +142,8 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
         # "built" even when another builder's rename won the race: this call did the work.
         return Outcome(_build_and_commit(store, key, build_fn, announce), "built", waited)
     finally:
-        build_lock.release()
+        if waiting.locked:
+            build_lock.release()
 
 
 def obtain_and_open(store: LocalStore, key: str, build_fn: BuildFunction,
@@ -149,23 +177,48 @@ class _Wait:
         self.filled = self.rows_filled = 0
         self.started = time.monotonic()
         self.next_report = self.started + POLL_SECONDS * 4
+        self.locked = False
+        self.lease = liveness.lease_from_env()
+        self.last_sign_of_life = self.started
 
     @property
     def seconds(self) -> float:
         return time.monotonic() - self.started
 
     def for_lock(self) -> Optional[Published]:
-        """Acquire the lock; return early with the entry if its builder publishes meanwhile."""
+        """Acquire the lock; return early with the entry if its builder publishes meanwhile.
+
+        A lock whose holder shows no sign of life for a whole lease (no heartbeat of its
+        own, no live build of the key) blocks nobody forever: we then go on without it and
+        build in a directory of our own, which the atomic commit makes safe (a duplicate
+        build at worst, if that holder was in fact about to build)."""
         while True:
             remaining = self._remaining()
             slice_ = self.poll if remaining is None else max(0.0, min(self.poll, remaining))
             if self.lock.acquire(timeout=slice_):
+                self.locked = True
                 return None
             found = self.store.lookup(self.key)
             if found is not None:
                 return found
             self._join_live_builds()
+            if self._holder_shows_no_life():
+                if self.announce:
+                    print(f"cachekit: the build lock of entry {self.key[:12]} has been held for "
+                          f"{self.seconds:.0f} s by a process that shows no heartbeat; "
+                          f"pid {os.getpid()} builds in a directory of its own and publishes "
+                          "atomically (if that holder builds after all, the first to publish "
+                          "wins)", file=sys.stderr, flush=True)
+                return None
             self._tick(remaining)
+
+    def _holder_shows_no_life(self) -> bool:
+        """Whether neither the lock's holder nor any build of the key has shown a heartbeat
+        for a lease, as this process saw on its own clock."""
+        now = time.monotonic()
+        if self.lock.holder_alive() or any(s.alive for s in self.store.builds(self.key)):
+            self.last_sign_of_life = now
+        return now - self.last_sign_of_life > self.lease
 
     def for_live_builders(self) -> Optional[Published]:
         """Holding the lock, wait while a builder of the key is alive (on another host, or
@@ -280,12 +333,16 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         raise
     started = time.monotonic()
     try:
-        resumed = _resume_dead_builds(store, current)
-        if resumed and announce:
-            print(f"cachekit: resuming the build of entry {key[:12]}: {resumed} rows were done "
-                  "by a builder that died; only the other chunks are filled", file=sys.stderr,
+        claimed = _claim_dead_builds(store, current)
+        if claimed and announce:
+            print(f"cachekit: resuming the build of entry {key[:12]} from {claimed} dead "
+                  "build(s) of this user: their done chunks whose bytes match their "
+                  "checksums are copied, only the other chunks are filled", file=sys.stderr,
                   flush=True)
         made = build_fn(current, current.progress)
+        current.drop_resumed()
+        if not current.still_ours():
+            raise BuildGone(str(current.path))
         files = store.seal(current, made.files)
         manifest = Manifest(
             key=key, kind=made.kind, rows=made.rows, files=files, created=time.time(),
@@ -309,14 +366,6 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
     return published
 
 
-def _progress_of(store: LocalStore, state: BuildState) -> Optional[build.Progress]:
-    try:
-        with store.open_build_dir(state) as directory:
-            return build.read_progress(directory, DATA_FILE)
-    except OSError:
-        return None
-
-
 def _disk_full(error: OSError, store: LocalStore, key: str) -> OSError:
     """A full disk or quota, said in words that name the entry and the fix."""
     return OSError(error.errno, f"{error.strerror} while building cache entry {key} under "
@@ -324,23 +373,17 @@ def _disk_full(error: OSError, store: LocalStore, key: str) -> OSError:
                    "CACHEKIT_DIR at a larger disk", error.filename)
 
 
-def _resume_dead_builds(store: LocalStore, current: Build) -> int:
-    """Adopt the most advanced dead build of the key into ``current``; remove the other dead
-    ones. Returns the rows its done chunks hold (0 when none was adopted)."""
-    dead = [s for s in store.builds(current.key) if not s.alive and s.path != current.path]
-    resumable: list[tuple[int, BuildState]] = []
-    for state in dead:
-        progress = _progress_of(store, state)
-        if state.same_version and progress is not None:
-            resumable.append((progress.rows_done, state))
+def _claim_dead_builds(store: LocalStore, current: Build) -> int:
+    """Claim the dead builds of the key that this user made with this cachekit version
+    for ``current`` to copy verified chunks from; remove this user's others. Another user's
+    build state is never resumed, copied or joined: it is left for its owner (``cachekit
+    clear`` removes it). Returns the number claimed."""
+    claimed = 0
+    for state in store.builds(current.key):
+        if state.alive or state.path == current.path or state.uid != os.geteuid():
+            continue
+        if state.same_version and store.claim_dead(current, state) is not None:
+            claimed += 1
         else:
             store.remove_dead(state)
-    adopted, resumed = False, 0
-    for _, state in sorted(resumable, key=lambda c: c[0], reverse=True):
-        if adopted or not store.adopt(current, state):
-            store.remove_dead(state)  # less advanced than the adopted one, or gone
-            continue
-        adopted = True
-        progress = build.read_progress(current.dir, DATA_FILE)  # ours now
-        resumed = progress.rows_done if progress is not None else 0
-    return resumed
+    return claimed

@@ -231,15 +231,23 @@ def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):
             mock.patch.object(plan, "CHUNKS_PER_WORKER", 1), \
             _fs.DirHandle.open(tmp) as directory:
         straight = build.fill(directory, "straight.npy", list(range(n)), row,
-                              workers=workers, record=True, template=template)
-        out = Path(tmp) / "resumed.npy"
-        with pytest.raises(Stop):
-            build.fill(directory, out.name, list(range(n)), lambda v: row(v, stop),
-                       workers=workers, record=True, template=template)
-        progress = build.read_progress(directory, out.name)
-        computed.clear()
-        resumed = build.fill(directory, out.name, list(range(n)), row, workers=workers,
-                             record=True, template=template)
+                              workers=workers, record=True, template=template, key="k")
+        for name in ("stopped", "resumed"):
+            directory.mkdir(name, 0o700)
+        with directory.child("stopped") as stopped, directory.child("resumed") as fresh:
+            with pytest.raises(Stop):
+                build.fill(stopped, "data.npy", list(range(n)), lambda v: row(v, stop),
+                           workers=workers, record=True, template=template, key="k")
+            progress = build.read_progress(stopped, "data.npy")
+            source = Path(tmp) / "stopped" / "data.npy"
+            before = source.read_bytes() if source.exists() else None
+            computed.clear()
+            resumed = build.fill(fresh, "data.npy", list(range(n)), row, workers=workers,
+                                 record=True, template=template, key="k",
+                                 resume_from=[stopped])
+            if before is not None:  # the dead fill is read, never written
+                assert source.read_bytes() == before
+        out = Path(tmp) / "resumed" / "data.npy"
         if progress is not None:  # None: stopped while looking for the row shape
             step = progress.plan.chunk_rows
             assert progress.plan.chunk_of(stop).index not in progress.done

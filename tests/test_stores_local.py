@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -68,18 +69,34 @@ def test_a_second_commit_of_the_key_loses_and_gets_the_first(cache_root):
     assert os.listdir(store.layout.tmp) == []
 
 
-def test_a_dead_build_is_adopted_by_exactly_one_new_build(cache_root):
+def test_a_dead_build_is_claimed_by_exactly_one_new_build(cache_root):
     store = LocalStore(cache_root)
     dead = started(store)
     dead.abandon()
     (state,) = store.builds(KEY)
     assert not state.alive and state.abandoned
     one, other = store.begin(KEY), store.begin(KEY)
-    assert store.adopt(one, state) and not store.adopt(other, state)
-    assert manifests.DATA_FILE in os.listdir(one.path)
+    claimed = store.claim_dead(one, state)
+    assert claimed is not None and store.claim_dead(other, state) is None
+    assert one.resume_from == [claimed]
+    assert manifests.DATA_FILE in claimed.names()  # read from there, never moved or written
     assert not state.path.exists()
+    one.drop_resumed()
+    assert not any(n.startswith("resumed.") for n in os.listdir(one.path))
     one.discard()
     other.discard()
+
+
+def test_another_users_dead_build_is_never_claimed(cache_root):
+    store = LocalStore(cache_root)
+    dead = started(store)
+    dead.abandon()
+    (state,) = store.builds(KEY)
+    foreign = dataclasses.replace(state, uid=os.geteuid() + 1)
+    current = store.begin(KEY)
+    assert store.claim_dead(current, foreign) is None
+    assert state.path.exists() and current.resume_from == []
+    current.discard()
 
 
 def test_remove_never_follows_a_symlink(cache_root, tmp_path):

@@ -21,9 +21,13 @@ from .. import _fs, liveness
 from .. import manifest as manifests
 from .._version import __version__
 from ..journal import SUFFIX as CHUNKS_SUFFIX
+from ..journal import BuildGone
 from ..keys import is_key
 
 JOURNAL_FILE = "journal.json"
+RESUMED_PREFIX = "resumed."
+"""Dead builds of this user claimed by a new build, inside its directory, until the build
+has copied from them what it could verify."""
 PROGRESS_SECONDS = 0.5
 """Rows done are rewritten into journal.json at most this often (waiters print them)."""
 HEARTBEAT_FILE = "heartbeat"
@@ -91,6 +95,25 @@ class Build:
         self._beat_fd: Optional[int] = beat_fd
         self._progress_written = -math.inf
         self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
+        self.resume_from: list[_fs.DirHandle] = []
+        """Dead builds claimed to resume from (``resumed.N`` inside this directory)."""
+
+    def still_ours(self) -> bool:
+        """Whether ``tmp/NAME`` is still this build's directory: False once another process
+        took it over (it claims a dead build by renaming it into its own)."""
+        try:
+            return _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd))
+        except FileNotFoundError:
+            return False
+
+    def drop_resumed(self) -> None:
+        """Close and remove the dead builds claimed to resume from."""
+        for handle in self.resume_from:
+            handle.close()
+        self.resume_from.clear()
+        for name in self.dir.names():
+            if name.startswith(RESUMED_PREFIX):
+                self.dir.remove_tree(name)
 
     def progress(self, done: int, total: int) -> None:
         """Record rows done, for the messages of processes that wait for this build: at most
@@ -101,7 +124,10 @@ class Build:
             return
         self._progress_written = now
         self.journal.update(done=done, total=total, updated=time.time())
-        self.dir.replace_json(JOURNAL_FILE, self.journal)
+        try:
+            self.dir.replace_json(JOURNAL_FILE, self.journal)
+        except FileNotFoundError:
+            raise BuildGone(str(self.path)) from None  # taken over while we were paused
 
     def stop(self) -> None:
         """Stop the heartbeat (idempotent)."""
@@ -112,6 +138,9 @@ class Build:
 
     def close(self) -> None:
         self.stop()
+        for handle in self.resume_from:
+            handle.close()
+        self.resume_from.clear()
         self.dir.close()
         self.tmp.close()
 
@@ -164,12 +193,8 @@ def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
 def is_build_state(name: str) -> bool:
     """Files of a build in progress that are never published."""
     return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.endswith(CHUNKS_SUFFIX)
+            or name.startswith(RESUMED_PREFIX)
             or (name.startswith(".") and name.endswith(".tmp")))
-
-
-def is_resumable_file(name: str) -> bool:
-    """The data file and chunk journal that a resumed build takes over."""
-    return name == manifests.DATA_FILE or name == manifests.DATA_FILE + CHUNKS_SUFFIX
 
 
 def _is_count(value: Any) -> bool:

@@ -8,9 +8,12 @@
       tmp/KEY.HOST.PID.UUID/           a private build directory: journal.json (owner,
                                        progress), heartbeat (its mtime is the builder's
                                        heartbeat), data files and the chunk journal
-                                       data.npy.chunks/ (plan, claims, done records)
+                                       data.npy.chunks/ (plan, claims, done records,
+                                       joiners' rows files); resumed.N/, dead builds
+                                       of this user it claimed to copy chunks from
       tmp/deleting.KEY.HOST.PID.UUID/  an entry or dead build being removed
       locks/KEY.lock                   build locks (they only save duplicate work)
+      locks/KEY.lock.holder            who holds the OS lock, its mtime their heartbeat
       locks/KEY.failed.json            the rows of the last failed build, for its waiters
 
 Commit is the correctness point: every listed file is fsynced and checksummed, the manifest
@@ -24,7 +27,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import stat
 import sys
 import time
@@ -33,16 +35,16 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .. import _fs, arrays, liveness
-from .builds import (HEARTBEAT_FILE, JOURNAL_FILE, Build, BuildState, is_build_state,
-                     is_resumable_file, parse_build_dir_name, read_journal)
+from .builds import (HEARTBEAT_FILE, JOURNAL_FILE, RESUMED_PREFIX, Build, BuildState,
+                     is_build_state, parse_build_dir_name, read_journal)
 from .. import manifest as manifests
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
+from ..journal import BuildGone
 from ..keys import is_key
 from ..manifest import FileRecord, Manifest
 
 DELETING_PREFIX = "deleting."
-_CLAIMED = "claimed"
 _FAILURE_LIMIT = 64 << 20
 
 
@@ -315,49 +317,34 @@ class LocalStore:
                                     "see who writes under the root")
         return directory
 
-    def adopt(self, build: Build, dead: BuildState) -> bool:
-        """Bring a dead build's data file and checkpoint into ``build`` to resume from.
+    def claim_dead(self, build: Build, dead: BuildState) -> Optional[_fs.DirHandle]:
+        """Claim a dead build of this user for ``build`` to resume from: moved into
+        ``build``'s directory by one rename (of two processes claiming it at once exactly
+        one gets it, and a builder of it that wakes from a pause finds its build gone), then
+        opened read-only and kept in ``build.resume_from``. The build copies from it only
+        what it verifies; nothing in it is ever written again.
 
-        A dead build of this user is claimed by renaming its directory into ``build``'s own,
-        so of two processes adopting it at once exactly one gets it, and from that instant
-        it is covered by this build's heartbeat. Another user's directory cannot be moved
-        (nor written), so its finished chunks are copied. False when it was gone.
-        """
+        None when it is gone, or is not a private directory of this user (another user's
+        build state is never resumed, copied or joined)."""
         if dead.uid != os.geteuid():
-            return self._copy_resumable(build, dead)
+            return None
+        name = f"{RESUMED_PREFIX}{len(build.resume_from)}"
         try:
-            build.tmp.rename(dead.path.name, build.dir, _CLAIMED)
+            build.tmp.rename(dead.path.name, build.dir, name)
         except FileNotFoundError:
-            return False
+            return None
         try:
-            claimed = build.dir.child(_CLAIMED)
+            claimed = build.dir.child(name)
         except OSError:
-            build.dir.remove_tree(_CLAIMED)  # swapped for a symlink meanwhile: unlinked
-            return False
-        with claimed:
-            for name in claimed.names():
-                mode = claimed.lstat(name).st_mode
-                if is_resumable_file(name) and (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                    # The journal folder moves with its claims: joiners still filling
-                    # chunks keep their handles on it and go on, now for this build.
-                    claimed.rename(name, build.dir, name)
-        build.dir.remove_tree(_CLAIMED)
-        return True
-
-    def _copy_resumable(self, build: Build, dead: BuildState) -> bool:
-        try:
-            with _fs.DirHandle.open(dead.path.name, parent=build.tmp) as source:
-                for name in source.names():
-                    if not is_resumable_file(name):
-                        continue
-                    if stat.S_ISDIR(source.lstat(name).st_mode):
-                        _copy_journal(source, build.dir, name)
-                    else:
-                        _copy_file(source, build.dir, name)
-        except FileNotFoundError:
-            return False
-        self.remove_dead(dead)  # best effort: another user's files are theirs to remove
-        return True
+            build.dir.remove_tree(name)  # swapped for a symlink or file meanwhile: unlinked
+            return None
+        st = os.fstat(claimed.fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            claimed.close()
+            build.dir.remove_tree(name)
+            return None
+        build.resume_from.append(claimed)
+        return claimed
 
     def remove_dead(self, dead: BuildState) -> None:
         """Remove a dead build's directory (claimed first, so only one process does)."""
@@ -388,6 +375,8 @@ class LocalStore:
         if stray:
             raise CacheCorruptError(build.path, f"unexpected files {sorted(stray)[:5]} in the "
                                                 "build directory; nothing was published")
+        if not build.still_ours():
+            raise BuildGone(str(build.path))  # taken over while we were paused
         manifests.write_at(build.dir, manifest)  # the last file written
         build.stop()
         for name in build.dir.names():  # from here to the rename a crash means rebuilding
@@ -398,7 +387,11 @@ class LocalStore:
         # inherited from the root stays: fchmod would clear it.)
         build.dir.chmod(_fs.shared_dir_mode() | (os.fstat(build.dir.fd).st_mode & stat.S_ISGID))
         mine = os.fstat(build.dir.fd)
-        if not _fs.same_file(build.tmp.lstat(build.name), mine):
+        try:
+            current = build.tmp.lstat(build.name)
+        except FileNotFoundError:
+            raise BuildGone(str(build.path)) from None
+        if not _fs.same_file(current, mine):
             raise CacheCorruptError(build.path, "the build directory was replaced by another "
                                                 "process; nothing was published")
         won, winner = False, None
@@ -407,6 +400,8 @@ class LocalStore:
                 try:
                     build.tmp.rename(build.name, entries, build.key)
                     won = True
+                except FileNotFoundError:
+                    raise BuildGone(str(build.path)) from None  # claimed this very moment
                 except NotADirectoryError:  # a symlink or file planted under the key
                     if not stat.S_ISDIR(entries.lstat(build.key).st_mode):
                         entries.unlink(build.key)
@@ -534,21 +529,3 @@ class LocalStore:
             return []
         with directory:
             return [directory.path / name for name in directory.names()]
-
-
-def _copy_file(source: _fs.DirHandle, target: _fs.DirHandle, name: str) -> None:
-    with source.open_file(name) as f:
-        fd = target.create(name)
-        with os.fdopen(fd, "wb") as out:
-            shutil.copyfileobj(f, out, arrays.CHECKSUM_BLOCK)
-
-
-def _copy_journal(source: _fs.DirHandle, target: _fs.DirHandle, name: str) -> None:
-    """Copy another user's dead chunk journal: its plan and done records (its claims are
-    of a dead build, so none is copied)."""
-    with source.child(name) as journal:
-        target.mkdir(name, _fs.private_dir_mode())
-        with target.child(name) as copy:
-            for record in journal.names():
-                if record == "plan.json" or record.startswith("done."):
-                    _copy_file(journal, copy, record)
