@@ -163,21 +163,17 @@ class Build:
         self.close()
 
     def _remove(self) -> None:
-        """Delete our directory, by name only while the name is still ours."""
+        """Delete our directory, by name only while the name is still ours. Once it is not
+        (another process claimed it to resume from, or ``clear`` is removing it as dead),
+        that process removes it: we leave it alone."""
         for attempt in range(3):  # a joiner may add a record while the tree goes
             try:
-                if _fs.same_file(self.tmp.lstat(self.name), os.fstat(self.dir.fd)):
+                if self.still_ours():
                     self.tmp.remove_tree(self.name)
-                    return
-            except FileNotFoundError:
-                pass
+                return
             except OSError:
                 if attempt == 2:
                     raise
-                continue
-            for name in self.dir.names():  # renamed away by someone: empty it where it is
-                self.dir.remove_tree(name)
-            return
 
 
 def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
