@@ -93,6 +93,7 @@ class Cache:
         _choose("validate", validate, options.VALIDATE)
         if not isinstance(draft, bool):
             raise TypeError(f"draft must be True or False, not {draft!r}")
+        max_read = options.max_read_bytes()  # a bad $CACHEKIT_MAX_READ_BYTES fails here
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
         material: dict[str, Any] = {"column": keys.column_material(paths)}
@@ -102,7 +103,7 @@ class Cache:
             material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
                                                          self.workers)
 
-        row = ImageRow((height, width), mode, fit, resample, draft)
+        row = ImageRow((height, width), mode, fit, resample, draft, max_read)
         channels = options.MODES[mode]
         return self._rows("images", paths, row, params, material,
                           template=((channels, height, width), np.dtype(np.uint8)),

@@ -159,6 +159,38 @@ def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, ho
     assert cachekit.Cache(root).images(pd.Series(paths), 8, on_error="zero").hit
 
 
+HUGE_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np, pandas as pd
+    import cachekit
+
+    root, paths = sys.argv[1], sys.argv[2:]
+    entry = cachekit.Cache(root, workers=1, executor="threads", progress=False).images(
+        pd.Series(paths), 8, on_error="zero", validate="stat")
+    print(json.dumps({"valid": entry.valid.tolist(), "failed": entry.manifest["failed_rows"],
+                      "sum": int(np.asarray(entry.array[0]).sum()),
+                      "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+""")
+HUGE_BYTES = 6 << 30
+
+
+def test_a_huge_non_image_fails_its_row_without_being_read_whole(tmp_path, cover_paths):
+    """A 6 GiB sparse file of zeros in the column: its row fails (not an image) and the
+    process's peak RSS stays far below the file's size (it was never read whole)."""
+    huge = tmp_path / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.truncate(HUGE_BYTES)
+    out = subprocess.run([sys.executable, "-c", HUGE_CHILD, str(tmp_path / "cache"),
+                          cover_paths[0], str(huge)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["valid"] == [True, False] and got["sum"] > 0
+    assert [(row, path) for row, path, _ in got["failed"]] == [(1, str(huge))]
+    assert "cannot identify image file" in got["failed"][0][2]
+    assert got["peak_kb"] * 1024 < HUGE_BYTES // 8, f"peak RSS {got['peak_kb'] // 1024} MB"
+
+
 # --- tampered entries -------------------------------------------------------------------
 
 FILE_FIELDS = ("shape", "dtype", "checksum", "bytes", "name")
