@@ -285,7 +285,11 @@ def _value_column(values: Any):
                 or getattr(values, "ndim", 1) != 1):
             raise TypeError("values must be a pandas Series (or a list), one value per row; "
                             f"got {type(values).__qualname__} (pick a column: df['img_path'])")
-        values = pd.Series(list(values))
+        values = list(values)
+        try:
+            values = pd.Series(values)
+        except UnicodeEncodeError:  # pandas' str dtype holds UTF-8 only: a path that is
+            values = pd.Series(values, dtype=object)  # not (see keys._row_hashes) stays str
     if len(values) == 0:
         raise ValueError("values is empty; there is nothing to cache")
     return values

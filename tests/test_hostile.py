@@ -159,6 +159,32 @@ def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, ho
     assert cachekit.Cache(root).images(pd.Series(paths), 8, on_error="zero").hit
 
 
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_file_names_that_are_not_utf8_are_keyed_by_their_bytes_and_decoded(tmp_path,
+                                                                          executor):
+    """Names given as os.fsdecode gives them (surrogate escapes): the good one decodes, the
+    bad one is a failed row naming its row and path (never a UnicodeEncodeError), and the
+    key is stable: the next call is a hit, for a list and an object Series alike."""
+    folder = os.fsencode(tmp_path)
+    good, bad = folder + b"/caf\xe9.png", folder + b"/\xff\xfe not an image.jpg"
+    pixels = np.random.default_rng(2).integers(0, 255, (9, 13, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(good, format="PNG")
+    with open(bad, "wb") as f:
+        f.write(b"<html>")
+    paths = [os.fsdecode(good), os.fsdecode(bad)]
+    cache = cachekit.Cache(tmp_path / "cache", workers=2, executor=executor, progress=False)
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cache.images(paths, 8)
+    assert [(row, path) for row, path, _ in caught.value.failures] == [(1, paths[1])]
+    assert repr(paths[1]) in str(caught.value)
+    entry = cache.images(paths, 8, on_error="zero", validate="content")
+    assert entry.valid.tolist() == [True, False] and entry.source == "built"
+    np.testing.assert_array_equal(entry.array[0], load_image(paths[0], (8, 8)))
+    again = cache.images(pd.Series(paths, dtype=object), 8, on_error="zero",
+                         validate="content")
+    assert again.source == "local" and again.key == entry.key
+
+
 HUGE_CHILD = textwrap.dedent("""
     import json, resource, sys
     import numpy as np, pandas as pd
