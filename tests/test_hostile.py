@@ -3,7 +3,8 @@
 A hostile image is never fatal to a build: its row fails with a reason (or decodes, for the
 formats Pillow reads), every other row is exactly what ``load_image`` gives. A tampered
 entry is ``CacheCorruptError``, never wrong data, and nothing outside the cache root is read
-(every lure below is a *correct* copy placed outside: following it would have succeeded).
+(every lure below is a *correct* copy placed outside: following it would have succeeded);
+one whose manifest disagrees with the call (dtype, shape, rows) is built again.
 """
 
 from __future__ import annotations
@@ -319,11 +320,9 @@ TAMPERED = {
     "shape as bools": manifest_edit(shape=[12, True, 8, 8]),
     "shape not a list": manifest_edit(shape="12,3,8,8"),
     "shape that overflows int64": manifest_edit(shape=[12, 2**62, 2**62, 4]),
-    "shape other than the data": manifest_edit(shape=[12, 3, 4, 16]),
     "dtype object": manifest_edit(dtype="|O"),
     "dtype unparsable": manifest_edit(dtype=",,"),
     "dtype a number": manifest_edit(dtype=5),
-    "dtype other than the data": manifest_edit(dtype="<u2", shape=[12, 3, 8, 4]),
     "format from the future": manifest_edit(format=99),
     "key pointing outside": manifest_edit(key="../../../../etc/passwd"),
     "key of another entry": manifest_edit(key="0" * 32),
@@ -349,7 +348,6 @@ TAMPERED = {
     "data grown by a byte": lambda d: _append_byte(d / manifests.DATA_FILE),
     "data header garbled": lambda d: _garble_header(d / manifests.DATA_FILE),
     "data is a pickle, manifest says object": pickled_data("|O"),
-    "data is a pickle, manifest says uint8": pickled_data("|u1"),
 }
 
 
@@ -362,6 +360,31 @@ def _garble_header(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(10)
         f.write(b"{'descr': __import__('os').system('x'), ")
+
+
+MISMATCHED = {
+    "shape other than the call's": manifest_edit(shape=[12, 3, 4, 16]),
+    "dtype other than the call's": manifest_edit(dtype="<u2", shape=[12, 3, 8, 4]),
+    "data is a pickle, manifest says uint8 of another shape": pickled_data("|u1"),
+}
+"""Tampered manifests that disagree with the call itself: the call removes the entry and
+builds it again, before it reads a byte of the data (which disagree with the manifest too)."""
+
+
+@pytest.mark.parametrize("how", sorted(MISMATCHED))
+def test_an_entry_that_disagrees_with_the_call_is_rebuilt_before_its_data_is_read(
+        tmp_path, cover_paths, how, capfd):
+    root = tmp_path / "cache"
+    column = pd.Series(cover_paths)
+    cache = cachekit.Cache(root, workers=2, progress=False, lock_timeout=0)
+    first = cache.images(column, 8)
+    pixels = np.array(first.array)
+    MISMATCHED[how](first.path)
+    again = cache.images(column, 8)
+    assert again.source == "built" and again.array.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(again.array), pixels)
+    assert "does not match the call" in capfd.readouterr().err
+    assert not (tmp_path / MARKER).exists()  # nothing was unpickled
 
 
 @pytest.mark.parametrize("how", sorted(TAMPERED))
