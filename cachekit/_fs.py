@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -248,28 +249,35 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> BinaryIO
     return open(path, "rb", opener=opener)
 
 
-def read_regular(path: str | Path, *, follow_symlinks: bool = False) -> bytes:
-    """The content of a regular file, opened as :func:`open_regular` opens it, in one read
-    of the size it has when opened: a decoder then parses bytes in memory instead of making
-    dozens of small reads. Raises as :func:`open_regular` does."""
+def read_capped(path: str | Path, max_bytes: int, *,
+                follow_symlinks: bool = False) -> BinaryIO:
+    """A regular file to parse, costing at most ``max_bytes`` of memory whatever its size.
+
+    A file of at most ``max_bytes`` is read whole, in one read of the size it has when
+    opened, and returned in memory (``io.BytesIO``): a decoder then parses bytes instead of
+    making dozens of small reads. A larger file is returned open, so that the parser reads
+    only what it needs. Opened and checked as :func:`open_regular` does, on one descriptor
+    (the size checked is the opened file's); raises as it does. The caller closes it.
+    """
     nofollow = 0 if follow_symlinks else _NOFOLLOW
-    fd = os.open(path, os.O_RDONLY | nofollow | _NONBLOCK)
+    fd = _regular(os.open(path, os.O_RDONLY | nofollow | _NONBLOCK), path)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        # O_NONBLOCK has no effect on reads of a regular file: no switch back needed.
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            return open(path, "rb", opener=lambda name, flags: fd)  # keeps ``path`` as name
         parts: list[bytes] = []
         got = 0
-        while got < info.st_size:
-            part = os.read(fd, info.st_size - got)
+        while got < size:
+            part = os.read(fd, size - got)
             if not part:  # it shrank meanwhile
                 break
             parts.append(part)
             got += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    os.close(fd)
+    return io.BytesIO(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 def _regular(fd: int, where: str | Path) -> int:

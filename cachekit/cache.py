@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _fs, _wandb, build, executors, keys, options, publish
 from .entry import Entry
+from .expected import Expected
 from .manifest import DATA_FILE, FORMAT_VERSION
 from .errors import ImageDecodeError
 from .rows import ArrayRow, ImageRow
@@ -93,6 +94,7 @@ class Cache:
         _choose("validate", validate, options.VALIDATE)
         if not isinstance(draft, bool):
             raise TypeError(f"draft must be True or False, not {draft!r}")
+        max_read = options.max_read_bytes()  # a bad $CACHEKIT_MAX_READ_BYTES fails here
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
         material: dict[str, Any] = {"column": keys.column_material(paths)}
@@ -102,7 +104,7 @@ class Cache:
             material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
                                                          self.workers)
 
-        row = ImageRow((height, width), mode, fit, resample, draft)
+        row = ImageRow((height, width), mode, fit, resample, draft, max_read)
         channels = options.MODES[mode]
         return self._rows("images", paths, row, params, material,
                           template=((channels, height, width), np.dtype(np.uint8)),
@@ -142,13 +144,15 @@ class Cache:
 
     def _obtain(self, key: str, build_fn: publish.BuildFunction,
                 open_entry: Callable[[publish.Outcome], Any],
-                join_fn: Optional[publish.JoinFunction] = None) -> Any:
+                join_fn: Optional[publish.JoinFunction] = None, *,
+                expect: Expected) -> Any:
         """The one path every entry takes: obtain it (building on a miss, or joining the
-        build under way with ``join_fn``), open it, and report the use to an active W&B run."""
+        build under way with ``join_fn``), check it against the call (``expect``), open it,
+        and report the use to an active W&B run."""
         outcome, opened = publish.obtain_and_open(
             self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
             announce=self.progress is not False, join=join_fn if self.join else None,
-            remote=self._remote_tier())
+            remote=self._remote_tier(), expect=expect)
         _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
         return opened
 
@@ -193,9 +197,12 @@ class Cache:
                               record=record, template=template, key=key,
                               executor=self.executor)
 
+        row_shape, dtype = template if template is not None else (None, None)
+        expect = Expected(kind, rows=len(column), row_shape=row_shape,
+                          dtype=None if dtype is None else np.dtype(dtype).str)
         return self._obtain(key, build_entry, lambda outcome: Entry(
             outcome.entry.path, outcome.entry.manifest, source=outcome.source,
-            wait_seconds=outcome.wait_seconds), join_entry)
+            wait_seconds=outcome.wait_seconds), join_entry, expect=expect)
 
     # Inspection and maintenance: thin wrappers over cachekit.maintenance/removal/integrity.
 
@@ -286,7 +293,11 @@ def _value_column(values: Any):
                 or getattr(values, "ndim", 1) != 1):
             raise TypeError("values must be a pandas Series (or a list), one value per row; "
                             f"got {type(values).__qualname__} (pick a column: df['img_path'])")
-        values = pd.Series(list(values))
+        values = list(values)
+        try:
+            values = pd.Series(values)
+        except UnicodeEncodeError:  # pandas' str dtype holds UTF-8 only: a path that is
+            values = pd.Series(values, dtype=object)  # not (see keys._row_hashes) stays str
     if len(values) == 0:
         raise ValueError("values is empty; there is nothing to cache")
     return values

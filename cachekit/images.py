@@ -7,14 +7,13 @@ warning filters are touched.  Argument values are validated by the caller.
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Optional
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from . import _fs
+from . import _fs, options
 from .options import FITS, MODES, RESAMPLE_NAMES
 
 __all__ = ["FITS", "MODES", "RESAMPLES", "decoder_versions", "load_image"]
@@ -44,6 +43,7 @@ def load_image(
     fit: str = "stretch",
     resample: str = "bilinear",
     draft: bool = False,
+    max_read_bytes: Optional[int] = None,
 ) -> np.ndarray:
     """Decode one image file into a (C, H, W) uint8 C-contiguous array. size is (height, width).
 
@@ -72,35 +72,50 @@ def load_image(
     ``DecompressionBombError``, ...); truncated files raise because ``load()`` is forced
     and ``ImageFile.LOAD_TRUNCATED_IMAGES`` is left False.  The returned array may be
     read-only (for "L" it shares the buffer Pillow produced); copy it to modify it.
+
+    ``max_read_bytes`` (None: ``$CACHEKIT_MAX_READ_BYTES``, default 256 MiB, see
+    :func:`cachekit.options.max_read_bytes`) caps the file read whole into memory: a larger
+    file is parsed from the open file, with Pillow's own streaming reads and decompression
+    bomb checks, to the same pixels.
     """
     height, width = size
-    # A FIFO or device path would block or never end: only regular files are opened. The
-    # file is read whole first (the same pixels; 4-8% less CPU per draft decode than Pillow's
-    # small reads from a file object).
-    data = io.BytesIO(_fs.read_regular(path, follow_symlinks=True))
-    try:
-        opened = Image.open(data)
-    except UnidentifiedImageError:  # its message would name the BytesIO, not the file
-        raise UnidentifiedImageError(f"cannot identify image file {path!r}") from None
-    with opened as im:
-        if draft:
-            orientation = im.getexif().get(_ORIENTATION, 1)
-            im.draft(None, _draft_request(im.size, (width, height), fit, orientation))
-        im.load()
-        # After load(): some formats (PNG eXIf after the pixels) only then have their EXIF.
-        # The same transposition as ImageOps.exif_transpose, without its rewriting of the
-        # EXIF bytes, which nothing here reads again.
-        method = _TRANSPOSITIONS.get(im.getexif().get(_ORIENTATION, 1))
-        # Everything stays inside `with`: _convert may return `im` itself, and a closed
-        # image is not guaranteed to keep its pixels.
-        oriented = im if method is None else im.transpose(method)
-        converted = _convert(oriented, mode)
-        filt = RESAMPLES[resample]
-        if fit == "stretch":
-            return _chw(np.asarray(converted.resize((width, height), filt)))
-        if fit == "crop":
-            return _chw(np.asarray(ImageOps.fit(converted, (width, height), filt)))
-        return _pad(converted, (width, height), filt)
+    if max_read_bytes is None:
+        max_read_bytes = options.max_read_bytes()
+    # A FIFO or device path would block or never end: only regular files are opened. A file
+    # up to the cap is read whole first (the same pixels; less CPU per draft decode than
+    # Pillow's small reads from a file object, see docs/build-engine.md); a larger one is
+    # parsed from the file, so a huge non-image costs its header, not its size.
+    with _fs.read_capped(path, max_read_bytes, follow_symlinks=True) as data:
+        try:
+            opened = Image.open(data)
+        except UnidentifiedImageError:  # its message would name the BytesIO, not the file
+            raise UnidentifiedImageError(f"cannot identify image file {path!r}") from None
+        with opened as im:
+            return _decode(im, (height, width), mode, fit, resample, draft)
+
+
+def _decode(im: Image.Image, size: tuple[int, int], mode: str, fit: str, resample: str,
+            draft: bool) -> np.ndarray:
+    """:func:`load_image`'s steps on the opened image ``im``, called inside its ``with``:
+    _convert may return ``im`` itself, and a closed image is not guaranteed to keep its
+    pixels."""
+    height, width = size
+    if draft:
+        orientation = im.getexif().get(_ORIENTATION, 1)
+        im.draft(None, _draft_request(im.size, (width, height), fit, orientation))
+    im.load()
+    # After load(): some formats (PNG eXIf after the pixels) only then have their EXIF.
+    # The same transposition as ImageOps.exif_transpose, without its rewriting of the
+    # EXIF bytes, which nothing here reads again.
+    method = _TRANSPOSITIONS.get(im.getexif().get(_ORIENTATION, 1))
+    oriented = im if method is None else im.transpose(method)
+    converted = _convert(oriented, mode)
+    filt = RESAMPLES[resample]
+    if fit == "stretch":
+        return _chw(np.asarray(converted.resize((width, height), filt)))
+    if fit == "crop":
+        return _chw(np.asarray(ImageOps.fit(converted, (width, height), filt)))
+    return _pad(converted, (width, height), filt)
 
 
 def _convert(im: Image.Image, mode: str) -> Image.Image:

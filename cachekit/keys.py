@@ -22,6 +22,9 @@ tag       body
 ``X``     torch tensor: as ``a`` of its CPU numpy view
 ========  =========================================================================
 
+A str in a pandas object that UTF-8 cannot encode (a file name that is not UTF-8, as
+``os.fsdecode`` gives it) is hashed by the bytes it names; see :func:`_row_hashes`.
+
 pandas and torch are only touched when the caller already imported them, so importing
 this module stays cheap.
 """
@@ -100,10 +103,12 @@ def _feed(write: Write, value: Any) -> None:
         _feed(write, material["dtype"])
         _feed_array(write, material["rows"])
     elif _is_pandas(value, "DataFrame"):
+        hashes, passed = _row_hashes(value)
+        dtypes: Any = [column_dtype(value.iloc[:, i]) for i in range(value.shape[1])]
         write(b"D")
         _feed(write, [c for c in value.columns])
-        _feed(write, [column_dtype(value.iloc[:, i]) for i in range(value.shape[1])])
-        _feed_array(write, pandas_row_hashes(value))
+        _feed(write, [dtypes, SURROGATEPASS] if passed else dtypes)
+        _feed_array(write, hashes)
     elif "torch" in sys.modules and isinstance(value, sys.modules["torch"].Tensor):
         write(b"X")
         _feed_array(write, value.detach().cpu().contiguous().numpy())
@@ -136,7 +141,9 @@ def column_material(column: Any) -> dict[str, Any]:
     function receives the Series itself and may read the name; ``images`` and ``map`` hand
     only the values to the row function, so renaming a column keeps their entries.
     """
-    return {"dtype": column_dtype(column), "rows": pandas_row_hashes(column)}
+    rows, passed = _row_hashes(column)
+    dtype = column_dtype(column)
+    return {"dtype": [dtype, SURROGATEPASS] if passed else dtype, "rows": rows}
 
 
 def pandas_row_hashes(obj: Any) -> np.ndarray:
@@ -144,12 +151,89 @@ def pandas_row_hashes(obj: Any) -> np.ndarray:
 
     ``hash_pandas_object(index=False, categorize=False)`` gives the same hashes for the
     same strings whether the column is ``object`` or ``str`` dtype; ``categorize=False``
-    is equal and faster on unique paths.
+    is equal and faster on unique paths. A str that UTF-8 cannot encode is hashed as bytes
+    (see :func:`_row_hashes`).
+    """
+    return _row_hashes(obj)[0]
+
+
+SURROGATEPASS = "surrogatepass"
+"""Added to a column's dtype material when one of its strings holds a surrogate that no
+file name decodes to (see :func:`_row_hashes`)."""
+
+
+def _row_hashes(obj: Any) -> tuple[np.ndarray, bool]:
+    """(:func:`pandas_row_hashes`, whether a string was hashed by its surrogatepass bytes).
+
+    pandas hashes a str by its UTF-8 bytes, and a bytes value by itself, alike. A str that
+    UTF-8 cannot encode holds surrogates: a file name that is not UTF-8, as ``os.fsdecode``
+    gives it (``b"caf\\xe9.jpg"`` -> ``"caf\\udce9.jpg"``), is hashed by the bytes it names,
+    ``os.fsencode``'s on a UTF-8 system (surrogateescape). Those never decode as UTF-8, so
+    no valid str shares them. Any other surrogate (``"\\ud800"``) makes the column hash all
+    its non-UTF-8 strs by their surrogatepass bytes instead, and say so (True), so that no
+    two columns share a key. Columns of valid UTF-8 only never reach the fallback: their
+    keys are the ones pinned by the tests.
     """
     import pandas as pd
 
-    hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False)
-    return np.ascontiguousarray(hashes.to_numpy(dtype=np.uint64)).astype("<u8", copy=False)
+    try:
+        hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False)
+        passed = False
+    except UnicodeEncodeError:
+        columns = [obj.iloc[:, i] for i in range(obj.shape[1])] if obj.ndim == 2 else [obj]
+        passed = not all(_escapable(column) for column in columns)
+        encoded = [_as_bytes(column, passed) for column in columns]
+        hashes = pd.util.hash_pandas_object(
+            encoded[0] if obj.ndim == 1 else pd.concat(encoded, axis=1, ignore_index=True),
+            index=False, categorize=False)
+    rows = np.ascontiguousarray(hashes.to_numpy(dtype=np.uint64)).astype("<u8", copy=False)
+    return rows, passed
+
+
+def _unencodable(values: np.ndarray) -> list[int]:
+    """Positions of the strs in ``values`` that UTF-8 cannot encode."""
+    found = []
+    for i, value in enumerate(values):
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                found.append(i)
+    return found
+
+
+def _escapable(column: Any) -> bool:
+    """Whether every str of ``column`` that UTF-8 cannot encode is a file name as
+    ``os.fsdecode`` gives it: surrogateescape encodes it, and decodes it back the same."""
+    values = column.to_numpy(dtype=object)
+    for i in _unencodable(values):
+        try:
+            raw = values[i].encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return False
+        if raw.decode("utf-8", "surrogateescape") != values[i]:
+            return False
+    return True
+
+
+def _as_bytes(column: Any, passing: bool) -> Any:
+    """``column``, or an object Series of its values in which each str that UTF-8 cannot
+    encode is its surrogateescape bytes (its surrogatepass bytes when ``passing``)."""
+    import pandas as pd
+
+    values = column.to_numpy(dtype=object, copy=True)
+    unencodable = _unencodable(values)
+    if not unencodable:
+        return column
+    if not all(isinstance(v, str) or v is None or (isinstance(v, float) and v != v)
+               for v in values):
+        # pandas would hash such a column through str(): b"x" as "b'x'", like a str.
+        raise TypeError("cannot key a column that mixes other values with strings UTF-8 "
+                        "cannot encode (lone surrogates); convert it, e.g. .astype(str)")
+    errors = "surrogatepass" if passing else "surrogateescape"
+    for i in unencodable:
+        values[i] = values[i].encode("utf-8", errors)
+    return pd.Series(values, dtype=object)
 
 
 def column_dtype(column: Any) -> Any:

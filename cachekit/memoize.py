@@ -28,12 +28,16 @@ import numpy as np
 
 from . import _fs, arrays, keys, publish
 from .errors import CacheCorruptError
+from .expected import Expected
 from .manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .stores import Build
 
 Node = dict  # a JSON structure node, see the module docstring
-Obtain = Callable[[str, publish.BuildFunction, Callable[[publish.Outcome], Any]], Any]
-"""``Cache._obtain``: (key, build function, open function) -> the opened entry."""
+Obtain = Callable[..., Any]
+"""``Cache._obtain``: (key, build function, open function, expect=...) -> the opened entry."""
+EXPECTED = Expected(MEMOIZE_KIND, leaves=True)
+"""What every memoize call knows of its entry before reading it: the kind, and that its
+files are the leaves its structure names (the shapes and dtypes are the function's)."""
 
 
 def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
@@ -83,7 +87,8 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
                 params={"function": identity, "arguments": arguments}, structure=structure)
 
         return obtain(key, build_entry,
-                      lambda outcome: load(outcome.entry.path, outcome.entry.manifest))
+                      lambda outcome: load(outcome.entry.path, outcome.entry.manifest),
+                      expect=EXPECTED)
 
     def cache_key(*args: Any, **kwargs: Any) -> str:
         """The entry key these arguments map to, without calling the function."""

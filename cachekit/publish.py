@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from . import _fs, build, liveness, locks
 from ._version import __version__
 from .errors import CacheCorruptError, ImageDecodeError, LockTimeout
+from .expected import Expected
 from .journal import BuildGone
-from .manifest import Manifest
+from .manifest import MANIFEST_FILE, Manifest
 from .stores import Build, BuildState, LocalStore, Published
 
 if TYPE_CHECKING:
@@ -86,13 +87,15 @@ class Outcome:
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
            lock_timeout: Optional[float], announce: bool = True,
            join: Optional[JoinFunction] = None,
-           remote: Optional["remote_tier.Tier"] = None) -> Outcome:
+           remote: Optional["remote_tier.Tier"] = None,
+           expect: Optional[Expected] = None) -> Outcome:
     """Return the entry for ``key``, building it with ``build_fn`` if no process has yet.
 
     With ``join``, fill chunks of a live build of the key while waiting for it. With
     ``remote``, a local miss looks the key up there before building, and a build is
     uploaded after its local commit (:mod:`cachekit.remote_tier`); a local hit never
-    touches the remote.
+    touches the remote. A remote entry that disagrees with ``expect`` is refused before
+    its download (a miss); the local entry returned is checked by :func:`obtain_and_open`.
 
     A build of ours that another process took over (we were paused past the lease, and it
     claimed our directory) stops writing at once: we then wait for, or join, the build that
@@ -100,7 +103,7 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
     for attempt in range(_TAKEOVERS):
         try:
             return _obtain_once(store, key, build_fn, lock_timeout=lock_timeout,
-                                announce=announce, join=join, remote=remote)
+                                announce=announce, join=join, remote=remote, expect=expect)
         except BuildGone:
             if attempt == _TAKEOVERS - 1:
                 raise
@@ -115,7 +118,8 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
 def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
                  lock_timeout: Optional[float], announce: bool,
                  join: Optional[JoinFunction],
-                 remote: Optional["remote_tier.Tier"]) -> Outcome:
+                 remote: Optional["remote_tier.Tier"],
+                 expect: Optional[Expected]) -> Outcome:
     asked = time.time()
     found = store.lookup(key)
     if found is not None:
@@ -137,7 +141,8 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
             published, source = remote_tier.obtain(
                 remote, store, key, build_fn,
                 lambda fn: _build_and_commit(store, key, fn, announce),
-                remaining=waiting._remaining(), announce=announce)
+                remaining=waiting._remaining(), announce=announce,
+                expect=None if expect is None else expect.check)
             return Outcome(published, source, waited)
         # "built" even when another builder's rename won the race: this call did the work.
         return Outcome(_build_and_commit(store, key, build_fn, announce), "built", waited)
@@ -147,21 +152,53 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
 
 
 def obtain_and_open(store: LocalStore, key: str, build_fn: BuildFunction,
-                    open_entry: Callable[[Outcome], Opened], **options: Any
+                    open_entry: Callable[[Outcome], Opened], *,
+                    expect: Optional[Expected] = None, **options: Any
                     ) -> tuple[Outcome, Opened]:
-    """:func:`obtain`, then ``open_entry(outcome)``.
+    """:func:`obtain`, the entry checked against the call's ``expect``, then
+    ``open_entry(outcome)``.
+
+    Every entry is checked, whatever its source. One that disagrees (a manifest of another
+    dtype, shape or row count, written by another process, user or host) is removed, with
+    a note on stderr, and obtained again, once: built, unless another process published a
+    good entry meanwhile. A second mismatch is CacheCorruptError.
 
     ``cachekit clear`` may remove the entry between reading its manifest and opening its
     data; that is not corruption, so obtain it again (a rebuild) instead of raising.
     """
+    removed = False
     for attempt in range(3):
-        outcome = obtain(store, key, build_fn, **options)
+        outcome = obtain(store, key, build_fn, expect=expect, **options)
+        problem = None if expect is None else expect.check(outcome.entry.manifest)
+        if problem is not None and not removed:
+            _remove_mismatch(store, outcome.entry, problem)
+            removed = True
+            outcome = obtain(store, key, build_fn, expect=expect, **options)
+            problem = expect.check(outcome.entry.manifest) if expect is not None else None
+        if problem is not None:
+            raise CacheCorruptError(outcome.entry.path / MANIFEST_FILE, "the entry does not "
+                                    f"match the call, again after it was removed: {problem}",
+                                    "see who writes under the cache root")
         try:
             return outcome, open_entry(outcome)
         except (CacheCorruptError, FileNotFoundError):
             if attempt == 2 or store.still_published(outcome.entry):
                 raise
     raise AssertionError("unreachable")
+
+
+def _remove_mismatch(store: LocalStore, entry: Published, problem: str) -> None:
+    """Remove ``entry``, which disagrees with the call as ``problem`` says, unless another
+    process replaced it meanwhile, and say so (always, as for an entry refused for its
+    signature); CacheCorruptError when this process cannot remove it."""
+    try:
+        removed = store.still_published(entry) and store.remove_entry(entry.manifest.key)
+    except OSError as e:
+        raise CacheCorruptError(entry.path / MANIFEST_FILE,
+                                f"the entry does not match the call: {problem}") from e
+    if removed:
+        print(f"cachekit: removed entry {entry.manifest.key[:12]}: it does not match the "
+              f"call ({problem}); obtaining it again", file=sys.stderr, flush=True)
 
 
 class _Wait:

@@ -11,6 +11,8 @@ manifest last, create-only) and release (source ``"built"``).
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building if
 it must. A remote entry that fails its checks is CacheCorruptError: nothing is published.
+One whose manifest disagrees with the call (:mod:`cachekit.expected`) is refused before its
+download, as a miss: this host builds the entry itself.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .errors import CacheCorruptError, LockTimeout, RemoteUnavailableError, RemoteWarning
+from .manifest import Manifest
 from .stores import LocalStore, Published
 from .stores.remote import RemoteEntry, RemoteStore
 from .stores.remote_lease import Watch, lease_path
 
 WAIT_REPORT_SECONDS = 10.0
 _warned: set[str] = set()
+Expect = Callable[[Manifest], Optional[str]]
+"""What disagrees with the call in a manifest, or None: ``Expected.check`` of
+:mod:`cachekit.expected`."""
 
 
 @dataclass(frozen=True)
@@ -40,25 +46,28 @@ class Tier:
 
 def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
            build: Callable[[Any], Published], *, remaining: Optional[float],
-           announce: bool) -> tuple[Published, str]:
+           announce: bool, expect: Optional[Expect] = None) -> tuple[Published, str]:
     """(entry, source) for ``key`` after a local miss, holding the local build lock.
 
     ``build(build_fn)`` builds and commits locally (resuming dead local builds);
-    ``remaining``: seconds left of the caller's lock_timeout (None: wait for good).
+    ``remaining``: seconds left of the caller's lock_timeout (None: wait for good);
+    ``expect(manifest)``: what disagrees with the call in a remote entry's manifest, or
+    None; one that disagrees is refused before it is downloaded, as a miss.
     """
     remote = tier.store
+    lookup = _checked_lookup(remote, key, expect)
     try:
-        found = remote.lookup(key)
+        found = lookup()
         if found is not None:
             return _download(tier, local, found), "remote"
-        lease = _wait_for_lease(tier, local, key, remaining, announce)
+        lease = _wait_for_lease(tier, local, key, remaining, announce, lookup)
         if isinstance(lease, Published):
             return lease, "remote"
     except RemoteUnavailableError as e:
         warn_once(remote, e)
         return build(build_fn), "built"
     try:
-        found = remote.lookup(key)  # published between our last look and the takeover?
+        found = lookup()  # published between our last look and the takeover?
         if found is not None:
             return _download(tier, local, found), "remote"
         published = build(_reporting(build_fn, lease))
@@ -79,8 +88,29 @@ def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:
     return published
 
 
+def _checked_lookup(remote: RemoteStore, key: str, expect: Optional[Expect]
+                    ) -> Callable[[], Optional[RemoteEntry]]:
+    """``remote.lookup(key)``, with an entry that disagrees with ``expect`` taken for a
+    miss (said once on stderr, whatever ``progress``: someone wrote a wrong entry)."""
+    refused: list[str] = []
+
+    def lookup() -> Optional[RemoteEntry]:
+        found = remote.lookup(key)
+        problem = None if found is None or expect is None else expect(found.manifest)
+        if problem is None:
+            return found
+        if not refused:
+            print(f"cachekit: refused the remote entry {key[:12]} of {remote.display}: it "
+                  f"does not match the call ({problem}); building it here", file=sys.stderr,
+                  flush=True)
+        refused.append(problem)
+        return None
+
+    return lookup
+
+
 def _wait_for_lease(tier: Tier, local: LocalStore, key: str, remaining: Optional[float],
-                    announce: bool) -> Any:
+                    announce: bool, lookup: Callable[[], Optional[RemoteEntry]]) -> Any:
     """The key's lease (a started Lease), or the entry (Published) when its builder on
     another host publishes it while we wait. LockTimeout past ``remaining`` seconds."""
     remote = tier.store
@@ -89,10 +119,10 @@ def _wait_for_lease(tier: Tier, local: LocalStore, key: str, remaining: Optional
     next_report = started + min(2.0, WAIT_REPORT_SECONDS)
     poll = min(1.0, watch.lease / 8)
     while True:
-        lease = watch.take_or_wait(lambda: remote.lookup(key) is None)
+        lease = watch.take_or_wait(lambda: lookup() is None)
         if lease is not None:
             return lease
-        found = remote.lookup(key)
+        found = lookup()
         if found is not None:
             return _download(tier, local, found)
         waited = time.monotonic() - started

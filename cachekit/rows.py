@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -28,13 +28,18 @@ def as_row(result: Any) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ImageRow:
-    """``path -> (C, H, W) uint8``: :func:`cachekit.images.load_image` with fixed options."""
+    """``path -> (C, H, W) uint8``: :func:`cachekit.images.load_image` with fixed options.
+
+    ``max_read_bytes``: the caller's cap on whole-file reads, so that workers elsewhere (a
+    cluster) read as the caller asked; None: each worker's ``$CACHEKIT_MAX_READ_BYTES``.
+    """
 
     size: tuple[int, int]
     mode: str = "RGB"
     fit: str = "stretch"
     resample: str = "bilinear"
     draft: bool = False
+    max_read_bytes: Optional[int] = None
 
     def __call__(self, path: str) -> np.ndarray:
         from . import images  # Pillow is imported only where rows are decoded
@@ -42,7 +47,7 @@ class ImageRow:
         # Looked up on the module at each call (not bound once), so a test that patches
         # cachekit.images.load_image to count decodes sees every row.
         return images.load_image(path, self.size, self.mode, self.fit, self.resample,
-                                 self.draft)
+                                 self.draft, self.max_read_bytes)
 
 
 class ArrayRow:

@@ -120,3 +120,17 @@ def seconds_from_env(name: str, default: float) -> float:
     if not 0 < value < float("inf"):
         raise ValueError(f"{name}={text!r} must be a positive number of seconds")
     return value
+
+
+def size_from_env(name: str, default: int) -> int:
+    """A byte count (``512``, ``256M``, ``1GB``, as :func:`parse_size` reads it) from
+    environment variable ``name``; ``default`` when it is unset or blank. Anything else
+    raises ValueError naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} must be a size in bytes, e.g. 256M, 1G or "
+                         "268435456") from None

@@ -163,15 +163,20 @@ def test_truncated_data_file_raises_cache_corrupt_error(cache_root, cover_paths)
     assert str(data) in str(caught.value) and isinstance(caught.value, OSError)
 
 
-def test_manifest_shape_disagreeing_with_data_raises(cache_root, cover_paths):
+def square_block(v: int) -> np.ndarray:
+    return np.full((3, 8, 8), v, dtype=np.uint8)
+
+
+def test_manifest_shape_disagreeing_with_data_raises(cache_root):
+    # map: the call knows the rows, not their shape, so only the data file can tell.
     cache = cachekit.Cache(cache_root)
-    entry = cache.images(pd.Series(cover_paths), 8)
+    entry = cache.map(square_block, list(range(12)))
     manifest_path = entry.path / manifests.MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
     manifest["shape"] = manifest["files"][0]["shape"] = [12, 3, 4, 16]  # same bytes, other shape
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(cachekit.CacheCorruptError, match="manifest says"):
-        cache.images(pd.Series(cover_paths), 8)
+        cache.map(square_block, list(range(12)))
 
 
 def test_tensor_shares_the_file_without_a_warning(cache_root, cover_paths):

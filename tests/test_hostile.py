@@ -3,7 +3,8 @@
 A hostile image is never fatal to a build: its row fails with a reason (or decodes, for the
 formats Pillow reads), every other row is exactly what ``load_image`` gives. A tampered
 entry is ``CacheCorruptError``, never wrong data, and nothing outside the cache root is read
-(every lure below is a *correct* copy placed outside: following it would have succeeded).
+(every lure below is a *correct* copy placed outside: following it would have succeeded);
+one whose manifest disagrees with the call (dtype, shape, rows) is built again.
 """
 
 from __future__ import annotations
@@ -159,6 +160,68 @@ def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, ho
     assert cachekit.Cache(root).images(pd.Series(paths), 8, on_error="zero").hit
 
 
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_file_names_that_are_not_utf8_are_keyed_by_their_bytes_and_decoded(tmp_path,
+                                                                          executor):
+    """Names given as os.fsdecode gives them (surrogate escapes): the good one decodes, the
+    bad one is a failed row naming its row and path (never a UnicodeEncodeError), and the
+    key is stable: the next call is a hit, for a list and an object Series alike."""
+    folder = os.fsencode(tmp_path)
+    good, bad = folder + b"/caf\xe9.png", folder + b"/\xff\xfe not an image.jpg"
+    pixels = np.random.default_rng(2).integers(0, 255, (9, 13, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(good, format="PNG")
+    with open(bad, "wb") as f:
+        f.write(b"<html>")
+    paths = [os.fsdecode(good), os.fsdecode(bad)]
+    cache = cachekit.Cache(tmp_path / "cache", workers=2, executor=executor, progress=False)
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cache.images(paths, 8)
+    assert [(row, path) for row, path, _ in caught.value.failures] == [(1, paths[1])]
+    assert repr(paths[1]) in str(caught.value)
+    entry = cache.images(paths, 8, on_error="zero", validate="content")
+    assert entry.valid.tolist() == [True, False] and entry.source == "built"
+    np.testing.assert_array_equal(entry.array[0], load_image(paths[0], (8, 8)))
+    again = cache.images(pd.Series(paths, dtype=object), 8, on_error="zero",
+                         validate="content")
+    assert again.source == "local" and again.key == entry.key
+
+
+HUGE_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np, pandas as pd
+    import cachekit
+
+    root, paths = sys.argv[1], sys.argv[2:]
+    entry = cachekit.Cache(root, workers=1, executor="threads", progress=False).images(
+        pd.Series(paths), 8, on_error="zero", validate="stat")
+    # VmHWM: this process's own peak. (ru_maxrss after fork and exec also counts the
+    # parent's resident set at the fork: the test process's, not ours.)
+    with open("/proc/self/status") as f:
+        peak = [int(line.split()[1]) for line in f if line.startswith("VmHWM:")][0]
+    print(json.dumps({"valid": entry.valid.tolist(), "failed": entry.manifest["failed_rows"],
+                      "sum": int(np.asarray(entry.array[0]).sum()), "peak_kb": peak}))
+""")
+HUGE_BYTES = 6 << 30
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM (Linux)")
+def test_a_huge_non_image_fails_its_row_without_being_read_whole(tmp_path, cover_paths):
+    """A 6 GiB sparse file of zeros in the column: its row fails (not an image) and the
+    process's peak RSS stays far below the file's size (it was never read whole)."""
+    huge = tmp_path / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.truncate(HUGE_BYTES)
+    out = subprocess.run([sys.executable, "-c", HUGE_CHILD, str(tmp_path / "cache"),
+                          cover_paths[0], str(huge)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["valid"] == [True, False] and got["sum"] > 0
+    assert [(row, path) for row, path, _ in got["failed"]] == [(1, str(huge))]
+    assert "cannot identify image file" in got["failed"][0][2]
+    assert got["peak_kb"] * 1024 < HUGE_BYTES // 8, f"peak RSS {got['peak_kb'] // 1024} MB"
+
+
 # --- tampered entries -------------------------------------------------------------------
 
 FILE_FIELDS = ("shape", "dtype", "checksum", "bytes", "name")
@@ -257,11 +320,9 @@ TAMPERED = {
     "shape as bools": manifest_edit(shape=[12, True, 8, 8]),
     "shape not a list": manifest_edit(shape="12,3,8,8"),
     "shape that overflows int64": manifest_edit(shape=[12, 2**62, 2**62, 4]),
-    "shape other than the data": manifest_edit(shape=[12, 3, 4, 16]),
     "dtype object": manifest_edit(dtype="|O"),
     "dtype unparsable": manifest_edit(dtype=",,"),
     "dtype a number": manifest_edit(dtype=5),
-    "dtype other than the data": manifest_edit(dtype="<u2", shape=[12, 3, 8, 4]),
     "format from the future": manifest_edit(format=99),
     "key pointing outside": manifest_edit(key="../../../../etc/passwd"),
     "key of another entry": manifest_edit(key="0" * 32),
@@ -287,7 +348,6 @@ TAMPERED = {
     "data grown by a byte": lambda d: _append_byte(d / manifests.DATA_FILE),
     "data header garbled": lambda d: _garble_header(d / manifests.DATA_FILE),
     "data is a pickle, manifest says object": pickled_data("|O"),
-    "data is a pickle, manifest says uint8": pickled_data("|u1"),
 }
 
 
@@ -300,6 +360,31 @@ def _garble_header(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(10)
         f.write(b"{'descr': __import__('os').system('x'), ")
+
+
+MISMATCHED = {
+    "shape other than the call's": manifest_edit(shape=[12, 3, 4, 16]),
+    "dtype other than the call's": manifest_edit(dtype="<u2", shape=[12, 3, 8, 4]),
+    "data is a pickle, manifest says uint8 of another shape": pickled_data("|u1"),
+}
+"""Tampered manifests that disagree with the call itself: the call removes the entry and
+builds it again, before it reads a byte of the data (which disagree with the manifest too)."""
+
+
+@pytest.mark.parametrize("how", sorted(MISMATCHED))
+def test_an_entry_that_disagrees_with_the_call_is_rebuilt_before_its_data_is_read(
+        tmp_path, cover_paths, how, capfd):
+    root = tmp_path / "cache"
+    column = pd.Series(cover_paths)
+    cache = cachekit.Cache(root, workers=2, progress=False, lock_timeout=0)
+    first = cache.images(column, 8)
+    pixels = np.array(first.array)
+    MISMATCHED[how](first.path)
+    again = cache.images(column, 8)
+    assert again.source == "built" and again.array.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(again.array), pixels)
+    assert "does not match the call" in capfd.readouterr().err
+    assert not (tmp_path / MARKER).exists()  # nothing was unpickled
 
 
 @pytest.mark.parametrize("how", sorted(TAMPERED))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from cachekit import _fs
 from cachekit.images import FITS, MODES, RESAMPLES, _draft_request, load_image
 
 torchvision = pytest.importorskip("torchvision")
@@ -295,21 +296,70 @@ _BAD_FILES = {
 }
 
 
+READS = {"read whole": None, "read from the file": 0}
+"""``max_read_bytes`` of each way a file reaches Pillow: the default cap, and a cap of 0."""
+
+
+@pytest.mark.parametrize("read", list(READS))
 @pytest.mark.parametrize("kind", list(_BAD_FILES))
-def test_unreadable_files_raise(tmp_path: Path, kind: str) -> None:
+def test_unreadable_files_raise(tmp_path: Path, kind: str, read: str) -> None:
     path = tmp_path / "bad.jpg"
     _BAD_FILES[kind](path)
     with pytest.raises(OSError) as info:  # FileNotFound, IsADirectory, UnidentifiedImage...
-        load_image(str(path), (8, 8))
+        load_image(str(path), (8, 8), max_read_bytes=READS[read])
     assert str(info.value)
+    if kind == "text-named-jpg":
+        assert str(path) in str(info.value)  # the file, not a BytesIO or a file object
 
 
-def test_decompression_bomb_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("read", list(READS))
+def test_decompression_bomb_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   read: str) -> None:
     path = tmp_path / "bomb.png"
     Image.new("L", (100, 100)).save(path)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 10,000 px > 2 x limit: an error
     with pytest.raises(Image.DecompressionBombError):
-        load_image(str(path), (8, 8))
+        load_image(str(path), (8, 8), max_read_bytes=READS[read])
+
+
+@pytest.mark.parametrize("draft", [False, True])
+@pytest.mark.parametrize("fit", FITS)
+def test_a_file_above_the_read_cap_gives_the_same_pixels(
+        sources: dict[str, Path], large_jpeg: Path, fit: str, draft: bool) -> None:
+    for path in [large_jpeg, *sources.values()]:
+        size = path.stat().st_size
+        whole = load_image(str(path), (24, 12), fit=fit, draft=draft)
+        for cap in (0, size - 1):
+            streamed = load_image(str(path), (24, 12), fit=fit, draft=draft,
+                                  max_read_bytes=cap)
+            np.testing.assert_array_equal(streamed, whole, err_msg=f"{path.name} cap {cap}")
+
+
+def test_the_read_cap_comes_from_the_environment(large_jpeg: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = load_image(str(large_jpeg), (16, 16))
+    monkeypatch.setenv("CACHEKIT_MAX_READ_BYTES", "1K")  # far below the JPEG's size
+    np.testing.assert_array_equal(load_image(str(large_jpeg), (16, 16)), whole)
+    monkeypatch.setenv("CACHEKIT_MAX_READ_BYTES", "a lot")
+    with pytest.raises(ValueError, match="CACHEKIT_MAX_READ_BYTES='a lot'"):
+        load_image(str(large_jpeg), (16, 16))
+
+
+@pytest.mark.parametrize("cap", [0, 10, 11, 1 << 20])
+def test_read_capped_holds_a_file_in_memory_only_up_to_the_cap(tmp_path: Path,
+                                                               cap: int) -> None:
+    path = tmp_path / "ten.bin"
+    path.write_bytes(b"0123456789")
+    with _fs.read_capped(path, cap) as f:
+        assert isinstance(f, io.BytesIO) == (cap >= 10)
+        assert f.read() == b"0123456789"
+    assert f.closed
+    for planted in ("fifo", "dir"):
+        other = tmp_path / planted
+        os.mkfifo(other) if planted == "fifo" else other.mkdir()
+        with pytest.raises(OSError):  # EINVAL at once: a FIFO never blocks the open
+            _fs.read_capped(other, cap)
+        other.unlink() if planted == "fifo" else other.rmdir()
 
 
 def test_threads_give_the_same_pixels_as_serial_calls(sources: dict[str, Path]) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from cachekit import keys
 
@@ -85,3 +87,75 @@ def test_mixed_object_columns_key_on_value_types():
     # pandas hashes 1 and "1" alike inside an object column; the key must not.
     assert keys.digest(pd.Series([1, "x"], dtype=object)) != \
         keys.digest(pd.Series(["1", "x"], dtype=object))
+
+
+# --- file names that are not UTF-8 --------------------------------------------------------
+
+def _hashes_of_bytes(names: list[bytes]) -> list[int]:
+    return pd.util.hash_pandas_object(pd.Series(names, dtype=object), index=False,
+                                      categorize=False).tolist()
+
+
+def test_a_non_utf8_file_name_is_keyed_by_its_bytes():
+    name = os.fsdecode(b"caf\xe9.jpg")  # "caf\udce9.jpg": surrogateescape
+    material = keys.column_material(pd.Series(["a.jpg", name], dtype=object))
+    assert material["dtype"] == "string"
+    assert material["rows"].tolist() == [6264635911023503278, 12022989243103703311]
+    assert material["rows"].tolist() == _hashes_of_bytes([b"a.jpg", b"caf\xe9.jpg"])
+    assert keys.digest(pd.Series([name], dtype=object)) != keys.digest(pd.Series(["café.jpg"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=12), min_size=1, max_size=6))
+def test_every_file_name_is_keyed_by_the_bytes_it_names(names):
+    """os.fsdecode'd names, valid UTF-8 or not: the row hashes are those of the bytes, so
+    the keys of valid UTF-8 names are the str keys they always were."""
+    decoded = [os.fsdecode(n) for n in names]
+    material = keys.column_material(pd.Series(decoded, dtype=object))
+    assert material["dtype"] == "string"
+    assert material["rows"].tolist() == _hashes_of_bytes(names)
+    if all(not any(0xDC80 <= ord(c) <= 0xDCFF for c in d) for d in decoded):
+        assert material["rows"].tolist() == keys.pandas_row_hashes(pd.Series(decoded)).tolist()
+
+
+SURROGATE_TEXT = st.text(st.characters(categories=["Cs", "Ll", "Nd"]) | st.sampled_from(
+    ["\udcc3", "\udca9", "é", "\ud800", "\udced", "\udca0", "\udc80"]), max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(SURROGATE_TEXT, min_size=1, max_size=3),
+       st.lists(SURROGATE_TEXT, min_size=1, max_size=3))
+def test_columns_of_different_strings_never_share_key_material(a, b):
+    """Lone surrogates of any kind: two columns share material only if they are equal."""
+    if a == b:
+        return
+    ka = keys.encode(keys.column_material(pd.Series(a, dtype=object)))
+    kb = keys.encode(keys.column_material(pd.Series(b, dtype=object)))
+    assert ka != kb
+
+
+def test_strings_no_file_name_decodes_to_do_not_collide_with_ones_that_do():
+    # "\udcc3\udca9" surrogateescapes to b"\xc3\xa9", the UTF-8 of "é"; "\ud800" has no
+    # surrogateescape bytes, and its surrogatepass bytes are what fsdecode reads as this:
+    pairs = [("\udcc3\udca9", "é"),
+             ("\ud800", os.fsdecode("\ud800".encode("utf-8", "surrogatepass")))]
+    for crafted, named in pairs:
+        assert keys.digest(pd.Series([crafted], dtype=object)) != \
+            keys.digest(pd.Series([named], dtype=object))
+        frame = {"p": pd.Series([crafted], dtype=object), "n": [1]}
+        assert keys.digest(pd.DataFrame(frame)) != \
+            keys.digest(pd.DataFrame({**frame, "p": pd.Series([named], dtype=object)}))
+
+
+def test_frames_with_non_utf8_names_key_like_their_bytes_and_keep_other_columns():
+    names = [os.fsdecode(b"caf\xe9.jpg"), "b.jpg"]
+    frame = pd.DataFrame({"p": pd.Series(names, dtype=object), "n": [1, 2]})
+    as_bytes = pd.DataFrame({"p": pd.Series([b"caf\xe9.jpg", b"b.jpg"], dtype=object),
+                             "n": [1, 2]})
+    assert keys.pandas_row_hashes(frame).tolist() == keys.pandas_row_hashes(as_bytes).tolist()
+    assert keys.digest(frame) != keys.digest(frame.assign(n=[1, 3]))
+
+
+def test_a_column_mixing_types_with_lone_surrogates_is_a_type_error():
+    with pytest.raises(TypeError, match="lone surrogates"):
+        keys.column_material(pd.Series([1, os.fsdecode(b"\xff")], dtype=object))

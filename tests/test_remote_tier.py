@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import cachekit
 import hosts
 import s3
+from helpers import rewrite_entry
 from cachekit import _wandb, publish, remote_tier
 from cachekit.errors import RemoteWarning
 from cachekit.stores import LocalStore
@@ -297,3 +299,25 @@ def test_a_host_waiting_for_another_hosts_live_lease_names_it_and_honours_lock_t
         waiting.map(row, list(range(12)))
     assert list((tmp_path / "b" / "entries").glob("*")) == []
     assert generations(remote, key) == [1]  # a live lease is never taken over
+
+
+def test_a_remote_entry_that_disagrees_with_the_call_is_refused_and_built_here(
+        s3_env, tmp_path, cover_paths, capfd):
+    """An unsigned remote entry of the call's key whose manifest says <u2, consistent with
+    its data in every other respect: the caller refuses it before downloading a byte,
+    builds its own uint8 (N, C, H, W) entry, and the next call is a local hit."""
+    column = pd.Series(cover_paths)
+    scout = cachekit.Cache(tmp_path / "scout", remote="", workers=2, progress=False)
+    good = scout.images(column, 8)
+    pixels = np.array(good.array)
+    rewrite_entry(good.path, pixels.astype("<u2") * 257)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert remote.upload(LocalStore(tmp_path / "scout").lookup(good.key))
+    assert remote.lookup(good.key).manifest.dtype == np.dtype("<u2")
+    cache = cachekit.Cache(tmp_path / "b", workers=2, progress=False)
+    entry = cache.images(column, 8)
+    assert entry.source == "built" and entry.key == good.key
+    assert entry.array.dtype == np.uint8 and entry.array.shape == pixels.shape
+    np.testing.assert_array_equal(np.asarray(entry.array), pixels)
+    assert f"refused the remote entry {good.key[:12]}" in capfd.readouterr().err
+    assert cache.images(column, 8).source == "local"
