@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's cachekit
+
 BATCH = 256
 WORKERS = (0, 2)
 READERS = 4

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # the bench_* modules next to this file
+sys.path.insert(1, str(REPO))  # this checkout's cachekit, whatever else is installed
 
 import bench_budget  # noqa: E402
 import bench_phases  # noqa: E402
