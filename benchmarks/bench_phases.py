@@ -352,12 +352,9 @@ def measure_agents(data: Data, config: Config, contestants: set[str]) -> list[Ro
 # --- DataLoader (another module) ---------------------------------------------------------
 
 def measure_dataloader(data: Data, config: Config) -> tuple[list[Row], list[str]]:
-    """Rows from ``bench_dataloader.measure(...)`` when that module exists."""
-    try:
-        import bench_dataloader
-    except ModuleNotFoundError:
-        return [], ["Not measured in this run: benchmarks/bench_dataloader.py (DataLoader "
-                    "epoch throughput, summed PSS of 4 readers) is not there yet."]
+    """Rows from ``bench_dataloader.measure(...)``, DataLoader throughput and readers' PSS."""
+    import bench_dataloader
+
     pss_repeats = config.repeats if config.fresh_process_per_run else 1
     results = bench_dataloader.measure(rows=config.dataloader_rows, repeats=config.repeats,
                                        work=data.work, paths_file=data.covers[config.covers],
