@@ -42,8 +42,8 @@ class Config:
 
 FULL = Config(covers=2000, rss_small=500, agents_rows=2000, hit_rows=130_000, repeats=3)
 """The full run: about 10 minutes on 2 quiet cores."""
-QUICK = Config(covers=240, rss_small=60, agents_rows=160, hit_rows=20_000, repeats=3,
-               agents_import_torch=False, fresh_process_per_run=False, dataloader_rows=10_000)
+QUICK = Config(covers=120, rss_small=40, agents_rows=80, hit_rows=5_000, repeats=1,
+               agents_import_torch=False, fresh_process_per_run=False, dataloader_rows=5_000)
 """``--quick``: small sizes and shared processes, to check the script (its numbers are not
 for quoting)."""
 
