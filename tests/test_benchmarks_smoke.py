@@ -21,31 +21,32 @@ def load_run_module():
     return module
 
 
-def test_a_tiny_quick_run_measures_every_phase_and_contestant(tmp_path: Path) -> None:
+def test_a_tiny_quick_run_measures_every_phase(tmp_path: Path) -> None:
+    # Every phase, and every peer but the seed's two caches: each of their jobs is a fresh
+    # interpreter that imports torchvision, which would make most of this test's time.
+    # The seed's Dataset still runs in the DataLoader phase.
     run = load_run_module()
     out = tmp_path / "docs"
     report = run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
                        "--hit-rows", "200", "--dataloader-rows", "600", "--repeats", "1",
-                       "--out", str(out)])
+                       "--contestants", "joblib,datasets,cachekit", "--out", str(out)])
 
     sections = {row.section for row in report.rows}
     assert sections == {"build", "rss", "hit", "agents_wall", "agents_cpu", "dataloader", "pss"}
     assert all(len(row.runs) == 1 and row.runs[0] > 0 for row in report.rows)
     built = " ".join(row.label for row in report.rows if row.section == "build")
-    for contestant in ("seed torch.save", "seed Manager", "joblib", "datasets", "cachekit"):
-        assert contestant in built
-    raced = {row.label for row in report.rows if row.section == "agents_wall"}
-    assert raced == {"cachekit", "seed torch.save dump", "seed Manager dict", "joblib.Memory"}
+    assert "joblib" in built and "datasets" in built and "cachekit" in built
+    assert any(row.label.startswith("datasets") for row in report.section_rows("hit"))
     race = report.row("agents_wall", "cachekit")
     assert race is not None and "decoded: 1 of 4" in race.detail  # one builder, three waiters
-    loaded = [row.label for row in report.rows if row.section == "dataloader"]
+    loaded = [row.label for row in report.section_rows("dataloader")]
     for workers in (0, 2):
         for start in ("in-RAM", "cachekit entry.dataset()", "seed:"):
             assert any(label.startswith(start) and label.endswith(f"num_workers={workers}")
                        for label in loaded)
     text = (out / "benchmarks.md").read_text(encoding="utf-8")
     assert "cachekit exact, 2 workers" in text and "joblib.Memory, object" in text
-    assert "DataLoader" in text
+    assert "## DataLoader epoch throughput" in text
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
