@@ -7,7 +7,7 @@ Generates its data under a temporary directory, measures every figure in fresh
 interpreters (``bench_worker.py``). Only a full run writes the published figures,
 ``docs/benchmarks.md``, ``docs/benchmarks.png`` and the generated block of the README's
 "Benchmarks" section; ``--quick`` writes to a new temporary folder unless ``--out`` is given,
-and says where. Needs the ``bench`` extra:
+and says where. Needs the ``bench`` extra (``dev`` holds its packages too):
 ``pip install -e ".[bench]"``.
 """
 
