@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's cachekit
+
 BATCH = 256
 WORKERS = (0, 2)
 READERS = 4
@@ -65,6 +67,7 @@ def ram_dataset(data: Any):
     busy 2-core machine, against 0.2 ms for numpy's fancy index, so torch indexing would
     make a weak ceiling.
     """
+    import numpy as np
     import torch
     from torch.utils.data import Dataset
 
@@ -81,8 +84,6 @@ def ram_dataset(data: Any):
         def __getitems__(self, indices: Sequence[int]) -> list:
             rows = self.tensor.numpy()[np.asarray(indices, dtype=np.intp)]
             return list(torch.from_numpy(rows).unbind(0))
-
-    import numpy as np
 
     return InRam(torch.from_numpy(data))
 
@@ -130,7 +131,6 @@ def make_entry(root: Path, rows: int, seed: int = 0):
     import pandas as pd
 
     import cachekit
-from cachekit import manifest as manifests
 
     data = np.random.default_rng(seed).integers(0, 256, size=(rows, *SHAPE), dtype=np.uint8)
 
@@ -214,7 +214,7 @@ def wait_for(paths: Sequence[Path]) -> None:
 def reader(entry_dir: str, barrier: str, index: int, count: int) -> None:
     """One of the K reader processes (run as ``bench_dataloader.py pss-reader ...``)."""
     import cachekit
-    from cachekit import store
+    from cachekit import manifest as manifests
 
     folder = Path(barrier)
     entry = cachekit.Entry(Path(entry_dir), manifests.read(Path(entry_dir)), source="local")

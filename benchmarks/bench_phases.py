@@ -42,8 +42,8 @@ class Config:
 
 FULL = Config(covers=2000, rss_small=500, agents_rows=2000, hit_rows=130_000, repeats=3)
 """The full run: about 10 minutes on 2 quiet cores."""
-QUICK = Config(covers=240, rss_small=60, agents_rows=160, hit_rows=20_000, repeats=3,
-               agents_import_torch=False, fresh_process_per_run=False, dataloader_rows=10_000)
+QUICK = Config(covers=120, rss_small=40, agents_rows=80, hit_rows=5_000, repeats=1,
+               agents_import_torch=False, fresh_process_per_run=False, dataloader_rows=5_000)
 """``--quick``: small sizes and shared processes, to check the script (its numbers are not
 for quoting)."""
 
@@ -352,12 +352,9 @@ def measure_agents(data: Data, config: Config, contestants: set[str]) -> list[Ro
 # --- DataLoader (another module) ---------------------------------------------------------
 
 def measure_dataloader(data: Data, config: Config) -> tuple[list[Row], list[str]]:
-    """Rows from ``bench_dataloader.measure(...)`` when that module exists."""
-    try:
-        import bench_dataloader
-    except ModuleNotFoundError:
-        return [], ["Not measured in this run: benchmarks/bench_dataloader.py (DataLoader "
-                    "epoch throughput, summed PSS of 4 readers) is not there yet."]
+    """Rows from ``bench_dataloader.measure(...)``, DataLoader throughput and readers' PSS."""
+    import bench_dataloader
+
     pss_repeats = config.repeats if config.fresh_process_per_run else 1
     results = bench_dataloader.measure(rows=config.dataloader_rows, repeats=config.repeats,
                                        work=data.work, paths_file=data.covers[config.covers],

@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import bench_peers
-import bench_seeds
+HERE = Path(__file__).resolve().parent
+sys.path.insert(1, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
+
+import bench_peers  # noqa: E402
+import bench_seeds  # noqa: E402
 
 RESULT_PREFIX = "RESULT "
 POLL_SECONDS = 0.001

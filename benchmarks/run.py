@@ -7,7 +7,7 @@ Generates its data under a temporary directory, measures every figure in fresh
 interpreters (``bench_worker.py``). Only a full run writes the published figures,
 ``docs/benchmarks.md``, ``docs/benchmarks.png`` and the generated block of the README's
 "Benchmarks" section; ``--quick`` writes to a new temporary folder unless ``--out`` is given,
-and says where. Needs the ``bench`` extra:
+and says where. Needs the ``bench`` extra (``dev`` holds its packages too):
 ``pip install -e ".[bench]"``.
 """
 
@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # the bench_* modules next to this file
+sys.path.insert(1, str(REPO))  # this checkout's cachekit, whatever else is installed
 
 import bench_budget  # noqa: E402
 import bench_phases  # noqa: E402
