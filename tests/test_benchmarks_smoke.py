@@ -50,9 +50,12 @@ def test_a_tiny_quick_run_measures_every_phase(tmp_path: Path) -> None:
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys) -> None:
+def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys,
+                                                        monkeypatch) -> None:
     import subprocess
+    import tempfile
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its output folder goes here
     repo = RUN_PY.parent.parent
     before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                             text=True).stdout
