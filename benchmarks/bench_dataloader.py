@@ -214,7 +214,7 @@ def wait_for(paths: Sequence[Path]) -> None:
 def reader(entry_dir: str, barrier: str, index: int, count: int) -> None:
     """One of the K reader processes (run as ``bench_dataloader.py pss-reader ...``)."""
     import cachekit
-    from cachekit import manifest as manifests
+    from cachekit.store import manifest as manifests
 
     folder = Path(barrier)
     entry = cachekit.Entry(Path(entry_dir), manifests.read(Path(entry_dir)), source="local")

@@ -178,7 +178,8 @@ def phase_steps() -> list[tuple[str, Callable[[str], Any]]]:
     import numpy as np
     from PIL import ExifTags, Image
 
-    from cachekit import _fs, images
+    from cachekit import _fs
+    from cachekit.engine import images
 
     bilinear = Image.Resampling.BILINEAR
     orientation = ExifTags.Base.Orientation
@@ -256,7 +257,7 @@ def profile(paths: list[str], rounds: int, builds: Builds) -> list[tuple[str, fl
 
 def gil_fraction(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, float]:
     """Fraction of one image's time (load_image) that holds the GIL; see the module doc."""
-    from cachekit import images
+    from cachekit.engine import images
 
     def work() -> None:
         for path in paths:
@@ -352,9 +353,9 @@ def on_dask(paths: list[str], builds: Builds, workers: int) -> Callable[[], Any]
 
 
 def warm_worker() -> None:
-    import cachekit.executors  # noqa: F401
-    import cachekit.images  # noqa: F401
-    import cachekit.rows  # noqa: F401
+    import cachekit.engine.executors  # noqa: F401
+    import cachekit.engine.images  # noqa: F401
+    import cachekit.engine.rows  # noqa: F401
 
 
 def contestants_for(paths: list[str], builds: Builds, cores: int, stack: Any
@@ -421,7 +422,7 @@ def exactness(paths: list[str], work: Path) -> dict[str, float]:
     """Mean |difference| from the exact pixels, /255, of draft=True and the OpenCV proxy."""
     import numpy as np
 
-    from cachekit import images
+    from cachekit.engine import images
 
     sample = paths[:200]
     exact = np.stack([images.load_image(p, SIZE) for p in sample]).astype(np.int16)
@@ -533,7 +534,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     n = args.covers or (120 if args.quick else 2000)
     rounds = args.rounds or (2 if args.quick else 5)
-    from cachekit.executors import usable_cpus
+    from cachekit.engine.executors import usable_cpus
 
     cores = usable_cpus()
     work = Path(tempfile.mkdtemp(prefix="cachekit-bench-engine-"))

@@ -86,8 +86,8 @@ def main() -> None:
     import pandas as pd
 
     import cachekit
-    from cachekit.stores import LocalStore
-    from cachekit.stores.remote import RemoteStore
+    from cachekit.store import LocalStore
+    from cachekit.store.remote import RemoteStore
 
     with tempfile.TemporaryDirectory(prefix="cachekit-bench-remote-") as scratch:
         base = Path(scratch)

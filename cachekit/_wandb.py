@@ -15,7 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .publish import Outcome
+    from .obtain.flow import Outcome
 
 ENV = "CACHEKIT_WANDB"
 PREFIX = "cachekit/"

@@ -19,7 +19,7 @@ import numpy as np
 from . import _fs
 from .errors import CacheCorruptError
 from ._fs import NOT_A_FILE_ERRNOS
-from .manifest import FileRecord
+from .store.manifest import FileRecord
 
 CHECKSUM_BLOCK = 16 << 20
 HEADER_ALIGN = np.lib.format.ARRAY_ALIGN
@@ -38,7 +38,7 @@ def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
     map is made from the very file created, never reopened by name.
 
     The header is padded with spaces so the data start at a multiple of ``align`` bytes
-    (numpy pads to 64; a build pads to a page, see :mod:`cachekit.plan`); ``np.load`` reads
+    (numpy pads to 64; a build pads to a page, see :mod:`cachekit.engine.plan`); ``np.load`` reads
     the file as usual."""
     dtype = np.dtype(dtype)
     fd = directory.create(name)

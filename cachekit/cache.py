@@ -1,8 +1,8 @@
 """``Cache``: the public face of cachekit.
 
 ``Cache.images``, ``Cache.map`` and ``@Cache.memoize`` all come down to one path,
-:meth:`Cache._obtain`: make a key, then :func:`cachekit.publish.obtain` the entry from the
-store, building it on a miss (per-row builds with :func:`cachekit.build.fill`), and report
+:meth:`Cache._obtain`: make a key, then :func:`cachekit.obtain.flow.obtain` the entry from the
+store, building it on a miss (per-row builds with :func:`cachekit.engine.fill.fill`), and report
 the use to an active W&B run.
 """
 
@@ -15,13 +15,15 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _fs, _wandb, build, executors, keys, options, publish
+from . import _fs, _wandb, keys, options
+from .engine import fill as build, executors
+from .obtain import flow as publish
 from .entry import Entry
-from .expected import Expected
-from .manifest import DATA_FILE, FORMAT_VERSION
+from .obtain.expected import Expected
+from .store.manifest import DATA_FILE, FORMAT_VERSION
 from .errors import ImageDecodeError
-from .rows import ArrayRow, ImageRow
-from .stores import Build, LocalStore, default_root
+from .engine.rows import ArrayRow, ImageRow
+from .store import Build, LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -159,7 +161,7 @@ class Cache:
     def _remote_tier(self) -> Any:
         if self._remote is None:
             return None
-        from .remote_tier import Tier
+        from .obtain.remote import Tier
 
         return Tier(self._remote, progress=self._show_progress())
 
@@ -204,13 +206,13 @@ class Cache:
             outcome.entry.path, outcome.entry.manifest, source=outcome.source,
             wait_seconds=outcome.wait_seconds), join_entry, expect=expect)
 
-    # Inspection and maintenance: thin wrappers over cachekit.maintenance/removal/integrity.
+    # Inspection and maintenance: thin wrappers over cachekit.admin.inspect/removal/integrity.
 
     def entries(self) -> list:
         """Every published entry as a frozen ``EntryInfo`` (key, kind, rows, shape, dtype,
         bytes, created, last_used, path, ...), oldest first. Unreadable entries are listed
         with ``problem`` set instead of aborting the listing."""
-        from .maintenance import list_entries
+        from .admin.inspect import list_entries
 
         return list_entries(self._store)[0]
 
@@ -220,7 +222,7 @@ class Cache:
         ``older_than`` (seconds, a timedelta or "7d") only those unused for that long.
         Orphaned build directories of dead builders go too. Safe while other processes read;
         builds in progress are never touched. Returns a ``RemovalReport`` (removed, skipped)."""
-        from .removal import plan_clear
+        from .admin.removal import plan_clear
         from .units import seconds
 
         if isinstance(keys, str):
@@ -231,7 +233,7 @@ class Cache:
     def prune(self, max_bytes: Union[int, str]):
         """Remove least recently used entries until the cache holds at most ``max_bytes``
         (an int, or a size like "10G"). Returns a ``RemovalReport``."""
-        from .removal import plan_prune
+        from .admin.removal import plan_prune
         from .units import byte_count
 
         return plan_prune(self._store, byte_count(max_bytes)).execute()
@@ -239,7 +241,7 @@ class Cache:
     def verify(self, keys: Optional[Sequence[str]] = None) -> list:
         """Fully check entries (all, or ``keys``): manifest, headers, sizes and the data
         checksums. Returns a list of ``Problem`` (key, path, message); [] when healthy."""
-        from .integrity import verify
+        from .admin.integrity import verify
 
         if isinstance(keys, str):
             keys = [keys]
@@ -249,7 +251,7 @@ class Cache:
 def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
     """(URL or None, RemoteStore or None) for Cache(remote=...): None -> $CACHEKIT_REMOTE;
     "" -> local only. The store imports fsspec only when it is first used."""
-    from .stores.remote import RemoteStore, url_from_env
+    from .store.remote import RemoteStore, url_from_env
 
     if remote is None:
         remote = url_from_env()
@@ -262,7 +264,7 @@ def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
 
 
 def _decoders() -> dict[str, Any]:
-    from .images import decoder_versions
+    from .engine.images import decoder_versions
 
     return {"decoders": decoder_versions()}
 

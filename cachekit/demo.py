@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import _fs
 from .samples import write_sample_images
-from .stores import default_root
+from .store import default_root
 
 SIZE = (32, 32)
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import arrays
-from .manifest import Manifest
+from .store.manifest import Manifest
 
 SOURCES = ("local", "remote", "built", "joined")
 """How a call obtained its entry: found in the local root (or published there by another

@@ -9,7 +9,7 @@
     +-- CacheCorruptError (OSError)     an entry on disk disagrees with its manifest
     |   +-- DatasetCorruptError         ... found where a torch Dataset reads its rows
     |   +-- UnsignedEntryError          ... has no valid signature while CACHEKIT_SIGNING_KEY
-    |                                       is set (see :mod:`cachekit.signing`)
+    |                                       is set (see :mod:`cachekit.store.signing`)
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)

@@ -26,11 +26,12 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 
-from . import _fs, arrays, keys, publish
+from . import _fs, arrays, keys
+from .obtain import flow as publish
 from .errors import CacheCorruptError
-from .expected import Expected
-from .manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
-from .stores import Build
+from .obtain.expected import Expected
+from .store.manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
+from .store import Build
 
 Node = dict  # a JSON structure node, see the module docstring
 Obtain = Callable[..., Any]

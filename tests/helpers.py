@@ -80,7 +80,7 @@ def start_gated_builder(work: Path, root: Path, *, crash: bool = False
 def small_chunks(monkeypatch, rows: int) -> None:
     """Make every build's chunks ``rows`` rows long (while the row count allows): no page
     alignment, at most ``rows`` rows, one chunk per worker at least."""
-    from cachekit import plan
+    from cachekit.engine import plan
 
     monkeypatch.setattr(plan, "PAGE_BYTES", 1)
     monkeypatch.setattr(plan, "MAX_CHUNK_ROWS", rows)
@@ -120,7 +120,8 @@ def rewrite_entry(entry_dir: Path, array, structure=None) -> None:
 
     import numpy as np
 
-    from cachekit import arrays, manifest as manifests
+    from cachekit import arrays
+    from cachekit.store import manifest as manifests
 
     data = entry_dir / manifests.DATA_FILE
     if array is not None:

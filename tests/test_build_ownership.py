@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachekit import _fs, build, journal as journals
+from cachekit import _fs
+from cachekit.engine import fill as build, journal as journals
 
 from helpers import small_chunks
 

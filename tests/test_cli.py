@@ -20,8 +20,9 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import arrays, manifest as manifests
-from cachekit.cli import main
+from cachekit import arrays
+from cachekit.store import manifest as manifests
+from cachekit.cli.main import main
 from helpers import GATED_ROWS, start_gated_builder
 
 SCRIPT = Path(sys.executable).with_name("cachekit")
@@ -164,7 +165,7 @@ def test_exit_status_of_each_kind_of_error(cache_root, capsys, monkeypatch, erro
     def fail(layout):
         raise error
 
-    monkeypatch.setattr("cachekit.maintenance.scan", fail)
+    monkeypatch.setattr("cachekit.admin.inspect.scan", fail)
     assert in_process(capsys, "ls", root=cache_root) == (status, "", message)
 
 

@@ -16,8 +16,10 @@ import torch
 from torch.utils.data import DataLoader, Subset, WeightedRandomSampler
 
 import cachekit
-from cachekit import arrays, manifest as manifests, publish
-from cachekit.stores import LocalStore
+from cachekit import arrays
+from cachekit.store import manifest as manifests
+from cachekit.obtain import flow as publish
+from cachekit.store import LocalStore
 from cachekit.dataset import DatasetCorruptError, EntryDataset
 
 ROWS = 300

@@ -48,7 +48,7 @@ def test_errors_survive_pickling_with_their_message(error):
 
 
 def test_a_lock_timeout_gives_the_fix_for_the_lock_kind(tmp_path):
-    from cachekit import locks
+    from cachekit.store import locks
 
     os_lock, soft = locks.make_lock(tmp_path / "k.lock", "os"), locks.make_lock(
         tmp_path / "k.lock", "soft")

@@ -1,4 +1,4 @@
-"""cachekit.executors: every executor gives the same bytes and key, errors cross processes.
+"""cachekit.engine.executors: every executor gives the same bytes and key, errors cross processes.
 
 Processes are real: cachekit's own worker interpreters, a ProcessPoolExecutor, and a Dask
 LocalCluster with worker processes on loopback. The row functions used with processes are
@@ -25,9 +25,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import cachekit
-from cachekit import executors
+from cachekit.engine import executors
 from cachekit.errors import ImageDecodeError, NotAnArrayError
-from cachekit.executors import RowTask, make_runner
+from cachekit.engine.executors import RowTask, make_runner
 
 SIZE = (12, 10)
 
@@ -227,7 +227,7 @@ def test_threads_need_no_pickling(tmp_path):
 
 
 def test_the_images_row_function_pickles():
-    from cachekit.rows import ImageRow
+    from cachekit.engine.rows import ImageRow
 
     row = ImageRow((8, 8), "L", "crop", "bicubic", True)
     assert pickle.loads(pickle.dumps(row)) == row

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import publish
-from cachekit.expected import Expected
-from cachekit.manifest import FileRecord, Manifest
-from cachekit.stores import LocalStore
+from cachekit.obtain import flow as publish
+from cachekit.obtain.expected import Expected
+from cachekit.store.manifest import FileRecord, Manifest
+from cachekit.store import LocalStore
 from helpers import rewrite_entry
 
 SIGNING = {"unsigned": None, "signed": "a key every writer of this root holds"}
@@ -126,7 +126,7 @@ def test_an_entry_that_disagrees_again_after_its_removal_is_corrupt(cache_root, 
     """A build that keeps making the wrong entry (here: this call's own build function):
     removed and built once more, then CacheCorruptError, not a loop."""
     from cachekit import arrays
-    from cachekit.manifest import DATA_FILE
+    from cachekit.store.manifest import DATA_FILE
 
     store, builds = LocalStore(cache_root), []
 

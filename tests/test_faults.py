@@ -26,9 +26,10 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import ImageDecodeError, arrays, locks, manifest as manifests
-from cachekit.stores import Layout
-from cachekit.images import load_image
+from cachekit import ImageDecodeError, arrays
+from cachekit.store import locks, manifest as manifests
+from cachekit.store import Layout
+from cachekit.engine.images import load_image
 
 from helpers import small_chunks
 
@@ -281,7 +282,7 @@ def test_an_unwritable_root_is_reported_as_read_only(cache_root, cover_paths):
     def no_write(path, mode, *args, **kwargs):
         return False if mode & os.W_OK else real_access(path, mode, *args, **kwargs)
 
-    with mock.patch("cachekit.stores.local.os.access", no_write):
+    with mock.patch("cachekit.store.local.os.access", no_write):
         assert fresh_build(cache_root, column).hit
         with pytest.raises(cachekit.ReadOnlyCacheError, match="is read-only"):
             fresh_build(cache_root, pd.Series(cover_paths[:4]))

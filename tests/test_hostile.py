@@ -26,9 +26,9 @@ import pytest
 from PIL import Image, features
 
 import cachekit
-from cachekit import manifest as manifests
-from cachekit.stores import Layout
-from cachekit.images import load_image
+from cachekit.store import manifest as manifests
+from cachekit.store import Layout
+from cachekit.engine.images import load_image
 
 PACKAGE = Path(cachekit.__file__).parent
 
@@ -492,7 +492,7 @@ MODES_CHILD = textwrap.dedent("""
     from pathlib import Path
     import pandas as pd
     import cachekit
-    from cachekit import locks, manifest as manifests
+    from cachekit.store import locks, manifest as manifests
 
     root, umask, paths = Path(sys.argv[1]), int(sys.argv[2], 8), sys.argv[3:]
     os.umask(umask)

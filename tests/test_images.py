@@ -1,4 +1,4 @@
-"""Tests for cachekit.images: pixels against torchvision / Pillow references, errors, draft."""
+"""Tests for cachekit.engine.images: pixels against torchvision / Pillow references, errors, draft."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from cachekit import _fs
-from cachekit.images import FITS, MODES, RESAMPLES, _draft_request, load_image
+from cachekit.engine.images import FITS, MODES, RESAMPLES, _draft_request, load_image
 
 torchvision = pytest.importorskip("torchvision")
 from torchvision import transforms  # noqa: E402

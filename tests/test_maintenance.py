@@ -14,10 +14,12 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import arrays, maintenance, manifest as manifests, removal, units
-from cachekit.stores import LocalStore
+from cachekit import arrays, units
+from cachekit.admin import inspect as maintenance, removal
+from cachekit.store import manifest as manifests
+from cachekit.store import LocalStore
 from helpers import GATED_ROWS, start_gated_builder
-from cachekit.integrity import verify
+from cachekit.admin.integrity import verify
 
 DAY = 86400.0
 
@@ -139,7 +141,7 @@ def test_a_hit_records_its_use_without_a_lock(cache_root):
     entry = make_entry(cache, 0)
     set_last_used(entry.path, time.time() - 30 * DAY)
     assert time.time() - cache.entries()[0].last_used > 29 * DAY
-    with mock.patch("cachekit.publish.locks.make_lock", side_effect=AssertionError("locked")):
+    with mock.patch("cachekit.obtain.flow.locks.make_lock", side_effect=AssertionError("locked")):
         assert make_entry(cache, 0).hit
     assert time.time() - cache.entries()[0].last_used < DAY
 
@@ -147,7 +149,7 @@ def test_a_hit_records_its_use_without_a_lock(cache_root):
 def test_a_hit_on_a_root_that_refuses_utime_still_serves(cache_root):
     cache = cachekit.Cache(cache_root)
     built = make_entry(cache, 0)
-    with mock.patch("cachekit.stores.local.os.utime", side_effect=PermissionError(13, "read-only")):
+    with mock.patch("cachekit.store.local.os.utime", side_effect=PermissionError(13, "read-only")):
         again = make_entry(cache, 0)
     assert again.hit and np.array_equal(again.array, built.array)
 

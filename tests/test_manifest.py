@@ -10,7 +10,7 @@ import pytest
 
 import cachekit
 from cachekit import CacheCorruptError, _fs, arrays
-from cachekit import manifest as manifests
+from cachekit.store import manifest as manifests
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ import pytest
 
 import cachekit
 from helpers import assert_cache_as_it_was, load_module
-from cachekit import arrays, manifest as manifests, memoize
+from cachekit import arrays, memoize
+from cachekit.store import manifest as manifests
 from cachekit.errors import CacheCorruptError
 
 FRAME = pd.DataFrame({"img_path": ["a.jpg", "b.jpg", "c.jpg"], "label": [0, 1, 0]})

@@ -22,7 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachekit import _fs, build, keys, manifest as manifests, plan
+from cachekit import _fs, keys
+from cachekit.engine import fill as build, plan
+from cachekit.store import manifest as manifests
 
 # --- the key encoding ------------------------------------------------------------------------
 

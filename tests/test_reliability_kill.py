@@ -29,9 +29,10 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import arrays, locks, manifest as manifests
-from cachekit.stores import Layout
-from cachekit.images import load_image
+from cachekit import arrays
+from cachekit.store import locks, manifest as manifests
+from cachekit.store import Layout
+from cachekit.engine.images import load_image
 
 from helpers import rows_not_done, small_chunks
 
@@ -43,8 +44,10 @@ ZYGOTE = textwrap.dedent(r'''
     from pathlib import Path
     import numpy as np, pandas as pd
     import cachekit
-    from cachekit import _fs, arrays, images, manifest as manifests, plan
-    from cachekit.stores import local
+    from cachekit import _fs, arrays
+    from cachekit.engine import images, plan
+    from cachekit.store import manifest as manifests
+    from cachekit.store import local
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed children
     real = {"load": images.load_image, "seal": arrays.seal, "checksum": arrays._checksum_of,
@@ -252,7 +255,7 @@ def resume(root: Path, paths, lock: str, monkeypatch) -> tuple[cachekit.Entry, l
 
     monkeypatch.setenv("CACHEKIT_LOCK", lock)
     small_chunks(monkeypatch, CHUNK)
-    monkeypatch.setattr("cachekit.images.load_image", counted)
+    monkeypatch.setattr("cachekit.engine.images.load_image", counted)
     entry = cachekit.Cache(root, workers=2, progress=False, lock_timeout=60).images(
         pd.Series(paths), SIZE)
     return entry, sorted(decoded)

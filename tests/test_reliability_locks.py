@@ -20,13 +20,14 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import _fs, locks
-from cachekit.stores import Layout
+from cachekit import _fs
+from cachekit.store import locks
+from cachekit.store import Layout
 
 COUNTER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from cachekit import locks
+    from cachekit.store import locks
 
     kind, lock_path, counter, start, rounds = sys.argv[1:6]
     while not os.path.exists(start):
@@ -45,7 +46,7 @@ COUNTER = textwrap.dedent("""
 HOLDER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from cachekit import locks
+    from cachekit.store import locks
 
     lock = locks.SoftLock(Path(sys.argv[1]), lease=float(sys.argv[2]))
     assert lock.acquire(timeout=10)

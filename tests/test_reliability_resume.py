@@ -23,8 +23,9 @@ import pytest
 
 import cachekit
 from cachekit import LockTimeout
-from cachekit import _fs, arrays, manifest as manifests
-from cachekit.stores import local
+from cachekit import _fs, arrays
+from cachekit.store import manifest as manifests
+from cachekit.store import local
 
 from helpers import chunk_journal, done_chunks, rows_not_done, small_chunks
 

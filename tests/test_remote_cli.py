@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import cachekit
-from cachekit import cli
-from cachekit.stores import LocalStore
-from cachekit.stores.remote import RemoteStore
+from cachekit.cli import main as cli
+from cachekit.store import LocalStore
+from cachekit.store.remote import RemoteStore
 
 
 def row(v):

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import cachekit
 import s3
 from cachekit.errors import CacheCorruptError, RemoteUnavailableError, UnsignedEntryError
-from cachekit.stores import LocalStore
-from cachekit.stores.remote import (CHECK, EXISTS, OTHER, RemoteStore, classify_failed_create,
-                                    redact)
+from cachekit.store import LocalStore
+from cachekit.store.remote import (CHECK, EXISTS, OTHER, RemoteStore, classify_failed_create,
+    redact)
 
 
 def row(v):
@@ -167,7 +167,7 @@ def test_of_two_uploaders_racing_past_the_lookup_exactly_one_manifest_wins(s3_en
 
 
 def test_a_large_file_goes_up_in_parts_and_comes_back_whole(s3_env, tmp_path, monkeypatch):
-    from cachekit.stores import remote as remote_module
+    from cachekit.store import remote as remote_module
 
     monkeypatch.setattr(remote_module, "RANGE_BYTES", 5 << 20)  # S3's smallest part
     values = np.arange(3 * (5 << 20) // 4096 + 7)
@@ -274,7 +274,7 @@ def test_a_manifest_naming_a_path_is_refused(uploaded, s3_env, tmp_path, field):
 
 
 def test_an_oversized_manifest_is_refused(uploaded, s3_env, tmp_path, monkeypatch):
-    from cachekit import manifest as manifests
+    from cachekit.store import manifest as manifests
 
     remote, entry, data, manifest = uploaded
     monkeypatch.setattr(manifests, "MANIFEST_LIMIT", 100)
@@ -337,7 +337,7 @@ json_values = st.recursive(
 @pytest.fixture(scope="module")
 def remote_manifest(tmp_path_factory) -> tuple[str, dict]:
     entry = local_entry(tmp_path_factory.mktemp("manifest") / "a")
-    from cachekit import manifest as manifests
+    from cachekit.store import manifest as manifests
 
     raw = manifests.dumps(entry._manifest, {"upload": "0" * 32})
     return entry.key, json.loads(raw)

@@ -24,11 +24,12 @@ import cachekit
 import hosts
 import s3
 from helpers import rewrite_entry
-from cachekit import _wandb, publish, remote_tier
+from cachekit import _wandb
+from cachekit.obtain import flow as publish, remote as remote_tier
 from cachekit.errors import RemoteWarning
-from cachekit.stores import LocalStore
-from cachekit.stores.remote import RemoteStore
-from cachekit.stores.remote_lease import generations, lease_path
+from cachekit.store import LocalStore
+from cachekit.store.remote import RemoteStore
+from cachekit.store.lease import generations, lease_path
 
 ROWS = 64
 
@@ -38,7 +39,7 @@ AGENT = textwrap.dedent('''
     import numpy as np
     import cachekit
     import hosts
-    from cachekit.stores import remote as remote_store
+    from cachekit.store import remote as remote_store
 
     work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     counter = work / os.environ.get("COUNTER", "decoded")
@@ -165,7 +166,7 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
     assert hosts.finish(after).report()["source"] == "built"
     assert remote.lookup(key) is not None
     # What the killed uploader left is an orphaned upload, which clear --remote removes.
-    from cachekit import remote_maintenance as rm
+    from cachekit.admin import remote as rm
 
     monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "1")
     time.sleep(2.5)  # older than twice the lease: nobody is still uploading it

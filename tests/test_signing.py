@@ -12,10 +12,12 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import _fs, UnsignedEntryError, integrity, signing
-from cachekit import manifest as manifests
-from cachekit.cli import main
-from cachekit.stores import LocalStore
+from cachekit import _fs, UnsignedEntryError
+from cachekit.admin import integrity
+from cachekit.store import signing
+from cachekit.store import manifest as manifests
+from cachekit.cli.main import main
+from cachekit.store import LocalStore
 
 KEY = "team key \u00e9 0xC0FFEE-7f3a9b"  # not ASCII: the key is the variable's UTF-8 bytes
 VALUES = pd.Series([1, 2, 3, 4])

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from cachekit import CacheCorruptError, _fs, arrays, liveness
-from cachekit import manifest as manifests
-from cachekit.stores import LocalStore
-from cachekit.stores.local import HEARTBEAT_FILE, JOURNAL_FILE
+from cachekit.store import manifest as manifests
+from cachekit.store import LocalStore
+from cachekit.store.local import HEARTBEAT_FILE, JOURNAL_FILE
 
 KEY = "ab" * 16
 

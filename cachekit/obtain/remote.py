@@ -1,9 +1,9 @@
 """The remote tier's part of getting an entry, after a local miss (DESIGN 3.2).
 
-:func:`cachekit.publish.obtain` calls :func:`obtain` holding the key's local build lock, once
+:func:`cachekit.obtain.flow.obtain` calls :func:`obtain` holding the key's local build lock, once
 no live local builder is left, so the agents of one host share one download or one build.
 Then: look the key up remotely, and download it when it is there (source ``"remote"``);
-otherwise take the key's remote lease (:mod:`cachekit.stores.remote_lease`) or wait while
+otherwise take the key's remote lease (:mod:`cachekit.store.lease`) or wait while
 another host holds it, printing whom we wait for, until its entry is published (download)
 or its lease dies (take over); holding the lease, build, commit locally, upload (data first,
 manifest last, create-only) and release (source ``"built"``).
@@ -11,7 +11,7 @@ manifest last, create-only) and release (source ``"built"``).
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building if
 it must. A remote entry that fails its checks is CacheCorruptError: nothing is published.
-One whose manifest disagrees with the call (:mod:`cachekit.expected`) is refused before its
+One whose manifest disagrees with the call (:mod:`cachekit.obtain.expected`) is refused before its
 download, as a miss: this host builds the entry itself.
 """
 
@@ -23,17 +23,17 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import CacheCorruptError, LockTimeout, RemoteUnavailableError, RemoteWarning
-from .manifest import Manifest
-from .stores import LocalStore, Published
-from .stores.remote import RemoteEntry, RemoteStore
-from .stores.remote_lease import Watch, lease_path
+from ..errors import CacheCorruptError, LockTimeout, RemoteUnavailableError, RemoteWarning
+from ..store.manifest import Manifest
+from ..store import LocalStore, Published
+from ..store.remote import RemoteEntry, RemoteStore
+from ..store.lease import Watch, lease_path
 
 WAIT_REPORT_SECONDS = 10.0
 _warned: set[str] = set()
 Expect = Callable[[Manifest], Optional[str]]
 """What disagrees with the call in a manifest, or None: ``Expected.check`` of
-:mod:`cachekit.expected`."""
+:mod:`cachekit.obtain.expected`."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ working conditional writes (a store that lets both creates succeed), the last ma
 written wins and names a complete upload of its own: still one valid entry.
 
 Remote data are untrusted: a manifest is read with a size cap and checked field by field
-(:func:`cachekit.manifest.loads`: file names from the fixed set only, the signature with
+(:func:`cachekit.store.manifest.loads`: file names from the fixed set only, the signature with
 ``$CACHEKIT_SIGNING_KEY``), each object's size is checked before it is read, and every
 checksum after, before anything is published locally; a mismatch is CacheCorruptError
 naming the remote object, and the build directory it was downloaded into is discarded.
@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from .. import _fs
-from .. import manifest as manifests
+from . import manifest as manifests
 from ..errors import CacheCorruptError, RemoteUnavailableError, UnsignedEntryError
 from ..keys import is_key
-from ..manifest import MANIFEST_FILE, FileRecord, Manifest
+from .manifest import MANIFEST_FILE, FileRecord, Manifest
 from .local import LocalStore, Published
 from .remote_fs import (CHECK, EXISTS, OTHER, REMOTE_ENV, TIMEOUT_ENV, Timeout,
-                        classify_failed_create, describe, filesystem, modified, redact,
-                        timeout_from_env, url_from_env, within)
+    classify_failed_create, describe, filesystem, modified, redact, timeout_from_env,
+    url_from_env, within)
 
 __all__ = ["CHECK", "EXISTS", "OTHER", "REMOTE_ENV", "TIMEOUT_ENV", "RemoteEntry", "RemoteKey",
            "RemoteObject", "RemoteStore", "classify_failed_create", "redact",

@@ -2,7 +2,7 @@
 --remote``. The remote's URL is the global ``--remote URL`` or ``$CACHEKIT_REMOTE``; the
 commands' own ``--remote`` flag says to act on it instead of the local root. Like
 :mod:`cachekit.cli`, this only parses, formats and confirms; the work is done by
-:mod:`cachekit.stores.remote` and :mod:`cachekit.remote_maintenance`.
+:mod:`cachekit.store.remote` and :mod:`cachekit.admin.remote`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import sys
 import time
 from typing import Any, Callable
 
-from . import cli, locks, units
-from . import remote_maintenance as rm
-from .errors import CacheCorruptError, UsageError
-from .maintenance import list_entries, resolve_keys
-from .stores.remote import REMOTE_ENV, RemoteStore
+from . import main as cli
+from ..store import locks
+from .. import units
+from ..admin import remote as rm
+from ..errors import CacheCorruptError, UsageError
+from ..admin.inspect import list_entries, resolve_keys
+from ..store.remote import REMOTE_ENV, RemoteStore
 
 Command = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
 

@@ -36,8 +36,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from . import _fs, liveness
-from .errors import CachekitError, Failure
+from .. import _fs, liveness
+from ..errors import CachekitError, Failure
 from .plan import Chunk, Plan
 
 SUFFIX = ".chunks"

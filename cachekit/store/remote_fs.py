@@ -1,7 +1,7 @@
 """How cachekit talks to an object store through fsspec: the filesystem for a URL (with
 timeouts for S3), every call bounded by one deadline, what a failed create-only write means
 whatever the store, and URLs shown without credentials. The remote store
-(:mod:`cachekit.stores.remote`) is built on these; nothing here knows about entries.
+(:mod:`cachekit.store.remote`) is built on these; nothing here knows about entries.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A plan (:func:`plan_clear`, :func:`plan_prune`) only looks; its ``execute()`` does the work,
 so ``--dry-run`` and confirmation prompts cost nothing. To remove an entry, its directory is
 first renamed out of ``entries/`` into ``tmp/deleting.KEY.HOST.PID.UUID`` in one atomic
-step, then deleted (:meth:`cachekit.stores.LocalStore.remove`): a reader either finds the
+step, then deleted (:meth:`cachekit.store.LocalStore.remove`): a reader either finds the
 whole entry or none, and a process that mapped the entry before keeps reading the same
 bytes (POSIX keeps unlinked files alive while they are open or mapped). Build directories
 whose builder is alive (:mod:`cachekit.liveness`) are never touched; they are reported as
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .maintenance import BUILDING, ORPHANED, EntryInfo, TempDir, resolve_keys, scan, temp_dir_info
-from .stores import LocalStore
+from .inspect import BUILDING, ORPHANED, EntryInfo, TempDir, resolve_keys, scan, temp_dir_info
+from ..store import LocalStore
 
 
 @dataclass(frozen=True)

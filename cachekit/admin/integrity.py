@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from . import arrays
-from . import manifest as manifests
-from .errors import CacheCorruptError
-from .maintenance import Problem, list_entries, resolve_keys
-from .stores import LocalStore
+from .. import arrays
+from ..store import manifest as manifests
+from ..errors import CacheCorruptError
+from .inspect import Problem, list_entries, resolve_keys
+from ..store import LocalStore
 
 
 def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,

@@ -1,7 +1,7 @@
 """Get a published entry, building it first if needed: wait, build or resume, commit.
 
 This module only coordinates; where bytes live is the store's business
-(:mod:`cachekit.stores.local`). Correctness never depends on the lock, which only saves
+(:mod:`cachekit.store.local`). Correctness never depends on the lock, which only saves
 duplicate work: a build happens in a private directory and is published by the store's
 atomic commit, so if a broken lock lets two builders race, the first rename wins and the
 other uses the winner's entry. Readers of published entries never take a lock.
@@ -16,7 +16,7 @@ user's build state is never resumed, copied or joined.
 
 While it waits, a process given a join function (a per-row build, ``Cache(join=True)``)
 joins a live build of the key made by its own user, on this host or another: it fills the
-chunks nobody holds (see :func:`cachekit.build.join`), then goes on waiting for the
+chunks nobody holds (see :func:`cachekit.engine.fill.join`), then goes on waiting for the
 builder's commit, and says that it joined and how many chunks it filled.
 """
 
@@ -29,16 +29,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-from . import _fs, build, liveness, locks
-from ._version import __version__
-from .errors import CacheCorruptError, ImageDecodeError, LockTimeout
+from .. import _fs, liveness
+from ..engine import fill as build
+from ..store import locks
+from .._version import __version__
+from ..errors import CacheCorruptError, ImageDecodeError, LockTimeout
 from .expected import Expected
-from .journal import BuildGone
-from .manifest import MANIFEST_FILE, Manifest
-from .stores import Build, BuildState, LocalStore, Published
+from ..engine.journal import BuildGone
+from ..store.manifest import MANIFEST_FILE, Manifest
+from ..store import Build, BuildState, LocalStore, Published
 
 if TYPE_CHECKING:
-    from . import remote_tier
+    from . import remote as remote_tier
 
 POLL_SECONDS = 0.25
 JOIN_POLL_SECONDS = 0.05
@@ -93,7 +95,7 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
 
     With ``join``, fill chunks of a live build of the key while waiting for it. With
     ``remote``, a local miss looks the key up there before building, and a build is
-    uploaded after its local commit (:mod:`cachekit.remote_tier`); a local hit never
+    uploaded after its local commit (:mod:`cachekit.obtain.remote`); a local hit never
     touches the remote. A remote entry that disagrees with ``expect`` is refused before
     its download (a miss); the local entry returned is checked by :func:`obtain_and_open`.
 
@@ -136,7 +138,7 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
         _raise_failure_seen_while_waiting(store, key, asked)
         waited = waiting.seconds  # before the build: waiting, not building
         if remote is not None:
-            from . import remote_tier
+            from . import remote as remote_tier
 
             published, source = remote_tier.obtain(
                 remote, store, key, build_fn,

@@ -1,6 +1,6 @@
 """The per-row functions of ``Cache.images`` and ``Cache.map``, as picklable objects.
 
-A build may run its rows in other processes or on a cluster (cachekit.executors), so the
+A build may run its rows in other processes or on a cluster (cachekit.engine.executors), so the
 row function travels by pickle: these are module-level classes holding plain parameters, not
 closures. Importing this module imports neither Pillow nor torch: a cache hit never needs them.
 """
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .errors import NotAnArrayError
+from ..errors import NotAnArrayError
 
 
 def as_row(result: Any) -> np.ndarray:
@@ -28,7 +28,7 @@ def as_row(result: Any) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ImageRow:
-    """``path -> (C, H, W) uint8``: :func:`cachekit.images.load_image` with fixed options.
+    """``path -> (C, H, W) uint8``: :func:`cachekit.engine.images.load_image` with fixed options.
 
     ``max_read_bytes``: the caller's cap on whole-file reads, so that workers elsewhere (a
     cluster) read as the caller asked; None: each worker's ``$CACHEKIT_MAX_READ_BYTES``.
@@ -42,10 +42,10 @@ class ImageRow:
     max_read_bytes: Optional[int] = None
 
     def __call__(self, path: str) -> np.ndarray:
-        from . import images  # Pillow is imported only where rows are decoded
+        from . import images
 
         # Looked up on the module at each call (not bound once), so a test that patches
-        # cachekit.images.load_image to count decodes sees every row.
+        # cachekit.engine.images.load_image to count decodes sees every row.
         return images.load_image(path, self.size, self.mode, self.fit, self.resample,
                                  self.draft, self.max_read_bytes)
 

@@ -11,7 +11,7 @@ Besides published entries, a remote holds what interrupted work left:
 
 Both ages are the store's modification times read against this host's clock, so they
 assume clocks that agree to well within the lease (NTP). Builders never depend on them:
-the lease rule itself compares no clocks (:mod:`cachekit.stores.remote_lease`).
+the lease rule itself compares no clocks (:mod:`cachekit.store.lease`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from . import liveness
-from .errors import CacheCorruptError, RemoteUnavailableError
-from .maintenance import Problem, resolve_keys
-from .stores.remote import RemoteEntry, RemoteKey, RemoteObject, RemoteStore
+from .. import liveness
+from ..errors import CacheCorruptError, RemoteUnavailableError
+from .inspect import Problem, resolve_keys
+from ..store.remote import RemoteEntry, RemoteKey, RemoteObject, RemoteStore
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage
 
 Errors are one line on stderr. Destructive commands show what they will remove, ask on a
 terminal, and refuse without ``--yes`` when there is none. This module only parses,
-formats and confirms: the work is done by :mod:`cachekit.maintenance`,
-:mod:`cachekit.removal` and :mod:`cachekit.integrity`, and nothing here imports torch or
+formats and confirms: the work is done by :mod:`cachekit.admin.inspect`,
+:mod:`cachekit.admin.removal` and :mod:`cachekit.admin.integrity`, and nothing here imports torch or
 pandas except ``build``, which reads a CSV.
 """
 
@@ -36,12 +36,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, TypeVar
 
-from . import _version, liveness, locks, maintenance, options, units
-from . import manifest as manifests
-from .errors import CachekitError, ImageDecodeError, UsageError
-from .stores import LocalStore, default_root
-from .stores import remote as remote_store
-from . import cli_remote  # (imports this module back: only names used at call time)
+from .. import _version, liveness, options, units
+from ..store import locks
+from ..admin import inspect as maintenance
+from ..store import manifest as manifests
+from ..errors import CachekitError, ImageDecodeError, UsageError
+from ..store import LocalStore, default_root
+from ..store import remote as remote_store
+from . import remote as cli_remote
 
 SHORT_KEY = 12
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
@@ -299,7 +301,7 @@ def _clear(args: argparse.Namespace) -> int:
     if not (args.all or args.keys or args.older_than is not None):
         raise UsageError("say what to clear: KEY ..., --all, or --older-than AGE")
     _check_can_confirm(args)
-    from .removal import plan_clear
+    from ..admin.removal import plan_clear
 
     layout = _layout(args)
     with _key_errors():
@@ -309,7 +311,7 @@ def _clear(args: argparse.Namespace) -> int:
 
 def _prune(args: argparse.Namespace) -> int:
     _check_can_confirm(args)
-    from .removal import plan_prune
+    from ..admin.removal import plan_prune
 
     layout = _layout(args)
     plan = plan_prune(layout, args.max_size)
@@ -370,7 +372,7 @@ def _confirm(question: str) -> bool:
 def _verify(args: argparse.Namespace) -> int:
     if args.on_remote:
         return cli_remote.verify(args)
-    from .integrity import verify
+    from ..admin.integrity import verify
 
     layout = _layout(args)
     checking = {"entries": 0, "bar": None}
@@ -413,7 +415,7 @@ def _bytes_bar(total: int):
 def _build(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from .cache import Cache
+    from ..cache import Cache
 
     try:
         frame = pd.read_csv(args.csv)
@@ -451,7 +453,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from ..demo import run
 
     return run(Path(args.root).expanduser() if args.root else None,
                images=args.images, agents=args.agents)

@@ -36,13 +36,13 @@ from typing import Any, Iterable, Optional
 
 from .. import _fs, arrays, liveness
 from .builds import (HEARTBEAT_FILE, JOURNAL_FILE, RESUMED_PREFIX, Build, BuildState,
-                     is_build_state, parse_build_dir_name, read_journal)
-from .. import manifest as manifests
+    is_build_state, parse_build_dir_name, read_journal)
+from . import manifest as manifests
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
-from ..journal import BuildGone
+from ..engine.journal import BuildGone
 from ..keys import is_key
-from ..manifest import FileRecord, Manifest
+from .manifest import FileRecord, Manifest
 
 DELETING_PREFIX = "deleting."
 _FAILURE_LIMIT = 64 << 20

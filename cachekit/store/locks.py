@@ -31,8 +31,8 @@ from typing import Any, Optional
 
 import filelock
 
-from . import _fs, liveness
-from .errors import CacheCorruptError
+from .. import _fs, liveness
+from ..errors import CacheCorruptError
 
 LOCK_ENV = "CACHEKIT_LOCK"
 KINDS = ("os", "soft", "none")

@@ -1,7 +1,7 @@
 """Fill a .npy memmap from a per-row function, chunk by chunk, with any number of processes.
 
-A fill follows a :class:`~cachekit.plan.Plan` (rows, row shape and dtype, page-aligned
-chunks) and keeps a chunk journal next to the data file (:mod:`cachekit.journal`). Chunks
+A fill follows a :class:`~cachekit.engine.plan.Plan` (rows, row shape and dtype, page-aligned
+chunks) and keeps a chunk journal next to the data file (:mod:`cachekit.engine.journal`). Chunks
 are computed through a chunk runner (``make_runner(...).run(chunks, values, out)``), which
 writes each chunk's rows into the memmap; once a chunk's rows are flushed to disk (msync of
 its byte range) a create-only done record names it, with its failed rows. So the journal
@@ -22,7 +22,7 @@ not. A resumed build copies the verified done chunks of dead builds (``resume_fr
 directories the caller claimed) into a file of its own, after checking their plan against
 its own key, rows and row template; it never writes into another build's files. So a builder
 or joiner that wakes after a pause longer than its lease writes only into files nobody
-publishes, and stops (:class:`~cachekit.journal.BuildGone`) once its build is gone.
+publishes, and stops (:class:`~cachekit.engine.journal.BuildGone`) once its build is gone.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import _fs, arrays, plan as plans
+from .. import _fs, arrays
+from . import plan as plans
 from .executors import RowTask, make_runner
-from .errors import Failure, NotAnArrayError, failure_reason
+from ..errors import Failure, NotAnArrayError, failure_reason
 from .journal import ROWS_PREFIX, BuildGone, Claim, Done, Journal, digest, journal_name
 from .plan import Chunk, Plan
 from .rows import as_row

@@ -3,7 +3,7 @@ as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
 
 A build directory holds ``journal.json`` (owner, key, progress), ``heartbeat`` (its mtime
 is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files, and the chunk
-journal of a per-row fill (``data.npy.chunks/``, see :mod:`cachekit.journal`), through which
+journal of a per-row fill (``data.npy.chunks/``, see :mod:`cachekit.engine.journal`), through which
 joiners of the same user fill chunks of it too. Its name is ``KEY.HOST.PID.UUID``.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import _fs, liveness
-from .. import manifest as manifests
+from . import manifest as manifests
 from .._version import __version__
-from ..journal import SUFFIX as CHUNKS_SUFFIX
-from ..journal import BuildGone
+from ..engine.journal import SUFFIX as CHUNKS_SUFFIX
+from ..engine.journal import BuildGone
 from ..keys import is_key
 
 JOURNAL_FILE = "journal.json"

@@ -13,8 +13,8 @@ from typing import Optional
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from . import _fs, options
-from .options import FITS, MODES, RESAMPLE_NAMES
+from .. import _fs, options
+from ..options import FITS, MODES, RESAMPLE_NAMES
 
 __all__ = ["FITS", "MODES", "RESAMPLES", "decoder_versions", "load_image"]
 

@@ -14,7 +14,7 @@ With ``CACHEKIT_SIGNING_KEY`` set, :func:`dumps` (and so :func:`write`) adds a
 ``"signature"`` field, and :func:`loads` (and so :func:`read`: every hit, ``ls``, ``info``
 and ``verify``) checks it before any other field, raising
 :class:`~cachekit.errors.UnsignedEntryError` when it is missing or wrong; see
-:mod:`cachekit.signing` for what is signed. Without the key a signature is not checked.
+:mod:`cachekit.store.signing` for what is signed. Without the key a signature is not checked.
 The signature belongs to the file, not to the :class:`Manifest`: it is not a dataclass field
 (it is computed from the other fields), so equality and the JSON round trip do not depend on
 whether, or with which key, a manifest was signed.
@@ -31,12 +31,13 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from . import _fs, signing
-from .errors import CacheCorruptError, Failure, UnsignedEntryError
-from .keys import is_key
+from .. import _fs
+from . import signing
+from ..errors import CacheCorruptError, Failure, UnsignedEntryError
+from ..keys import is_key
 
 FORMAT_VERSION = 3
-"""3: a per-row entry's data start on a page boundary (cachekit.plan); keys include it."""
+"""3: a per-row entry's data start on a page boundary (cachekit.engine.plan); keys include it."""
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "data.npy"
 KINDS = ("images", "map", "memoize")

@@ -8,7 +8,7 @@ complete. Three kinds, one contract (:meth:`ChunkRunner.run`):
   output memmap; Pillow releases the GIL while it decodes and resizes. One worker runs the
   rows in the calling thread: a pool of one only adds hand-offs.
 - ``"processes"``: the builder's own thread and ``workers - 1`` fresh worker interpreters
-  this runner owns (:mod:`cachekit._workers`): never ``fork`` (the builder has threads,
+  this runner owns (:mod:`cachekit.engine._workers`): never ``fork`` (the builder has threads,
   whose locks a forked child would inherit mid-use), and, unlike spawn or forkserver pools,
   the workers never re-run the user's main script. Their rows come back as arrays and are
   copied into the output; the builder's own rows are computed in place.
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import numpy as np
 
-from .errors import Failure, NotAnArrayError, failure_reason
+from ..errors import Failure, NotAnArrayError, failure_reason
 from .rows import as_row
 
 __all__ = ["ChunkRunner", "Failure", "RowTask", "default_executor", "make_runner",

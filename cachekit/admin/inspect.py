@@ -5,11 +5,11 @@ Nothing here changes anything. A build directory is live or orphaned by the one 
 is taken.
 
 Inspection returns frozen dataclasses; a scan never aborts on a broken entry or a stray file,
-it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.removal`, the full
-integrity check in :mod:`cachekit.integrity`.
+it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.admin.removal`, the full
+integrity check in :mod:`cachekit.admin.integrity`.
 
 An entry's last use is its directory's mtime: every hit sets it with one ``os.utime`` (see
-:func:`cachekit.publish.find`), without a lock and without rewriting the immutable entry.
+:func:`cachekit.obtain.flow.find`), without a lock and without rewriting the immutable entry.
 
 Temporary directories under ``tmp/`` are in one of four states:
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from . import _fs
-from . import manifest as manifests
-from .errors import CacheCorruptError
-from .keys import KEY_HEX_LENGTH, is_key
-from .stores import LocalStore
-from .stores.local import DELETING_PREFIX, parse_build_dir_name
+from .. import _fs
+from ..store import manifest as manifests
+from ..errors import CacheCorruptError
+from ..keys import KEY_HEX_LENGTH, is_key
+from ..store import LocalStore
+from ..store.local import DELETING_PREFIX, parse_build_dir_name
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
