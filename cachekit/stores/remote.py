@@ -52,9 +52,9 @@ from .remote_fs import (CHECK, EXISTS, OTHER, REMOTE_ENV, TIMEOUT_ENV, Timeout,
                         classify_failed_create, describe, filesystem, modified, redact,
                         timeout_from_env, url_from_env, within)
 
-__all__ = ["CHECK", "EXISTS", "OTHER", "REMOTE_ENV", "TIMEOUT_ENV", "RemoteEntry", "RemoteKey",
-           "RemoteObject", "RemoteStore", "classify_failed_create", "redact",
-           "timeout_from_env", "url_from_env"]
+__all__ = ["CHECK", "EXISTS", "NONE", "OTHER", "OTHERS", "OURS", "REMOTE_ENV", "TIMEOUT_ENV",
+           "UNKNOWN", "RemoteEntry", "RemoteKey", "RemoteObject", "RemoteStore",
+           "classify_failed_create", "redact", "timeout_from_env", "url_from_env"]
 
 RANGE_BYTES = 16 << 20
 """Bytes per ranged read or written part: large enough for full speed, small enough that
@@ -62,6 +62,8 @@ one part always fits well within the timeout on a working link."""
 PARALLEL_RANGES = 4
 WRITEBACK_BYTES = 64 << 20
 MANIFEST_RETRY_SECONDS = 0.2
+PUBLISH_ATTEMPTS = 2
+OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
 UPLOAD_FIELD = "upload"
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _ATTEMPTS = 3
@@ -346,37 +348,97 @@ class RemoteStore:
     def upload(self, published: Published, *, progress: bool = False) -> bool:
         """Upload a local entry: its data objects under a fresh upload id, then the manifest,
         create-only. True when this call published the remote entry; False when one was
-        there already (its own objects are then removed)."""
+        there already (its own objects are then removed).
+
+        Data a manifest may name is never removed: when the create fails in a way that does
+        not say "exists" (no answer in time, a lost connection), the manifest is looked up
+        first, and an upload that may still be named is left for ``cachekit clear
+        --remote``. After a win, the objects are checked once more: a sweep that judged a
+        paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
+        and the entry uploaded again under a fresh id (once)."""
         manifest = published.manifest
         key = manifest.key
         if self.lookup(key) is not None:
             return False
-        upload = uuid.uuid4().hex
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            upload = uuid.uuid4().hex
+            won = self._publish(published, upload, progress)
+            if not won:
+                return False
+            objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
+            try:
+                self._check_sizes(manifest.files, objects)
+                return True
+            except CacheCorruptError as e:
+                if not self.withdraw(key, upload) and self.lookup(key) is not None:
+                    return False  # another upload is the entry now
+                if attempt == PUBLISH_ATTEMPTS:
+                    raise CacheCorruptError(e.path, f"{e.reason} after its manifest was "
+                                            "published; the manifest was withdrawn",
+                                            "upload it again (`cachekit push`)") from None
+        raise AssertionError("unreachable")
+
+    def _publish(self, published: Published, upload: str, progress: bool) -> bool:
+        """Data objects under ``upload``, then the manifest naming them, create-only: True
+        when ours is the key's manifest now, False when another one is (ours removed)."""
+        manifest = published.manifest
+        key = manifest.key
         bar = _bar(progress, manifest.bytes, f"cachekit push {key[:12]}")
         try:
             objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
-            for record, path in zip(manifest.files, objects):
-                self._put(published, record, path, bar)
-            self._check_sizes(manifest.files, objects)  # all there before the commit point
+            try:
+                for record, path in zip(manifest.files, objects):
+                    self._put(published, record, path, bar)
+                self._check_sizes(manifest.files, objects)  # all there before the commit
+            except BaseException:
+                self.remove_upload(key, upload, quiet=True)  # no manifest can name it yet
+                raise
             body = manifests.dumps(manifest, {UPLOAD_FIELD: upload})
-            won = self.create(self.manifest_path(key), body,
-                              f"publishing {self.object_url(self.manifest_path(key))}")
-        except BaseException:
-            self.remove_upload(key, upload, quiet=True)
-            raise
+            path = self.manifest_path(key)
+            try:
+                won = self.create(path, body, f"publishing {self.object_url(path)}")
+            except Exception:
+                # The create may have landed while its answer was lost or came late.
+                named = self.named(key, upload)
+                if named == OURS:
+                    return True
+                if named == OTHERS:  # create-only: ours can never land now
+                    self.remove_upload(key, upload, quiet=True)
+                    return False
+                raise  # no manifest yet, or cannot tell: leave the upload for the sweep
         finally:
             if bar is not None:
                 bar.close()
-        if not won:
-            # A create retried after its answer was lost finds its own manifest: a win.
-            try:
-                found = self.lookup(key)
-            except CacheCorruptError:
-                found = None  # a bad manifest is there: ours was not published
-            won = found is not None and found.upload == upload
-        if not won:
+        if won:
+            return True
+        # Refused as existing. A create retried after its answer was lost meets its own
+        # manifest: a win. Otherwise ours never lands, so its data can go (unless the
+        # manifest there cannot be read: it might be ours, half written on a shared folder).
+        named = self.named(key, upload)
+        if named in (OTHERS, NONE):
             self.remove_upload(key, upload, quiet=True)
-        return won
+        return named == OURS
+
+    def named(self, key: str, upload: str) -> str:
+        """Whom the key's manifest names: OURS (``upload``), OTHERS (another upload), NONE
+        (there is no manifest), or UNKNOWN (the remote fails, or the manifest is unreadable)."""
+        try:
+            found = self.lookup(key)
+        except (RemoteUnavailableError, CacheCorruptError):
+            return UNKNOWN
+        if found is None:
+            return NONE
+        return OURS if found.upload == upload else OTHERS
+
+    def withdraw(self, key: str, upload: str) -> bool:
+        """Remove the key's manifest if it names ``upload`` (whose data went missing), then
+        what is left of that upload. True when a manifest was removed."""
+        if self.named(key, upload) != OURS:
+            return False
+        path = self.manifest_path(key)
+        self.remove([path], f"withdrawing {self.object_url(path)}")
+        self.remove_upload(key, upload, quiet=True)
+        return True
 
     def _put(self, published: Published, record: FileRecord, path: str, bar: Any) -> None:
         """Copy one local entry file to ``path`` in parts (one call, one timeout, each)."""
