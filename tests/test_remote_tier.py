@@ -165,14 +165,17 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
     # What the killed uploader left is an orphaned upload, which clear --remote removes.
     from cachekit import remote_maintenance as rm
 
-    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "1")
-    time.sleep(2.5)  # older than twice the lease: nobody is still uploading it
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")
+    # Untouched for twice the lease by the store's whole-second clock, upload and leases.
+    time.sleep(3.1)
     plan = rm.plan_clear(remote, [key[:12]], older_than=10 ** 9)
     assert plan.entries == () and [x.what.split()[0] for x in plan.leftovers] == \
         ["orphaned", "lease"]
     assert plan.execute() == []
     keys, _ = remote.scan()
-    assert len(keys[0].uploads) == 1 and keys[0].leases == []
+    assert len(keys[0].uploads) == 1
+    # The newest lease generation stays, so that generation numbers only rise.
+    assert sorted(o.path.rsplit("/", 1)[-1] for o in keys[0].leases) == ["2.beat", "2.json"]
     assert remote.lookup(key) is not None
 
 

@@ -63,6 +63,8 @@ PARALLEL_RANGES = 4
 WRITEBACK_BYTES = 64 << 20
 MANIFEST_RETRY_SECONDS = 0.2
 PUBLISH_ATTEMPTS = 2
+CLOCK_FOLDER = "clock"
+PROBE_STALE_SECONDS = 3600.0
 OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
 UPLOAD_FIELD = "upload"
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
@@ -481,6 +483,8 @@ class RemoteStore:
                 continue
             obj = RemoteObject(path, int(info.get("size") or 0), modified(info))
             parts = path[len(root):].strip("/").split("/")
+            if parts[0] == CLOCK_FOLDER and len(parts) == 2:
+                continue  # a probe of :meth:`clock`
             if len(parts) < 3 or parts[0] not in ("entries", "leases") or not is_key(parts[1]):
                 unknown.append(obj)
                 continue
@@ -494,6 +498,34 @@ class RemoteStore:
             else:
                 item.strays.append(obj)
         return sorted(keys.values(), key=lambda k: k.key), unknown
+
+    def clock(self) -> Optional[float]:
+        """The store's own time now, as its listings show objects' times: the time of a
+        probe object written and listed for this, then removed. None when the store cannot
+        say (no write permission, no times in its listings, a failing remote).
+
+        Ages judged against it compare the store's times with each other, so they hold
+        whatever this host's clock says. Probes that a killed caller left are removed."""
+        folder = self.path(CLOCK_FOLDER)
+        name = uuid.uuid4().hex
+        probe = f"{folder}/{name}"
+        try:
+            self.call(f"writing {self.object_url(probe)}", self.fs.pipe_file, probe, b"")
+            self.fs.invalidate_cache(folder)
+            listed = self.call(f"listing {self.object_url(folder)}", self.fs.ls, folder,
+                               detail=True)
+        except (RemoteUnavailableError, FileNotFoundError):
+            return None
+        times = {str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: modified(info)
+                 for info in listed if isinstance(info, dict)}
+        now = times.get(name)
+        stale = [f"{folder}/{other}" for other, when in times.items() if other != name
+                 and when is not None and now is not None and now - when > PROBE_STALE_SECONDS]
+        try:
+            self.remove([probe, *stale], f"removing {self.object_url(probe)}")
+        except RemoteUnavailableError:
+            pass  # the next probe removes it
+        return now
 
     def remove(self, paths: Sequence[str], what: str) -> None:
         """Delete objects (missing ones are not an error)."""
