@@ -10,7 +10,11 @@ manifest last, create-only) and release (source ``"built"``).
 
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building if
-it must. A remote entry that fails its checks is CacheCorruptError: nothing is published.
+it must. A remote entry that fails its checks (a manifest that is malformed or not validly
+signed, a data object missing, short or with another checksum) is a miss, as in Nix's and
+Bazel's caches: nothing of it is published, it warns once, and the host that takes the lease
+repairs it: it removes the broken manifest, builds, and uploads create-only. It never raises
+to the caller.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .stores.remote_lease import Watch, lease_path
 
 WAIT_REPORT_SECONDS = 10.0
 _warned: set[str] = set()
+_warned_broken: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -47,20 +52,22 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
     ``remaining``: seconds left of the caller's lock_timeout (None: wait for good).
     """
     remote = tier.store
+    reader = _Reader(tier, local, key)
     try:
-        found = remote.lookup(key)
-        if found is not None:
-            return _download(tier, local, found), "remote"
-        lease = _wait_for_lease(tier, local, key, remaining, announce)
+        got = reader.fetch()
+        if got is not None:
+            return got, "remote"
+        lease = _wait_for_lease(tier, reader, remaining, announce)
         if isinstance(lease, Published):
             return lease, "remote"
     except RemoteUnavailableError as e:
         warn_once(remote, e)
         return build(build_fn), "built"
     try:
-        found = remote.lookup(key)  # published between our last look and the takeover?
-        if found is not None:
-            return _download(tier, local, found), "remote"
+        got = reader.fetch()  # published between our last look and the takeover?
+        if got is not None:
+            return got, "remote"
+        reader.remove_broken()
         published = build(_reporting(build_fn, lease))
         try:
             remote.upload(published, progress=tier.progress)
@@ -74,27 +81,84 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
         lease.release()
 
 
+class _Reader:
+    """Finds and downloads the key's remote entry, taking a broken one for a miss: it warns
+    once, remembers the entry (so the wait does not download it again) and, under the
+    lease, removes its manifest (:meth:`remove_broken`)."""
+
+    def __init__(self, tier: Tier, local: LocalStore, key: str) -> None:
+        self.tier, self.local, self.key = tier, local, key
+        self.broken: list[Optional[RemoteEntry]] = []
+        """The broken entries met (None: a manifest that could not be read at all)."""
+
+    def candidate(self) -> Optional[RemoteEntry]:
+        """The key's remote entry unless it is missing or known to be broken."""
+        try:
+            found = self.tier.store.lookup(self.key)
+        except CacheCorruptError as e:
+            self._met(None, e)
+            return None
+        return None if found is None or found in self.broken else found
+
+    def fetch(self) -> Optional[Published]:
+        """The entry downloaded and published locally, or None: none, or a broken one."""
+        found = self.candidate()
+        if found is None:
+            return None
+        try:
+            return _download(self.tier, self.local, found)
+        except CacheCorruptError as e:
+            self._met(found, e)
+            return None
+
+    def remove_broken(self) -> None:
+        """Holding the lease: remove the key's manifest if it is one found broken."""
+        if not self.broken:
+            return
+        remote = self.tier.store
+        try:
+            found = remote.lookup(self.key)
+        except CacheCorruptError:
+            found = None  # still unreadable
+        else:
+            if found is None or found not in self.broken:
+                return  # gone, or replaced by one not yet tried (then the upload keeps it)
+        path = remote.manifest_path(self.key)
+        remote.remove([path], f"removing the broken {remote.object_url(path)}")
+
+    def _met(self, found: Optional[RemoteEntry], error: CacheCorruptError) -> None:
+        if found not in self.broken:
+            self.broken.append(found)
+        remote = self.tier.store
+        if (remote.display, self.key) in _warned_broken:
+            return
+        _warned_broken.add((remote.display, self.key))
+        warnings.warn(f"cachekit: {error}; cachekit treats the remote entry as missing: it "
+                      "builds the entry and uploads it in place of the broken one",
+                      RemoteWarning, stacklevel=6)
+
+
 def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:
     published, _ = tier.store.download(found, local, progress=tier.progress)
     return published
 
 
-def _wait_for_lease(tier: Tier, local: LocalStore, key: str, remaining: Optional[float],
+def _wait_for_lease(tier: Tier, reader: _Reader, remaining: Optional[float],
                     announce: bool) -> Any:
     """The key's lease (a started Lease), or the entry (Published) when its builder on
     another host publishes it while we wait. LockTimeout past ``remaining`` seconds."""
-    remote = tier.store
+    remote, key = tier.store, reader.key
     watch = Watch(remote, key)
     started = time.monotonic()
     next_report = started + min(2.0, WAIT_REPORT_SECONDS)
     poll = min(1.0, watch.lease / 8)
     while True:
-        lease = watch.take_or_wait(lambda: remote.lookup(key) is None)
+        lease = watch.take_or_wait(lambda: reader.candidate() is None)
         if lease is not None:
             return lease
-        found = remote.lookup(key)
-        if found is not None:
-            return _download(tier, local, found)
+        got = reader.fetch()
+        if got is not None:
+            return got
         waited = time.monotonic() - started
         if remaining is not None and waited + poll > remaining:
             raise LockTimeout(remote.object_url(lease_path(remote, key, 1, "json")).rsplit(
