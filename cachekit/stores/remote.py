@@ -10,6 +10,7 @@ conditional operation, the create-only write (``If-None-Match: *``, fsspec
     PREFIX/entries/KEY/UPLOAD/data.npy ...  the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
     PREFIX/leases/KEY/GEN.json, GEN.beat    build leases (see :mod:`.remote_lease`)
+    PREFIX/clock/PROBE                      for a moment: the store's time (:meth:`clock`)
 
 Every upload writes its data objects under an upload id of its own, so two hosts uploading
 one key at once never write the same object; then each tries to create the manifest, and
@@ -18,6 +19,11 @@ any moment leaves objects that no manifest names (or nothing at all): never a ma
 naming missing or partial data. ``cachekit clear --remote`` lists and removes them. Without
 working conditional writes (a store that lets both creates succeed), the last manifest
 written wins and names a complete upload of its own: still one valid entry.
+
+No uploader removes objects that a manifest may name: a create that fails without saying
+"exists" may have landed, so the manifest is read back first. An uploader paused between
+its data and its manifest may find, once its manifest wins, that a sweep removed its data:
+it checks after every win and withdraws its manifest then (see :meth:`RemoteStore.upload`).
 
 Remote data are untrusted: a manifest is read with a size cap and checked field by field
 (:func:`cachekit.manifest.loads`: file names from the fixed set only, the signature with
