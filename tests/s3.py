@@ -9,8 +9,9 @@ the tests run with real credentials, which cachekit never sees except through fs
 own configuration (the ``AWS_*`` variables of :meth:`Seaweed.env`).
 
 :class:`Proxy` sits between a client and the server: ``mode="forward"`` relays requests,
-``"stall"`` reads a request and never answers, ``"late-create"`` relays a create-only PUT
-(``If-None-Match: *``) of a manifest at once but holds its answer back, and the modes of
+``"stall"`` reads a request and never answers, ``"late-answer"`` relays a create-only PUT
+(``If-None-Match: *``) of a manifest at once but holds its answer back, ``"late-request"``
+holds the PUT itself back before it relays it, and the modes of
 :data:`REJECTIONS` answer a create-only PUT with a canned reply, as other stores answer a
 lost race: AWS's 412 with a ``Condition`` element, SeaweedFS's 412 without one, a 409
 conflict.
@@ -176,9 +177,10 @@ class Proxy:
     """A loopback HTTP proxy in front of ``upstream`` (host, port), one thread per
     connection, one request per connection (it answers ``Connection: close``).
 
-    ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); ``"late-create"``
+    ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); ``"late-answer"``
     (forward a PUT with ``If-None-Match`` whose path ends in ``late_path`` at once, so the
-    server acts on it, and send its answer ``delay`` seconds later); or a key of
+    server acts on it, and send its answer ``delay`` seconds later); ``"late-request"``
+    (forward such a PUT ``delay`` seconds after it came, then answer); or a key of
     :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest).
     ``rejected`` and ``delayed`` count the canned and the late answers. Change ``mode`` at
     any time.
@@ -244,8 +246,13 @@ class Proxy:
                 (b"connection:", b"keep-alive:", b"expect:"))]
             request = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body
             target = lines[0].split(b" ")[1].split(b"?", 1)[0] if b" " in lines[0] else b""
-            late = (self.mode == "late-create" and method == b"PUT"
+            late = (self.mode in ("late-answer", "late-request") and method == b"PUT"
                     and b"if-none-match" in headers and target.endswith(self.late_path))
+            if late and self.mode == "late-request":
+                self.delayed += 1
+                if self._stopped.wait(self.delay):
+                    return
+                late = False
             try:
                 with socket.create_connection(self.upstream, timeout=30) as up:
                     up.sendall(request)

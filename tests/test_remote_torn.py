@@ -1,6 +1,7 @@
 """A bucket never holds a torn entry (a manifest naming data that is gone), and a broken
 remote entry never stops a build: real processes against a real S3 server (SeaweedFS on
-loopback), with 0.5 s leases.
+loopback), with leases of 0.5 s, or 1 s where a waiter must not take over a lease that
+beats (a loaded machine may delay a beat).
 
 Each case is one way a torn entry came about: a create-only manifest write whose answer
 comes after the timeout, an uploader stopped (SIGSTOP) across a sweep, a sweep whose clock
@@ -29,15 +30,22 @@ import hosts
 import s3
 from cachekit import cli
 from cachekit import remote_maintenance as rm
+from cachekit.errors import RemoteWarning
 from cachekit.stores.remote import RemoteStore
 from cachekit.stores.remote_lease import generations, lease_path
 
 ROWS = 48
-LEASE = {"CACHEKIT_LOCK_LEASE": "0.5"}
-QUIET = 3.1
-"""Seconds after which what a stopped uploader wrote is older than twice the lease by the
-store's whole-second clock (see remote_maintenance.STORE_TIME_SLACK): a sweep then judges
-it abandoned."""
+LEASE = 0.5
+BEATING = 1.0
+"""The lease of tests where a waiter must not take over a lease that beats."""
+
+
+def quiet(lease: float) -> float:
+    """Seconds after which what a stopped uploader wrote is older than twice ``lease`` by
+    the store's whole-second clock (see remote_maintenance.STORE_TIME_SLACK): a sweep then
+    judges it abandoned."""
+    return 2 * lease + rm.STORE_TIME_SLACK + 1.1
+
 
 AGENT = textwrap.dedent('''
     import hashlib, os, signal, sys, time
@@ -47,7 +55,7 @@ AGENT = textwrap.dedent('''
     import hosts
     from cachekit.stores import remote as remote_store
 
-    work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 
     def row(v):
         with open(work / "decoded", "a") as f:
@@ -58,27 +66,27 @@ AGENT = textwrap.dedent('''
         """Say where we are, then stop (SIGSTOP: every thread, the lease's too) or hold
         (the main thread waits for a file; the lease keeps beating)."""
         (work / f"{marker}.{me}").touch()
-        if mode.startswith("stop"):
+        if "stop" in mode:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             while not (work / f"go.{me}").exists():
                 time.sleep(0.02)
 
-    if mode.endswith("-before-manifest"):
+    if "before-manifest" in mode:
         create = remote_store.RemoteStore.create
         def pausing(self, path, data, what):
             if path.endswith("manifest.json") and not (work / f"at-manifest.{me}").exists():
                 pause("at-manifest")
             return create(self, path, data, what)
         remote_store.RemoteStore.create = pausing
-    elif mode.endswith("-before-upload"):
+    elif "before-upload" in mode:
         upload = remote_store.RemoteStore.upload
         def pausing(self, published, **options):
             pause("at-upload")
             return upload(self, published, **options)
         remote_store.RemoteStore.upload = pausing
 
-    if mode == "barrier":
+    if "barrier" in mode:  # started early: the interpreter is ready when it is let go
         hosts.StartBarrier(work).wait(me)
     entry = cachekit.Cache(workers=2, progress=False).map(row, list(range(ROWS)))
     hosts.report(source=entry.source, key=entry.key,
@@ -86,10 +94,12 @@ AGENT = textwrap.dedent('''
 ''').replace("ROWS", str(ROWS))
 
 SWEEP_30_S_AHEAD = textwrap.dedent('''
-    import sys, time
+    import os, sys, time
     real = time.time
     time.time = lambda: real() + 30.0  # this host's clock, 30 s ahead of the store's
     from cachekit import cli
+    while not os.path.exists(sys.argv[1]):  # started early, to run when the test says
+        time.sleep(0.02)
     raise SystemExit(cli.main(["clear", "--remote", "--older-than", "7d", "--yes"]))
 ''')
 
@@ -109,16 +119,20 @@ def work(tmp_path: Path):
         process.reap()
 
 
-def agent(work, root: Path, env: dict[str, str], me: str, mode: str = "run"
-          ) -> hosts.HostProcess:
-    """Start the agent script with cache root ``root`` (one root is one host)."""
+def agent(work, root: Path, env: dict[str, str], me: str, mode: str = "run", *,
+          lease: float = LEASE) -> hosts.HostProcess:
+    """Start the agent script with cache root ``root`` (one root is one host). ``mode``:
+    flags joined by commas: ``barrier`` (wait for the start barrier), ``before-manifest``
+    or ``before-upload`` (pause there), ``stop`` (pause by SIGSTOP, else by waiting for
+    the file ``go.ME``)."""
     folder, started = work
     script = folder / "agent.py"
     if not script.exists():
         script.write_text(AGENT)
     process = hosts.HostProcess(me, [str(script), me, mode],
                                 [sys.executable, str(script), str(folder), me, mode],
-                                hosts.child_env({**env, **LEASE, "CACHEKIT_DIR": str(root)}))
+                                hosts.child_env({**env, "CACHEKIT_LOCK_LEASE": str(lease),
+                                                 "CACHEKIT_DIR": str(root)}))
     started.append(process)
     return process
 
@@ -164,7 +178,7 @@ def read_json(remote: RemoteStore, path: str):
 
 def sweep(capsys, monkeypatch) -> str:
     """The routine sweep, run here with the agents' lease; what it printed."""
-    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", LEASE["CACHEKIT_LOCK_LEASE"])
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", str(LEASE))
     assert cli.main(["clear", "--remote", "--older-than", "7d", "--yes"]) == 0
     return capsys.readouterr().out
 
@@ -178,7 +192,7 @@ def row(v):
 
 def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
-    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-create", delay=3.0)
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-answer", delay=3.0)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "1.5")
@@ -197,17 +211,39 @@ def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
     assert pulled.source == "remote" and np.array_equal(pulled.array, built.array)
 
 
+def test_an_upload_whose_create_may_still_land_is_left_for_the_sweep(
+        s3_server, s3_env, tmp_path, monkeypatch, capsys):
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-request", delay=4.0)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    remote.lookup(32 * "0")  # connected now: straight to the server, not through the proxy
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "1.5")
+        # No answer, and no manifest yet when the uploader looks: it cannot tell, so it
+        # leaves its data in place, warns and carries on with its local entry.
+        with pytest.warns(RemoteWarning, match="no answer within"):
+            built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
+                row, list(range(ROWS)))
+        assert built.source == "built"
+        hosts.wait_for(lambda: remote.fs.invalidate_cache() or remote.fs.exists(
+            remote.manifest_path(built.key)), timeout=30, what="the late create to land")
+    finally:
+        proxy.stop()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    assert proxy.delayed >= 1 and one_valid_entry(remote, capsys) == built.key
+
+
 # 2. A paused uploader ---------------------------------------------------------------------
 
 
 def test_an_uploader_stopped_across_a_sweep_withdraws_its_torn_manifest_and_uploads_again(
         s3_env, work, tmp_path, monkeypatch, capsys):
-    uploader = agent(work, tmp_path / "a", s3_env, "a", "stop-before-manifest")
+    uploader = agent(work, tmp_path / "a", s3_env, "a", "stop,before-manifest")
     reached(work, "at-manifest", uploader, stop=True)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     [listed], _ = remote.scan()
     [stale] = listed.uploads
-    time.sleep(QUIET)  # its upload and lease untouched for two leases: judged abandoned
+    time.sleep(quiet(LEASE))  # upload and lease untouched for two leases: abandoned
     out = sweep(capsys, monkeypatch)
     assert "orphaned upload" in out
     assert [k.uploads for k in remote.scan()[0]] in ([], [{}])  # the sweep removed it
@@ -221,18 +257,38 @@ def test_an_uploader_stopped_across_a_sweep_withdraws_its_torn_manifest_and_uplo
     assert len(decoded(work)) == ROWS
 
 
+def test_a_sweep_that_judged_an_upload_orphaned_spares_it_once_its_manifest_names_it(
+        s3_env, work, tmp_path, monkeypatch, capsys):
+    uploader = agent(work, tmp_path / "a", s3_env, "a", "stop,before-manifest")
+    reached(work, "at-manifest", uploader, stop=True)
+    time.sleep(quiet(LEASE))
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", str(LEASE))
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    plan = rm.plan_clear(remote, older_than=7 * 86400)  # the sweep has looked...
+    assert any(x.what.startswith("orphaned") for x in plan.leftovers)
+    os.kill(uploader.pid, signal.SIGCONT)  # ...and the uploader publishes before it acts
+    report = hosts.finish(uploader).report()
+    assert plan.execute() == []
+    assert one_valid_entry(remote, capsys) == report["key"]
+    assert report["source"] == "built" and len(decoded(work)) == ROWS
+
+
 # 3. A sweep whose clock is ahead ----------------------------------------------------------
 
 
 def test_a_sweep_with_its_clock_30_s_ahead_spares_a_beating_lease_and_its_upload(
         s3_env, work, tmp_path, capsys):
-    builder = agent(work, tmp_path / "a", s3_env, "a", "hold-before-manifest")
-    reached(work, "at-manifest", builder, stop=False)
-    waiter = agent(work, tmp_path / "b", s3_env, "b")  # waits for the beating lease
-    time.sleep(QUIET)  # the upload's objects are old by the store's clock; the lease beats
-    ahead = hosts.HostProcess("sweep", ["sweep"], [sys.executable, "-c", SWEEP_30_S_AHEAD],
-                              hosts.child_env({**s3_env, **LEASE}))
+    builder = agent(work, tmp_path / "a", s3_env, "a", "before-manifest", lease=BEATING)
+    waiter = agent(work, tmp_path / "b", s3_env, "b", "barrier", lease=BEATING)
+    go_sweep = work[0] / "go.sweep"
+    ahead = hosts.HostProcess("sweep", ["sweep"],
+                              [sys.executable, "-c", SWEEP_30_S_AHEAD, str(go_sweep)],
+                              hosts.child_env({**s3_env, "CACHEKIT_LOCK_LEASE": str(BEATING)}))
     work[1].append(ahead)
+    reached(work, "at-manifest", builder, stop=False)
+    hosts.StartBarrier(work[0]).release([waiter])  # it waits: the builder's lease beats
+    time.sleep(quiet(BEATING))  # the upload is old by the store's clock; the lease beats
+    go_sweep.touch()
     done = hosts.finish(ahead)
     assert done.ok, done.failure()
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
@@ -250,7 +306,8 @@ def test_a_sweep_with_its_clock_30_s_ahead_spares_a_beating_lease_and_its_upload
 
 def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lease(
         s3_env, work, tmp_path, monkeypatch, capsys):
-    first = agent(work, tmp_path / "a", s3_env, "a", "stop-before-upload")
+    first = agent(work, tmp_path / "a", s3_env, "a", "stop,before-upload")
+    second = agent(work, tmp_path / "b", s3_env, "b", "barrier,before-upload")
     reached(work, "at-upload", first, stop=True)  # built, holding generation 1
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     [listed], _ = remote.scan()
@@ -258,7 +315,7 @@ def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lea
     time.sleep(0.8)  # its lease is more than a lease old
     sweep(capsys, monkeypatch)
     assert generations(remote, key) == [1]  # the newest generation stays
-    second = agent(work, tmp_path / "b", s3_env, "b", "hold-before-upload")
+    hosts.StartBarrier(work[0]).release([second])
     reached(work, "at-upload", second, stop=False)  # took over the stopped lease, built
     record = read_json(remote, lease_path(remote, key, 2, "json"))
     assert generations(remote, key) == [1, 2] and record["pid"] == second.pid
@@ -281,11 +338,12 @@ def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lea
 def test_readers_on_two_hosts_that_meet_a_torn_entry_build_it_once_and_repair_it(
         s3_env, work, tmp_path, capsys):
     first = agent(work, tmp_path / "a", s3_env, "a")
+    readers = [agent(work, tmp_path / name, s3_env, name, "barrier", lease=BEATING)
+               for name in ("b", "c")]
     key = hosts.finish(first).report()["key"]
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     torn = remote.lookup(key).upload
     remote.fs.rm_file(remote.upload_path(key, torn, "data.npy"))
-    readers = [agent(work, tmp_path / name, s3_env, name, "barrier") for name in ("b", "c")]
     hosts.StartBarrier(work[0]).release(readers)
     done = [hosts.finish(r) for r in readers]
     reports = [d.report() for d in done]
