@@ -133,9 +133,9 @@ class _Reader:
         if (remote.display, self.key) in _warned_broken:
             return
         _warned_broken.add((remote.display, self.key))
-        warnings.warn(f"cachekit: {error}; cachekit treats the remote entry as missing: it "
-                      "builds the entry and uploads it in place of the broken one",
-                      RemoteWarning, stacklevel=6)
+        warnings.warn(f"cachekit: remote entry {self.key[:12]} is broken: {error.path}: "
+                      f"{error.reason}; it counts as missing: cachekit builds it and uploads "
+                      "it in place of the broken one", RemoteWarning, stacklevel=6)
 
 
 def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:

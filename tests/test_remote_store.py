@@ -203,7 +203,7 @@ def built_in_place_of_broken(root: Path, env: dict[str, str], *names: str) -> ca
     """A call that meets a broken remote entry: it warns once (naming each of ``names``),
     builds, and leaves one valid remote entry, its own, in place of the broken one."""
     remote = remote_of(env)
-    with pytest.warns(RemoteWarning, match="treats the remote entry as missing") as seen:
+    with pytest.warns(RemoteWarning, match="it counts as missing") as seen:
         entry = obtain_from_remote(root, env)
     assert len(seen) == 1 and all(name in str(seen[0].message) for name in names)
     assert entry.source == "built" and np.array_equal(entry.array, np.stack(
@@ -290,7 +290,8 @@ def test_with_signing_on_an_unsigned_remote_entry_is_replaced_by_a_signed_one(
         uploaded, s3_env, tmp_path, monkeypatch):
     remote, entry, data, manifest = uploaded
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "team secret")
-    built_in_place_of_broken(tmp_path / "b", s3_env, "refused", remote.object_url(manifest))
+    built_in_place_of_broken(tmp_path / "b", s3_env, "not signed",
+                             remote.object_url(manifest))
     assert json.loads(remote.fs.cat_file(manifest))["signature"].startswith("hmac-sha256:")
 
 
