@@ -180,10 +180,12 @@ class Proxy:
     ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); ``"late-answer"``
     (forward a PUT with ``If-None-Match`` whose path ends in ``late_path`` at once, so the
     server acts on it, and send its answer ``delay`` seconds later); ``"late-request"``
-    (forward such a PUT ``delay`` seconds after it came, then answer); or a key of
+    (forward such a PUT ``delay`` seconds after it came, or once ``released`` is set, then
+    answer); or a key of
     :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest).
-    ``rejected`` and ``delayed`` count the canned and the late answers. Change ``mode`` at
-    any time.
+    ``rejected`` and ``delayed`` count the canned answers and the requests held back,
+    ``late_forwarded`` the held requests passed on at last; ``log`` holds (method, path) of
+    every request. Change ``mode`` at any time.
     """
 
     def __init__(self, upstream: tuple[str, int], mode: str = "forward", *,
@@ -194,6 +196,9 @@ class Proxy:
         self.late_path = late_path
         self.rejected = 0
         self.delayed = 0
+        self.late_forwarded = 0
+        self.log: list[tuple[bytes, bytes]] = []
+        self.released = threading.Event()
         self._server = socket.socket()
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._server.bind(("127.0.0.1", 0))
@@ -209,6 +214,7 @@ class Proxy:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.released.set()  # held requests end (without being forwarded)
         self._server.close()
 
     def _accept(self) -> None:
@@ -230,6 +236,8 @@ class Proxy:
                 return
             lines = head.split(b"\r\n")
             method = lines[0].split(b" ", 1)[0]
+            target = lines[0].split(b" ")[1].split(b"?", 1)[0] if b" " in lines[0] else b""
+            self.log.append((method, target))
             headers = _fields(head)
             if (self.mode in REJECTIONS and method == b"PUT"
                     and b"if-none-match" in headers):
@@ -245,17 +253,20 @@ class Proxy:
             kept = [line for line in lines[1:] if line and not line.lower().startswith(
                 (b"connection:", b"keep-alive:", b"expect:"))]
             request = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body
-            target = lines[0].split(b" ")[1].split(b"?", 1)[0] if b" " in lines[0] else b""
             late = (self.mode in ("late-answer", "late-request") and method == b"PUT"
                     and b"if-none-match" in headers and target.endswith(self.late_path))
-            if late and self.mode == "late-request":
+            held = late and self.mode == "late-request"
+            if held:
                 self.delayed += 1
-                if self._stopped.wait(self.delay):
+                self.released.wait(self.delay)
+                if self._stopped.is_set():
                     return
                 late = False
             try:
                 with socket.create_connection(self.upstream, timeout=30) as up:
                     up.sendall(request)
+                    if held:
+                        self.late_forwarded += 1
                     answer = []
                     while chunk := up.recv(1 << 16):
                         if not late:

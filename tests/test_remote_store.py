@@ -386,7 +386,7 @@ def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_e
         remote = remote_of(s3_env)
         remote.lookup = lambda key: None
 
-        def overwrite(path, data, what, remote=remote):
+        def overwrite(path, data, what, remote=remote, **options):
             remote.fs.pipe_file(path, data)
             return True
 

@@ -53,10 +53,10 @@ AGENT = textwrap.dedent('''
 
     if mode == "stop-before-manifest":
         create = remote_store.RemoteStore.create
-        def stopping(self, path, data, what):
+        def stopping(self, path, data, what, **options):
             if path.endswith("manifest.json"):
                 pause("at-manifest")
-            return create(self, path, data, what)
+            return create(self, path, data, what, **options)
         remote_store.RemoteStore.create = stopping
     elif mode == "stop-mid-download":
         read = remote_store.RemoteStore.read_ranges

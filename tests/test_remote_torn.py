@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -74,10 +75,10 @@ AGENT = textwrap.dedent('''
 
     if "before-manifest" in mode:
         create = remote_store.RemoteStore.create
-        def pausing(self, path, data, what):
+        def pausing(self, path, data, what, **options):
             if path.endswith("manifest.json") and not (work / f"at-manifest.{me}").exists():
                 pause("at-manifest")
-            return create(self, path, data, what)
+            return create(self, path, data, what, **options)
         remote_store.RemoteStore.create = pausing
     elif "before-upload" in mode:
         upload = remote_store.RemoteStore.upload
@@ -211,9 +212,10 @@ def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
     assert pulled.source == "remote" and np.array_equal(pulled.array, built.array)
 
 
-def test_an_upload_whose_create_may_still_land_is_left_for_the_sweep(
+def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
-    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-request", delay=4.0)
+    before = set(threading.enumerate())
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-request", delay=60.0)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     remote.lookup(32 * "0")  # connected now: straight to the server, not through the proxy
     try:
@@ -224,13 +226,27 @@ def test_an_upload_whose_create_may_still_land_is_left_for_the_sweep(
         with pytest.warns(RemoteWarning, match="no answer within"):
             built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
                 row, list(range(ROWS)))
-        assert built.source == "built"
-        hosts.wait_for(lambda: remote.fs.invalidate_cache() or remote.fs.exists(
-            remote.manifest_path(built.key)), timeout=30, what="the late create to land")
+        assert built.source == "built" and proxy.delayed >= 1
+        assert [len(k.uploads) for k in remote.scan()[0]] == [1]
+        time.sleep(quiet(LEASE))
+        assert "orphaned upload" in sweep(capsys, monkeypatch)  # its data goes
+        # The create, sent again by fsspec's retries or late on the wire, lands now and
+        # names data that went. When it ends, the uploader's thread finds that and
+        # withdraws the manifest: a miss, never a torn entry.
+        proxy.released.set()
+        manifest = f"/{remote.manifest_path(built.key)}".encode()
+        hosts.wait_for(lambda: proxy.late_forwarded and (b"DELETE", manifest) in proxy.log,
+                       timeout=30, what="the abandoned create to withdraw its manifest")
+        hosts.wait_for(lambda: not [t for t in threading.enumerate() if t not in before
+                                    and t.name == "cachekit-remote-call"],
+                       timeout=30, what="the abandoned create's thread to end")
     finally:
         proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
-    assert proxy.delayed >= 1 and one_valid_entry(remote, capsys) == built.key
+    assert rm.verify(remote) == (0, [])
+    again = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
+        row, list(range(ROWS)))
+    assert again.source == "built" and one_valid_entry(remote, capsys) == built.key
 
 
 # 2. A paused uploader ---------------------------------------------------------------------

@@ -197,10 +197,17 @@ class RemoteStore:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def create(self, path: str, data: bytes, what: str) -> bool:
+    def create(self, path: str, data: bytes, what: str, *,
+               after_abandoned: Optional[Callable[[], None]] = None) -> bool:
         """Write ``data`` to ``path`` only if no object is there: True when this call made
         it, False when one exists (however the store says so; see
-        :func:`classify_failed_create`)."""
+        :func:`classify_failed_create`).
+
+        A write still running at the deadline goes on in its thread, and fsspec may send
+        it again (its retries) after this call has raised: ``after_abandoned()`` then runs
+        in that thread when it ends, to check what it did."""
+        abandoned = threading.Event()
+
         def attempt() -> Optional[bool]:
             try:
                 self.fs.pipe_file(path, data, mode="create")
@@ -212,8 +219,15 @@ class RemoteStore:
                 if verdict == CHECK:
                     return None
                 raise
+            finally:
+                if abandoned.is_set() and after_abandoned is not None:
+                    after_abandoned()
 
-        made = self.call(what, attempt)
+        try:
+            made = self.call(what, attempt)
+        except BaseException:
+            abandoned.set()
+            raise
         if made is None:
             if self.call(what, self.fs.exists, path):
                 return False
@@ -403,8 +417,19 @@ class RemoteStore:
                 raise
             body = manifests.dumps(manifest, {UPLOAD_FIELD: upload})
             path = self.manifest_path(key)
+
+            def settle() -> None:
+                # The create we gave up on has ended, maybe long after: if it made our
+                # manifest after a sweep took our data, withdraw it.
+                try:
+                    if self.named(key, upload) == OURS:
+                        self._check_sizes(manifest.files, objects)
+                except CacheCorruptError:
+                    self.withdraw(key, upload)
+
             try:
-                won = self.create(path, body, f"publishing {self.object_url(path)}")
+                won = self.create(path, body, f"publishing {self.object_url(path)}",
+                                  after_abandoned=_quietly(settle))
             except Exception:
                 # The create may have landed while its answer was lost or came late.
                 named = self.named(key, upload)
@@ -609,6 +634,17 @@ def _bar(show: bool, total: int, description: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)
+
+
+def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` for a thread nobody waits for: what it raises has nowhere to go."""
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # the sweep and the readers deal with what is left
+            pass
+
+    return run
 
 
 def _discard(f: Any) -> None:
