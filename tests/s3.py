@@ -9,9 +9,12 @@ the tests run with real credentials, which cachekit never sees except through fs
 own configuration (the ``AWS_*`` variables of :meth:`Seaweed.env`).
 
 :class:`Proxy` sits between a client and the server: ``mode="forward"`` relays requests,
-``"stall"`` reads a request and never answers, and ``"reject-create"`` answers a
-create-only PUT (``If-None-Match: *``) with a canned reply, as other stores answer a lost
-race: AWS's 412 with a ``Condition`` element, SeaweedFS's 412 without one, a 409 conflict.
+``"stall"`` reads a request and never answers, ``"late-answer"`` relays a create-only PUT
+(``If-None-Match: *``) of a manifest at once but holds its answer back, ``"late-request"``
+holds the PUT itself back before it relays it, and the modes of
+:data:`REJECTIONS` answer a create-only PUT with a canned reply, as other stores answer a
+lost race: AWS's 412 with a ``Condition`` element, SeaweedFS's 412 without one, a 409
+conflict.
 
 Standard library only (children import it cheaply).
 """
@@ -174,15 +177,28 @@ class Proxy:
     """A loopback HTTP proxy in front of ``upstream`` (host, port), one thread per
     connection, one request per connection (it answers ``Connection: close``).
 
-    ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); or a key of
+    ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); ``"late-answer"``
+    (forward a PUT with ``If-None-Match`` whose path ends in ``late_path`` at once, so the
+    server acts on it, and send its answer ``delay`` seconds later); ``"late-request"``
+    (forward such a PUT ``delay`` seconds after it came, or once ``released`` is set, then
+    answer); or a key of
     :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest).
-    ``rejected`` counts the canned answers given. Change ``mode`` at any time.
+    ``rejected`` and ``delayed`` count the canned answers and the requests held back,
+    ``late_forwarded`` the held requests passed on at last; ``log`` holds (method, path) of
+    every request. Change ``mode`` at any time.
     """
 
-    def __init__(self, upstream: tuple[str, int], mode: str = "forward") -> None:
+    def __init__(self, upstream: tuple[str, int], mode: str = "forward", *,
+                 delay: float = 0.0, late_path: bytes = b"/manifest.json") -> None:
         self.upstream = upstream
         self.mode = mode
+        self.delay = delay
+        self.late_path = late_path
         self.rejected = 0
+        self.delayed = 0
+        self.late_forwarded = 0
+        self.log: list[tuple[bytes, bytes]] = []
+        self.released = threading.Event()
         self._server = socket.socket()
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._server.bind(("127.0.0.1", 0))
@@ -198,6 +214,7 @@ class Proxy:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.released.set()  # held requests end (without being forwarded)
         self._server.close()
 
     def _accept(self) -> None:
@@ -219,6 +236,8 @@ class Proxy:
                 return
             lines = head.split(b"\r\n")
             method = lines[0].split(b" ", 1)[0]
+            target = lines[0].split(b" ")[1].split(b"?", 1)[0] if b" " in lines[0] else b""
+            self.log.append((method, target))
             headers = _fields(head)
             if (self.mode in REJECTIONS and method == b"PUT"
                     and b"if-none-match" in headers):
@@ -234,11 +253,29 @@ class Proxy:
             kept = [line for line in lines[1:] if line and not line.lower().startswith(
                 (b"connection:", b"keep-alive:", b"expect:"))]
             request = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body
+            late = (self.mode in ("late-answer", "late-request") and method == b"PUT"
+                    and b"if-none-match" in headers and target.endswith(self.late_path))
+            held = late and self.mode == "late-request"
+            if held:
+                self.delayed += 1
+                self.released.wait(self.delay)
+                if self._stopped.is_set():
+                    return
+                late = False
             try:
                 with socket.create_connection(self.upstream, timeout=30) as up:
                     up.sendall(request)
+                    if held:
+                        self.late_forwarded += 1
+                    answer = []
                     while chunk := up.recv(1 << 16):
-                        client.sendall(chunk)
+                        if not late:
+                            client.sendall(chunk)
+                        answer.append(chunk)
+                if late:
+                    self.delayed += 1
+                    if not self._stopped.wait(self.delay):
+                        client.sendall(b"".join(answer))
             except OSError:
                 return
 

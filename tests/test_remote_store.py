@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import cachekit
 import s3
-from cachekit.errors import CacheCorruptError, RemoteUnavailableError, UnsignedEntryError
+from cachekit.admin import remote as rm
+from cachekit.errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
 from cachekit.store import LocalStore
 from cachekit.store.remote import (CHECK, EXISTS, OTHER, RemoteStore, classify_failed_create,
     redact)
@@ -52,11 +53,6 @@ def published(root: Path, key: str):
     found = LocalStore(root).lookup(key)
     assert found is not None
     return found
-
-
-def assert_nothing_local(root: Path) -> None:
-    assert list((root / "entries").glob("*")) == []
-    assert list((root / "tmp").glob("*")) == []
 
 
 # Create-only writes ------------------------------------------------------------------------
@@ -203,32 +199,44 @@ def obtain_from_remote(root: Path, env: dict[str, str]) -> cachekit.Entry:
                           progress=False).map(row, VALUES)
 
 
-def test_a_flipped_byte_in_a_data_object_is_refused_naming_it(uploaded, s3_env, tmp_path):
+def built_in_place_of_broken(root: Path, env: dict[str, str], *names: str) -> cachekit.Entry:
+    """A call that meets a broken remote entry: it warns once (naming each of ``names``),
+    builds, and leaves one valid remote entry, its own, in place of the broken one."""
+    remote = remote_of(env)
+    with pytest.warns(RemoteWarning, match="it counts as missing") as seen:
+        entry = obtain_from_remote(root, env)
+    assert len(seen) == 1 and all(name in str(seen[0].message) for name in names)
+    assert entry.source == "built" and np.array_equal(entry.array, np.stack(
+        [row(v) for v in VALUES]))
+    assert list((root / "tmp").glob("*")) == []  # nothing of the broken download is left
+    assert rm.verify(remote) == (1, [])
+    return entry
+
+
+def test_a_flipped_byte_in_a_data_object_is_a_miss_that_is_repaired(uploaded, s3_env,
+                                                                    tmp_path):
     remote, entry, data, _ = uploaded
     body = bytearray(remote.fs.cat_file(data))
     body[-5] ^= 0x01
     remote.fs.pipe_file(data, bytes(body))
-    with pytest.raises(CacheCorruptError, match="checksum mismatch") as e:
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert e.value.path == remote.object_url(data) and e.value.path.startswith("s3://")
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, "checksum mismatch",
+                             remote.object_url(data))
+    assert remote.lookup(entry.key).upload != data.split("/")[-2]  # a fresh upload
+    pulled = obtain_from_remote(tmp_path / "c", s3_env)  # the next host downloads it
+    assert pulled.source == "remote"
 
 
-def test_a_truncated_object_is_refused_before_it_is_read(uploaded, s3_env, tmp_path):
+def test_a_truncated_object_is_a_miss_found_before_it_is_read(uploaded, s3_env, tmp_path):
     remote, entry, data, _ = uploaded
     remote.fs.pipe_file(data, remote.fs.cat_file(data)[:-100])
-    with pytest.raises(CacheCorruptError, match="bytes, the manifest says") as e:
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert e.value.path == remote.object_url(data)
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, "bytes, the manifest says",
+                             remote.object_url(data))
 
 
-def test_a_missing_data_object_is_refused(uploaded, s3_env, tmp_path):
+def test_a_missing_data_object_is_a_miss_that_is_repaired(uploaded, s3_env, tmp_path):
     remote, entry, data, _ = uploaded
     remote.fs.rm_file(data)
-    with pytest.raises(CacheCorruptError, match="missing"):
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, "missing", remote.object_url(data))
 
 
 def edit_manifest(remote: RemoteStore, path: str, change) -> None:
@@ -237,58 +245,54 @@ def edit_manifest(remote: RemoteStore, path: str, change) -> None:
     remote.fs.pipe_file(path, json.dumps(raw).encode())
 
 
-def test_a_tampered_manifest_checksum_is_refused_after_the_download(uploaded, s3_env, tmp_path):
+def test_a_tampered_manifest_checksum_is_found_after_the_download(uploaded, s3_env, tmp_path):
     remote, entry, data, manifest = uploaded
     edit_manifest(remote, manifest, lambda m: m["files"][0].update(
         checksum="blake2b-128:" + "0" * 32))
-    with pytest.raises(CacheCorruptError, match="checksum mismatch"):
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, "checksum mismatch")
 
 
-def test_a_tampered_manifest_shape_is_refused_before_any_download(uploaded, s3_env, tmp_path):
+def test_a_tampered_manifest_shape_is_found_before_any_download(uploaded, s3_env, tmp_path):
     remote, entry, data, manifest = uploaded
 
     def grow(m):
         m["rows"] = m["shape"][0] = m["files"][0]["shape"][0] = 10 ** 12
 
     edit_manifest(remote, manifest, grow)
-    with pytest.raises(CacheCorruptError) as e:
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert e.value.path == remote.object_url(manifest)
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, remote.object_url(manifest))
 
 
 @pytest.mark.parametrize("field", ["file name", "upload"])
-def test_a_manifest_naming_a_path_is_refused(uploaded, s3_env, tmp_path, field):
+def test_a_manifest_naming_a_path_is_a_miss(uploaded, s3_env, tmp_path, field):
     remote, entry, data, manifest = uploaded
     if field == "file name":
         edit_manifest(remote, manifest, lambda m: m["files"][0].update(name="../x"))
     else:
         edit_manifest(remote, manifest, lambda m: m.update(upload="../x"))
-    with pytest.raises(CacheCorruptError) as e:
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert "../x" in str(e.value) and e.value.path == remote.object_url(manifest)
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, "../x", remote.object_url(manifest))
     assert not (tmp_path / "b" / "x").exists() and not (tmp_path / "x").exists()
 
 
-def test_an_oversized_manifest_is_refused(uploaded, s3_env, tmp_path, monkeypatch):
+def test_an_oversized_manifest_is_a_miss(uploaded, s3_env, tmp_path, monkeypatch):
     from cachekit.store import manifest as manifests
 
     remote, entry, data, manifest = uploaded
+    original = remote.fs.cat_file(manifest)
     monkeypatch.setattr(manifests, "MANIFEST_LIMIT", 100)
-    with pytest.raises(CacheCorruptError, match="larger than 100 bytes"):
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert_nothing_local(tmp_path / "b")
+    with pytest.warns(RemoteWarning, match="larger than 100 bytes"):
+        assert obtain_from_remote(tmp_path / "b", s3_env).source == "built"
+    monkeypatch.undo()
+    assert rm.verify(remote) == (1, [])
+    assert remote.fs.cat_file(manifest) != original  # the repair's own manifest
 
 
-def test_with_signing_on_an_unsigned_remote_entry_is_refused(uploaded, s3_env, tmp_path,
-                                                              monkeypatch):
+def test_with_signing_on_an_unsigned_remote_entry_is_replaced_by_a_signed_one(
+        uploaded, s3_env, tmp_path, monkeypatch):
+    remote, entry, data, manifest = uploaded
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "team secret")
-    with pytest.raises(UnsignedEntryError):
-        obtain_from_remote(tmp_path / "b", s3_env)
-    assert_nothing_local(tmp_path / "b")
+    built_in_place_of_broken(tmp_path / "b", s3_env, "not signed",
+                             remote.object_url(manifest))
+    assert json.loads(remote.fs.cat_file(manifest))["signature"].startswith("hmac-sha256:")
 
 
 def test_with_signing_on_a_signed_remote_entry_is_downloaded_and_stays_signed(s3_env, tmp_path,
@@ -302,8 +306,7 @@ def test_with_signing_on_a_signed_remote_entry_is_downloaded_and_stays_signed(s3
     pulled = obtain_from_remote(tmp_path / "b", s3_env)
     assert pulled.source == "remote" and np.array_equal(pulled.array, built.array)
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "another key")
-    with pytest.raises(UnsignedEntryError, match="does not match"):
-        obtain_from_remote(tmp_path / "c", s3_env)
+    built_in_place_of_broken(tmp_path / "c", s3_env, "does not match")
 
 
 def test_without_fsspec_a_remote_says_which_extra_to_install(monkeypatch):
@@ -383,7 +386,7 @@ def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_e
         remote = remote_of(s3_env)
         remote.lookup = lambda key: None
 
-        def overwrite(path, data, what, remote=remote):
+        def overwrite(path, data, what, remote=remote, **options):
             remote.fs.pipe_file(path, data)
             return True
 

@@ -56,10 +56,10 @@ AGENT = textwrap.dedent('''
 
     if mode == "stop-before-manifest":
         create = remote_store.RemoteStore.create
-        def stopping(self, path, data, what):
+        def stopping(self, path, data, what, **options):
             if path.endswith("manifest.json"):
                 pause("at-manifest")
-            return create(self, path, data, what)
+            return create(self, path, data, what, **options)
         remote_store.RemoteStore.create = stopping
     elif mode == "stop-mid-download":
         read = remote_store.RemoteStore.read_ranges
@@ -168,14 +168,17 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
     # What the killed uploader left is an orphaned upload, which clear --remote removes.
     from cachekit.admin import remote as rm
 
-    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "1")
-    time.sleep(2.5)  # older than twice the lease: nobody is still uploading it
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")
+    # Untouched for twice the lease by the store's whole-second clock, upload and leases.
+    time.sleep(3.1)
     plan = rm.plan_clear(remote, [key[:12]], older_than=10 ** 9)
     assert plan.entries == () and [x.what.split()[0] for x in plan.leftovers] == \
         ["orphaned", "lease"]
     assert plan.execute() == []
     keys, _ = remote.scan()
-    assert len(keys[0].uploads) == 1 and keys[0].leases == []
+    assert len(keys[0].uploads) == 1
+    # The newest lease generation stays, so that generation numbers only rise.
+    assert sorted(o.path.rsplit("/", 1)[-1] for o in keys[0].leases) == ["2.beat", "2.json"]
     assert remote.lookup(key) is not None
 
 
@@ -305,8 +308,9 @@ def test_a_host_waiting_for_another_hosts_live_lease_names_it_and_honours_lock_t
 def test_a_remote_entry_that_disagrees_with_the_call_is_refused_and_built_here(
         s3_env, tmp_path, cover_paths, capfd):
     """An unsigned remote entry of the call's key whose manifest says <u2, consistent with
-    its data in every other respect: the caller refuses it before downloading a byte,
-    builds its own uint8 (N, C, H, W) entry, and the next call is a local hit."""
+    its data in every other respect: the caller refuses it before downloading a byte (a
+    broken entry: it warns), builds its own uint8 (N, C, H, W) entry and puts it in the
+    bucket in place of the refused one, and the next call is a local hit."""
     column = pd.Series(cover_paths)
     scout = cachekit.Cache(tmp_path / "scout", remote="", workers=2, progress=False)
     good = scout.images(column, 8)
@@ -316,9 +320,11 @@ def test_a_remote_entry_that_disagrees_with_the_call_is_refused_and_built_here(
     assert remote.upload(LocalStore(tmp_path / "scout").lookup(good.key))
     assert remote.lookup(good.key).manifest.dtype == np.dtype("<u2")
     cache = cachekit.Cache(tmp_path / "b", workers=2, progress=False)
-    entry = cache.images(column, 8)
+    with pytest.warns(RemoteWarning, match=f"remote entry {good.key[:12]} is broken: .*"
+                      r"does not match the call \(its dtype is <u2"):
+        entry = cache.images(column, 8)
     assert entry.source == "built" and entry.key == good.key
     assert entry.array.dtype == np.uint8 and entry.array.shape == pixels.shape
     np.testing.assert_array_equal(np.asarray(entry.array), pixels)
-    assert f"refused the remote entry {good.key[:12]}" in capfd.readouterr().err
+    assert remote.lookup(good.key).manifest.dtype == np.uint8  # repaired
     assert cache.images(column, 8).source == "local"

@@ -5,13 +5,22 @@ does the work, so ``--dry-run`` and confirmation cost nothing.
 Besides published entries, a remote holds what interrupted work left:
 
 - an orphaned upload: data objects under ``entries/KEY/UPLOAD/`` that no manifest names (an
-  uploader killed before its manifest, or the loser of two concurrent uploads killed before
-  it cleaned up), untouched for twice the lease time;
-- a dead lease: ``leases/KEY/*`` whose newest object is older than the lease time.
+  uploader killed before its manifest, the loser of two concurrent uploads killed before it
+  cleaned up, an uploader that could not tell whether its manifest landed). It is removed
+  once its objects and every lease object of its key are untouched for twice the lease:
+  a builder beats its lease all through its upload, so a live one keeps its upload.
+- old lease generations: ``leases/KEY/GEN.*`` below the key's newest generation. The newest
+  generation's two small objects always stay, so that generation numbers only rise and a
+  holder that wakes late never writes into another holder's lease.
 
-Both ages are the store's modification times read against this host's clock, so they
-assume clocks that agree to well within the lease (NTP). Builders never depend on them:
-the lease rule itself compares no clocks (:mod:`cachekit.store.lease`).
+Ages are never read against this host's clock: each is the store's time of a probe object
+(:meth:`~cachekit.store.remote.RemoteStore.clock`) minus the store's time of the objects,
+so clocks that disagree change nothing. A store that cannot say its time gets no leftover
+removed. Data a manifest may name is never removed either: just before an orphaned upload
+goes, the key's manifest is read again, and read once more after: a manifest that names
+the removed upload (its uploader woke from a pause in between) is withdrawn, so the key is
+a miss, never a torn entry. The uploader itself checks its objects after its manifest wins
+(:meth:`~cachekit.store.remote.RemoteStore.upload`).
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from typing import Callable, Iterable, Optional
 from .. import liveness
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from .inspect import Problem, resolve_keys
-from ..store.remote import RemoteEntry, RemoteKey, RemoteObject, RemoteStore
+from ..store.remote import (OTHERS, OURS, UNKNOWN, RemoteEntry, RemoteKey, RemoteObject,
+    RemoteStore)
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,16 @@ class RemoteEntryInfo:
 
 @dataclass(frozen=True)
 class Leftover:
-    """Objects of one key that interrupted work left: an orphaned upload or a lease."""
+    """Objects of one key that interrupted work left: an orphaned upload or old leases."""
 
     key: str
     what: str  # "orphaned upload UPLOAD", "lease"
     objects: tuple[RemoteObject, ...]
     removable: bool
+    upload: Optional[str] = None
+    """The upload id of an orphaned upload."""
+    kept_because: str = ""
+    """Why a leftover that is not removable stays."""
 
     @property
     def bytes(self) -> int:
@@ -75,14 +89,20 @@ class RemoteScan:
     unknown: tuple[RemoteObject, ...]
     keys: tuple[str, ...]
     """Every key with any object, published or not."""
+    now: Optional[float] = None
+    """The store's time when the scan began (None: the store could not say)."""
+
+
+RECENT = "recent: an upload or build may still be going on"
+NO_CLOCK = "its age is unknown: the store's time could not be read"
 
 
 def scan(remote: RemoteStore) -> RemoteScan:
     """Describe the remote: each published entry (its manifest read and checked: it names
     the upload that holds its data), and the leftovers of interrupted uploads and builds."""
+    now = remote.clock()  # before the listing: ages only come out too young
     listed, unknown = remote.scan()
-    now = time.time()
-    lease = liveness.lease_from_env()
+    quiet = 2 * liveness.lease_from_env() + STORE_TIME_SLACK
     entries: list[RemoteEntryInfo] = []
     leftovers: list[Leftover] = []
     for item in listed:
@@ -94,14 +114,51 @@ def scan(remote: RemoteStore) -> RemoteScan:
         for upload, objects in sorted(item.uploads.items()):
             if upload == named:
                 continue
+            why = _kept_because(objects, item.leases, now, quiet)
             leftovers.append(Leftover(item.key, f"orphaned upload {upload}", tuple(objects),
-                                      _older(objects, now, 2 * lease)))
-        if item.leases:
-            leftovers.append(Leftover(item.key, "lease", tuple(item.leases),
-                                      _older(item.leases, now, lease)))
+                                      not why, upload, why))
+        old = _older_generations(item.leases)
+        if old:
+            leftovers.append(Leftover(item.key, "lease", tuple(old), True))
     entries.sort(key=lambda e: (e.created, e.key))
     return RemoteScan(tuple(entries), tuple(leftovers), tuple(unknown),
-                      tuple(item.key for item in listed))
+                      tuple(item.key for item in listed), now)
+
+
+STORE_TIME_SLACK = 1.0
+"""Seconds added to every age limit: S3 gives objects' times in whole seconds."""
+
+
+def _newest(objects: Iterable[RemoteObject]) -> Optional[float]:
+    times = [o.modified for o in objects]
+    return None if not times or None in times else max(t for t in times if t is not None)
+
+
+def _kept_because(upload: list[RemoteObject], leases: list[RemoteObject],
+                  now: Optional[float], quiet: float) -> str:
+    """Why an orphaned upload must stay (empty when it may go): it or its key's lease was
+    touched within ``quiet`` seconds by the store's clock ``now``, or that is unknown."""
+    for objects in (upload, leases):
+        if not objects:
+            continue
+        newest = _newest(objects)
+        if now is None or newest is None:
+            return NO_CLOCK
+        if now - newest <= quiet:
+            return RECENT
+    return ""
+
+
+def _older_generations(leases: Iterable[RemoteObject]) -> list[RemoteObject]:
+    """The lease objects below the newest generation that has a record (``GEN.json``)."""
+    def generation(obj: RemoteObject) -> tuple[int, str]:
+        stem, _, suffix = obj.path.rsplit("/", 1)[-1].partition(".")
+        return (int(stem) if stem.isdigit() else -1), suffix
+
+    leases = list(leases)
+    records = [g for g, suffix in map(generation, leases) if suffix == "json" and g > 0]
+    newest = max(records, default=None)
+    return [o for o in leases if newest is None or generation(o)[0] < newest]
 
 
 def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
@@ -118,11 +175,6 @@ def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
     if entry is not None:
         size += sum(o.size for o in item.uploads.get(entry.upload, []))
     return RemoteEntryInfo(item.key, url, entry, size, item.manifest.modified, problem)
-
-
-def _older(objects: Iterable[RemoteObject], now: float, age: float) -> bool:
-    times = [o.modified for o in objects]
-    return bool(times) and all(t is not None and now - t > age for t in times)
 
 
 # Verify -------------------------------------------------------------------------------------
@@ -184,7 +236,8 @@ class RemoteRemovalPlan:
     entries: tuple[RemoteEntryInfo, ...]
     leftovers: tuple[Leftover, ...]
     kept: tuple[Leftover, ...] = field(default=())
-    """Leftovers too recent to remove (an upload or build may still be going on)."""
+    """Leftovers that stay (``kept_because`` says why: an upload or build may still be
+    going on, or the store's time is unknown)."""
 
     @property
     def bytes(self) -> int:
@@ -195,27 +248,44 @@ class RemoteRemovalPlan:
 
     def execute(self) -> list[tuple[str, str]]:
         """Remove everything in the plan; returns (what, error) for each failure."""
+        remote = self.remote
         failed: list[tuple[str, str]] = []
         for info in self.entries:
             try:
-                self.remote.remove([self.remote.manifest_path(info.key)],
-                                   f"removing {info.url}")
+                if info.entry is not None and remote.named(info.key, info.entry.upload) \
+                        == OTHERS:
+                    continue  # replaced by another upload since the scan: a new entry
+                remote.remove([remote.manifest_path(info.key)], f"removing {info.url}")
                 if info.entry is not None:
-                    self.remote.remove_upload(info.key, info.entry.upload)
+                    remote.remove_upload(info.key, info.entry.upload)
             except RemoteUnavailableError as e:
                 failed.append((info.url, str(e)))
         for leftover in self.leftovers:
             try:
-                self.remote.remove([o.path for o in leftover.objects],
-                                   f"removing the {leftover.what} of {leftover.key}")
+                if leftover.upload is not None:
+                    _remove_orphan(remote, leftover)
+                else:
+                    remote.remove([o.path for o in leftover.objects],
+                                  f"removing the {leftover.what} of {leftover.key}")
             except RemoteUnavailableError as e:
                 failed.append((f"{leftover.key} {leftover.what}", str(e)))
         return failed
 
 
+def _remove_orphan(remote: RemoteStore, leftover: Leftover) -> None:
+    """Remove an orphaned upload unless a manifest names it now; withdraw a manifest that
+    came to name it while its objects went (its uploader woke in between)."""
+    assert leftover.upload is not None
+    if remote.named(leftover.key, leftover.upload) in (OURS, UNKNOWN):
+        return  # published since the scan, or no telling: it stays
+    remote.remove([o.path for o in leftover.objects],
+                  f"removing the {leftover.what} of {leftover.key}")
+    remote.withdraw(leftover.key, leftover.upload)
+
+
 def plan_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
                older_than: Optional[float] = None) -> RemoteRemovalPlan:
-    """Entries to remove (all, ``keys``/prefixes, or those created longer than
+    """Entries to remove (all, ``keys``/prefixes, or those uploaded longer than
     ``older_than`` seconds ago), with the removable leftovers of the same keys (of every key
     when no ``keys`` are given)."""
     found = scan(remote)
@@ -225,12 +295,17 @@ def plan_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
         wanted = set(resolve_keys(keys, found.keys))
         entries = [e for e in entries if e.key in wanted]
     if older_than is not None:
-        now = time.time()
-        entries = [e for e in entries if now - e.created > older_than]
+        entries = [e for e in entries if _age(e, found.now) > older_than]
     leftovers = [x for x in found.leftovers if wanted is None or x.key in wanted]
-    # A removed entry's lease goes with it, whatever its age.
-    gone = {e.key for e in entries}
-    return RemoteRemovalPlan(
-        remote, tuple(entries),
-        tuple(x for x in leftovers if x.removable or (x.what == "lease" and x.key in gone)),
-        tuple(x for x in leftovers if not (x.removable or (x.what == "lease" and x.key in gone))))
+    return RemoteRemovalPlan(remote, tuple(entries),
+                             tuple(x for x in leftovers if x.removable),
+                             tuple(x for x in leftovers if not x.removable))
+
+
+def _age(entry: RemoteEntryInfo, now: Optional[float]) -> float:
+    """Seconds since ``entry`` was uploaded, by the store's clock; by this host's clock from
+    its manifest's creation time when the store cannot say. Removing an entry never tears
+    one (its manifest goes first), so here a skewed clock only moves the day it goes."""
+    if now is not None and entry.uploaded is not None:
+        return now - entry.uploaded
+    return time.time() - entry.created

@@ -144,7 +144,7 @@ def _report_leftovers(found: rm.RemoteScan, out: Any = None) -> None:
     for x in found.leftovers:
         if x.what == "lease" and x.key in published:
             continue  # the lease of a finished build: clear --remote KEY removes it
-        state = "removable" if x.removable else "recent, maybe in progress"
+        state = "removable" if x.removable else x.kept_because
         cli._say(f"{x.what} of {x.key[:cli.SHORT_KEY]}: {len(x.objects)} object(s), "
                  f"{units.format_size(x.bytes)} ({state}); `cachekit clear --remote "
                  f"{x.key[:cli.SHORT_KEY]}` removes it", file=out)
@@ -242,8 +242,7 @@ def clear(args: argparse.Namespace) -> int:
     with cli._key_errors():
         plan = rm.plan_clear(remote, args.keys or None, older_than=args.older_than)
     for x in plan.kept:
-        cli._say(f"skipping the {x.what} of {x.key[:cli.SHORT_KEY]}: too recent, an upload "
-                 "or build may still be going on")
+        cli._say(f"skipping the {x.what} of {x.key[:cli.SHORT_KEY]}: {x.kept_because}")
     if not len(plan):
         cli._say(f"nothing to remove in {remote.display}")
         return 0

@@ -10,9 +10,13 @@ manifest last, create-only) and release (source ``"built"``).
 
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building if
-it must. A remote entry that fails its checks is CacheCorruptError: nothing is published.
-One whose manifest disagrees with the call (:mod:`cachekit.obtain.expected`) is refused before its
-download, as a miss: this host builds the entry itself.
+it must. A remote entry that fails its checks (a manifest that is malformed or not validly
+signed, a data object missing, short or with another checksum) is a miss, as in Nix's and
+Bazel's caches: nothing of it is published, it warns once, and the host that takes the lease
+repairs it: it removes the broken manifest, builds, and uploads create-only. It never raises
+to the caller. A manifest that passes its own checks but disagrees with the call (another
+dtype, shape or row count: ``Expected.check`` of :mod:`cachekit.obtain.expected`) is broken the same
+way, found before anything is downloaded.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ _warned: set[str] = set()
 Expect = Callable[[Manifest], Optional[str]]
 """What disagrees with the call in a manifest, or None: ``Expected.check`` of
 :mod:`cachekit.obtain.expected`."""
+_warned_broken: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -55,21 +60,22 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
     None; one that disagrees is refused before it is downloaded, as a miss.
     """
     remote = tier.store
-    lookup = _checked_lookup(remote, key, expect)
+    reader = _Reader(tier, local, key, expect)
     try:
-        found = lookup()
-        if found is not None:
-            return _download(tier, local, found), "remote"
-        lease = _wait_for_lease(tier, local, key, remaining, announce, lookup)
+        got = reader.fetch()
+        if got is not None:
+            return got, "remote"
+        lease = _wait_for_lease(tier, reader, remaining, announce)
         if isinstance(lease, Published):
             return lease, "remote"
     except RemoteUnavailableError as e:
         warn_once(remote, e)
         return build(build_fn), "built"
     try:
-        found = lookup()  # published between our last look and the takeover?
-        if found is not None:
-            return _download(tier, local, found), "remote"
+        got = reader.fetch()  # published between our last look and the takeover?
+        if got is not None:
+            return got, "remote"
+        reader.remove_broken()
         published = build(_reporting(build_fn, lease))
         try:
             remote.upload(published, progress=tier.progress)
@@ -83,48 +89,94 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
         lease.release()
 
 
+class _Reader:
+    """Finds and downloads the key's remote entry, taking a broken one for a miss: it warns
+    once, remembers the entry (so the wait does not download it again) and, under the
+    lease, removes its manifest (:meth:`remove_broken`)."""
+
+    def __init__(self, tier: Tier, local: LocalStore, key: str,
+                 expect: Optional[Expect] = None) -> None:
+        self.tier, self.local, self.key, self.expect = tier, local, key, expect
+        self.broken: list[Optional[RemoteEntry]] = []
+        """The broken entries met (None: a manifest that could not be read at all)."""
+
+    def candidate(self) -> Optional[RemoteEntry]:
+        """The key's remote entry unless it is missing, known to be broken, or disagrees
+        with the call (then it is broken: refused before anything is downloaded)."""
+        remote = self.tier.store
+        try:
+            found = remote.lookup(self.key)
+        except CacheCorruptError as e:
+            self._met(None, e)
+            return None
+        if found is None or found in self.broken:
+            return None
+        problem = None if self.expect is None else self.expect(found.manifest)
+        if problem is not None:
+            self._met(found, CacheCorruptError(remote.object_url(remote.manifest_path(
+                self.key)), f"it does not match the call ({problem})"))
+            return None
+        return found
+
+    def fetch(self) -> Optional[Published]:
+        """The entry downloaded and published locally, or None: none, or a broken one."""
+        found = self.candidate()
+        if found is None:
+            return None
+        try:
+            return _download(self.tier, self.local, found)
+        except CacheCorruptError as e:
+            self._met(found, e)
+            return None
+
+    def remove_broken(self) -> None:
+        """Holding the lease: remove the key's manifest if it is one found broken."""
+        if not self.broken:
+            return
+        remote = self.tier.store
+        try:
+            found = remote.lookup(self.key)
+        except CacheCorruptError:
+            found = None  # still unreadable
+        else:
+            if found is None or found not in self.broken:
+                return  # gone, or replaced by one not yet tried (then the upload keeps it)
+        path = remote.manifest_path(self.key)
+        remote.remove([path], f"removing the broken {remote.object_url(path)}")
+
+    def _met(self, found: Optional[RemoteEntry], error: CacheCorruptError) -> None:
+        if found not in self.broken:
+            self.broken.append(found)
+        remote = self.tier.store
+        if (remote.display, self.key) in _warned_broken:
+            return
+        _warned_broken.add((remote.display, self.key))
+        warnings.warn(f"cachekit: remote entry {self.key[:12]} is broken: {error.path}: "
+                      f"{error.reason}; it counts as missing: cachekit builds it and uploads "
+                      "it in place of the broken one", RemoteWarning, stacklevel=6)
+
+
 def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:
     published, _ = tier.store.download(found, local, progress=tier.progress)
     return published
 
 
-def _checked_lookup(remote: RemoteStore, key: str, expect: Optional[Expect]
-                    ) -> Callable[[], Optional[RemoteEntry]]:
-    """``remote.lookup(key)``, with an entry that disagrees with ``expect`` taken for a
-    miss (said once on stderr, whatever ``progress``: someone wrote a wrong entry)."""
-    refused: list[str] = []
-
-    def lookup() -> Optional[RemoteEntry]:
-        found = remote.lookup(key)
-        problem = None if found is None or expect is None else expect(found.manifest)
-        if problem is None:
-            return found
-        if not refused:
-            print(f"cachekit: refused the remote entry {key[:12]} of {remote.display}: it "
-                  f"does not match the call ({problem}); building it here", file=sys.stderr,
-                  flush=True)
-        refused.append(problem)
-        return None
-
-    return lookup
-
-
-def _wait_for_lease(tier: Tier, local: LocalStore, key: str, remaining: Optional[float],
-                    announce: bool, lookup: Callable[[], Optional[RemoteEntry]]) -> Any:
+def _wait_for_lease(tier: Tier, reader: _Reader, remaining: Optional[float],
+                    announce: bool) -> Any:
     """The key's lease (a started Lease), or the entry (Published) when its builder on
     another host publishes it while we wait. LockTimeout past ``remaining`` seconds."""
-    remote = tier.store
+    remote, key = tier.store, reader.key
     watch = Watch(remote, key)
     started = time.monotonic()
     next_report = started + min(2.0, WAIT_REPORT_SECONDS)
     poll = min(1.0, watch.lease / 8)
     while True:
-        lease = watch.take_or_wait(lambda: lookup() is None)
+        lease = watch.take_or_wait(lambda: reader.candidate() is None)
         if lease is not None:
             return lease
-        found = lookup()
-        if found is not None:
-            return _download(tier, local, found)
+        got = reader.fetch()
+        if got is not None:
+            return got
         waited = time.monotonic() - started
         if remaining is not None and waited + poll > remaining:
             raise LockTimeout(remote.object_url(lease_path(remote, key, 1, "json")).rsplit(

@@ -16,6 +16,9 @@ this host that is gone, or when this waiter has seen its heartbeat unchanged for
 compared, and the store's own times are not needed; the price is that a waiter that comes
 upon a dead lease waits one lease time before it takes over. Taking over is the create-only
 write of generation GEN + 1, so of all the hosts that judge GEN dead exactly one wins.
+``cachekit clear --remote`` never removes a key's newest generation, so numbers only rise:
+a holder that wakes from a pause writes its heartbeat and release into its own generation,
+never into a later holder's.
 
 The lease only saves duplicate work: correctness rests on the create-only manifest. A store
 whose create-only writes do not work lets two hosts hold one generation: two builds, and

@@ -10,6 +10,7 @@ conditional operation, the create-only write (``If-None-Match: *``, fsspec
     PREFIX/entries/KEY/UPLOAD/data.npy ...  the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
     PREFIX/leases/KEY/GEN.json, GEN.beat    build leases (see :mod:`.remote_lease`)
+    PREFIX/clock/PROBE                      for a moment: the store's time (:meth:`clock`)
 
 Every upload writes its data objects under an upload id of its own, so two hosts uploading
 one key at once never write the same object; then each tries to create the manifest, and
@@ -18,6 +19,11 @@ any moment leaves objects that no manifest names (or nothing at all): never a ma
 naming missing or partial data. ``cachekit clear --remote`` lists and removes them. Without
 working conditional writes (a store that lets both creates succeed), the last manifest
 written wins and names a complete upload of its own: still one valid entry.
+
+No uploader removes objects that a manifest may name: a create that fails without saying
+"exists" may have landed, so the manifest is read back first. An uploader paused between
+its data and its manifest may find, once its manifest wins, that a sweep removed its data:
+it checks after every win and withdraws its manifest then (see :meth:`RemoteStore.upload`).
 
 Remote data are untrusted: a manifest is read with a size cap and checked field by field
 (:func:`cachekit.store.manifest.loads`: file names from the fixed set only, the signature with
@@ -52,9 +58,9 @@ from .remote_fs import (CHECK, EXISTS, OTHER, REMOTE_ENV, TIMEOUT_ENV, Timeout,
     classify_failed_create, describe, filesystem, modified, redact, timeout_from_env,
     url_from_env, within)
 
-__all__ = ["CHECK", "EXISTS", "OTHER", "REMOTE_ENV", "TIMEOUT_ENV", "RemoteEntry", "RemoteKey",
-           "RemoteObject", "RemoteStore", "classify_failed_create", "redact",
-           "timeout_from_env", "url_from_env"]
+__all__ = ["CHECK", "EXISTS", "NONE", "OTHER", "OTHERS", "OURS", "REMOTE_ENV", "TIMEOUT_ENV",
+           "UNKNOWN", "RemoteEntry", "RemoteKey", "RemoteObject", "RemoteStore",
+           "classify_failed_create", "redact", "timeout_from_env", "url_from_env"]
 
 RANGE_BYTES = 16 << 20
 """Bytes per ranged read or written part: large enough for full speed, small enough that
@@ -62,6 +68,10 @@ one part always fits well within the timeout on a working link."""
 PARALLEL_RANGES = 4
 WRITEBACK_BYTES = 64 << 20
 MANIFEST_RETRY_SECONDS = 0.2
+PUBLISH_ATTEMPTS = 2
+CLOCK_FOLDER = "clock"
+PROBE_STALE_SECONDS = 3600.0
+OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
 UPLOAD_FIELD = "upload"
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _ATTEMPTS = 3
@@ -187,10 +197,17 @@ class RemoteStore:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def create(self, path: str, data: bytes, what: str) -> bool:
+    def create(self, path: str, data: bytes, what: str, *,
+               after_abandoned: Optional[Callable[[], None]] = None) -> bool:
         """Write ``data`` to ``path`` only if no object is there: True when this call made
         it, False when one exists (however the store says so; see
-        :func:`classify_failed_create`)."""
+        :func:`classify_failed_create`).
+
+        A write still running at the deadline goes on in its thread, and fsspec may send
+        it again (its retries) after this call has raised: ``after_abandoned()`` then runs
+        in that thread when it ends, to check what it did."""
+        abandoned = threading.Event()
+
         def attempt() -> Optional[bool]:
             try:
                 self.fs.pipe_file(path, data, mode="create")
@@ -202,8 +219,15 @@ class RemoteStore:
                 if verdict == CHECK:
                     return None
                 raise
+            finally:
+                if abandoned.is_set() and after_abandoned is not None:
+                    after_abandoned()
 
-        made = self.call(what, attempt)
+        try:
+            made = self.call(what, attempt)
+        except BaseException:
+            abandoned.set()
+            raise
         if made is None:
             if self.call(what, self.fs.exists, path):
                 return False
@@ -346,37 +370,108 @@ class RemoteStore:
     def upload(self, published: Published, *, progress: bool = False) -> bool:
         """Upload a local entry: its data objects under a fresh upload id, then the manifest,
         create-only. True when this call published the remote entry; False when one was
-        there already (its own objects are then removed)."""
+        there already (its own objects are then removed).
+
+        Data a manifest may name is never removed: when the create fails in a way that does
+        not say "exists" (no answer in time, a lost connection), the manifest is looked up
+        first, and an upload that may still be named is left for ``cachekit clear
+        --remote``. After a win, the objects are checked once more: a sweep that judged a
+        paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
+        and the entry uploaded again under a fresh id (once)."""
         manifest = published.manifest
         key = manifest.key
         if self.lookup(key) is not None:
             return False
-        upload = uuid.uuid4().hex
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            upload = uuid.uuid4().hex
+            won = self._publish(published, upload, progress)
+            if not won:
+                return False
+            objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
+            try:
+                self._check_sizes(manifest.files, objects)
+                return True
+            except CacheCorruptError as e:
+                if not self.withdraw(key, upload) and self.lookup(key) is not None:
+                    return False  # another upload is the entry now
+                if attempt == PUBLISH_ATTEMPTS:
+                    raise CacheCorruptError(e.path, f"{e.reason} after its manifest was "
+                                            "published; the manifest was withdrawn",
+                                            "upload it again (`cachekit push`)") from None
+        raise AssertionError("unreachable")
+
+    def _publish(self, published: Published, upload: str, progress: bool) -> bool:
+        """Data objects under ``upload``, then the manifest naming them, create-only: True
+        when ours is the key's manifest now, False when another one is (ours removed)."""
+        manifest = published.manifest
+        key = manifest.key
         bar = _bar(progress, manifest.bytes, f"cachekit push {key[:12]}")
         try:
             objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
-            for record, path in zip(manifest.files, objects):
-                self._put(published, record, path, bar)
-            self._check_sizes(manifest.files, objects)  # all there before the commit point
+            try:
+                for record, path in zip(manifest.files, objects):
+                    self._put(published, record, path, bar)
+                self._check_sizes(manifest.files, objects)  # all there before the commit
+            except BaseException:
+                self.remove_upload(key, upload, quiet=True)  # no manifest can name it yet
+                raise
             body = manifests.dumps(manifest, {UPLOAD_FIELD: upload})
-            won = self.create(self.manifest_path(key), body,
-                              f"publishing {self.object_url(self.manifest_path(key))}")
-        except BaseException:
-            self.remove_upload(key, upload, quiet=True)
-            raise
+            path = self.manifest_path(key)
+
+            def settle() -> None:
+                # The create we gave up on has ended, maybe long after: if it made our
+                # manifest after a sweep took our data, withdraw it.
+                try:
+                    if self.named(key, upload) == OURS:
+                        self._check_sizes(manifest.files, objects)
+                except CacheCorruptError:
+                    self.withdraw(key, upload)
+
+            try:
+                won = self.create(path, body, f"publishing {self.object_url(path)}",
+                                  after_abandoned=_quietly(settle))
+            except Exception:
+                # The create may have landed while its answer was lost or came late.
+                named = self.named(key, upload)
+                if named == OURS:
+                    return True
+                if named == OTHERS:  # create-only: ours can never land now
+                    self.remove_upload(key, upload, quiet=True)
+                    return False
+                raise  # no manifest yet, or cannot tell: leave the upload for the sweep
         finally:
             if bar is not None:
                 bar.close()
-        if not won:
-            # A create retried after its answer was lost finds its own manifest: a win.
-            try:
-                found = self.lookup(key)
-            except CacheCorruptError:
-                found = None  # a bad manifest is there: ours was not published
-            won = found is not None and found.upload == upload
-        if not won:
+        if won:
+            return True
+        # Refused as existing. A create retried after its answer was lost meets its own
+        # manifest: a win. Otherwise ours never lands, so its data can go (unless the
+        # manifest there cannot be read: it might be ours, half written on a shared folder).
+        named = self.named(key, upload)
+        if named in (OTHERS, NONE):
             self.remove_upload(key, upload, quiet=True)
-        return won
+        return named == OURS
+
+    def named(self, key: str, upload: str) -> str:
+        """Whom the key's manifest names: OURS (``upload``), OTHERS (another upload), NONE
+        (there is no manifest), or UNKNOWN (the remote fails, or the manifest is unreadable)."""
+        try:
+            found = self.lookup(key)
+        except (RemoteUnavailableError, CacheCorruptError):
+            return UNKNOWN
+        if found is None:
+            return NONE
+        return OURS if found.upload == upload else OTHERS
+
+    def withdraw(self, key: str, upload: str) -> bool:
+        """Remove the key's manifest if it names ``upload`` (whose data went missing), then
+        what is left of that upload. True when a manifest was removed."""
+        if self.named(key, upload) != OURS:
+            return False
+        path = self.manifest_path(key)
+        self.remove([path], f"withdrawing {self.object_url(path)}")
+        self.remove_upload(key, upload, quiet=True)
+        return True
 
     def _put(self, published: Published, record: FileRecord, path: str, bar: Any) -> None:
         """Copy one local entry file to ``path`` in parts (one call, one timeout, each)."""
@@ -419,6 +514,8 @@ class RemoteStore:
                 continue
             obj = RemoteObject(path, int(info.get("size") or 0), modified(info))
             parts = path[len(root):].strip("/").split("/")
+            if parts[0] == CLOCK_FOLDER and len(parts) == 2:
+                continue  # a probe of :meth:`clock`
             if len(parts) < 3 or parts[0] not in ("entries", "leases") or not is_key(parts[1]):
                 unknown.append(obj)
                 continue
@@ -432,6 +529,34 @@ class RemoteStore:
             else:
                 item.strays.append(obj)
         return sorted(keys.values(), key=lambda k: k.key), unknown
+
+    def clock(self) -> Optional[float]:
+        """The store's own time now, as its listings show objects' times: the time of a
+        probe object written and listed for this, then removed. None when the store cannot
+        say (no write permission, no times in its listings, a failing remote).
+
+        Ages judged against it compare the store's times with each other, so they hold
+        whatever this host's clock says. Probes that a killed caller left are removed."""
+        folder = self.path(CLOCK_FOLDER)
+        name = uuid.uuid4().hex
+        probe = f"{folder}/{name}"
+        try:
+            self.call(f"writing {self.object_url(probe)}", self.fs.pipe_file, probe, b"")
+            self.fs.invalidate_cache(folder)
+            listed = self.call(f"listing {self.object_url(folder)}", self.fs.ls, folder,
+                               detail=True)
+        except (RemoteUnavailableError, FileNotFoundError):
+            return None
+        times = {str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: modified(info)
+                 for info in listed if isinstance(info, dict)}
+        now = times.get(name)
+        stale = [f"{folder}/{other}" for other, when in times.items() if other != name
+                 and when is not None and now is not None and now - when > PROBE_STALE_SECONDS]
+        try:
+            self.remove([probe, *stale], f"removing {self.object_url(probe)}")
+        except RemoteUnavailableError:
+            pass  # the next probe removes it
+        return now
 
     def remove(self, paths: Sequence[str], what: str) -> None:
         """Delete objects (missing ones are not an error)."""
@@ -509,6 +634,17 @@ def _bar(show: bool, total: int, description: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)
+
+
+def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` for a thread nobody waits for: what it raises has nowhere to go."""
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # the sweep and the readers deal with what is left
+            pass
+
+    return run
 
 
 def _discard(f: Any) -> None:
