@@ -12,14 +12,16 @@ import math
 import mmap
 import os
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import TYPE_CHECKING, BinaryIO, Optional
 
 import numpy as np
 
 from . import _fs
 from .errors import CacheCorruptError
 from ._fs import NOT_A_FILE_ERRNOS
-from .store.manifest import FileRecord
+
+if TYPE_CHECKING:
+    from .store.manifest import FileRecord
 
 CHECKSUM_BLOCK = 16 << 20
 HEADER_ALIGN = np.lib.format.ARRAY_ALIGN

@@ -23,7 +23,7 @@ from .obtain.expected import Expected
 from .store.manifest import DATA_FILE, FORMAT_VERSION
 from .errors import ImageDecodeError
 from .engine.rows import ArrayRow, ImageRow
-from .store import Build, LocalStore, default_root
+from .store import BuildDir, LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -174,7 +174,7 @@ class Cache:
                            "n": len(column), **material})
         record = collect_errors or on_error == "zero"
 
-        def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
+        def build_entry(current: BuildDir, on_chunk: publish.ChunkCallback) -> publish.Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
             filled = build.fill(current.dir, DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record, key=key,

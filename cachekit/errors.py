@@ -10,6 +10,8 @@
     |   +-- DatasetCorruptError         ... found where a torch Dataset reads its rows
     |   +-- UnsignedEntryError          ... has no valid signature while CACHEKIT_SIGNING_KEY
     |                                       is set (see :mod:`cachekit.store.signing`)
+    +-- BuildGone                       the build a process worked on was committed, discarded
+    |                                       or taken over meanwhile
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
@@ -144,6 +146,19 @@ class DatasetCorruptError(CacheCorruptError):
         if self._message_only:
             return (type(self), (self.reason,))
         return (type(self), (self.path, self.reason))
+
+
+class BuildGone(CachekitError):
+    """The build a process was filling chunks of was committed or discarded meanwhile (a
+    joiner then looks for the entry; a builder whose own build went fails with this)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"the chunk journal {where} was removed while this process filled "
+                         "chunks of its build; nothing of it was published by this process")
+        self.where = where
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.where,))
 
 
 class ReadOnlyCacheError(CachekitError, PermissionError):

@@ -31,7 +31,7 @@ from .obtain import flow as publish
 from .errors import CacheCorruptError
 from .obtain.expected import Expected
 from .store.manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
-from .store import Build
+from .store import BuildDir
 
 Node = dict  # a JSON structure node, see the module docstring
 Obtain = Callable[..., Any]
@@ -78,7 +78,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         key, arguments = key_of(args, kwargs)
 
-        def build_entry(current: Build, on_chunk: publish.ChunkCallback) -> publish.Built:
+        def build_entry(current: BuildDir, on_chunk: publish.ChunkCallback) -> publish.Built:
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
             first = _write_leaves(current.dir, leaves)

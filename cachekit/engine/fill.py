@@ -39,7 +39,8 @@ from .. import _fs, arrays
 from . import plan as plans
 from .executors import RowTask, make_runner
 from ..errors import Failure, NotAnArrayError, failure_reason
-from .journal import ROWS_PREFIX, BuildGone, Claim, Done, Journal, digest, journal_name
+from ..errors import BuildGone
+from .journal import ROWS_PREFIX, Claim, Done, Journal, digest, journal_name
 from .plan import Chunk, Plan
 from .rows import as_row
 

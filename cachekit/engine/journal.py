@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from .. import _fs, liveness
-from ..errors import CachekitError, Failure
+from ..errors import BuildGone, Failure
 from .plan import Chunk, Plan
 
 SUFFIX = ".chunks"
@@ -48,22 +48,15 @@ _DIGEST = "blake2b-128:"
 _GONE = (errno.ENOENT, errno.ESTALE)
 
 
-class BuildGone(CachekitError):
-    """The build a process was filling chunks of was committed or discarded meanwhile (a
-    joiner then looks for the entry; a builder whose own build went fails with this)."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(f"the chunk journal {where} was removed while this process filled "
-                         "chunks of its build; nothing of it was published by this process")
-        self.where = where
-
-    def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.where,))
-
-
 def journal_name(name: str) -> str:
     """The journal folder of the data file ``name``."""
     return name + SUFFIX
+
+
+def is_journal_name(name: str) -> bool:
+    """Whether ``name`` in a build directory is a chunk journal folder: the engine's working
+    state, never published."""
+    return name.endswith(SUFFIX)
 
 
 def digest(data: Any) -> str:

@@ -35,9 +35,10 @@ from ..store import locks
 from .._version import __version__
 from ..errors import CacheCorruptError, ImageDecodeError, LockTimeout
 from .expected import Expected
-from ..engine.journal import BuildGone
+from ..engine.journal import is_journal_name
+from ..errors import BuildGone
 from ..store.manifest import MANIFEST_FILE, Manifest
-from ..store import Build, BuildState, LocalStore, Published
+from ..store import BuildDir, BuildState, LocalStore, Published
 
 if TYPE_CHECKING:
     from . import remote as remote_tier
@@ -70,7 +71,7 @@ class Built:
     """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
 
 
-BuildFunction = Callable[[Build, ChunkCallback], Built]
+BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
 """Fills the build's directory, reporting (rows done, rows total) after each chunk."""
 JoinFunction = Callable[[_fs.DirHandle], Optional[build.Joined]]
 """Fills free chunks of another process's live build, given its directory by handle."""
@@ -389,7 +390,7 @@ def _build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
             structure=made.structure,
             builder={"host": _fs.host(), "pid": os.getpid(), **(made.builder or {})},
             build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__)
-        published, won = store.commit(current, manifest)
+        published, won = store.commit(current, manifest, scratch=is_journal_name)
     except KeyboardInterrupt:
         current.abandon()  # keep the finished chunks for the next run
         raise
@@ -412,7 +413,7 @@ def _disk_full(error: OSError, store: LocalStore, key: str) -> OSError:
                    "CACHEKIT_DIR at a larger disk", error.filename)
 
 
-def _claim_dead_builds(store: LocalStore, current: Build) -> int:
+def _claim_dead_builds(store: LocalStore, current: BuildDir) -> int:
     """Claim the dead builds of the key that this user made with this cachekit version
     for ``current`` to copy verified chunks from; remove this user's others. Another user's
     build state is never resumed, copied or joined: it is left for its owner (``cachekit

@@ -3,7 +3,7 @@ build, commit it, remove, scan) and never for filesystem operations, so that a s
 store, an object store, can sit behind or beside the local one.
 """
 
-from .builds import Build, BuildState
+from .build_dirs import BuildDir, BuildState
 from .local import Layout, LocalStore, Published, default_root
 
-__all__ = ["Build", "BuildState", "Layout", "LocalStore", "Published", "default_root"]
+__all__ = ["BuildDir", "BuildState", "Layout", "LocalStore", "Published", "default_root"]

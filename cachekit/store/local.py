@@ -32,15 +32,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from .. import _fs, arrays, liveness
-from .builds import (HEARTBEAT_FILE, JOURNAL_FILE, RESUMED_PREFIX, Build, BuildState,
+from .build_dirs import (HEARTBEAT_FILE, JOURNAL_FILE, RESUMED_PREFIX, BuildDir, BuildState,
     is_build_state, parse_build_dir_name, read_journal)
 from . import manifest as manifests
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
-from ..engine.journal import BuildGone
+from ..errors import BuildGone
 from ..keys import is_key
 from .manifest import FileRecord, Manifest
 
@@ -266,7 +266,7 @@ class LocalStore:
                                   abandoned=bool(journal and journal.get("abandoned") is True))
         return BuildState(key, directory.path, dict(owner), journal, heartbeat, alive, uid)
 
-    def begin(self, key: str) -> Build:
+    def begin(self, key: str) -> BuildDir:
         """A fresh build directory for ``key``, private to this process (no group or other
         write), its heartbeat beating."""
         name = f"{self.layout.entry_dir(key).name}.{_fs.unique_suffix()}"
@@ -287,7 +287,7 @@ class LocalStore:
             directory.close()
             tmp.close()
             raise
-        return Build(key, tmp, name, directory, journal, beat_fd)
+        return BuildDir(key, tmp, name, directory, journal, beat_fd)
 
     def open_build_dir(self, state: BuildState) -> _fs.DirHandle:
         """Open another process's build directory to read it (never a symlink)."""
@@ -317,7 +317,7 @@ class LocalStore:
                                     "see who writes under the root")
         return directory
 
-    def claim_dead(self, build: Build, dead: BuildState) -> Optional[_fs.DirHandle]:
+    def claim_dead(self, build: BuildDir, dead: BuildState) -> Optional[_fs.DirHandle]:
         """Claim a dead build of this user for ``build`` to resume from: moved into
         ``build``'s directory by one rename (of two processes claiming it at once exactly
         one gets it, and a builder of it that wakes from a pause finds its build gone), then
@@ -353,7 +353,7 @@ class LocalStore:
         except PermissionError:
             pass  # another user's: `cachekit clear` reports it, and its owner can remove it
 
-    def seal(self, build: Build, files: Iterable[tuple[str, str]],
+    def seal(self, build: BuildDir, files: Iterable[tuple[str, str]],
              digests: Optional[dict[str, str]] = None) -> tuple[FileRecord, ...]:
         """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in
         order; their shape and dtype come from (and are checked against) each .npy header.
@@ -367,11 +367,20 @@ class LocalStore:
             records.append(FileRecord(name, shape, dtype.str, size, digest, kind))
         return tuple(records)
 
-    def commit(self, build: Build, manifest: Manifest) -> tuple[Published, bool]:
+    def commit(self, build: BuildDir, manifest: Manifest, *,
+               scratch: Callable[[str], bool] = lambda name: False) -> tuple[Published, bool]:
         """Publish ``build`` with ``manifest`` (its files sealed); (entry, True) when this
-        build's rename won, (the entry another builder published first, False) otherwise."""
+        build's rename won, (the entry another builder published first, False) otherwise.
+
+        ``scratch(name)``: whether a file or folder of the build directory is the builder's
+        own working state (removed before the rename); any other name the manifest does not
+        list stops the commit."""
         listed = {f.name for f in manifest.files}
-        stray = [n for n in build.dir.names() if n not in listed and not is_build_state(n)]
+
+        def unpublished(name: str) -> bool:
+            return is_build_state(name) or scratch(name)
+
+        stray = [n for n in build.dir.names() if n not in listed and not unpublished(n)]
         if stray:
             raise CacheCorruptError(build.path, f"unexpected files {sorted(stray)[:5]} in the "
                                                 "build directory; nothing was published")
@@ -380,7 +389,7 @@ class LocalStore:
         manifests.write_at(build.dir, manifest)  # the last file written
         build.stop()
         for name in build.dir.names():  # from here to the rename a crash means rebuilding
-            if is_build_state(name):
+            if unpublished(name):
                 self._remove_state(build, name)
         build.dir.fsync()
         # Any member of the group may now remove it; nobody writes in it. (A setgid bit
@@ -435,7 +444,7 @@ class LocalStore:
         build.close()
         return Published(self.layout.entry_dir(build.key), manifest), True
 
-    def _remove_state(self, build: Build, name: str) -> None:
+    def _remove_state(self, build: BuildDir, name: str) -> None:
         """Remove a file or the chunk journal folder of ``build`` before it is published.
 
         The folder is first renamed out of the build (a late joiner's record then lands in

@@ -1,4 +1,4 @@
-"""Build directories under ``tmp/``: the one a process owns (:class:`Build`), and any one
+"""Build directories under ``tmp/``: the one a process owns (:class:`BuildDir`), and any one
 as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
 
 A build directory holds ``journal.json`` (owner, key, progress), ``heartbeat`` (its mtime
@@ -20,8 +20,7 @@ from typing import Any, Optional
 from .. import _fs, liveness
 from . import manifest as manifests
 from .._version import __version__
-from ..engine.journal import SUFFIX as CHUNKS_SUFFIX
-from ..engine.journal import BuildGone
+from ..errors import BuildGone
 from ..keys import is_key
 
 JOURNAL_FILE = "journal.json"
@@ -79,7 +78,7 @@ class BuildState:
         return f"pid {self.owner.get('pid')} on {self.owner.get('host')} ({progress})"
 
 
-class Build:
+class BuildDir:
     """A build directory this process owns, open as ``dir``: every file of the build is made
     through that handle. Its heartbeat beats from :meth:`LocalStore.begin` until it is
     committed, abandoned or discarded."""
@@ -187,9 +186,8 @@ def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
 
 
 def is_build_state(name: str) -> bool:
-    """Files of a build in progress that are never published."""
-    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.endswith(CHUNKS_SUFFIX)
-            or name.startswith(RESUMED_PREFIX)
+    """The store's own files of a build in progress, which are never published."""
+    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.startswith(RESUMED_PREFIX)
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
