@@ -93,7 +93,7 @@ class BuildDir:
         self.journal = journal
         self._beat_fd: Optional[int] = beat_fd
         self._progress_written = -math.inf
-        self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
+        self._heartbeat = liveness.Heartbeat(liveness.touch(beat_fd), where=self.path).start()
         self.resume_from: list[_fs.DirHandle] = []
         """Dead builds claimed to resume from (``resumed.N`` inside this directory)."""
 

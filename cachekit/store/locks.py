@@ -224,7 +224,7 @@ class SoftLock(BuildLock):
             _fs.remove_file(self.path)
             raise
         self._fd, self._identity = fd, (st.st_dev, st.st_ino)
-        self._heartbeat = liveness.Heartbeat(fd, self.lease).start()
+        self._heartbeat = liveness.Heartbeat(liveness.touch(fd), self.lease).start()
         return True
 
     def _break_if_stale(self) -> None:
@@ -263,7 +263,7 @@ class _HolderRecord:
 
     def __init__(self, folder: _fs.DirHandle, name: str, fd: int) -> None:
         self.folder, self.name, self.fd = folder, name, fd
-        self.heartbeat = liveness.Heartbeat(fd).start()
+        self.heartbeat = liveness.Heartbeat(liveness.touch(fd)).start()
 
     @classmethod
     def write(cls, path: Path) -> "_HolderRecord":
