@@ -16,8 +16,8 @@ Every upload writes its data objects under an upload id of its own, so two hosts
 one key at once never write the same object; then each tries to create the manifest, and
 the store lets exactly one succeed (:mod:`.remote_upload`). The loser removes its objects.
 An uploader killed at any moment leaves objects that no manifest names (or nothing at all):
-never a manifest naming missing or partial data. ``cachekit clear --remote`` lists and
-removes them. Without working conditional writes (a store that lets both creates succeed),
+never a manifest naming missing or partial data. ``cachekit clear --remote`` lists them
+(:mod:`.remote_listing`) and removes them. Without working conditional writes (a store that lets both creates succeed),
 the last manifest written wins and names a complete upload of its own: still one valid
 entry.
 
@@ -38,13 +38,12 @@ import json
 import os
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from . import manifest as manifests
-from . import remote_download, remote_upload
+from . import remote_download, remote_listing, remote_upload
 from ..errors import CacheCorruptError, RemoteUnavailableError, UnsignedEntryError
 from ..keys import is_key
 from .layout import Published
@@ -52,8 +51,9 @@ from .local import LocalStore
 from .manifest import MANIFEST_FILE, FileRecord, Manifest
 from .remote_download import fix_for
 from .remote_fs import (CHECK, EXISTS, OTHER, REMOTE_ENV, TIMEOUT_ENV, Timeout,
-    classify_failed_create, describe, filesystem, modified, redact, timeout_from_env,
-    url_from_env, within)
+    classify_failed_create, describe, filesystem, redact, timeout_from_env, url_from_env,
+    within)
+from .remote_listing import RemoteKey, RemoteObject
 from .remote_upload import NONE, OTHERS, OURS, UNKNOWN, UPLOAD_FIELD, is_upload_id
 
 __all__ = ["CHECK", "EXISTS", "NONE", "OTHER", "OTHERS", "OURS", "REMOTE_ENV", "TIMEOUT_ENV",
@@ -65,8 +65,6 @@ RANGE_BYTES = 16 << 20
 one part always fits well within the timeout on a working link."""
 PARALLEL_RANGES = 4
 MANIFEST_RETRY_SECONDS = 0.2
-CLOCK_FOLDER = "clock"
-PROBE_STALE_SECONDS = 3600.0
 _ATTEMPTS = 3
 T = TypeVar("T")
 
@@ -86,28 +84,6 @@ class RemoteEntry:
     @property
     def key(self) -> str:
         return self.manifest.key
-
-
-@dataclass(frozen=True)
-class RemoteObject:
-    """One object under the remote prefix, as a listing shows it."""
-
-    path: str
-    size: int
-    modified: Optional[float]
-    """Seconds since the epoch, by the store's clock; None when the store does not say."""
-
-
-@dataclass(frozen=True)
-class RemoteKey:
-    """Every object of one key in a listing: the manifest, uploads, lease objects."""
-
-    key: str
-    manifest: Optional[RemoteObject] = None
-    uploads: dict[str, list[RemoteObject]] = field(default_factory=dict)
-    leases: list[RemoteObject] = field(default_factory=list)
-    strays: list[RemoteObject] = field(default_factory=list)
-    """Objects under the key that cachekit never writes."""
 
 
 # The store ----------------------------------------------------------------------------------
@@ -347,62 +323,12 @@ class RemoteStore:
 
     def scan(self) -> tuple[list[RemoteKey], list[RemoteObject]]:
         """Every key's objects under the prefix, and objects cachekit does not know."""
-        root = self.root
-        try:
-            self.fs.invalidate_cache()
-            found = self.call(f"listing {self.display}", self.fs.find, root, detail=True)
-        except FileNotFoundError:
-            return [], []
-        keys: dict[str, RemoteKey] = {}
-        unknown: list[RemoteObject] = []
-        for path, info in sorted(found.items()):
-            if info.get("type") == "directory":
-                continue
-            obj = RemoteObject(path, int(info.get("size") or 0), modified(info))
-            parts = path[len(root):].strip("/").split("/")
-            if parts[0] == CLOCK_FOLDER and len(parts) == 2:
-                continue  # a probe of :meth:`clock`
-            if len(parts) < 3 or parts[0] not in ("entries", "leases") or not is_key(parts[1]):
-                unknown.append(obj)
-                continue
-            item = keys.setdefault(parts[1], RemoteKey(parts[1]))
-            if parts[0] == "leases" and len(parts) == 3:
-                item.leases.append(obj)
-            elif parts[2:] == [MANIFEST_FILE]:
-                keys[parts[1]] = RemoteKey(item.key, obj, item.uploads, item.leases, item.strays)
-            elif len(parts) == 4 and is_upload_id(parts[2]):
-                item.uploads.setdefault(parts[2], []).append(obj)
-            else:
-                item.strays.append(obj)
-        return sorted(keys.values(), key=lambda k: k.key), unknown
+        return remote_listing.scan(self)
 
     def clock(self) -> Optional[float]:
-        """The store's own time now, as its listings show objects' times: the time of a
-        probe object written and listed for this, then removed. None when the store cannot
-        say (no write permission, no times in its listings, a failing remote).
-
-        Ages judged against it compare the store's times with each other, so they hold
-        whatever this host's clock says. Probes that a killed caller left are removed."""
-        folder = self.path(CLOCK_FOLDER)
-        name = uuid.uuid4().hex
-        probe = f"{folder}/{name}"
-        try:
-            self.call(f"writing {self.object_url(probe)}", self.fs.pipe_file, probe, b"")
-            self.fs.invalidate_cache(folder)
-            listed = self.call(f"listing {self.object_url(folder)}", self.fs.ls, folder,
-                               detail=True)
-        except (RemoteUnavailableError, FileNotFoundError):
-            return None
-        times = {str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: modified(info)
-                 for info in listed if isinstance(info, dict)}
-        now = times.get(name)
-        stale = [f"{folder}/{other}" for other, when in times.items() if other != name
-                 and when is not None and now is not None and now - when > PROBE_STALE_SECONDS]
-        try:
-            self.remove([probe, *stale], f"removing {self.object_url(probe)}")
-        except RemoteUnavailableError:
-            pass  # the next probe removes it
-        return now
+        """The store's own time now, as its listings show objects' times; None when the
+        store cannot say (see :func:`cachekit.store.remote_listing.clock`)."""
+        return remote_listing.clock(self)
 
     def remove(self, paths: Sequence[str], what: str) -> None:
         """Delete objects (missing ones are not an error)."""
@@ -428,6 +354,7 @@ class RemoteStore:
             found = None
         path = self.manifest_path(key)
         url = self.object_url(path)
+        self.fs.invalidate_cache(path)
         if found is None and not self.call(f"reading {url}", self.fs.exists, path):
             return False
         self.remove([path], f"removing {url}")
