@@ -1,4 +1,5 @@
-"""The local entry store (cachekit/stores/local.py): begin, seal, commit, adopt, remove."""
+"""The local entry store (cachekit/store/local.py, commit.py): begin, seal, commit, claim,
+remove."""
 
 from __future__ import annotations
 

@@ -55,14 +55,14 @@ class BuildState:
     @property
     def same_version(self) -> bool:
         """Its record is of this key, cachekit version and entry format: safe to resume."""
-        j = self.record or {}
-        return (j.get("key") == self.key and j.get("cachekit_version") == __version__
-                and j.get("format") == manifests.FORMAT_VERSION)
+        record = self.record or {}
+        return (record.get("key") == self.key and record.get("cachekit_version") == __version__
+                and record.get("format") == manifests.FORMAT_VERSION)
 
     def describe(self) -> str:
         """``pid 4242 on node7 (2048/10000 rows, 20%)``, for people."""
-        j = self.record or {}
-        done, total = j.get("done"), j.get("total")
+        record = self.record or {}
+        done, total = record.get("done"), record.get("total")
         if _is_count(done) and _is_count(total) and total:
             progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
         else:

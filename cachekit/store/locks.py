@@ -1,8 +1,8 @@
 """Build locks: which one process builds a missing entry while the others wait.
 
-A lock only saves duplicate work; correctness never depends on it (see publish.py). Choose
-one with the environment variable ``CACHEKIT_LOCK``, the same way for every process that
-shares a cache root:
+A lock only saves duplicate work; correctness never depends on it (the atomic commit of
+:mod:`cachekit.store.commit` does). Choose one with the environment variable
+``CACHEKIT_LOCK``, the same way for every process that shares a cache root:
 
 ``os`` (default)
     ``filelock.FileLock``: flock(2), released by the kernel when its holder dies. Right for
@@ -72,7 +72,7 @@ class BuildLock:
 
     def holder_alive(self) -> bool:
         """Whether whoever holds the lock shows a heartbeat (by :mod:`cachekit.liveness`).
-        A waiter stops waiting for a holder that shows none for a lease (publish.py)."""
+        A waiter stops waiting for a holder that shows none for a lease."""
         return False
 
 

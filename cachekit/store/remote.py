@@ -17,9 +17,9 @@ one key at once never write the same object; then each tries to create the manif
 the store lets exactly one succeed (:mod:`.remote_upload`). The loser removes its objects.
 An uploader killed at any moment leaves objects that no manifest names (or nothing at all):
 never a manifest naming missing or partial data. ``cachekit clear --remote`` lists them
-(:mod:`.remote_listing`) and removes them. Without working conditional writes (a store that lets both creates succeed),
-the last manifest written wins and names a complete upload of its own: still one valid
-entry.
+(:mod:`.remote_listing`) and removes them. Without working conditional writes (a store
+that lets both creates succeed), the last manifest written wins and names a complete
+upload of its own: still one valid entry.
 
 Remote data are untrusted: a manifest is read with a size cap and checked field by field
 (:func:`cachekit.store.manifest.loads`: file names from the fixed set only, the signature with
