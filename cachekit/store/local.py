@@ -220,7 +220,7 @@ class LocalStore:
         try:
             beat_fd = directory.create(HEARTBEAT_FILE)
             record = {"key": key, "format": manifests.FORMAT_VERSION,
-                       "cachekit_version": __version__, **_fs.owner(), "started": time.time()}
+                      "cachekit_version": __version__, **_fs.owner(), "started": time.time()}
             directory.replace_json(STATE_FILE, record)
         except BaseException:
             tmp.remove_tree(name)
