@@ -54,6 +54,12 @@ def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
         return _map(f, shape, dtype, "r+", offset)
 
 
+def data_offset(shape: tuple[int, ...], dtype: np.dtype, *, align: int = HEADER_ALIGN) -> int:
+    """Where the data start in a file that :func:`create_array` makes with these arguments
+    (the length of its padded header), known before the file exists."""
+    return len(_padded_header(shape, np.dtype(dtype), align))
+
+
 def _padded_header(shape: tuple[int, ...], dtype: np.dtype, align: int) -> bytes:
     """A .npy header (format 1.0, or 2.0 when it needs more than 64 KiB) for a C-ordered
     array, padded so that its length is a multiple of ``align`` (and of 64)."""

@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from . import _fs, _wandb, keys, options
-from .engine import fill as build, executors
+from . import engine as build
+from .engine import executors
 from .obtain import flow as publish
 from .entry import Entry
 from .obtain.expected import Expected

@@ -1,5 +1,6 @@
-"""Is that builder still working? The one rule that publish, resume, ``ls``, ``clear`` and
-``prune`` (and the soft lock) all ask.
+"""Is that builder still working? The one rule that the coordinator, resume, ``ls``, ``clear``
+and ``prune`` (and the soft lock) all ask, and the one heartbeat timer (:class:`Heartbeat`)
+that every builder, chunk claim, lock holder and remote lease beats with.
 
 A builder refreshes a heartbeat, the mtime of a file it holds open, from a timer thread
 every lease / 4 seconds, whatever its progress: a build whose rows take longer than the
@@ -22,7 +23,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from . import _fs, units
 
@@ -59,17 +60,33 @@ def is_alive(owner: Optional[Mapping[str, Any]], heartbeat: float, *,
         lease_from_env() if lease is None else lease)
 
 
-class Heartbeat:
-    """Refresh the mtime of the open file ``fd`` every lease / 4 seconds until stopped.
+def touch(fd: int) -> Callable[[], None]:
+    """A beat that sets the mtime of the open file ``fd`` to now: a builder's, a claim's or
+    a lock's heartbeat. The file is never opened by path, so a file swapped in under the
+    same name is never touched."""
+    def beat() -> None:
+        try:
+            os.utime(fd)
+        except OSError:
+            pass  # a transient error; the next beat comes well within the lease
 
-    The caller owns ``fd``; the heartbeat never opens anything by path, so a file swapped
-    in under the same name is never touched. ``where``: the directory it beats for, which
-    this process then counts as one of its own live builds.
+    return beat
+
+
+class Heartbeat:
+    """Call ``beat()`` at once and then every lease / 4 seconds from a timer thread, until
+    stopped: whatever the build's progress, so a build whose rows take longer than the
+    lease still beats.
+
+    ``beat`` is what one beat does: :func:`touch` of a file the caller holds open, or a
+    rewrite of a remote lease's heartbeat object. It must not raise (a failed beat is
+    simply missed; the next comes well within the lease). ``where``: the directory it beats
+    for, which this process then counts as one of its own live builds.
     """
 
-    def __init__(self, fd: int, lease: Optional[float] = None,
+    def __init__(self, beat: Callable[[], None], lease: Optional[float] = None,
                  where: Optional[Path] = None) -> None:
-        self.fd = fd
+        self.beat = beat
         self.lease = lease_from_env() if lease is None else lease
         self.where = None if where is None else str(where)
         self._stop = threading.Event()
@@ -84,13 +101,9 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def beat(self) -> None:
-        try:
-            os.utime(self.fd)
-        except OSError:
-            pass  # a transient error; the next beat comes well within the lease
-
     def stop(self) -> None:
+        """Stop beating and wait for the thread: no beat comes after this returns
+        (idempotent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -1,4 +1,4 @@
-"""Only the owner of a build writes its data file (cachekit/build.py, cachekit/journal.py).
+"""Only the owner of a build writes its data file (cachekit/engine/fill.py, join.py, resume.py).
 
 A joiner computes into a rows file of its own; a resumed build copies the done chunks of a
 dead one into a file of its own, and only those whose bytes match the checksum in their
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from cachekit import _fs
-from cachekit.engine import fill as build, journal as journals
+from cachekit import engine
+from cachekit.engine import journal as journals
 
 from helpers import small_chunks
 
@@ -64,9 +65,9 @@ def folders(tmp_path, monkeypatch):
 def stopped_and_joined(dead: _fs.DirHandle, stop: int) -> None:
     """A builder stopped at row ``stop``, then a joiner that filled every free chunk."""
     with pytest.raises(Stop):
-        build.fill(dead, "data.npy", list(range(ROWS)), stopping_at(stop, []), workers=1,
+        engine.fill(dead, "data.npy", list(range(ROWS)), stopping_at(stop, []), workers=1,
                    record=False, template=TEMPLATE, key=KEY)
-    joined = build.join(dead, "data.npy", list(range(ROWS)), row, workers=1, record=False,
+    joined = engine.join(dead, "data.npy", list(range(ROWS)), row, workers=1, record=False,
                         template=TEMPLATE, key=KEY)
     assert joined is not None and joined.chunks == (ROWS - stop) // CHUNK
 
@@ -80,10 +81,10 @@ def records(folder: Path) -> dict[int, dict]:
 def test_a_joiner_never_writes_the_builders_data_file(folders):
     tmp, dead, _ = folders
     with pytest.raises(Stop):
-        build.fill(dead, "data.npy", list(range(ROWS)), stopping_at(8, []), workers=1,
+        engine.fill(dead, "data.npy", list(range(ROWS)), stopping_at(8, []), workers=1,
                    record=False, template=TEMPLATE, key=KEY)
     before = (tmp / "dead" / "data.npy").read_bytes()
-    build.join(dead, "data.npy", list(range(ROWS)), row, workers=1, record=False,
+    engine.join(dead, "data.npy", list(range(ROWS)), row, workers=1, record=False,
                template=TEMPLATE, key=KEY)
     assert (tmp / "dead" / "data.npy").read_bytes() == before
     done = records(tmp / "dead")
@@ -105,7 +106,7 @@ def test_a_resume_copies_verified_chunks_and_recomputes_a_tampered_one(folders):
         data[-(ROWS - done[index]["start"]) * 12] ^= 0xFF  # first byte of the chunk
         path.write_bytes(bytes(data))
     computed: list[int] = []
-    filled = build.fill(fresh, "data.npy", list(range(ROWS)), counting(computed), workers=1,
+    filled = engine.fill(fresh, "data.npy", list(range(ROWS)), counting(computed), workers=1,
                         record=False, template=TEMPLATE, key=KEY, resume_from=[dead])
     assert sorted(computed) == [*range(0, 4), *range(12, 16)]  # the two tampered chunks
     assert filled.resumed == ROWS - 2 * CHUNK
@@ -125,7 +126,7 @@ def test_a_plan_of_another_fill_is_never_copied(folders, change):
         computed.append(value)
         return np.full(template[0], value, dtype=np.int32)
 
-    filled = build.fill(fresh, "data.npy", values, fn, workers=1, record=False,
+    filled = engine.fill(fresh, "data.npy", values, fn, workers=1, record=False,
                         template=template, key=key, resume_from=[dead])
     assert filled.resumed == 0 and sorted(computed) == values
 
@@ -140,7 +141,7 @@ def test_a_huge_planned_file_is_never_allocated_for_another_rows_count(folders):
     plan["rows"] = 1 << 40
     plan_path.unlink()
     plan_path.write_text(json.dumps(plan))
-    filled = build.fill(fresh, "data.npy", list(range(ROWS)), row, workers=1, record=False,
+    filled = engine.fill(fresh, "data.npy", list(range(ROWS)), row, workers=1, record=False,
                         template=TEMPLATE, key=KEY, resume_from=[dead])
     assert filled.resumed == 0
     assert (tmp / "fresh" / "data.npy").stat().st_size < 4096

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import cachekit
-from cachekit.engine import executors
+from cachekit.engine import executors, pieces
 from cachekit.errors import ImageDecodeError, NotAnArrayError
 from cachekit.engine.executors import RowTask, make_runner
 
@@ -366,8 +366,8 @@ def test_pieces_cut_across_chunks_put_every_row_in_its_place_once(
 
     reported = []
     with ThreadPoolExecutor(helpers) as pool:
-        runner = executors._PieceRunner(
-            pool, helpers, executors._Sizes(smallest, 48, span), RowTask(row, True), owned=False,
+        runner = pieces.PieceRunner(
+            pool, helpers, pieces.Sizes(smallest, 48, span), RowTask(row, True), owned=False,
             in_place=in_place, caller_runs=caller_runs, rows=n if hint else None)
 
         def rows_in_place(chunk):

@@ -243,7 +243,8 @@ def test_a_really_full_disk_raises_enospc_instead_of_killing_the_process(tmp_pat
 
 @pytest.mark.skipif(not can_mount(), reason="needs root on Linux to mount a small tmpfs")
 def test_without_preallocation_a_full_disk_kills_the_builder_with_sigbus(tmp_path, cover_paths):
-    """Why build.fill preallocates: the same build, with it switched off, dies of SIGBUS."""
+    """Why a fill preallocates (arrays.create_array): the same build, with it switched off,
+    dies of SIGBUS."""
     with tmpfs(tmp_path / "small", "1m") as mount:
         out = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, str(mount / "cache"), "0",
                               *cover_paths], capture_output=True, text=True, timeout=120)

@@ -71,7 +71,8 @@ MAP_AGENT = textwrap.dedent("""
                 time.sleep(0.01)
         if ROLE == "joiner-dies" and not SEEN:  # the first row of the first chunk it claims
             SEEN.append(v)
-            (work / "joiner-mid").write_text(str(v))
+            (work / "joiner-mid.tmp").write_text(str(v))
+            os.replace(work / "joiner-mid.tmp", work / "joiner-mid")  # seen whole or not at all
             time.sleep(3600)
         return np.full(width, v, dtype=np.int16)
 

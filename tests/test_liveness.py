@@ -42,7 +42,7 @@ def test_this_process_is_alive_only_where_one_of_its_heartbeats_beats(tmp_path):
     me, where = _fs.owner(), tmp_path / "build"
     assert not liveness.is_alive(me, time.time(), where=where, lease=60)
     fd = os.open(tmp_path / "beat", os.O_CREAT | os.O_WRONLY)
-    beat = liveness.Heartbeat(fd, lease=60, where=where).start()
+    beat = liveness.Heartbeat(liveness.touch(fd), lease=60, where=where).start()
     try:
         assert liveness.is_alive(me, time.time(), where=where, lease=60)
     finally:
@@ -55,7 +55,7 @@ def test_a_heartbeat_refreshes_its_file_on_a_timer_and_stops_when_told(tmp_path)
     path = tmp_path / "beat"
     fd = os.open(path, os.O_CREAT | os.O_WRONLY)
     os.utime(path, (NOW, NOW))
-    beat = liveness.Heartbeat(fd, lease=0.4).start()  # beats every 0.1 s
+    beat = liveness.Heartbeat(liveness.touch(fd), lease=0.4).start()  # beats every 0.1 s
     try:
         first = os.stat(path).st_mtime
         assert first > NOW  # the first beat comes at once
@@ -69,6 +69,23 @@ def test_a_heartbeat_refreshes_its_file_on_a_timer_and_stops_when_told(tmp_path)
     time.sleep(0.3)
     assert os.stat(path).st_mtime == NOW  # stopped: nothing touches the file any more
     os.close(fd)
+
+
+def test_a_heartbeat_runs_any_beat_on_its_timer_and_none_after_stop():
+    beats = []
+    beat = liveness.Heartbeat(lambda: beats.append(time.monotonic()), lease=0.2).start()
+    try:
+        assert len(beats) == 1  # the first beat, before start returns
+        deadline = time.monotonic() + 10
+        while len(beats) < 3:
+            assert time.monotonic() < deadline, "the heartbeat stopped beating"
+            time.sleep(0.02)
+    finally:
+        beat.stop()
+    stopped = len(beats)
+    time.sleep(0.2)
+    assert len(beats) == stopped  # stop() waits for the thread: nothing beats after it
+    beat.stop()  # idempotent
 
 
 def test_the_lease_comes_from_the_environment(monkeypatch):

@@ -144,7 +144,7 @@ INTERRUPTED_ATTACKER = textwrap.dedent(r'''
 
     (build,) = [d for d in (root / "tmp").iterdir()
                 if d.stat().st_uid == os.getuid() and (d / "data.npy").is_file()]
-    journal = json.loads((build / "journal.json").read_text())
+    record = json.loads((build / "state.json").read_text())
     done = sorted(int(p.name[5:]) for p in (build / "data.npy.chunks").glob("done.*"))
     with open(build / "data.npy", "r+b") as f:
         version = np.lib.format.read_magic(f)
@@ -153,8 +153,8 @@ INTERRUPTED_ATTACKER = textwrap.dedent(r'''
         shape, _, dtype = read(f)
         offset = f.tell()
         f.write(bytes([config["poison"]]) * (os.fstat(f.fileno()).st_size - offset))
-    shutil.rmtree(root / "entries" / journal["key"], ignore_errors=True)
-    report(build=build.name, key=journal["key"], abandoned=journal.get("abandoned"), done=done,
+    shutil.rmtree(root / "entries" / record["key"], ignore_errors=True)
+    report(build=build.name, key=record["key"], abandoned=record.get("abandoned"), done=done,
            shape=list(shape))
 ''')
 
@@ -163,7 +163,7 @@ PLANT = textwrap.dedent(r'''
     journal declares a plan of a huge data file, made sparse with truncate after a valid,
     page-aligned .npy header.
 
-    argv: ROOT CONFIG. config: key (of the directory's name and journal), plan_key, rows,
+    argv: ROOT CONFIG. config: key (of the directory's name and state.json), plan_key, rows,
     row_shape (uint8), done (how many chunks to record done).
     """
     import json, math, os, sys, time, uuid
@@ -193,7 +193,7 @@ PLANT = textwrap.dedent(r'''
     build = tmp / f"{key}.elsewhere.4242.{uuid.uuid4().hex[:12]}"
     build.mkdir()
     owner = {"host": "elsewhere", "pid": 4242}
-    (build / "journal.json").write_text(json.dumps({
+    (build / "state.json").write_text(json.dumps({
         "key": key, "format": manifest.FORMAT_VERSION, "cachekit_version": cachekit.__version__,
         **owner, "started": time.time() - 3600, "done": 0, "total": rows}))
     head = header((rows, *row_shape))

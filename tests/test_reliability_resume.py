@@ -1,4 +1,4 @@
-"""Resuming a dead builder's work: only when its journal and chunk journal match, never into
+"""Resuming a dead builder's work: only when its record (state.json) and chunk journal match, never into
 data that disagrees with them, never a directory a live builder may still write, and then
 exactly the chunks that are not done, wherever they are.
 
@@ -69,8 +69,8 @@ def interrupted(root: Path, stop_at: int, on_error: str = "raise") -> Path:
     return build_dir
 
 
-def journal(build_dir: Path) -> dict:
-    return json.loads((build_dir / local.JOURNAL_FILE).read_text())
+def record(build_dir: Path) -> dict:
+    return json.loads((build_dir / local.STATE_FILE).read_text())
 
 
 def rewrite(path: Path, **changes) -> None:
@@ -107,7 +107,7 @@ def assert_correct(entry: cachekit.Entry) -> None:
 
 def test_an_interrupted_build_resumes_its_chunks_that_are_not_done(cache_root, capfd):
     build_dir = interrupted(cache_root, 17)
-    assert journal(build_dir)["abandoned"] is True
+    assert record(build_dir)["abandoned"] is True
     assert {0, 1, 2, 3} <= done_chunks(build_dir) and 4 not in done_chunks(build_dir)
     todo = rows_not_done(build_dir)
     CONTROL["computed"] = []
@@ -144,13 +144,13 @@ def test_failed_rows_of_done_chunks_stay_failed_after_resuming(cache_root):
 
 
 TAMPERING = {
-    "journal of another key": lambda d: rewrite(d / local.JOURNAL_FILE, key="0" * 32),
-    "journal of another version": lambda d: rewrite(d / local.JOURNAL_FILE,
+    "record of another key": lambda d: rewrite(d / local.STATE_FILE, key="0" * 32),
+    "record of another version": lambda d: rewrite(d / local.STATE_FILE,
                                                     cachekit_version="0.0.0"),
-    "journal of another format": lambda d: rewrite(d / local.JOURNAL_FILE, format=99),
-    "journal missing": lambda d: (d / local.JOURNAL_FILE).unlink(),
-    "journal not JSON": lambda d: (d / local.JOURNAL_FILE).write_text("{not json"),
-    "journal a list": lambda d: (d / local.JOURNAL_FILE).write_text("[1, 2]"),
+    "record of another format": lambda d: rewrite(d / local.STATE_FILE, format=99),
+    "record missing": lambda d: (d / local.STATE_FILE).unlink(),
+    "record not JSON": lambda d: (d / local.STATE_FILE).write_text("{not json"),
+    "record a list": lambda d: (d / local.STATE_FILE).write_text("[1, 2]"),
     "chunk journal missing": lambda d: shutil.rmtree(chunk_journal(d)),
     "chunk journal a symlink": lambda d: _symlink_journal(d),
     "plan missing": lambda d: plan_file(d).unlink(),
@@ -185,7 +185,7 @@ def _symlink_data(build_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("how", sorted(TAMPERING))
-def test_a_journal_or_checkpoint_that_does_not_match_is_never_resumed(cache_root, how):
+def test_a_record_or_checkpoint_that_does_not_match_is_never_resumed(cache_root, how):
     build_dir = interrupted(cache_root, 21)
     TAMPERING[how](build_dir)
     entry = run(cache_root)
@@ -230,9 +230,9 @@ def live_process() -> subprocess.Popen:
 
 
 def as_owner(build_dir: Path, heartbeat_age: float = 0.0, **owner) -> None:
-    """Make the journal say ``owner`` is building (not abandoned), with its last heartbeat
+    """Make the build's record say ``owner`` is building (not abandoned), with its last heartbeat
     ``heartbeat_age`` seconds ago."""
-    rewrite(build_dir / local.JOURNAL_FILE, abandoned=None, pidns=None, start=None, **owner)
+    rewrite(build_dir / local.STATE_FILE, abandoned=None, pidns=None, start=None, **owner)
     beat = time.time() - heartbeat_age
     os.utime(build_dir / local.HEARTBEAT_FILE, (beat, beat))
 
@@ -363,7 +363,7 @@ def test_build_directories_that_are_symlinks_are_never_followed(cache_root, tmp_
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
-    (outside / local.JOURNAL_FILE).write_text(json.dumps({"abandoned": True}))
+    (outside / local.STATE_FILE).write_text(json.dumps({"abandoned": True}))
     os.symlink(outside, cache_root / "tmp" / f"{key}.host.1.bbbb")
     again = run(cache_root)
     np.testing.assert_array_equal(np.asarray(again.array), EXPECTED)

@@ -179,7 +179,7 @@ ATTACKER = textwrap.dedent(r'''
     SCOPE, KIND = config["scope"], config.get("kind", "symlink")
     FILES, DIRS = itertools.cycle(config["file_targets"]), itertools.cycle(config["dir_targets"])
     KNOWN = set(config.get("keys", []))
-    NAMES = ("manifest.json", "data.npy", "leaf_1.npy", "leaf_2.npy", "journal.json",
+    NAMES = ("manifest.json", "data.npy", "leaf_1.npy", "leaf_2.npy", "state.json",
              "heartbeat", "data.npy.chunks")
     TEMP = re.compile(r"^\..+\.tmp$")
     KEY = re.compile(r"^(?:deleting\.)?([0-9a-f]{32})(?:\.|$)")
@@ -833,8 +833,8 @@ def test_absurd_times_and_escape_sequences_in_manifests_print_clean(shared_root)
     journal = {"key": key, "format": 2, "cachekit_version": evil, "host": evil, "pid": 1,
                "started": 1e300, "done": 1, "total": 64}
     build_dir = shared.root / "tmp" / f"{key}.{evil.replace('/', '')}.1.0123456789ab"
-    as_attacker(shared, str(shared.write_json("journal.json", journal)),
-                build_dir / "journal.json")
+    as_attacker(shared, str(shared.write_json("state.json", journal)),
+                build_dir / "state.json")
     as_attacker(shared, str(shared.write_json("heartbeat", {})), build_dir / "heartbeat")
     for args in (["ls"], ["ls", "--sort", "created"], ["info", key], ["info", key[:8]]):
         done = run_cli(shared, *args)

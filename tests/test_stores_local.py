@@ -1,4 +1,5 @@
-"""The local entry store (cachekit/stores/local.py): begin, seal, commit, adopt, remove."""
+"""The local entry store (cachekit/store/local.py, commit.py): begin, seal, commit, claim,
+remove."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from cachekit import CacheCorruptError, _fs, arrays, liveness
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
-from cachekit.store.local import HEARTBEAT_FILE, JOURNAL_FILE
+from cachekit.store.build_dirs import HEARTBEAT_FILE, STATE_FILE
 
 KEY = "ab" * 16
 
@@ -36,7 +37,7 @@ def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_ro
     (state,) = store.builds(KEY)
     assert state.alive and state.path == build.path
     assert os.stat(build.path).st_mode & 0o022 == 0  # private: no group or other write
-    assert {HEARTBEAT_FILE, JOURNAL_FILE} <= set(os.listdir(build.path))
+    assert {HEARTBEAT_FILE, STATE_FILE} <= set(os.listdir(build.path))
     files = store.seal(build, [(manifests.DATA_FILE, "numpy")])
     assert files[0].shape == (3, 2) and files[0].dtype == "<i2"
     published, won = store.commit(build, manifest_for(build, files))
@@ -109,3 +110,25 @@ def test_remove_never_follows_a_symlink(cache_root, tmp_path):
     assert store.remove_entry(KEY) is True  # the planted link is unlinked
     assert (precious / "keep").read_text() == "mine"
     assert not os.path.lexists(store.layout.entry_dir(KEY))
+
+
+def test_an_older_versions_build_directory_is_never_resumed_and_is_listed_and_cleared(
+        cache_root):
+    from cachekit.admin import inspect, removal
+
+    store = LocalStore(cache_root)
+    store.ensure_writable(KEY)
+    old = store.layout.tmp / f"{KEY}.elsewhere.4242.0123456789ab"
+    old.mkdir()  # as an older cachekit left it: journal.json, no state.json
+    (old / "journal.json").write_text('{"key": "%s", "host": "elsewhere", "pid": 4242}' % KEY)
+    (old / HEARTBEAT_FILE).write_bytes(b"")
+    (old / manifests.DATA_FILE).write_bytes(b"\x93NUMPY")
+    beat = time.time() - 3600
+    os.utime(old / HEARTBEAT_FILE, (beat, beat))
+    (state,) = store.builds(KEY)
+    assert state.record is None and not state.same_version  # so never resumed
+    assert not state.alive and state.owner == {"host": "elsewhere", "pid": 4242}
+    (temp,) = inspect.scan(store).temp_dirs
+    assert temp.state == inspect.ORPHANED and temp.owner == "pid 4242 on elsewhere (starting)"
+    report = removal.plan_clear(store).execute()
+    assert [t.path for t in report.removed_temp_dirs] == [old] and not old.exists()

@@ -33,8 +33,7 @@ from .. import _fs
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
 from ..keys import KEY_HEX_LENGTH, is_key
-from ..store import LocalStore
-from ..store.local import DELETING_PREFIX, parse_build_dir_name
+from ..store import REMOVAL, LocalStore, parse_temp_name
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
@@ -177,17 +176,16 @@ def list_temp_dirs(store: LocalStore) -> tuple[list[TempDir], list[Problem]]:
 
 def temp_dir_info(store: LocalStore, path: Path) -> Optional[TempDir]:
     """Describe ``tmp/KEY.HOST.PID.UUID`` or ``tmp/deleting.KEY.HOST.PID.UUID``; else None."""
-    deleting = path.name.startswith(DELETING_PREFIX)
-    name = path.name[len(DELETING_PREFIX):] if deleting else path.name
-    key, host, pid = parse_build_dir_name(name)
-    if key is None or not _fs.is_plain_dir(path):
+    named = parse_temp_name(path.name)
+    if named is None or not _fs.is_plain_dir(path):
         return None
+    key, host, pid = named.key, named.host, named.pid
     try:
         modified = path.stat().st_mtime
         size = _tree_bytes(path)
     except FileNotFoundError:
         return None
-    if deleting:
+    if named.kind == REMOVAL:
         alive = _fs.owner_state({"host": host, "pid": pid}) == "alive"
         return TempDir(key, path, DELETING if alive else LEFTOVER, size, modified,
                        f"removal by pid {pid} on {host}")

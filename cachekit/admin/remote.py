@@ -209,7 +209,7 @@ def _check(remote: RemoteStore, entry: RemoteEntry,
     for record in entry.manifest.files:
         path = remote.upload_path(entry.key, entry.upload, record.name)
         try:
-            remote._check_sizes([record], [path])
+            remote.check_sizes([record], [path])
             hasher = hashlib.blake2b(digest_size=16)
             for block in remote.read_ranges(path, record.bytes):
                 hasher.update(block)

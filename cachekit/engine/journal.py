@@ -79,7 +79,7 @@ class Claim:
 
     def __init__(self, journal: "Journal", chunk: Chunk, name: str, fd: int) -> None:
         self.journal, self.chunk, self.name, self._fd = journal, chunk, name, fd
-        self._heartbeat = liveness.Heartbeat(fd).start()
+        self._heartbeat = liveness.Heartbeat(liveness.touch(fd)).start()
 
     def finish(self, failures: list[Failure], checksum: str,
                file: Optional[str] = None) -> bool:

@@ -16,7 +16,7 @@ user's build state is never resumed, copied or joined.
 
 While it waits, a process given a join function (a per-row build, ``Cache(join=True)``)
 joins a live build of the key made by its own user, on this host or another: it fills the
-chunks nobody holds (see :func:`cachekit.engine.fill.join`), then goes on waiting for the
+chunks nobody holds (see :func:`cachekit.engine.join`), then goes on waiting for the
 builder's commit, and says that it joined and how many chunks it filled.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from .. import _fs, liveness
-from ..engine import fill as build
+from .. import engine as build
 from ..store import locks
 from .._version import __version__
 from ..errors import CacheCorruptError, ImageDecodeError, LockTimeout

@@ -1,9 +1,19 @@
-"""Where entries live. The cache logic asks a store for what it needs (lookup, begin a
-build, commit it, remove, scan) and never for filesystem operations, so that a second
-store, an object store, can sit behind or beside the local one.
+"""Where entries live. The cache asks a store for what it needs (look a key up, remove its
+entry, list the keys: :class:`Store`) and never for filesystem operations, so that a second
+store, an object store, sits beside the local one.
+
+The local store (:class:`LocalStore`) also builds: a build is a private directory under its
+``tmp/`` (:class:`BuildDir`; any process sees one as a :class:`BuildState`), published by one
+atomic rename. Names under ``tmp/`` tell what each directory is (:func:`parse_temp_name`).
+The remote store is :class:`cachekit.store.remote.RemoteStore` (imported on its own, so a
+local run never loads it), with its build leases in :mod:`cachekit.store.lease`.
 """
 
 from .build_dirs import BuildDir, BuildState
-from .local import Layout, LocalStore, Published, default_root
+from .layout import Layout, Published, default_root
+from .local import LocalStore
+from .protocol import Store
+from .temp_names import BUILD, REMOVAL, TempName, parse_temp_name
 
-__all__ = ["BuildDir", "BuildState", "Layout", "LocalStore", "Published", "default_root"]
+__all__ = ["BUILD", "REMOVAL", "BuildDir", "BuildState", "Layout", "LocalStore", "Published",
+           "Store", "TempName", "default_root", "parse_temp_name"]

@@ -1,10 +1,11 @@
 """Build directories under ``tmp/``: the one a process owns (:class:`BuildDir`), and any one
 as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
 
-A build directory holds ``journal.json`` (owner, key, progress), ``heartbeat`` (its mtime
-is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files, and the chunk
-journal of a per-row fill (``data.npy.chunks/``, see :mod:`cachekit.engine.journal`), through which
-joiners of the same user fill chunks of it too. Its name is ``KEY.HOST.PID.UUID``.
+A build directory holds ``state.json`` (the build's record: owner, key, cachekit version,
+progress), ``heartbeat`` (its mtime is the builder's heartbeat, see :mod:`cachekit.liveness`),
+the data files, and whatever working files the builder keeps next to them (a per-row fill's
+chunk journal, through which joiners of the same user fill chunks of it too). Its name is
+``KEY.HOST.PID.UUID``.
 """
 
 from __future__ import annotations
@@ -21,27 +22,17 @@ from .. import _fs, liveness
 from . import manifest as manifests
 from .._version import __version__
 from ..errors import BuildGone
-from ..keys import is_key
 
-JOURNAL_FILE = "journal.json"
+STATE_FILE = "state.json"
+"""The build's record (owner, key, versions, progress). Build directories of older
+versions hold a ``journal.json`` instead: they have no record, so they are never resumed."""
 RESUMED_PREFIX = "resumed."
 """Dead builds of this user claimed by a new build, inside its directory, until the build
 has copied from them what it could verify."""
 PROGRESS_SECONDS = 0.5
-"""Rows done are rewritten into journal.json at most this often (waiters print them)."""
+"""Rows done are rewritten into state.json at most this often (waiters print them)."""
 HEARTBEAT_FILE = "heartbeat"
-_JOURNAL_LIMIT = 1 << 20
-
-
-def parse_build_dir_name(name: str) -> tuple[Optional[str], str, Optional[int]]:
-    """(key, host, pid) from a ``KEY.HOST.PID.UUID`` build directory name (the host may
-    hold dots); key is None when the name is not one of those."""
-    key, _, rest = name.partition(".")
-    parts = rest.rsplit(".", 2)
-    if not is_key(key) or len(parts) != 3:
-        return None, "", None
-    host, pid, _ = parts
-    return key, host, int(pid) if pid.isdigit() else None
+_STATE_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,26 +42,27 @@ class BuildState:
     key: str
     path: Path
     owner: dict[str, Any]
-    journal: Optional[dict[str, Any]]
+    record: Optional[dict[str, Any]]
+    """Its ``state.json``; None when missing or unreadable."""
     heartbeat: float
     alive: bool
     uid: int = -1
 
     @property
     def abandoned(self) -> bool:
-        return bool(self.journal and self.journal.get("abandoned") is True)
+        return bool(self.record and self.record.get("abandoned") is True)
 
     @property
     def same_version(self) -> bool:
-        """Its journal is of this key, cachekit version and entry format: safe to resume."""
-        j = self.journal or {}
-        return (j.get("key") == self.key and j.get("cachekit_version") == __version__
-                and j.get("format") == manifests.FORMAT_VERSION)
+        """Its record is of this key, cachekit version and entry format: safe to resume."""
+        record = self.record or {}
+        return (record.get("key") == self.key and record.get("cachekit_version") == __version__
+                and record.get("format") == manifests.FORMAT_VERSION)
 
     def describe(self) -> str:
         """``pid 4242 on node7 (2048/10000 rows, 20%)``, for people."""
-        j = self.journal or {}
-        done, total = j.get("done"), j.get("total")
+        record = self.record or {}
+        done, total = record.get("done"), record.get("total")
         if _is_count(done) and _is_count(total) and total:
             progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
         else:
@@ -84,16 +76,16 @@ class BuildDir:
     committed, abandoned or discarded."""
 
     def __init__(self, key: str, tmp: _fs.DirHandle, name: str, directory: _fs.DirHandle,
-                 journal: dict[str, Any], beat_fd: int) -> None:
+                 record: dict[str, Any], beat_fd: int) -> None:
         self.key = key
         self.name = name
         self.tmp = tmp
         self.dir = directory
         self.path = directory.path
-        self.journal = journal
+        self.record = record
         self._beat_fd: Optional[int] = beat_fd
         self._progress_written = -math.inf
-        self._heartbeat = liveness.Heartbeat(beat_fd, where=self.path).start()
+        self._heartbeat = liveness.Heartbeat(liveness.touch(beat_fd), where=self.path).start()
         self.resume_from: list[_fs.DirHandle] = []
         """Dead builds claimed to resume from (``resumed.N`` inside this directory)."""
 
@@ -122,9 +114,9 @@ class BuildDir:
         if done < total and now - self._progress_written < PROGRESS_SECONDS:
             return
         self._progress_written = now
-        self.journal.update(done=done, total=total, updated=time.time())
+        self.record.update(done=done, total=total, updated=time.time())
         try:
-            self.dir.replace_json(JOURNAL_FILE, self.journal)
+            self.dir.replace_json(STATE_FILE, self.record)
         except FileNotFoundError:
             raise BuildGone(str(self.path)) from None  # taken over while we were paused
 
@@ -149,7 +141,7 @@ class BuildDir:
             return  # already committed, abandoned or discarded
         self.stop()
         try:
-            self.dir.replace_json(JOURNAL_FILE, {**self.journal, "abandoned": True})
+            self.dir.replace_json(STATE_FILE, {**self.record, "abandoned": True})
         except OSError:
             self._remove()
         self.close()
@@ -175,19 +167,20 @@ class BuildDir:
                     raise
 
 
-def read_journal(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
-    """The journal of a build directory (owner, key, progress), or None when unreadable."""
+def read_state(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
+    """The record of a build directory (owner, key, progress), or None when it is missing
+    or unreadable."""
     try:
-        with directory.open_file(JOURNAL_FILE) as f:
-            journal = json.loads(f.read(_JOURNAL_LIMIT))
+        with directory.open_file(STATE_FILE) as f:
+            record = json.loads(f.read(_STATE_LIMIT))
     except (OSError, ValueError, RecursionError):
         return None
-    return journal if isinstance(journal, dict) else None
+    return record if isinstance(record, dict) else None
 
 
 def is_build_state(name: str) -> bool:
     """The store's own files of a build in progress, which are never published."""
-    return (name in (JOURNAL_FILE, HEARTBEAT_FILE) or name.startswith(RESUMED_PREFIX)
+    return (name in (STATE_FILE, HEARTBEAT_FILE) or name.startswith(RESUMED_PREFIX)
             or (name.startswith(".") and name.endswith(".tmp")))
 
 

@@ -28,7 +28,6 @@ still one valid remote entry.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -66,7 +65,8 @@ def generations(remote: RemoteStore, key: str) -> list[int]:
 
 
 class Lease:
-    """A lease this process holds: its heartbeat beats from :meth:`start` until
+    """A lease this process holds: its heartbeat (:class:`cachekit.liveness.Heartbeat`, the
+    timer every builder beats with) rewrites ``GEN.beat`` from :meth:`start` until
     :meth:`release`, carrying the build's progress for the hosts that wait."""
 
     def __init__(self, remote: RemoteStore, key: str, generation: int) -> None:
@@ -75,14 +75,10 @@ class Lease:
         self._seq = 0
         self._done: Optional[int] = None
         self._total: Optional[int] = None
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._heartbeat = liveness.Heartbeat(self.beat, self.lease)
 
     def start(self) -> "Lease":
-        self.beat()
-        self._thread = threading.Thread(target=self._run, name="cachekit-remote-lease",
-                                        daemon=True)
-        self._thread.start()
+        self._heartbeat.start()
         return self
 
     def progress(self, done: int, total: int) -> None:
@@ -90,6 +86,8 @@ class Lease:
         self._done, self._total = done, total
 
     def beat(self, state: str = BUILDING) -> None:
+        """Rewrite this generation's heartbeat object (never raises: a missed beat is
+        followed by the next well within the lease)."""
         self._seq += 1
         body = json.dumps({"seq": self._seq, "done": self._done, "total": self._total,
                            "state": state}).encode()
@@ -102,15 +100,8 @@ class Lease:
 
     def release(self) -> None:
         """Stop beating and say so: waiters look for the entry, or take over at once."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._heartbeat.stop()
         self.beat(RELEASED)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.lease / liveness.BEATS_PER_LEASE):
-            self.beat()
 
 
 @dataclass

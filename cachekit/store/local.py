@@ -1,25 +1,11 @@
-"""The local entry store: published entries, build directories and locks under one root.
+"""The local entry store: published entries, build directories and locks under one root
+(:mod:`.layout` draws it).
 
-::
-
-    ROOT/
-      entries/KEY/manifest.json        published, immutable; the manifest is written last
-      entries/KEY/data.npy, leaf_N.npy the files the manifest lists
-      tmp/KEY.HOST.PID.UUID/           a private build directory: journal.json (owner,
-                                       progress), heartbeat (its mtime is the builder's
-                                       heartbeat), data files and the chunk journal
-                                       data.npy.chunks/ (plan, claims, done records,
-                                       joiners' rows files); resumed.N/, dead builds
-                                       of this user it claimed to copy chunks from
-      tmp/deleting.KEY.HOST.PID.UUID/  an entry or dead build being removed
-      locks/KEY.lock                   build locks (they only save duplicate work)
-      locks/KEY.lock.holder            who holds the OS lock, its mtime their heartbeat
-      locks/KEY.failed.json            the rows of the last failed build, for its waiters
-
-Commit is the correctness point: every listed file is fsynced and checksummed, the manifest
-is written last, and the directory is renamed into ``entries/`` in one atomic step that
-never replaces an existing entry, so a published entry is complete by construction and of
-two racing builders the first rename wins.
+Lookup takes no lock and records the use; a build is a private directory under ``tmp/``
+(:class:`~.build_dirs.BuildDir`) that :mod:`.commit` publishes by one atomic rename; removal
+renames first, then deletes. Every operation goes through directory handles opened without
+following symlinks, so nothing planted under a shared root is ever written or deleted
+through.
 """
 
 from __future__ import annotations
@@ -30,70 +16,24 @@ import os
 import stat
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from .. import _fs, arrays, liveness
-from .build_dirs import (HEARTBEAT_FILE, JOURNAL_FILE, RESUMED_PREFIX, BuildDir, BuildState,
-    is_build_state, parse_build_dir_name, read_journal)
+from .. import _fs, liveness
+from . import commit as commits
 from . import manifest as manifests
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
-from ..errors import BuildGone
 from ..keys import is_key
+from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, STATE_FILE, BuildDir, BuildState, \
+    read_state
+from .layout import Layout, Published
 from .manifest import FileRecord, Manifest
+from .temp_names import build_dir_name, parse_build_dir_name, trash_name
 
-DELETING_PREFIX = "deleting."
+__all__ = ["LocalStore"]
+
 _FAILURE_LIMIT = 64 << 20
-
-
-def default_root() -> Path:
-    """$CACHEKIT_DIR, else $XDG_CACHE_HOME/cachekit, else ~/.cache/cachekit."""
-    explicit = os.environ.get("CACHEKIT_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "cachekit"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each kind of file of one cache root lives."""
-
-    root: Path
-
-    @property
-    def entries(self) -> Path:
-        return self.root / "entries"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def locks(self) -> Path:
-        return self.root / "locks"
-
-    def entry_dir(self, key: str) -> Path:
-        if not is_key(key):
-            raise ValueError(f"not a cache key: {key!r}")
-        return self.entries / key
-
-    def lock_path(self, key: str) -> Path:
-        return self.locks / f"{self.entry_dir(key).name}.lock"
-
-    def failure_path(self, key: str) -> Path:
-        return self.locks / f"{self.entry_dir(key).name}.failed.json"
-
-
-@dataclass(frozen=True)
-class Published:
-    """A published entry: its directory and its checked manifest."""
-
-    path: Path
-    manifest: Manifest
 
 
 class LocalStore:
@@ -183,7 +123,7 @@ class LocalStore:
         Claimed by a rename first, then read again: if another process replaced it with a
         validly signed entry between our read and the rename, that one is put back instead.
         """
-        trash = f"{DELETING_PREFIX}{key}.{_fs.unique_suffix()}"
+        trash = trash_name(key)
         try:
             with self._open("entries") as entries, self._open("tmp", create=True) as tmp:
                 if not stat.S_ISDIR(entries.lstat(key).st_mode):
@@ -253,23 +193,23 @@ class LocalStore:
         except OSError:
             return None  # gone, a symlink or a file: not a build of ours to judge
         with directory:
-            journal = read_journal(directory)
+            record = read_state(directory)
             itself = os.fstat(directory.fd)
             try:
                 heartbeat = directory.lstat(HEARTBEAT_FILE).st_mtime
             except FileNotFoundError:  # between making the directory and the file
                 heartbeat = itself.st_mtime
         uid = itself.st_uid
-        owner = journal if journal and "host" in journal and "pid" in journal else \
+        owner = record if record and "host" in record and "pid" in record else \
             {"host": host, "pid": pid}
         alive = liveness.is_alive(owner, heartbeat, where=directory.path,
-                                  abandoned=bool(journal and journal.get("abandoned") is True))
-        return BuildState(key, directory.path, dict(owner), journal, heartbeat, alive, uid)
+                                  abandoned=bool(record and record.get("abandoned") is True))
+        return BuildState(key, directory.path, dict(owner), record, heartbeat, alive, uid)
 
     def begin(self, key: str) -> BuildDir:
         """A fresh build directory for ``key``, private to this process (no group or other
         write), its heartbeat beating."""
-        name = f"{self.layout.entry_dir(key).name}.{_fs.unique_suffix()}"
+        name = build_dir_name(self.layout.entry_dir(key).name)
         tmp = self._open("tmp", create=True)
         try:
             tmp.mkdir(name, _fs.private_dir_mode())
@@ -279,15 +219,15 @@ class LocalStore:
             raise
         try:
             beat_fd = directory.create(HEARTBEAT_FILE)
-            journal = {"key": key, "format": manifests.FORMAT_VERSION,
-                       "cachekit_version": __version__, **_fs.owner(), "started": time.time()}
-            directory.replace_json(JOURNAL_FILE, journal)
+            record = {"key": key, "format": manifests.FORMAT_VERSION,
+                      "cachekit_version": __version__, **_fs.owner(), "started": time.time()}
+            directory.replace_json(STATE_FILE, record)
         except BaseException:
             tmp.remove_tree(name)
             directory.close()
             tmp.close()
             raise
-        return BuildDir(key, tmp, name, directory, journal, beat_fd)
+        return BuildDir(key, tmp, name, directory, record, beat_fd)
 
     def open_build_dir(self, state: BuildState) -> _fs.DirHandle:
         """Open another process's build directory to read it (never a symlink)."""
@@ -358,14 +298,7 @@ class LocalStore:
         """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in
         order; their shape and dtype come from (and are checked against) each .npy header.
         ``digests``: checksums the writer computed as it wrote (a download), by name."""
-        records = []
-        for index, (name, kind) in enumerate(files):
-            if name != manifests.file_name(index):
-                raise ValueError(f"file {index} of a build must be {manifests.file_name(index)}")
-            shape, dtype, size, digest = arrays.seal(build.dir, name,
-                                                     (digests or {}).get(name))
-            records.append(FileRecord(name, shape, dtype.str, size, digest, kind))
-        return tuple(records)
+        return commits.seal(build, files, digests)
 
     def commit(self, build: BuildDir, manifest: Manifest, *,
                scratch: Callable[[str], bool] = lambda name: False) -> tuple[Published, bool]:
@@ -375,92 +308,8 @@ class LocalStore:
         ``scratch(name)``: whether a file or folder of the build directory is the builder's
         own working state (removed before the rename); any other name the manifest does not
         list stops the commit."""
-        listed = {f.name for f in manifest.files}
-
-        def unpublished(name: str) -> bool:
-            return is_build_state(name) or scratch(name)
-
-        stray = [n for n in build.dir.names() if n not in listed and not unpublished(n)]
-        if stray:
-            raise CacheCorruptError(build.path, f"unexpected files {sorted(stray)[:5]} in the "
-                                                "build directory; nothing was published")
-        if not build.still_ours():
-            raise BuildGone(str(build.path))  # taken over while we were paused
-        manifests.write_at(build.dir, manifest)  # the last file written
-        build.stop()
-        for name in build.dir.names():  # from here to the rename a crash means rebuilding
-            if unpublished(name):
-                self._remove_state(build, name)
-        build.dir.fsync()
-        # Any member of the group may now remove it; nobody writes in it. (A setgid bit
-        # inherited from the root stays: fchmod would clear it.)
-        build.dir.chmod(_fs.shared_dir_mode() | (os.fstat(build.dir.fd).st_mode & stat.S_ISGID))
-        mine = os.fstat(build.dir.fd)
-        try:
-            current = build.tmp.lstat(build.name)
-        except FileNotFoundError:
-            raise BuildGone(str(build.path)) from None
-        if not _fs.same_file(current, mine):
-            raise CacheCorruptError(build.path, "the build directory was replaced by another "
-                                                "process; nothing was published")
-        won, winner = False, None
         with self._open("entries", create=True) as entries:
-            for _ in range(3):
-                try:
-                    build.tmp.rename(build.name, entries, build.key)
-                    won = True
-                except FileNotFoundError:
-                    raise BuildGone(str(build.path)) from None  # claimed this very moment
-                except NotADirectoryError:  # a symlink or file planted under the key
-                    if not stat.S_ISDIR(entries.lstat(build.key).st_mode):
-                        entries.unlink(build.key)
-                    continue
-                except OSError as e:
-                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                        raise
-                    won = False
-                # Another builder won the race: use its entry, unless it is refused (not
-                # signed with our key), which the lookup removes; then try again.
-                winner = None if won else self.lookup(build.key)
-                if won or winner is not None:
-                    break
-            if won and not _fs.same_file(entries.lstat(build.key), mine):
-                entries.remove_tree(build.key)  # swapped in between: never publish that
-                raise CacheCorruptError(build.path, "the build directory was replaced by "
-                                                    "another process; nothing was published")
-            if won:
-                try:
-                    entries.fsync()  # makes the rename durable; it is already visible
-                except OSError:
-                    pass  # the entry is complete either way; a power cut may cost a rebuild
-        if not won:
-            build.discard()
-            if winner is None:
-                raise CacheCorruptError(self.layout.entry_dir(build.key), "another process "
-                                        "keeps putting something that is not an entry under "
-                                        "this key", "nothing was published; see who writes "
-                                        "under the root")
-            return winner, False
-        build.close()
-        return Published(self.layout.entry_dir(build.key), manifest), True
-
-    def _remove_state(self, build: BuildDir, name: str) -> None:
-        """Remove a file or the chunk journal folder of ``build`` before it is published.
-
-        The folder is first renamed out of the build (a late joiner's record then lands in
-        the trash, never in the entry), then deleted."""
-        if not stat.S_ISDIR(build.dir.lstat(name).st_mode):
-            build.dir.unlink(name)
-            return
-        trash = f"{DELETING_PREFIX}{build.key}.{_fs.unique_suffix()}"
-        build.dir.rename(name, build.tmp, trash)
-        for attempt in range(3):
-            try:
-                build.tmp.remove_tree(trash)
-                return
-            except OSError:
-                if attempt == 2:
-                    return  # left for `cachekit clear`: it removes leftovers of dead processes
+            return commits.commit(build, manifest, entries, self.lookup, scratch=scratch)
 
     # Failure records ---------------------------------------------------------------------
 
@@ -514,7 +363,7 @@ class LocalStore:
         if not stat.S_ISDIR(st.st_mode):
             parent.unlink(name)  # a symlink or file where a directory belongs: just the link
             return True
-        trash = f"{DELETING_PREFIX}{key}.{_fs.unique_suffix()}"
+        trash = trash_name(key)
         try:
             parent.rename(name, tmp, trash)
         except FileNotFoundError:
@@ -523,6 +372,22 @@ class LocalStore:
         return True
 
     # Scan --------------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """The keys that have a directory under ``entries/``, sorted (:meth:`lookup` tells
+        whether each is a valid entry)."""
+        entries = self._open_if_any("entries")
+        if entries is None:
+            return []
+        with entries:
+            found = []
+            for name in entries.names():
+                try:
+                    if is_key(name) and stat.S_ISDIR(entries.lstat(name).st_mode):
+                        found.append(name)
+                except FileNotFoundError:
+                    continue  # removed while we looked
+            return sorted(found)
 
     def entry_dirs(self) -> list[Path]:
         """Everything directly under ``entries/`` (the caller tells entries from strays)."""

@@ -1,8 +1,8 @@
 """Build locks: which one process builds a missing entry while the others wait.
 
-A lock only saves duplicate work; correctness never depends on it (see publish.py). Choose
-one with the environment variable ``CACHEKIT_LOCK``, the same way for every process that
-shares a cache root:
+A lock only saves duplicate work; correctness never depends on it (the atomic commit of
+:mod:`cachekit.store.commit` does). Choose one with the environment variable
+``CACHEKIT_LOCK``, the same way for every process that shares a cache root:
 
 ``os`` (default)
     ``filelock.FileLock``: flock(2), released by the kernel when its holder dies. Right for
@@ -72,7 +72,7 @@ class BuildLock:
 
     def holder_alive(self) -> bool:
         """Whether whoever holds the lock shows a heartbeat (by :mod:`cachekit.liveness`).
-        A waiter stops waiting for a holder that shows none for a lease (publish.py)."""
+        A waiter stops waiting for a holder that shows none for a lease."""
         return False
 
 
@@ -224,7 +224,7 @@ class SoftLock(BuildLock):
             _fs.remove_file(self.path)
             raise
         self._fd, self._identity = fd, (st.st_dev, st.st_ino)
-        self._heartbeat = liveness.Heartbeat(fd, self.lease).start()
+        self._heartbeat = liveness.Heartbeat(liveness.touch(fd), self.lease).start()
         return True
 
     def _break_if_stale(self) -> None:
@@ -263,7 +263,7 @@ class _HolderRecord:
 
     def __init__(self, folder: _fs.DirHandle, name: str, fd: int) -> None:
         self.folder, self.name, self.fd = folder, name, fd
-        self.heartbeat = liveness.Heartbeat(fd).start()
+        self.heartbeat = liveness.Heartbeat(liveness.touch(fd)).start()
 
     @classmethod
     def write(cls, path: Path) -> "_HolderRecord":

@@ -9,27 +9,24 @@ conditional operation, the create-only write (``If-None-Match: *``, fsspec
                                             names its upload ("upload": UPLOAD)
     PREFIX/entries/KEY/UPLOAD/data.npy ...  the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
-    PREFIX/leases/KEY/GEN.json, GEN.beat    build leases (see :mod:`.remote_lease`)
+    PREFIX/leases/KEY/GEN.json, GEN.beat    build leases (see :mod:`.lease`)
     PREFIX/clock/PROBE                      for a moment: the store's time (:meth:`clock`)
 
 Every upload writes its data objects under an upload id of its own, so two hosts uploading
 one key at once never write the same object; then each tries to create the manifest, and
-the store lets exactly one succeed. The loser removes its objects. An uploader killed at
-any moment leaves objects that no manifest names (or nothing at all): never a manifest
-naming missing or partial data. ``cachekit clear --remote`` lists and removes them. Without
-working conditional writes (a store that lets both creates succeed), the last manifest
-written wins and names a complete upload of its own: still one valid entry.
-
-No uploader removes objects that a manifest may name: a create that fails without saying
-"exists" may have landed, so the manifest is read back first. An uploader paused between
-its data and its manifest may find, once its manifest wins, that a sweep removed its data:
-it checks after every win and withdraws its manifest then (see :meth:`RemoteStore.upload`).
+the store lets exactly one succeed (:mod:`.remote_upload`). The loser removes its objects.
+An uploader killed at any moment leaves objects that no manifest names (or nothing at all):
+never a manifest naming missing or partial data. ``cachekit clear --remote`` lists them
+(:mod:`.remote_listing`) and removes them. Without working conditional writes (a store
+that lets both creates succeed), the last manifest written wins and names a complete
+upload of its own: still one valid entry.
 
 Remote data are untrusted: a manifest is read with a size cap and checked field by field
 (:func:`cachekit.store.manifest.loads`: file names from the fixed set only, the signature with
 ``$CACHEKIT_SIGNING_KEY``), each object's size is checked before it is read, and every
-checksum after, before anything is published locally; a mismatch is CacheCorruptError
-naming the remote object, and the build directory it was downloaded into is discarded.
+checksum after, before anything is published locally (:mod:`.remote_download`); a mismatch
+is CacheCorruptError naming the remote object, and the build directory it was downloaded
+into is discarded.
 
 Every remote call is bounded by ``$CACHEKIT_REMOTE_TIMEOUT`` seconds (default 30), retries
 included; a call that fails or runs out of time raises RemoteUnavailableError.
@@ -37,26 +34,27 @@ included; a call that fails or runs out of time raises RemoteUnavailableError.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
-from .. import _fs
 from . import manifest as manifests
+from . import remote_download, remote_listing, remote_upload
 from ..errors import CacheCorruptError, RemoteUnavailableError, UnsignedEntryError
 from ..keys import is_key
+from .layout import Published
+from .local import LocalStore
 from .manifest import MANIFEST_FILE, FileRecord, Manifest
-from .local import LocalStore, Published
+from .remote_download import fix_for
 from .remote_fs import (CHECK, EXISTS, OTHER, REMOTE_ENV, TIMEOUT_ENV, Timeout,
-    classify_failed_create, describe, filesystem, modified, redact, timeout_from_env,
-    url_from_env, within)
+    classify_failed_create, describe, filesystem, redact, timeout_from_env, url_from_env,
+    within)
+from .remote_listing import RemoteKey, RemoteObject
+from .remote_upload import NONE, OTHERS, OURS, UNKNOWN, UPLOAD_FIELD, is_upload_id
 
 __all__ = ["CHECK", "EXISTS", "NONE", "OTHER", "OTHERS", "OURS", "REMOTE_ENV", "TIMEOUT_ENV",
            "UNKNOWN", "RemoteEntry", "RemoteKey", "RemoteObject", "RemoteStore",
@@ -66,20 +64,9 @@ RANGE_BYTES = 16 << 20
 """Bytes per ranged read or written part: large enough for full speed, small enough that
 one part always fits well within the timeout on a working link."""
 PARALLEL_RANGES = 4
-WRITEBACK_BYTES = 64 << 20
 MANIFEST_RETRY_SECONDS = 0.2
-PUBLISH_ATTEMPTS = 2
-CLOCK_FOLDER = "clock"
-PROBE_STALE_SECONDS = 3600.0
-OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
-UPLOAD_FIELD = "upload"
-_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _ATTEMPTS = 3
 T = TypeVar("T")
-
-
-def is_upload_id(text: Any) -> bool:
-    return isinstance(text, str) and _UPLOAD_ID.fullmatch(text) is not None
 
 
 # Values -------------------------------------------------------------------------------------
@@ -97,28 +84,6 @@ class RemoteEntry:
     @property
     def key(self) -> str:
         return self.manifest.key
-
-
-@dataclass(frozen=True)
-class RemoteObject:
-    """One object under the remote prefix, as a listing shows it."""
-
-    path: str
-    size: int
-    modified: Optional[float]
-    """Seconds since the epoch, by the store's clock; None when the store does not say."""
-
-
-@dataclass(frozen=True)
-class RemoteKey:
-    """Every object of one key in a listing: the manifest, uploads, lease objects."""
-
-    key: str
-    manifest: Optional[RemoteObject] = None
-    uploads: dict[str, list[RemoteObject]] = field(default_factory=dict)
-    leases: list[RemoteObject] = field(default_factory=list)
-    strays: list[RemoteObject] = field(default_factory=list)
-    """Objects under the key that cachekit never writes."""
 
 
 # The store ----------------------------------------------------------------------------------
@@ -157,6 +122,11 @@ class RemoteStore:
     def root(self) -> str:
         self.fs  # noqa: B018 (made on first use)
         return self._root
+
+    @property
+    def part_bytes(self) -> int:
+        """Bytes per ranged read or written part (:data:`RANGE_BYTES`, read at each use)."""
+        return RANGE_BYTES
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -278,46 +248,9 @@ class RemoteStore:
         and checksum against its manifest, then publish it with the local store's atomic
         commit. Returns (published entry, whether this call's commit won). On any failure
         the build directory is discarded: nothing is published."""
-        manifest = entry.manifest
-        objects = [self.upload_path(entry.key, entry.upload, f.name) for f in manifest.files]
-        self._check_sizes(manifest.files, objects)
-        build = local.begin(entry.key)
-        bar = _bar(progress, manifest.bytes, f"cachekit pull {entry.key[:12]}")
-        try:
-            done, digests = 0, {}
-            for record, path in zip(manifest.files, objects):
-                fd = build.dir.create(record.name)
-                hasher = hashlib.blake2b(digest_size=16)  # as it arrives: no second read
-                with os.fdopen(fd, "wb") as out, _Writeback(fd) as writeback:
-                    for block in self.read_ranges(path, record.bytes):
-                        out.write(block)
-                        hasher.update(block)
-                        done += len(block)
-                        writeback.written(out)
-                        if bar is not None:
-                            bar.update(len(block))
-                        build.progress(manifest.rows * done // max(manifest.bytes, 1),
-                                       manifest.rows)
-                digests[record.name] = "blake2b-128:" + hasher.hexdigest()
-            try:
-                sealed = local.seal(build, [(f.name, f.kind) for f in manifest.files], digests)
-            except CacheCorruptError as e:
-                raise CacheCorruptError(self.object_url(objects[0]), e.reason,
-                                        self._fix(entry.key)) from None
-            for got, want, path in zip(sealed, manifest.files, objects):
-                if got != want:
-                    raise CacheCorruptError(self.object_url(path), _mismatch(got, want),
-                                            self._fix(entry.key))
-            published, won = local.commit(build, manifest)
-        except BaseException:
-            build.discard()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return published, won
+        return remote_download.download(self, entry, local, progress=progress)
 
-    def _check_sizes(self, records: Sequence[FileRecord], objects: Sequence[str]) -> None:
+    def check_sizes(self, records: Sequence[FileRecord], objects: Sequence[str]) -> None:
         """Each object's size against its record, before reading a byte of it."""
         for record, path in zip(records, objects):
             url = self.object_url(path)
@@ -325,21 +258,22 @@ class RemoteStore:
                 info = self.call(f"reading {url}", self.fs.info, path)
             except FileNotFoundError:
                 raise CacheCorruptError(url, "a data object the manifest lists is missing",
-                                        self._fix(path.split("/")[-3])) from None
+                                        fix_for(path.split("/")[-3])) from None
             size = info.get("size")
             if size != record.bytes:
                 raise CacheCorruptError(url, f"object is {size} bytes, the manifest says "
-                                             f"{record.bytes}", self._fix(path.split("/")[-3]))
+                                             f"{record.bytes}", fix_for(path.split("/")[-3]))
 
     def read_ranges(self, path: str, size: int) -> Iterator[bytes]:
         """The first ``size`` bytes of the object ``path``, in order, as ranged reads made
         a few at a time in parallel (one remote call, one timeout, each). A short read is
         CacheCorruptError: the object is shorter than it said."""
-        starts = list(range(0, size, RANGE_BYTES))
+        part = self.part_bytes
+        starts = list(range(0, size, part))
         url = self.object_url(path)
 
         def fetch(start: int) -> bytes:
-            end = min(start + RANGE_BYTES, size)
+            end = min(start + part, size)
             block = self.call(f"reading {url}", self.fs.cat_file, path, start=start, end=end)
             if len(block) != end - start:
                 raise CacheCorruptError(url, f"object ended at byte {start + len(block)}, "
@@ -360,11 +294,6 @@ class RemoteStore:
                 for future in pending:
                     future.cancel()
 
-    @staticmethod
-    def _fix(key: str) -> str:
-        return (f"nothing was published locally; remove the remote entry with `cachekit "
-                f"clear --remote {key[:12]}` and it is built and uploaded again on next use")
-
     # Upload ---------------------------------------------------------------------------------
 
     def upload(self, published: Published, *, progress: bool = False) -> bool:
@@ -378,185 +307,28 @@ class RemoteStore:
         --remote``. After a win, the objects are checked once more: a sweep that judged a
         paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
         and the entry uploaded again under a fresh id (once)."""
-        manifest = published.manifest
-        key = manifest.key
-        if self.lookup(key) is not None:
-            return False
-        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
-            upload = uuid.uuid4().hex
-            won = self._publish(published, upload, progress)
-            if not won:
-                return False
-            objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
-            try:
-                self._check_sizes(manifest.files, objects)
-                return True
-            except CacheCorruptError as e:
-                if not self.withdraw(key, upload) and self.lookup(key) is not None:
-                    return False  # another upload is the entry now
-                if attempt == PUBLISH_ATTEMPTS:
-                    raise CacheCorruptError(e.path, f"{e.reason} after its manifest was "
-                                            "published; the manifest was withdrawn",
-                                            "upload it again (`cachekit push`)") from None
-        raise AssertionError("unreachable")
-
-    def _publish(self, published: Published, upload: str, progress: bool) -> bool:
-        """Data objects under ``upload``, then the manifest naming them, create-only: True
-        when ours is the key's manifest now, False when another one is (ours removed)."""
-        manifest = published.manifest
-        key = manifest.key
-        bar = _bar(progress, manifest.bytes, f"cachekit push {key[:12]}")
-        try:
-            objects = [self.upload_path(key, upload, f.name) for f in manifest.files]
-            try:
-                for record, path in zip(manifest.files, objects):
-                    self._put(published, record, path, bar)
-                self._check_sizes(manifest.files, objects)  # all there before the commit
-            except BaseException:
-                self.remove_upload(key, upload, quiet=True)  # no manifest can name it yet
-                raise
-            body = manifests.dumps(manifest, {UPLOAD_FIELD: upload})
-            path = self.manifest_path(key)
-
-            def settle() -> None:
-                # The create we gave up on has ended, maybe long after: if it made our
-                # manifest after a sweep took our data, withdraw it.
-                try:
-                    if self.named(key, upload) == OURS:
-                        self._check_sizes(manifest.files, objects)
-                except CacheCorruptError:
-                    self.withdraw(key, upload)
-
-            try:
-                won = self.create(path, body, f"publishing {self.object_url(path)}",
-                                  after_abandoned=_quietly(settle))
-            except Exception:
-                # The create may have landed while its answer was lost or came late.
-                named = self.named(key, upload)
-                if named == OURS:
-                    return True
-                if named == OTHERS:  # create-only: ours can never land now
-                    self.remove_upload(key, upload, quiet=True)
-                    return False
-                raise  # no manifest yet, or cannot tell: leave the upload for the sweep
-        finally:
-            if bar is not None:
-                bar.close()
-        if won:
-            return True
-        # Refused as existing. A create retried after its answer was lost meets its own
-        # manifest: a win. Otherwise ours never lands, so its data can go (unless the
-        # manifest there cannot be read: it might be ours, half written on a shared folder).
-        named = self.named(key, upload)
-        if named in (OTHERS, NONE):
-            self.remove_upload(key, upload, quiet=True)
-        return named == OURS
+        return remote_upload.upload(self, published, progress=progress)
 
     def named(self, key: str, upload: str) -> str:
         """Whom the key's manifest names: OURS (``upload``), OTHERS (another upload), NONE
         (there is no manifest), or UNKNOWN (the remote fails, or the manifest is unreadable)."""
-        try:
-            found = self.lookup(key)
-        except (RemoteUnavailableError, CacheCorruptError):
-            return UNKNOWN
-        if found is None:
-            return NONE
-        return OURS if found.upload == upload else OTHERS
+        return remote_upload.named(self, key, upload)
 
     def withdraw(self, key: str, upload: str) -> bool:
         """Remove the key's manifest if it names ``upload`` (whose data went missing), then
         what is left of that upload. True when a manifest was removed."""
-        if self.named(key, upload) != OURS:
-            return False
-        path = self.manifest_path(key)
-        self.remove([path], f"withdrawing {self.object_url(path)}")
-        self.remove_upload(key, upload, quiet=True)
-        return True
-
-    def _put(self, published: Published, record: FileRecord, path: str, bar: Any) -> None:
-        """Copy one local entry file to ``path`` in parts (one call, one timeout, each)."""
-        url = self.object_url(path)
-        with _fs.open_regular(published.path / record.name) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != record.bytes:
-                raise CacheCorruptError(published.path / record.name, f"file is {size} bytes, "
-                                        f"the manifest says {record.bytes}")
-            if size <= RANGE_BYTES:
-                self.call(f"writing {url}", self.fs.pipe_file, path, f.read())
-                if bar is not None:
-                    bar.update(size)
-                return
-            out = self.call(f"writing {url}", self.fs.open, path, "wb", block_size=RANGE_BYTES)
-            try:
-                for block in iter(lambda: f.read(RANGE_BYTES), b""):
-                    self.call(f"writing {url}", out.write, block)
-                    if bar is not None:
-                        bar.update(len(block))
-                self.call(f"writing {url}", out.close)
-            except BaseException:
-                _discard(out)
-                raise
+        return remote_upload.withdraw(self, key, upload)
 
     # Listing and removal ---------------------------------------------------------------------
 
     def scan(self) -> tuple[list[RemoteKey], list[RemoteObject]]:
         """Every key's objects under the prefix, and objects cachekit does not know."""
-        root = self.root
-        try:
-            self.fs.invalidate_cache()
-            found = self.call(f"listing {self.display}", self.fs.find, root, detail=True)
-        except FileNotFoundError:
-            return [], []
-        keys: dict[str, RemoteKey] = {}
-        unknown: list[RemoteObject] = []
-        for path, info in sorted(found.items()):
-            if info.get("type") == "directory":
-                continue
-            obj = RemoteObject(path, int(info.get("size") or 0), modified(info))
-            parts = path[len(root):].strip("/").split("/")
-            if parts[0] == CLOCK_FOLDER and len(parts) == 2:
-                continue  # a probe of :meth:`clock`
-            if len(parts) < 3 or parts[0] not in ("entries", "leases") or not is_key(parts[1]):
-                unknown.append(obj)
-                continue
-            item = keys.setdefault(parts[1], RemoteKey(parts[1]))
-            if parts[0] == "leases" and len(parts) == 3:
-                item.leases.append(obj)
-            elif parts[2:] == [MANIFEST_FILE]:
-                keys[parts[1]] = RemoteKey(item.key, obj, item.uploads, item.leases, item.strays)
-            elif len(parts) == 4 and is_upload_id(parts[2]):
-                item.uploads.setdefault(parts[2], []).append(obj)
-            else:
-                item.strays.append(obj)
-        return sorted(keys.values(), key=lambda k: k.key), unknown
+        return remote_listing.scan(self)
 
     def clock(self) -> Optional[float]:
-        """The store's own time now, as its listings show objects' times: the time of a
-        probe object written and listed for this, then removed. None when the store cannot
-        say (no write permission, no times in its listings, a failing remote).
-
-        Ages judged against it compare the store's times with each other, so they hold
-        whatever this host's clock says. Probes that a killed caller left are removed."""
-        folder = self.path(CLOCK_FOLDER)
-        name = uuid.uuid4().hex
-        probe = f"{folder}/{name}"
-        try:
-            self.call(f"writing {self.object_url(probe)}", self.fs.pipe_file, probe, b"")
-            self.fs.invalidate_cache(folder)
-            listed = self.call(f"listing {self.object_url(folder)}", self.fs.ls, folder,
-                               detail=True)
-        except (RemoteUnavailableError, FileNotFoundError):
-            return None
-        times = {str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: modified(info)
-                 for info in listed if isinstance(info, dict)}
-        now = times.get(name)
-        stale = [f"{folder}/{other}" for other, when in times.items() if other != name
-                 and when is not None and now is not None and now - when > PROBE_STALE_SECONDS]
-        try:
-            self.remove([probe, *stale], f"removing {self.object_url(probe)}")
-        except RemoteUnavailableError:
-            pass  # the next probe removes it
-        return now
+        """The store's own time now, as its listings show objects' times; None when the
+        store cannot say (see :func:`cachekit.store.remote_listing.clock`)."""
+        return remote_listing.clock(self)
 
     def remove(self, paths: Sequence[str], what: str) -> None:
         """Delete objects (missing ones are not an error)."""
@@ -565,6 +337,30 @@ class RemoteStore:
                 self.call(what, self.fs.rm_file, path)
             except FileNotFoundError:
                 pass
+
+    def keys(self) -> list[str]:
+        """The keys that have a manifest under the prefix, sorted (one listing)."""
+        listed, _ = self.scan()
+        return [item.key for item in listed if item.manifest is not None]
+
+    def remove_entry(self, key: str) -> bool:
+        """Remove the entry of ``key``: its manifest first (readers stop finding it at
+        once, and never find it without its data), then the upload it named. False when
+        there was no manifest. A manifest too broken to name its upload leaves that upload
+        to ``cachekit clear --remote``."""
+        try:
+            found = self.lookup(key)
+        except CacheCorruptError:
+            found = None
+        path = self.manifest_path(key)
+        url = self.object_url(path)
+        self.fs.invalidate_cache(path)
+        if found is None and not self.call(f"reading {url}", self.fs.exists, path):
+            return False
+        self.remove([path], f"removing {url}")
+        if found is not None:
+            self.remove_upload(key, found.upload)
+        return True
 
     def remove_upload(self, key: str, upload: str, *, quiet: bool = False) -> None:
         """Delete the objects of one upload (best effort with ``quiet``)."""
@@ -578,82 +374,3 @@ class RemoteStore:
         except (OSError, ValueError):
             if not quiet:
                 raise
-
-
-# Helpers ------------------------------------------------------------------------------------
-
-
-class _Writeback:
-    """Flush a download to disk while it arrives: every WRITEBACK_BYTES an fdatasync runs in
-    a thread of its own, so the fsync before the local commit finds little left to write
-    (measured on a 307 MB pull from a loopback server: the final fsync took 0.5 s alone)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.pending = 0  # the position the last flush started from
-        self.thread: Optional[threading.Thread] = None
-
-    def __enter__(self) -> "_Writeback":
-        return self
-
-    def written(self, out: Any) -> None:
-        position = out.tell()
-        if position - self.pending < WRITEBACK_BYTES or (
-                self.thread is not None and self.thread.is_alive()):
-            return
-        out.flush()
-        self.pending = position
-        self.thread = threading.Thread(target=self._sync, name="cachekit-writeback",
-                                       daemon=True)
-        self.thread.start()
-
-    def _sync(self) -> None:
-        try:
-            os.fdatasync(self.fd)
-        except OSError:
-            pass  # the fsync before the commit reports any real error
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.thread is not None:
-            self.thread.join()
-
-
-def _mismatch(got: FileRecord, want: FileRecord) -> str:
-    if got.bytes != want.bytes:
-        return f"downloaded {got.bytes} bytes, the manifest says {want.bytes}"
-    if got.checksum != want.checksum:
-        return (f"checksum mismatch: the manifest says {want.checksum}, the object has "
-                f"{got.checksum}")
-    return (f"header says {got.dtype} {list(got.shape)}, the manifest says {want.dtype} "
-            f"{list(want.shape)}")
-
-
-def _bar(show: bool, total: int, description: str) -> Any:
-    if not show:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)
-
-
-def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` for a thread nobody waits for: what it raises has nowhere to go."""
-    def run() -> None:
-        try:
-            fn()
-        except Exception:  # the sweep and the readers deal with what is left
-            pass
-
-    return run
-
-
-def _discard(f: Any) -> None:
-    """Abandon a partly written remote file without completing it (best effort)."""
-    for name in ("discard", "_abort_mpu"):
-        method = getattr(f, name, None)
-        if callable(method):
-            try:
-                method()
-                return
-            except Exception:  # already failing; the orphaned parts are the store's to expire
-                return

@@ -1,6 +1,7 @@
 """How cachekit talks to an object store through fsspec: the filesystem for a URL (with
 timeouts for S3), every call bounded by one deadline, what a failed create-only write means
-whatever the store, and URLs shown without credentials. The remote store
+whatever the store, URLs shown without credentials, and a transfer's progress bar. The
+remote store
 (:mod:`cachekit.store.remote`) is built on these; nothing here knows about entries.
 """
 
@@ -166,3 +167,13 @@ def modified(info: dict[str, Any]) -> Optional[float]:
             except ValueError:
                 continue
     return None
+
+
+def progress_bar(show: bool, total: int, description: str) -> Any:
+    """A tqdm bar of ``total`` bytes for a push or pull, or None when not shown (tqdm is
+    imported only then)."""
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)

@@ -1,0 +1,123 @@
+"""Joining another process's build: fill chunks that nobody holds, into a rows file of one's
+own in the build's journal folder, never into the builder's data file; the builder copies
+each such chunk in once its bytes match their checksum (see :mod:`.fill`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .. import _fs, arrays
+from ..errors import BuildGone
+from .executors import RowTask, make_runner
+from .fill import RowFunction, run_claimed
+from .journal import ROWS_PREFIX, Journal
+from .plan import Plan
+from .resume import plan_fits
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a joiner did for another process's build: chunks and rows it filled."""
+
+    chunks: int
+    rows: int
+    total_chunks: int
+
+
+def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
+         workers: int, record: bool, template: tuple[tuple[int, ...], np.dtype] | None,
+         key: str, executor: Any = None) -> Optional[Joined]:
+    """Fill chunks that nobody holds of another process's build in ``directory`` (opened
+    by handle, and of this user), until none is left; None when it cannot be joined (no
+    plan yet, or a plan of other rows). Writes only claims, done records and a rows file
+    of its own in the build's journal folder: never the builder's data file.
+
+    Returns as soon as no chunk is free: the builder waits for the claims it leaves, copies
+    the rows in and commits. If the build is committed, discarded or taken over meanwhile,
+    stops and says what it did.
+    """
+    try:
+        own = os.fstat(directory.fd)
+        if own.st_uid != os.geteuid() or own.st_mode & 0o022:
+            return None  # not a private build directory of ours: never write there
+        journal = Journal.open(directory, name)
+    except (OSError, ValueError):
+        return None
+    with journal:
+        planned = journal.plan
+        if not plan_fits(planned, len(values), template, key) or planned.rows == 0:
+            return None
+        try:
+            rows_file = RowsFile.create(journal, planned)
+        except (OSError, ValueError):
+            return None
+        runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
+        filled = rows = 0
+        try:
+            for chunk in run_claimed(journal, rows_file.array, values, runner,
+                                     rows_file=rows_file):
+                filled, rows = filled + 1, rows + chunk.rows
+        except BuildGone:
+            pass  # published, failed or taken over meanwhile: the caller looks again
+        finally:
+            runner.close()
+            rows_file.close()
+        return Joined(filled, rows, len(planned.chunks))
+
+
+class RowsFile:
+    """A joiner's own rows file: a sparse .npy of the plan's layout in the journal folder,
+    whose blocks are reserved chunk by chunk as the joiner claims them (a full disk then
+    fails the claim with ENOSPC, never a page write with SIGBUS)."""
+
+    def __init__(self, name: str, fd: int, array: np.ndarray) -> None:
+        self.name, self.fd, self.array = name, fd, array
+
+    @classmethod
+    def create(cls, journal: Journal, planned: Plan) -> "RowsFile":
+        if arrays.data_offset(planned.shape, planned.dtype, align=planned.page) \
+                != planned.offset:
+            raise ValueError("a plan whose layout this host does not make")
+        name = f"{ROWS_PREFIX}{_fs.unique_suffix()}"
+        array = arrays.create_array(journal.dir, name, planned.shape, planned.dtype,
+                                    align=planned.page, reserve=False)
+        try:
+            with journal.dir.open_file(name, writable=True) as f:
+                fd = os.dup(f.fileno())
+        except BaseException:
+            del array
+            journal.dir.unlink(name)
+            raise
+        return cls(name, fd, array)
+
+    def reserve(self, first: int, end: int) -> None:
+        _fs.preallocate_fd(self.fd, first, end - first)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _LazyRunner:
+    """The chunk runner of a joiner, made only once it has claimed a chunk (a joiner looks
+    for free chunks every few tens of milliseconds, and a process pool is costly to start)."""
+
+    def __init__(self, executor: Any, workers: int, task: RowTask, rows: int) -> None:
+        self.args = (executor, workers, task)
+        self.rows = rows
+        self.runner: Any = None
+
+    def __call__(self) -> Any:
+        if self.runner is None:
+            self.runner = make_runner(*self.args, rows=self.rows)
+        return self.runner
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()

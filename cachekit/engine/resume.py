@@ -1,0 +1,130 @@
+"""What a partly filled data file holds (:func:`read_progress`), and starting a fill from the
+verified done chunks of dead builds (:func:`resume`).
+
+A dead build's directory is claimed by the caller and read only: its plan must be one of
+this very fill (:func:`plan_fits`: the caller's key, row count and row template) before
+anything it sizes is read or allocated, its data file must match its plan, and each done
+chunk is copied into a new file of the resuming build only where its bytes match the
+checksum of its done record. Nothing in a dead build is ever written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .. import _fs, arrays
+from .copying import copy_chunk, open_checked
+from .journal import Journal
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A partly filled data file: its plan and which of its chunks are done."""
+
+    plan: Plan
+    done: tuple[int, ...]
+
+    @property
+    def rows_done(self) -> int:
+        chunks = self.plan.chunks
+        return sum(chunks[i].rows for i in self.done)
+
+
+def read_progress(directory: _fs.DirHandle, name: str) -> Optional[Progress]:
+    """The journal of the partly filled file ``name`` of ``directory``, or None when there is
+    no usable one (no plan, or a data file whose header and size disagree with it)."""
+    try:
+        with Journal.open(directory, name) as journal:
+            data = open_checked(directory, name, journal.plan)
+            if data is None:
+                return None
+            data.close()
+            return Progress(journal.plan, tuple(journal.done(drop_bad=False)))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def plan_fits(planned: Plan, n: int, template: Any, key: str) -> bool:
+    """Whether a plan read from a build directory is one of this very fill: the caller's
+    key, row count and (when known) row template, checked before anything it sizes is
+    read or allocated."""
+    return (planned.key == key and planned.rows == n
+            and (template is None or (tuple(template[0]), np.dtype(template[1]))
+                 == (planned.row_shape, planned.dtype)))
+
+
+def resume(directory: _fs.DirHandle, name: str, n: int, sources: Sequence[_fs.DirHandle],
+           template: Any, key: str) -> Optional[tuple[Journal, np.ndarray, int]]:
+    """Start a fill of ``name`` from the verified done chunks of the partial fills of
+    ``name`` in ``sources``: (journal, writable array, rows copied), or None when no
+    source has a usable plan. The first source whose plan fits (:func:`plan_fits`) and
+    whose layout this host makes alike gives the plan; sources of another plan are
+    skipped. The plan is written last (from then on the build may be joined)."""
+    journal: Optional[Journal] = None
+    array: Any = None
+    copied = 0
+    try:
+        for source in sources:
+            try:
+                dead = Journal.open(source, name)
+            except (OSError, ValueError):
+                continue
+            with dead:
+                planned = dead.plan
+                if not plan_fits(planned, n, template, key) or planned.rows == 0:
+                    continue
+                if journal is not None and planned != journal.plan:
+                    continue
+                if journal is None and arrays.data_offset(
+                        planned.shape, planned.dtype, align=planned.page) != planned.offset:
+                    continue  # a layout this host would not make (another page size)
+                data = open_checked(source, name, planned)
+                if data is None:
+                    continue  # its data file disagrees with its plan: trust neither
+                with data:
+                    if journal is None:
+                        array = arrays.create_array(directory, name, planned.shape,
+                                                    planned.dtype, align=planned.page)
+                        journal = Journal.create(directory, name)
+                        journal.plan = planned
+                    copied += _copy_done(dead, data, journal, array)
+        if journal is None:
+            return None
+        journal.write_plan(journal.plan)
+    except BaseException:
+        if journal is not None:
+            journal.close()
+        raise
+    return journal, array, copied
+
+
+def _copy_done(dead: Journal, data: Any, journal: Journal, out: np.ndarray) -> int:
+    """Copy the done chunks of the dead fill ``dead`` that ``journal`` lacks into ``out``,
+    each from the dead build's data file (``data``, open and checked) or the joiner's rows
+    file its record names, where the bytes match its checksum, and record them done; the
+    rows copied."""
+    planned = journal.plan
+    files: dict[Optional[str], Any] = {None: data}
+    copied = 0
+    try:
+        have = set(journal.done_indices())
+        for index, record in dead.done(drop_bad=False).items():
+            if index in have:
+                continue
+            if record.file is not None and record.file not in files:
+                files[record.file] = open_checked(dead.dir, record.file, planned)
+            chunk = planned.chunks[index]
+            for f in (data, files.get(record.file)):
+                if f is not None and copy_chunk(f, planned, chunk, record, out):
+                    journal.mark_done(chunk, record.failures, record.digest)
+                    copied += chunk.rows
+                    break
+    finally:
+        for file, f in files.items():
+            if file is not None and f is not None:
+                f.close()
+    return copied

@@ -1,0 +1,119 @@
+"""Downloading a remote entry into the local store: every object's size is checked before
+it is read and every checksum after, and the entry is published with the local store's own
+atomic commit, so a download that fails anywhere publishes nothing.
+
+The function takes the :class:`~cachekit.store.remote.RemoteStore` it reads from;
+:meth:`RemoteStore.download` is the public way in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..errors import CacheCorruptError
+from .layout import Published
+from .local import LocalStore
+from .manifest import FileRecord
+from .remote_fs import progress_bar
+
+if TYPE_CHECKING:
+    from .remote import RemoteEntry, RemoteStore
+
+WRITEBACK_BYTES = 64 << 20
+
+
+def download(remote: RemoteStore, entry: RemoteEntry, local: LocalStore, *,
+             progress: bool = False) -> tuple[Published, bool]:
+    """See :meth:`RemoteStore.download`."""
+    manifest = entry.manifest
+    objects = [remote.upload_path(entry.key, entry.upload, f.name) for f in manifest.files]
+    remote.check_sizes(manifest.files, objects)
+    build = local.begin(entry.key)
+    bar = progress_bar(progress, manifest.bytes, f"cachekit pull {entry.key[:12]}")
+    try:
+        done, digests = 0, {}
+        for record, path in zip(manifest.files, objects):
+            fd = build.dir.create(record.name)
+            hasher = hashlib.blake2b(digest_size=16)  # as it arrives: no second read
+            with os.fdopen(fd, "wb") as out, _Writeback(fd) as writeback:
+                for block in remote.read_ranges(path, record.bytes):
+                    out.write(block)
+                    hasher.update(block)
+                    done += len(block)
+                    writeback.written(out)
+                    if bar is not None:
+                        bar.update(len(block))
+                    build.progress(manifest.rows * done // max(manifest.bytes, 1),
+                                   manifest.rows)
+            digests[record.name] = "blake2b-128:" + hasher.hexdigest()
+        try:
+            sealed = local.seal(build, [(f.name, f.kind) for f in manifest.files], digests)
+        except CacheCorruptError as e:
+            raise CacheCorruptError(remote.object_url(objects[0]), e.reason,
+                                    fix_for(entry.key)) from None
+        for got, want, path in zip(sealed, manifest.files, objects):
+            if got != want:
+                raise CacheCorruptError(remote.object_url(path), _mismatch(got, want),
+                                        fix_for(entry.key))
+        published, won = local.commit(build, manifest)
+    except BaseException:
+        build.discard()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return published, won
+
+
+def fix_for(key: str) -> str:
+    """What to do about a remote entry of ``key`` whose objects disagree with its manifest."""
+    return (f"nothing was published locally; remove the remote entry with `cachekit "
+            f"clear --remote {key[:12]}` and it is built and uploaded again on next use")
+
+
+class _Writeback:
+    """Flush a download to disk while it arrives: every WRITEBACK_BYTES an fdatasync runs in
+    a thread of its own, so the fsync before the local commit finds little left to write
+    instead of a whole large file."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending = 0  # the position the last flush started from
+        self.thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "_Writeback":
+        return self
+
+    def written(self, out: Any) -> None:
+        position = out.tell()
+        if position - self.pending < WRITEBACK_BYTES or (
+                self.thread is not None and self.thread.is_alive()):
+            return
+        out.flush()
+        self.pending = position
+        self.thread = threading.Thread(target=self._sync, name="cachekit-writeback",
+                                       daemon=True)
+        self.thread.start()
+
+    def _sync(self) -> None:
+        try:
+            os.fdatasync(self.fd)
+        except OSError:
+            pass  # the fsync before the commit reports any real error
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+def _mismatch(got: FileRecord, want: FileRecord) -> str:
+    if got.bytes != want.bytes:
+        return f"downloaded {got.bytes} bytes, the manifest says {want.bytes}"
+    if got.checksum != want.checksum:
+        return (f"checksum mismatch: the manifest says {want.checksum}, the object has "
+                f"{got.checksum}")
+    return (f"header says {got.dtype} {list(got.shape)}, the manifest says {want.dtype} "
+            f"{list(want.shape)}")
