@@ -3,7 +3,8 @@ build, commit it, remove, scan) and never for filesystem operations, so that a s
 store, an object store, can sit behind or beside the local one.
 """
 
-from .build_dirs import BuildDir, BuildState
-from .local import Layout, LocalStore, Published, default_root
+from .build_dirs import BuildDir, BuildState, parse_build_dir_name
+from .local import DELETING_PREFIX, Layout, LocalStore, Published, default_root
 
-__all__ = ["BuildDir", "BuildState", "Layout", "LocalStore", "Published", "default_root"]
+__all__ = ["BuildDir", "BuildState", "DELETING_PREFIX", "Layout", "LocalStore", "Published",
+           "default_root", "parse_build_dir_name"]
