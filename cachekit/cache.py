@@ -222,22 +222,23 @@ class Cache:
         """Remove published entries: all, or ``keys`` (full keys or unique prefixes); with
         ``older_than`` (seconds, a timedelta or "7d") only those unused for that long.
         Orphaned build directories of dead builders go too. Safe while other processes read;
-        builds in progress are never touched. Returns a ``RemovalReport`` (removed, skipped)."""
-        from .admin.removal import plan_clear
+        builds in progress are never touched. Returns a ``RemovalReport`` (``removed_entries``,
+        ``skipped``, ``failed``, ``freed_bytes``)."""
+        from .admin.removal import removal_for_clear
         from .units import seconds
 
         if isinstance(keys, str):
             keys = [keys]
         age = None if older_than is None else seconds(older_than)
-        return plan_clear(self._store, keys, older_than=age).execute()
+        return removal_for_clear(self._store, keys, older_than=age).execute()
 
     def prune(self, max_bytes: Union[int, str]):
         """Remove least recently used entries until the cache holds at most ``max_bytes``
         (an int, or a size like "10G"). Returns a ``RemovalReport``."""
-        from .admin.removal import plan_prune
+        from .admin.removal import removal_for_prune
         from .units import byte_count
 
-        return plan_prune(self._store, byte_count(max_bytes)).execute()
+        return removal_for_prune(self._store, byte_count(max_bytes)).execute()
 
     def verify(self, keys: Optional[Sequence[str]] = None) -> list:
         """Fully check entries (all, or ``keys``): manifest, headers, sizes and the data

@@ -118,7 +118,8 @@ def test_help_and_usage_errors(cache_root, capsys):
 ])
 def test_argument_types_accept_and_reject(cache_root, capsys, monkeypatch, option, good, bad):
     seen = {}
-    monkeypatch.setattr("cachekit.cli._build", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr("cachekit.cli.local.build",
+                        lambda args: seen.setdefault("args", args) and 0)
     for text, value in good.items():
         seen.clear()
         status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",

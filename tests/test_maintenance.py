@@ -216,7 +216,7 @@ def test_a_plan_removes_nothing_until_executed(cache_root):
     cache = cachekit.Cache(cache_root)
     entry = make_entry(cache, 0)
     store = LocalStore(cache_root)
-    plan = removal.plan_clear(store)
+    plan = removal.removal_for_clear(store)
     assert [e.key for e in plan.entries] == [entry.key] and plan.bytes > 0
     assert entry.path.exists()
     assert len(plan.execute().removed_entries) == 1 and not entry.path.exists()
@@ -227,7 +227,7 @@ def test_an_entry_used_after_an_age_based_plan_is_spared(cache_root):
     cache = cachekit.Cache(cache_root)
     entry = make_entry(cache, 0)
     set_last_used(entry.path, time.time() - 10 * DAY)
-    plan = removal.plan_clear(LocalStore(cache_root), older_than=7 * DAY)
+    plan = removal.removal_for_clear(LocalStore(cache_root), older_than=7 * DAY)
     assert len(plan.entries) == 1
     assert make_entry(cache, 0).hit  # a sweep agent uses it while the user reads the prompt
     report = plan.execute()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cachekit
-from cachekit.cli import main as cli
+from cachekit.cli import main
 from cachekit.store import LocalStore
 from cachekit.store.remote import RemoteStore
 
@@ -28,7 +28,7 @@ def local(tmp_path, cover_paths):
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    status = cli.main([str(a) for a in argv])
+    status = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return status, out, err
 

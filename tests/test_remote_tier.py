@@ -171,10 +171,10 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
     monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")
     # Untouched for twice the lease by the store's whole-second clock, upload and leases.
     time.sleep(3.1)
-    plan = rm.plan_clear(remote, [key[:12]], older_than=10 ** 9)
+    plan = rm.removal_for_clear(remote, [key[:12]], older_than=10 ** 9)
     assert plan.entries == () and [x.what.split()[0] for x in plan.leftovers] == \
         ["orphaned", "lease"]
-    assert plan.execute() == []
+    assert plan.execute().failed == ()
     keys, _ = remote.scan()
     assert len(keys[0].uploads) == 1
     # The newest lease generation stays, so that generation numbers only rise.

@@ -29,7 +29,7 @@ import pytest
 import cachekit
 import hosts
 import s3
-from cachekit.cli import main as cli
+from cachekit.cli import main
 from cachekit.admin import remote as rm
 from cachekit.errors import RemoteWarning
 from cachekit.store.remote import RemoteStore
@@ -98,10 +98,10 @@ SWEEP_30_S_AHEAD = textwrap.dedent('''
     import os, sys, time
     real = time.time
     time.time = lambda: real() + 30.0  # this host's clock, 30 s ahead of the store's
-    from cachekit.cli import main as cli
+    from cachekit.cli import main
     while not os.path.exists(sys.argv[1]):  # started early, to run when the test says
         time.sleep(0.02)
-    raise SystemExit(cli.main(["clear", "--remote", "--older-than", "7d", "--yes"]))
+    raise SystemExit(main(["clear", "--remote", "--older-than", "7d", "--yes"]))
 ''')
 
 
@@ -167,7 +167,7 @@ def one_valid_entry(remote: RemoteStore, capsys=None) -> str:
     assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
     assert list(keys[0].uploads) == [remote.lookup(keys[0].key).upload]
     if capsys is not None:
-        assert cli.main(["verify", "--remote"]) == 0
+        assert main(["verify", "--remote"]) == 0
         assert "no problems" in capsys.readouterr().out
     return keys[0].key
 
@@ -180,7 +180,7 @@ def read_json(remote: RemoteStore, path: str):
 def sweep(capsys, monkeypatch) -> str:
     """The routine sweep, run here with the agents' lease; what it printed."""
     monkeypatch.setenv("CACHEKIT_LOCK_LEASE", str(LEASE))
-    assert cli.main(["clear", "--remote", "--older-than", "7d", "--yes"]) == 0
+    assert main(["clear", "--remote", "--older-than", "7d", "--yes"]) == 0
     return capsys.readouterr().out
 
 
@@ -280,11 +280,11 @@ def test_a_sweep_that_judged_an_upload_orphaned_spares_it_once_its_manifest_name
     time.sleep(quiet(LEASE))
     monkeypatch.setenv("CACHEKIT_LOCK_LEASE", str(LEASE))
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    plan = rm.plan_clear(remote, older_than=7 * 86400)  # the sweep has looked...
+    plan = rm.removal_for_clear(remote, older_than=7 * 86400)  # the sweep has looked...
     assert any(x.what.startswith("orphaned") for x in plan.leftovers)
     os.kill(uploader.pid, signal.SIGCONT)  # ...and the uploader publishes before it acts
     report = hosts.finish(uploader).report()
-    assert plan.execute() == []
+    assert plan.execute().failed == ()
     assert one_valid_entry(remote, capsys) == report["key"]
     assert report["source"] == "built" and len(decoded(work)) == ROWS
 

@@ -23,20 +23,23 @@ Temporary directories under ``tmp/`` are in one of four states:
 
 from __future__ import annotations
 
+import datetime
 import os
 import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .. import _fs
-from ..store import manifest as manifests
+from .. import _fs, units
 from ..errors import CacheCorruptError
 from ..keys import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
+from ..store import manifest as manifests
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
+SHORT_KEY = 12
+"""How many hex digits of a key people are shown (a unique prefix in practice)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,20 @@ def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
         if matches[0] not in resolved:
             resolved.append(matches[0])
     return resolved
+
+
+def local_time(t: float) -> Optional[datetime.datetime]:
+    """``t`` (seconds since the epoch) as a local time; None when it is not one, as in a
+    manifest that says it was created at 1e300, -1e300 or NaN."""
+    try:
+        return datetime.datetime.fromtimestamp(t)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def ago(t: float, now: float) -> str:
+    """How long before ``now`` the time ``t`` was, for people; ``?`` when ``t`` is no time."""
+    return "?" if local_time(t) is None else units.format_age(now - t)
 
 
 def _tree_bytes(path: Path) -> int:

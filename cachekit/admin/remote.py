@@ -1,6 +1,7 @@
 """Looking at, checking and cleaning a remote tier: what ``cachekit ls|info|verify|clear
---remote`` do. Inspection returns frozen dataclasses; removal is a plan whose ``execute()``
-does the work, so ``--dry-run`` and confirmation cost nothing.
+--remote`` do. Inspection returns frozen dataclasses; removal is a
+:class:`~cachekit.admin.removal.Removal` like the local ones, whose ``execute()`` does the
+work, so ``--dry-run`` and confirmation cost nothing.
 
 Besides published entries, a remote holds what interrupted work left:
 
@@ -26,14 +27,15 @@ a miss, never a torn entry. The uploader itself checks its objects after its man
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterable, Optional
 
-from .. import liveness
+from .. import liveness, units
 from ..errors import CacheCorruptError, RemoteUnavailableError
-from .inspect import Problem, resolve_keys
 from ..store.remote import (OTHERS, OURS, UNKNOWN, RemoteEntry, RemoteKey, RemoteObject,
     RemoteStore)
+from .inspect import SHORT_KEY, Problem, ago, resolve_keys
+from .removal import ENTRY, Item, Removal, Skipped
 
 
 @dataclass(frozen=True)
@@ -227,65 +229,56 @@ def _check(remote: RemoteStore, entry: RemoteEntry,
 # Clear --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RemoteRemovalPlan:
+LEFTOVER = "leftover"
+"""What a remote removal's leftover items are (``Item.noun``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteRemoval(Removal):
     """Remote entries and leftovers to remove. An entry goes manifest first, so readers stop
-    seeing it at once and never see it without its data."""
+    seeing it at once and never see it without its data. Leftovers that stay are skipped,
+    with why (an upload or build may still be going on, or the store's time is unknown)."""
 
     remote: RemoteStore
-    entries: tuple[RemoteEntryInfo, ...]
-    leftovers: tuple[Leftover, ...]
-    kept: tuple[Leftover, ...] = field(default=())
-    """Leftovers that stay (``kept_because`` says why: an upload or build may still be
-    going on, or the store's time is unknown)."""
+    failures: ClassVar[tuple[type[BaseException], ...]] = (RemoteUnavailableError,)
 
     @property
-    def bytes(self) -> int:
-        return sum(e.bytes for e in self.entries) + sum(x.bytes for x in self.leftovers)
+    def leftovers(self) -> tuple[Leftover, ...]:
+        return self.subjects(LEFTOVER)
 
-    def __len__(self) -> int:
-        return len(self.entries) + len(self.leftovers)
-
-    def execute(self) -> list[tuple[str, str]]:
-        """Remove everything in the plan; returns (what, error) for each failure."""
+    def remove(self, item: Item) -> Optional[str]:
         remote = self.remote
-        failed: list[tuple[str, str]] = []
-        for info in self.entries:
-            try:
-                if info.entry is not None and remote.named(info.key, info.entry.upload) \
-                        == OTHERS:
-                    continue  # replaced by another upload since the scan: a new entry
-                remote.remove([remote.manifest_path(info.key)], f"removing {info.url}")
-                if info.entry is not None:
-                    remote.remove_upload(info.key, info.entry.upload)
-            except RemoteUnavailableError as e:
-                failed.append((info.url, str(e)))
-        for leftover in self.leftovers:
-            try:
-                if leftover.upload is not None:
-                    _remove_orphan(remote, leftover)
-                else:
-                    remote.remove([o.path for o in leftover.objects],
-                                  f"removing the {leftover.what} of {leftover.key}")
-            except RemoteUnavailableError as e:
-                failed.append((f"{leftover.key} {leftover.what}", str(e)))
-        return failed
+        if item.noun == ENTRY:
+            info: RemoteEntryInfo = item.subject
+            if info.entry is not None and remote.named(info.key, info.entry.upload) == OTHERS:
+                return "replaced by another upload since it was listed: a new entry"
+            remote.remove([remote.manifest_path(info.key)], f"removing {info.url}")
+            if info.entry is not None:
+                remote.remove_upload(info.key, info.entry.upload)
+            return None
+        leftover: Leftover = item.subject
+        if leftover.upload is not None:
+            return _remove_orphan(remote, leftover)
+        remote.remove([o.path for o in leftover.objects],
+                      f"removing the {leftover.what} of {leftover.key}")
+        return None
 
 
-def _remove_orphan(remote: RemoteStore, leftover: Leftover) -> None:
+def _remove_orphan(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
     """Remove an orphaned upload unless a manifest names it now; withdraw a manifest that
     came to name it while its objects went (its uploader woke in between)."""
     assert leftover.upload is not None
     if remote.named(leftover.key, leftover.upload) in (OURS, UNKNOWN):
-        return  # published since the scan, or no telling: it stays
+        return "published since it was listed, or its key's manifest could not be read"
     remote.remove([o.path for o in leftover.objects],
                   f"removing the {leftover.what} of {leftover.key}")
     remote.withdraw(leftover.key, leftover.upload)
+    return None
 
 
-def plan_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
-               older_than: Optional[float] = None) -> RemoteRemovalPlan:
-    """Entries to remove (all, ``keys``/prefixes, or those uploaded longer than
+def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
+                      older_than: Optional[float] = None) -> RemoteRemoval:
+    """Removing entries (all, ``keys``/prefixes, or those uploaded longer than
     ``older_than`` seconds ago), with the removable leftovers of the same keys (of every key
     when no ``keys`` are given)."""
     found = scan(remote)
@@ -297,9 +290,23 @@ def plan_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
     if older_than is not None:
         entries = [e for e in entries if _age(e, found.now) > older_than]
     leftovers = [x for x in found.leftovers if wanted is None or x.key in wanted]
-    return RemoteRemovalPlan(remote, tuple(entries),
-                             tuple(x for x in leftovers if x.removable),
-                             tuple(x for x in leftovers if not x.removable))
+    now = time.time()
+    items = [Item(e.key, ENTRY, e.key, e.url, e.bytes,
+                  f"{e.key[:SHORT_KEY]}  {e.entry.manifest.kind if e.entry else '?':<7} "
+                  f"{units.format_size(e.bytes):>9}  created {ago(e.created, now)}", e)
+             for e in entries]
+    items += [_leftover_item(remote, x) for x in leftovers if x.removable]
+    return RemoteRemoval(items=tuple(items), goal=f"in {remote.display}", remote=remote,
+                         skipped=tuple(Skipped(_leftover_item(remote, x), x.kept_because)
+                                       for x in leftovers if not x.removable))
+
+
+def _leftover_item(remote: RemoteStore, leftover: Leftover) -> Item:
+    folder = leftover.objects[0].path.rsplit("/", 1)[0] if leftover.objects else ""
+    return Item(leftover.key, LEFTOVER, f"the {leftover.what} of {leftover.key[:SHORT_KEY]}",
+                remote.object_url(folder), leftover.bytes,
+                f"{leftover.key[:SHORT_KEY]}  {leftover.what}  "
+                f"{units.format_size(leftover.bytes)}", leftover)
 
 
 def _age(entry: RemoteEntryInfo, now: Optional[float]) -> float:

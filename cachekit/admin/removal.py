@@ -1,15 +1,22 @@
-"""Removing entries safely while other processes read and build: plans, then execution.
+"""Removing entries safely while other processes read and build: one family of removals,
+local and remote, each made by looking only and carried out by ``execute()``.
 
-A plan (:func:`plan_clear`, :func:`plan_prune`) only looks; its ``execute()`` does the work,
-so ``--dry-run`` and confirmation prompts cost nothing. To remove an entry, its directory is
-first renamed out of ``entries/`` into ``tmp/deleting.KEY.HOST.PID.UUID`` in one atomic
-step, then deleted (:meth:`cachekit.store.LocalStore.remove`): a reader either finds the
-whole entry or none, and a process that mapped the entry before keeps reading the same
-bytes (POSIX keeps unlinked files alive while they are open or mapped). Build directories
-whose builder is alive (:mod:`cachekit.liveness`) are never touched; they are reported as
-skipped. A dead build's directory is judged again just before its removal, and removed by
-the same atomic rename, so a builder that resumes it at that moment gets it whole or not at
-all.
+Because making a removal changes nothing, ``--dry-run`` and the confirmation prompt cost
+nothing, and the command line shows, confirms and reports every removal the same way: a
+:class:`Removal` has its :class:`Item` s (what will go), what it leaves alone
+(:class:`Skipped`, each with why) and its goal; ``execute()`` removes each item that is
+still safe to remove and returns a :class:`RemovalReport`. This module holds the family and
+the local removals (:func:`removal_for_clear`, :func:`removal_for_prune`); the remote one is
+:class:`cachekit.admin.remote.RemoteRemoval`.
+
+To remove a local entry, its directory is first renamed out of ``entries/`` into
+``tmp/deleting.KEY.HOST.PID.UUID`` in one atomic step, then deleted
+(:meth:`cachekit.store.LocalStore.remove_entry`): a reader either finds the whole entry or
+none, and a process that mapped the entry before keeps reading the same bytes (POSIX keeps
+unlinked files alive while they are open or mapped). Build directories whose builder is
+alive (:mod:`cachekit.liveness`) are never touched; they are reported as skipped. A dead
+build's directory is judged again just before its removal, and removed by the same atomic
+rename, so a builder that resumes it at that moment gets it whole or not at all.
 """
 
 from __future__ import annotations
@@ -17,83 +24,191 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional, Union
 
-from .inspect import BUILDING, ORPHANED, EntryInfo, TempDir, resolve_keys, scan, temp_dir_info
+from .. import units
 from ..store import LocalStore
+from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, TempDir, ago, resolve_keys, scan,
+    temp_dir_info)
+
+ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
+"""What an :class:`Item` is (``Item.noun``): a published entry, a directory under ``tmp/``
+left by a dead builder or an interrupted removal, a key's recorded build failure."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing a removal takes away (or leaves alone), as people are shown it."""
+
+    key: Optional[str]
+    noun: str
+    """What it is, in the singular: ``entry``, ``leftover directory``, ..."""
+    name: str
+    """Its short name in messages, e.g. a directory's name."""
+    path: Union[Path, str]
+    """Where it is: a path, or a URL of the remote."""
+    bytes: int
+    line: str
+    """Its line in the list a removal shows before it asks."""
+    subject: Any = field(compare=False)
+    """What the inspection found: an EntryInfo, a TempDir, a key, ..."""
 
 
 @dataclass(frozen=True)
 class Skipped:
-    """Something a plan or its execution left alone, and why."""
+    """Something a removal or its execution left alone (or failed to remove), and why."""
 
-    key: Optional[str]
-    path: Path
+    item: Item
     reason: str
+
+    @property
+    def key(self) -> Optional[str]:
+        return self.item.key
+
+    @property
+    def path(self) -> Union[Path, str]:
+        return self.item.path
+
+    @property
+    def name(self) -> str:
+        return self.item.name
 
 
 @dataclass(frozen=True)
 class RemovalReport:
-    """What ``RemovalPlan.execute()`` did."""
+    """What ``Removal.execute()`` did: what went, what stayed and why (what the removal
+    skipped from the start first), and what could not be removed (the reason says why)."""
 
-    removed_entries: tuple[EntryInfo, ...]
-    removed_temp_dirs: tuple[TempDir, ...]
+    removed: tuple[Item, ...]
     skipped: tuple[Skipped, ...]
     failed: tuple[Skipped, ...]
-    """Items whose removal raised an error (e.g. permissions); the reason says which."""
 
     @property
     def freed_bytes(self) -> int:
-        return sum(e.bytes for e in self.removed_entries) + sum(t.bytes for t in self.removed_temp_dirs)
+        return sum(item.bytes for item in self.removed)
+
+    @property
+    def removed_entries(self) -> tuple[Any, ...]:
+        """What the inspection found of each removed entry (an EntryInfo locally)."""
+        return tuple(item.subject for item in self.removed if item.noun == ENTRY)
+
+    @property
+    def removed_temp_dirs(self) -> tuple[TempDir, ...]:
+        """The removed directories under a local root's ``tmp/``."""
+        return tuple(item.subject for item in self.removed if item.noun == LEFTOVER_DIRECTORY)
+
+    def summary(self) -> str:
+        """E.g. ``2 entries and 1 leftover directory, freed 1.2 MB``."""
+        return f"{counted(self.removed)}, freed {units.format_size(self.freed_bytes)}"
 
 
-@dataclass(frozen=True)
-class RemovalPlan:
-    """Entries and temporary directories to remove, and what was left alone and why.
+@dataclass(frozen=True, kw_only=True)
+class Removal:
+    """Things to remove (``items``, in the order they go), what is left alone and why
+    (``skipped``), and what the removal is for (``goal``, e.g. ``in /data/cache``).
 
-    ``unused_since``: when set, an entry used (hit) after this time is spared at execution,
-    because prune and ``older_than`` chose it for being unused.
+    A member of the family says how one item goes (:meth:`remove`) and which errors mean
+    that an item could not be removed (``failures``); the rest is common to all.
     """
 
-    store: LocalStore
-    entries: tuple[EntryInfo, ...]
-    temp_dirs: tuple[TempDir, ...]
+    items: tuple[Item, ...]
     skipped: tuple[Skipped, ...] = ()
-    unused_since: dict[str, float] = field(default_factory=dict)
-    failure_records: tuple[str, ...] = ()
-    """Keys whose recorded build failure (``locks/KEY.failed.json``) goes too."""
+    goal: str
+    failures: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
 
     @property
     def bytes(self) -> int:
-        return sum(e.bytes for e in self.entries) + sum(t.bytes for t in self.temp_dirs)
+        return sum(item.bytes for item in self.items)
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.temp_dirs) + len(self.failure_records)
+        return len(self.items)
+
+    @property
+    def entries(self) -> tuple[Any, ...]:
+        """What the inspection found of each entry to remove."""
+        return self.subjects(ENTRY)
+
+    def subjects(self, noun: str) -> tuple[Any, ...]:
+        return tuple(item.subject for item in self.items if item.noun == noun)
+
+    def summary(self) -> str:
+        """What a dry run would remove, e.g. ``3 entries (1.2 MB) in /data/cache``."""
+        return f"{counted(self.items)} ({units.format_size(self.bytes)}) {self.goal}"
+
+    def remove(self, item: Item) -> Optional[str]:
+        """Remove ``item`` if it is still safe to: None when it went, else why it stays.
+        Raises one of ``failures`` when it could not be removed."""
+        raise NotImplementedError
 
     def execute(self) -> RemovalReport:
-        """Remove everything in the plan that is still safe to remove."""
-        removed_entries: list[EntryInfo] = []
-        removed_temps: list[TempDir] = []
+        """Remove every item that is still safe to remove, in order."""
+        removed: list[Item] = []
         skipped = list(self.skipped)
         failed: list[Skipped] = []
-        for temp in self.temp_dirs:
-            outcome = _remove_temp_dir(self.store, temp)
-            _sort(outcome, temp, removed_temps, skipped, failed)
-        for entry in self.entries:
-            outcome = _remove_entry(self.store, entry, self.unused_since.get(entry.key))
-            _sort(outcome, entry, removed_entries, skipped, failed)
-        for key in self.failure_records:
+        for item in self.items:
             try:
-                self.store.forget_failure(key)
-            except OSError as e:
-                failed.append(Skipped(key, self.store.layout.failure_path(key), str(e)))
-        return RemovalReport(tuple(removed_entries), tuple(removed_temps), tuple(skipped),
-                             tuple(failed))
+                reason = self.remove(item)
+            except self.failures as e:
+                failed.append(Skipped(item, str(e)))
+                continue
+            if reason is None:
+                removed.append(item)
+            else:
+                skipped.append(Skipped(item, reason))
+        return RemovalReport(tuple(removed), tuple(skipped), tuple(failed))
 
 
-def plan_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
-               older_than: Optional[float] = None, now: Optional[float] = None) -> RemovalPlan:
-    """Plan removing entries (all, or ``keys`` / unique prefixes), optionally only those not
+def counted(items: Iterable[Item]) -> str:
+    """``items`` counted by what they are, entries first and always: ``0 entries and 2
+    leftover directories``."""
+    counts = {ENTRY: 0}
+    for item in items:
+        counts[item.noun] = counts.get(item.noun, 0) + 1
+    return " and ".join(f"{n} {noun if n == 1 else _plural(noun)}" for noun, n in counts.items()
+                        if n or noun == ENTRY)
+
+
+def _plural(noun: str) -> str:
+    return noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
+
+
+# The local removals ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalRemoval(Removal):
+    """Entries, directories under ``tmp/`` and failure records to remove from a root.
+
+    ``unused_since``: when an entry's key is there, the entry is spared at execution if it
+    was used (hit) after that time, because prune and ``older_than`` chose it for being
+    unused.
+    """
+
+    store: LocalStore
+    unused_since: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def temp_dirs(self) -> tuple[TempDir, ...]:
+        return self.subjects(LEFTOVER_DIRECTORY)
+
+    @property
+    def failure_records(self) -> tuple[str, ...]:
+        """Keys whose recorded build failure (``locks/KEY.failed.json``) goes."""
+        return self.subjects(FAILURE_RECORD)
+
+    def remove(self, item: Item) -> Optional[str]:
+        if item.noun == ENTRY:
+            return _remove_entry(self.store, item.subject, self.unused_since.get(item.key or ""))
+        if item.noun == LEFTOVER_DIRECTORY:
+            return _remove_temp_dir(self.store, item.subject)
+        self.store.forget_failure(item.subject)
+        return None
+
+
+def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
+                      older_than: Optional[float] = None,
+                      now: Optional[float] = None) -> LocalRemoval:
+    """Removing entries (all, or ``keys`` / unique prefixes), optionally only those not
     used for ``older_than`` seconds, with their orphaned build directories, interrupted
     removals and (unless ``older_than``) recorded build failures. Live builds are listed as
     skipped.
@@ -107,20 +222,22 @@ def plan_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
         wanted = set(resolve_keys(keys, known))
 
     def selected(key: str, used: float) -> bool:
-        return (wanted is None or key in wanted) and (older_than is None or now - used >= older_than)
+        return ((wanted is None or key in wanted)
+                and (older_than is None or now - used >= older_than))
 
-    entries = tuple(e for e in found.entries if selected(e.key, e.last_used))
+    entries = [e for e in found.entries if selected(e.key, e.last_used)]
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
-    unused_since = {e.key: e.last_used for e in entries} if older_than is not None else {}
-    records = () if older_than is not None else tuple(
-        k for k in failures if wanted is None or k in wanted)
-    return RemovalPlan(store, entries, tuple(t for t in temps if t.removable),
-                       tuple(_skip_live(t) for t in temps if not t.removable), unused_since,
-                       records)
+    records = [] if older_than is not None else [
+        k for k in failures if wanted is None or k in wanted]
+    return LocalRemoval(
+        items=_items(store, entries, [t for t in temps if t.removable], records, now),
+        skipped=tuple(_skip_live(t) for t in temps if not t.removable),
+        goal=f"in {store.root}", store=store,
+        unused_since={e.key: e.last_used for e in entries} if older_than is not None else {})
 
 
-def plan_prune(store: LocalStore, max_bytes: int) -> RemovalPlan:
-    """Plan removing the least recently used entries until the cache holds <= ``max_bytes``.
+def removal_for_prune(store: LocalStore, max_bytes: int) -> LocalRemoval:
+    """Removing the least recently used entries until the cache holds <= ``max_bytes``.
 
     Orphaned build directories and interrupted removals go first (they are garbage); live
     builds are not counted and are listed as skipped.
@@ -140,55 +257,66 @@ def plan_prune(store: LocalStore, max_bytes: int) -> RemovalPlan:
             break
         entries.append(entry)
         total -= entry.bytes
-    live = tuple(_skip_live(t) for t in found.temp_dirs if not t.removable)
-    return RemovalPlan(store, tuple(entries), tuple(temps), live,
-                       {e.key: e.last_used for e in entries})
+    return LocalRemoval(
+        items=_items(store, entries, temps, [], time.time()),
+        skipped=tuple(_skip_live(t) for t in found.temp_dirs if not t.removable),
+        goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
+        unused_since={e.key: e.last_used for e in entries})
+
+
+def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[TempDir],
+           records: Iterable[str], now: float) -> tuple[Item, ...]:
+    """The items of a local removal: garbage under ``tmp/`` first, then entries, then
+    failure records."""
+    items = [_temp_item(t) for t in temps]
+    items += [Item(e.key, ENTRY, e.key, e.path, e.bytes,
+                   f"{e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
+                   f"last used {ago(e.last_used, now)}", e) for e in entries]
+    items += [Item(k, FAILURE_RECORD, f"the failure record of {k[:SHORT_KEY]}",
+                   store.layout.failure_path(k), 0,
+                   f"{k[:SHORT_KEY]}  recorded build failure", k) for k in records]
+    return tuple(items)
+
+
+def _temp_item(temp: TempDir) -> Item:
+    return Item(temp.key, LEFTOVER_DIRECTORY, temp.path.name, temp.path, temp.bytes,
+                f"{temp.path.name}  {temp.state} ({temp.owner})  {units.format_size(temp.bytes)}",
+                temp)
 
 
 def _skip_live(temp: TempDir) -> Skipped:
+    return Skipped(_temp_item(temp), _live(temp))
+
+
+def _live(temp: TempDir) -> str:
     doing = "being built" if temp.state == BUILDING else "being removed"
-    return Skipped(temp.key, temp.path, f"{doing} by {temp.owner}")
+    return f"{doing} by {temp.owner}"
 
 
-def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[float]):
-    """Remove a published entry; a Skipped when it was spared or already gone."""
+def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[float]
+                  ) -> Optional[str]:
+    """Remove a published entry; why not when it was spared or already gone."""
     try:
         if unused_since is not None and entry.path.stat().st_mtime > unused_since:
-            return Skipped(entry.key, entry.path, "used since the plan was made")
+            return "used since the removal was planned"
         if not store.remove_entry(entry.key):
-            return Skipped(entry.key, entry.path, "already removed by another process")
+            return "already removed by another process"
     except FileNotFoundError:
-        return Skipped(entry.key, entry.path, "already removed by another process")
-    except OSError as e:
-        return e
+        return "already removed by another process"
     return None
 
 
-def _remove_temp_dir(store: LocalStore, temp: TempDir):
+def _remove_temp_dir(store: LocalStore, temp: TempDir) -> Optional[str]:
     """Remove an orphaned build directory (judged dead again first) or an interrupted
-    removal; a Skipped when it came alive, or is gone."""
-    try:
-        if temp.state != ORPHANED:
-            store.remove_temp(temp.path.name, temp.key)
-            return None
-        now = temp_dir_info(store, temp.path)
-        if now is None:
-            return Skipped(temp.key, temp.path, "already removed by another process")
-        if now.state != ORPHANED:
-            return _skip_live(now)
-        if not store.remove_temp(temp.path.name, temp.key):
-            return Skipped(temp.key, temp.path, "already removed, or resumed, by another process")
-    except OSError as e:
-        return e
+    removal; why not when it came alive, or is gone."""
+    if temp.state != ORPHANED:
+        store.remove_temp(temp.path.name, temp.key)
+        return None
+    now = temp_dir_info(store, temp.path)
+    if now is None:
+        return "already removed by another process"
+    if now.state != ORPHANED:
+        return _live(now)
+    if not store.remove_temp(temp.path.name, temp.key):
+        return "already removed, or resumed, by another process"
     return None
-
-
-def _sort(outcome, item, removed: list, skipped: list[Skipped], failed: list[Skipped]) -> None:
-    """File ``item`` by ``outcome``: None removed, a Skipped spared, an OSError failed."""
-    if outcome is None:
-        removed.append(item)
-    elif isinstance(outcome, Skipped):
-        skipped.append(outcome)
-    else:
-        failed.append(Skipped(item.key, item.path, str(outcome)))
-

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import CacheCorruptError, LockTimeout, RemoteUnavailableError, RemoteWarning
 from ..store.manifest import Manifest
-from ..store import LocalStore, Published
+from ..store import LocalStore, Published, locks
 from ..store.remote import RemoteEntry, RemoteStore
 from ..store.lease import Watch, lease_path
 
@@ -154,6 +154,27 @@ class _Reader:
         warnings.warn(f"cachekit: remote entry {self.key[:12]} is broken: {error.path}: "
                       f"{error.reason}; it counts as missing: cachekit builds it and uploads "
                       "it in place of the broken one", RemoteWarning, stacklevel=6)
+
+
+def pull(tier: Tier, local: LocalStore, key: str) -> Optional[tuple[Published, str]]:
+    """(entry, source) for ``key`` without building: ``"local"`` when it is already in
+    ``local``, ``"remote"`` when downloaded; None when the remote has no entry of the key.
+    Holds the key's local build lock, so the agents of one host share one download. A
+    broken remote entry raises CacheCorruptError (an explicit pull is told, not warned)."""
+    found = local.lookup(key)
+    if found is not None:
+        return found, "local"
+    local.ensure_writable(key)
+    lock = locks.make_lock(local.layout.lock_path(key))
+    lock.acquire(timeout=None)
+    try:
+        found = local.lookup(key)
+        if found is not None:
+            return found, "local"
+        entry = tier.store.lookup(key)
+        return None if entry is None else (_download(tier, local, entry), "remote")
+    finally:
+        lock.release()
 
 
 def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:

@@ -1,0 +1,52 @@
+"""Carrying out a removal the one way every destructive command does (``clear``, ``prune``,
+``clear --remote``): show what it leaves alone and what it will remove, stop there on a dry
+run, ask on a terminal (refuse without ``--yes`` when there is none), execute, and report
+what went, what stayed and what failed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..admin.removal import Removal
+from ..errors import UsageError
+from .output import say
+
+
+def check_can_confirm(args: argparse.Namespace) -> None:
+    """Refuse, before anything is looked at, to remove without a way to ask."""
+    if not (args.dry_run or args.yes or sys.stdin.isatty()):
+        raise UsageError("refusing to remove anything without confirmation: stdin is not a "
+                         "terminal; pass --yes (or --dry-run to see what would go)")
+
+
+def carry_out(removal: Removal, args: argparse.Namespace) -> int:
+    """Show ``removal``, confirm it, execute it, and report; the exit status (1 when
+    something could not be removed)."""
+    for skipped in removal.skipped:
+        say(f"skipping {skipped.name}: {skipped.reason}")
+    if not len(removal):
+        say(f"nothing to remove {removal.goal}")
+        return 0
+    for item in removal.items:
+        say(f"  {item.line}")
+    summary = removal.summary()
+    if args.dry_run:
+        say(f"would remove {summary} (dry run: nothing removed)")
+        return 0
+    if not args.yes and not confirm(f"remove {summary}? [y/N] "):
+        say("nothing removed")
+        return 0
+    report = removal.execute()
+    for skipped in report.skipped[len(removal.skipped):]:
+        say(f"skipped {skipped.name}: {skipped.reason}")
+    say(f"removed {report.summary()}")
+    for failed in report.failed:
+        say(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+def confirm(question: str) -> bool:
+    """Ask ``question`` on stderr; whether the answer read from stdin is yes."""
+    say(question, end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")

@@ -1,0 +1,214 @@
+"""The commands on the local root: ``dir``, ``ls``, ``info``, ``clear``, ``prune``,
+``verify``, ``build`` and ``demo``. Each takes the parsed arguments and returns the exit
+status. They only format and confirm: the work is done by :mod:`cachekit.admin.inspect`,
+:mod:`cachekit.admin.removal` and :mod:`cachekit.admin.integrity`, and only ``build`` (which
+reads a CSV) imports pandas or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from .. import units
+from ..admin import inspect
+from ..errors import CachekitError, ImageDecodeError, UsageError
+from ..store import manifest as manifests
+from .confirm import carry_out, check_can_confirm
+from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, say, shape, table, when
+from .parser import check_clear_selection, key_errors
+from .stores import local_store
+
+SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
+"""``ls --sort`` choices and the EntryInfo field each sorts by (newest or largest first)."""
+
+
+def show_root(args: argparse.Namespace) -> int:
+    say(local_store(args).root)
+    return 0
+
+
+def ls(args: argparse.Namespace) -> int:
+    store = local_store(args)
+    found = inspect.scan(store)
+    entries = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
+    if args.json:
+        print(json.dumps([e.to_json() for e in entries], indent=1))
+    elif not entries:
+        say(f"no entries in {store.root}")
+    else:
+        now = time.time()
+        rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST USED", "")]
+        rows += [(e.key[:SHORT_KEY], e.kind or "?", "?" if e.rows is None else str(e.rows),
+                  _row_shape(e), e.dtype or "?", units.format_size(e.bytes),
+                  ago(e.created, now), ago(e.last_used, now), _note(e)) for e in entries]
+        table(rows, right=(2, 5))
+        say(f"{count(len(entries), 'entry', 'entries')}, "
+            f"{units.format_size(sum(e.bytes for e in entries))} in {store.root}")
+    _report_temp_dirs(found.temp_dirs)
+    for problem in found.problems:
+        if problem.key is None:
+            say(f"warning: {problem.path}: {problem.message}", file=sys.stderr)
+    return 0
+
+
+def info(args: argparse.Namespace) -> int:
+    found = inspect.scan(local_store(args))
+    with key_errors():
+        key = inspect.resolve_keys(
+            [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
+    entry = next((e for e in found.entries if e.key == key), None)
+    if entry is not None:
+        _print_entry(entry)
+    _report_temp_dirs([t for t in found.temp_dirs if t.key == key], out=sys.stdout)
+    return 0
+
+
+def _print_entry(e: inspect.EntryInfo) -> None:
+    now = time.time()
+    pairs: list[tuple[str, Any]] = [("key", e.key), ("path", e.path), ("kind", e.kind)]
+    if e.problem is not None:
+        pairs.append(("PROBLEM", f"{e.problem} (remove it with `cachekit clear "
+                                 f"{e.key[:SHORT_KEY]}`)"))
+    else:
+        pairs += [("rows", e.rows), ("shape", f"{shape(e.shape)} {e.dtype}"),
+                  ("column", e.column), ("failed rows", e.failed_rows)]
+    pairs += [("size", f"{units.format_size(e.bytes)} ({e.bytes} bytes)"),
+              ("created", when(e.created, now)), ("last used", when(e.last_used, now))]
+    manifest: dict[str, Any] = {}
+    if e.problem is None:
+        try:
+            manifest = manifests.read(e.path).to_json()
+        except (OSError, CachekitError):
+            pass
+    builder = manifest.get("builder")
+    if isinstance(builder, dict) and builder:  # (not a checked field: any JSON may be there)
+        pairs.append(("built by", f"pid {builder.get('pid')} on {builder.get('host')} in "
+                                  f"{manifest.get('build_seconds', '?')} s with cachekit "
+                                  f"{manifest.get('cachekit_version', '?')}"))
+    if e.params is not None:
+        pairs += [(f"  {name}", json.dumps(value, sort_keys=True))
+                  for name, value in sorted(e.params.items())]
+    for record in manifest.get("files") or []:
+        pairs.append((record["name"], f"{record['bytes']} bytes, checksum {record['checksum']}"))
+    fields(pairs)
+    failed = manifest.get("failed_rows") or []
+    for row, path, reason in failed[:20]:
+        say(f"  failed row {row}: {path}: {reason}")
+    if len(failed) > 20:
+        say(f"  ... and {len(failed) - 20} more")
+
+
+def clear(args: argparse.Namespace) -> int:
+    check_clear_selection(args)
+    check_can_confirm(args)
+    from ..admin.removal import removal_for_clear
+
+    with key_errors():
+        removal = removal_for_clear(local_store(args), args.keys or None,
+                                    older_than=args.older_than)
+    return carry_out(removal, args)
+
+
+def prune(args: argparse.Namespace) -> int:
+    check_can_confirm(args)
+    from ..admin.removal import removal_for_prune
+
+    return carry_out(removal_for_prune(local_store(args), args.max_size), args)
+
+
+def verify(args: argparse.Namespace) -> int:
+    from ..admin.integrity import verify as verify_entries
+
+    store = local_store(args)
+    with ByteProgress("cachekit verify") as progress, key_errors():
+        problems = verify_entries(store, args.keys or None, on_start=progress.start,
+                                  on_bytes=progress.advance)
+    for problem in problems:
+        say(f"{problem.key or problem.path}: {problem.message}")
+    checked = count(progress.entries, "entry", "entries")
+    if not args.keys:
+        _report_temp_dirs(inspect.list_temp_dirs(store)[0])
+    if problems:
+        say(f"{count(len(problems), 'problem', 'problems')} in {checked}; remove a broken "
+            "entry with `cachekit clear KEY` (it is rebuilt on next use)")
+        return 1
+    say(f"{checked} verified, no problems")
+    return 0
+
+
+def build(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from ..cache import Cache
+
+    try:
+        frame = pd.read_csv(args.csv)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {args.csv}: {e}") from None
+    if args.column not in frame.columns:
+        raise UsageError(f"{args.csv} has no column {args.column!r}; its columns are "
+                         f"{', '.join(map(str, frame.columns))}")
+    cache = Cache(local_store(args).root, remote=args.remote_url, workers=args.workers,
+                  executor=args.executor)
+    height, width = args.size
+    say(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
+        f"at {height}x{width} {args.mode} into {cache.root}", file=sys.stderr)
+    try:
+        entry = cache.images(frame[args.column], args.size, mode=args.mode, fit=args.fit,
+                             resample=args.resample, on_error=args.on_error,
+                             validate=args.validate, draft=args.draft)
+    except ImageDecodeError as e:
+        say(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
+            "row(s) could not be decoded:", file=sys.stderr)
+        for row, path, reason in e.failures:
+            say(f"  row {row}: {path}: {reason}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as e:  # the cache refused the column (empty, NaN, not str)
+        return fail(f"build failed: {e}", 1)
+    failed = entry.manifest["failed_rows"]
+    for row, path, reason in failed:
+        say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
+    how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
+    say(f"{how}: {len(entry)} rows {shape(entry.array.shape)} {entry.array.dtype}, "
+        f"{units.format_size(entry.array.nbytes)}"
+        + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
+    say(entry.key)
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from ..demo import run
+
+    return run(Path(args.root).expanduser() if args.root else None,
+               images=args.images, agents=args.agents)
+
+
+def _report_temp_dirs(temp_dirs: Iterable[inspect.TempDir], out: Any = None) -> None:
+    out = sys.stderr if out is None else out
+    for t in temp_dirs:
+        size = units.format_size(t.bytes)
+        if t.state == inspect.BUILDING:
+            say(f"build in progress: {t.key[:SHORT_KEY]} by {t.owner}, {size} so far", file=out)
+        elif t.state == inspect.DELETING:
+            say(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
+        else:
+            say(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
+                f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
+
+
+def _note(e: inspect.EntryInfo) -> str:
+    if e.problem is not None:
+        return f"PROBLEM: {e.problem}"
+    parts = [f"column {e.column}"] if e.column else []
+    if e.failed_rows:
+        parts.append(f"{e.failed_rows} failed rows")
+    return ", ".join(parts)
+
+
+def _row_shape(e: inspect.EntryInfo) -> str:
+    return "?" if e.shape is None else shape(e.shape[1:]) or "-"

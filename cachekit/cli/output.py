@@ -1,0 +1,103 @@
+"""What the command line prints, and how: every line goes through :func:`say`, which
+escapes control characters, because manifests, journals and names under a cache root (or in
+a bucket) are written by whoever else uses it, so none of their text may reach a terminal
+raw. ``--json`` output is JSON, whose strings escape control characters anyway.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+from .. import units
+from ..admin.inspect import SHORT_KEY, ago, local_time
+
+__all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "printable", "say",
+           "shape", "table", "when"]
+
+# C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
+# lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({c: f"\\u{c:04x}" for c in range(0xD800, 0xE000)})
+
+
+def printable(text: Any) -> str:
+    """``text`` with its control characters escaped."""
+    return str(text).translate(_ESCAPES)
+
+
+def say(text: Any = "", **kwargs: Any) -> None:
+    """``print`` one line (``kwargs`` as for print) with control characters escaped."""
+    print(printable(text), **kwargs)
+
+
+def fail(message: str, status: int) -> int:
+    """Say ``message`` as the command's one-line error on stderr; return ``status``."""
+    say(f"cachekit: error: {message}", file=sys.stderr)
+    return status
+
+
+def table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
+    """Print ``rows`` (the first is the heading) in aligned columns; the columns numbered in
+    ``right`` are aligned right."""
+    rows = [tuple(printable(cell) for cell in row) for row in rows]  # before measuring
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths))]
+        say("  ".join(cells).rstrip())
+
+
+def fields(pairs: Sequence[tuple[str, Any]]) -> None:
+    """Print ``name: value`` lines with the values aligned, leaving out None values."""
+    shown = [(printable(name), value) for name, value in pairs if value is not None]
+    width = max(len(name) for name, _ in shown) + 1
+    for name, value in shown:
+        say(f"{name + ':':<{width}} {value}")
+
+
+def shape(dims: Optional[Sequence[int]]) -> str:
+    """``3x32x32``; ``?`` when unknown."""
+    return "?" if dims is None else "x".join(str(n) for n in dims)
+
+
+def when(t: float, now: float) -> str:
+    """A time and how long ago it was: ``2024-05-01 12:00:00 (3 d ago)``."""
+    stamp = local_time(t)
+    if stamp is None:
+        return f"{t!r} (not a valid time)"
+    return f"{stamp:%Y-%m-%d %H:%M:%S} ({units.format_age(now - t)})"
+
+
+def count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+class ByteProgress:
+    """A progress bar in bytes on stderr when it is a terminal (none otherwise), for a
+    check that says what it is about to read (``start``) and then what it read
+    (``advance``); used as a context manager, which closes the bar."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.entries = 0
+        self._bar: Any = None
+
+    def start(self, entries: int, total_bytes: int) -> None:
+        self.entries = entries
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True,
+                             desc=self.description, leave=False)
+
+    def advance(self, size: int) -> None:
+        if self._bar is not None:
+            self._bar.update(size)
+
+    def __enter__(self) -> "ByteProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,30 @@
+"""The stores the global options name: the local root (``--root``, else the default root)
+and the remote tier (``--remote URL``, else ``$CACHEKIT_REMOTE``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..errors import UsageError
+from ..store import LocalStore, default_root
+from ..store.remote import REMOTE_ENV, RemoteStore
+
+
+def local_store(args: argparse.Namespace) -> LocalStore:
+    """The local root the command acts on, as an absolute path."""
+    root = Path(args.root).expanduser() if args.root else default_root()
+    return LocalStore(root.absolute())
+
+
+def remote_store(args: argparse.Namespace) -> RemoteStore:
+    """The remote tier; a usage error when there is none, or its URL is not one."""
+    url = getattr(args, "remote_url", None) or os.environ.get(REMOTE_ENV)
+    if not url:
+        raise UsageError(f"no remote: pass --remote URL before the command, or set "
+                         f"{REMOTE_ENV}")
+    try:
+        return RemoteStore(url)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
