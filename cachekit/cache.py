@@ -21,7 +21,7 @@ from .engine.rows import ArrayRow, ImageRow
 from .entry import Entry
 from .errors import ImageDecodeError
 from .obtain import (BuildFunction, Built, ChunkCallback, Expected, JoinFunction, Outcome,
-                     obtain_and_open)
+                     check_lock_timeout, obtain_and_open)
 from .store import BuildDir, LocalStore, default_root
 from .store.manifest import DATA_FILE, FORMAT_VERSION
 
@@ -47,15 +47,8 @@ class Cache:
                  lock_timeout: Optional[float] = None, workers: Optional[int] = None,
                  executor: Any = None, join: bool = True,
                  progress: Optional[bool] = None) -> None:
-        if lock_timeout is not None and (
-            isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
-            or lock_timeout < 0
-        ):
-            raise ValueError(f"lock_timeout must be None or seconds >= 0, not {lock_timeout!r}")
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
-        ):
-            raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
+        check_lock_timeout(lock_timeout)
+        workers = executors.check_workers(workers)
         if not isinstance(join, bool):
             raise TypeError(f"join must be True or False, not {join!r}")
         executors.check_executor(executor)
@@ -64,7 +57,7 @@ class Cache:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
         self.join = join
-        self.workers = workers if workers is not None else executors.usable_cpus()
+        self.workers = workers
         self.executor = executor
         self.progress = progress
         self._store = LocalStore(self.root)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, TypeVar
 
 from .. import _version, liveness, options, units
+from ..engine import executors
 from ..store import locks
 from ..admin import inspect as maintenance
 from ..store import manifest as manifests
@@ -168,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
     p.add_argument("--workers", type=positive, default=None,
                    help="parallel decode workers (default: CPUs)")
-    p.add_argument("--executor", choices=("threads", "processes"), default=None,
+    p.add_argument("--executor", choices=executors.KINDS, default=None,
                    help="where rows are decoded (default: cachekit's rule, see "
                         "docs/build-engine.md)")
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
