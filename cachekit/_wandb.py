@@ -15,7 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .obtain.flow import Outcome
+    from .obtain import Outcome
 
 ENV = "CACHEKIT_WANDB"
 PREFIX = "cachekit/"

@@ -1,9 +1,9 @@
 """``Cache``: the public face of cachekit.
 
 ``Cache.images``, ``Cache.map`` and ``@Cache.memoize`` all come down to one path,
-:meth:`Cache._obtain`: make a key, then :func:`cachekit.obtain.flow.obtain` the entry from the
-store, building it on a miss (per-row builds with :func:`cachekit.engine.fill.fill`), and report
-the use to an active W&B run.
+:meth:`Cache._obtain`: make a key, then :func:`cachekit.obtain.obtain` the entry from the
+store, building it on a miss (per-row builds with :func:`cachekit.engine.fill`), and
+report the use to an active W&B run.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import numpy as np
 from . import _fs, _wandb, keys, options
 from . import engine as build
 from .engine import executors
-from .obtain import flow as publish
-from .entry import Entry
-from .obtain.expected import Expected
-from .store.manifest import DATA_FILE, FORMAT_VERSION
-from .errors import ImageDecodeError
 from .engine.rows import ArrayRow, ImageRow
+from .entry import Entry
+from .errors import ImageDecodeError
+from .obtain import (BuildFunction, Built, ChunkCallback, Expected, JoinFunction, Outcome,
+                     check_lock_timeout, obtain_and_open)
 from .store import BuildDir, LocalStore, default_root
+from .store.manifest import DATA_FILE, FORMAT_VERSION
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -48,15 +48,8 @@ class Cache:
                  lock_timeout: Optional[float] = None, workers: Optional[int] = None,
                  executor: Any = None, join: bool = True,
                  progress: Optional[bool] = None) -> None:
-        if lock_timeout is not None and (
-            isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
-            or lock_timeout < 0
-        ):
-            raise ValueError(f"lock_timeout must be None or seconds >= 0, not {lock_timeout!r}")
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
-        ):
-            raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
+        check_lock_timeout(lock_timeout)
+        workers = executors.check_workers(workers)
         if not isinstance(join, bool):
             raise TypeError(f"join must be True or False, not {join!r}")
         executors.check_executor(executor)
@@ -65,7 +58,7 @@ class Cache:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
         self.join = join
-        self.workers = workers if workers is not None else executors.usable_cpus()
+        self.workers = workers
         self.executor = executor
         self.progress = progress
         self._store = LocalStore(self.root)
@@ -145,14 +138,14 @@ class Cache:
 
         return memoize(self._obtain, fn, version=version, ignore=ignore)
 
-    def _obtain(self, key: str, build_fn: publish.BuildFunction,
-                open_entry: Callable[[publish.Outcome], Any],
-                join_fn: Optional[publish.JoinFunction] = None, *,
+    def _obtain(self, key: str, build_fn: BuildFunction,
+                open_entry: Callable[[Outcome], Any],
+                join_fn: Optional[JoinFunction] = None, *,
                 expect: Expected) -> Any:
         """The one path every entry takes: obtain it (building on a miss, or joining the
         build under way with ``join_fn``), check it against the call (``expect``), open it,
         and report the use to an active W&B run."""
-        outcome, opened = publish.obtain_and_open(
+        outcome, opened = obtain_and_open(
             self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
             announce=self.progress is not False, join=join_fn if self.join else None,
             remote=self._remote_tier(), expect=expect)
@@ -175,7 +168,7 @@ class Cache:
                            "n": len(column), **material})
         record = collect_errors or on_error == "zero"
 
-        def build_entry(current: BuildDir, on_chunk: publish.ChunkCallback) -> publish.Built:
+        def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
             filled = build.fill(current.dir, DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record, key=key,
@@ -185,7 +178,7 @@ class Cache:
                                 done_with_sources=current.drop_resumed)
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures)
-            return publish.Built(
+            return Built(
                 kind=kind, rows=len(values), files=((DATA_FILE, "numpy"),),
                 failed_rows=tuple(filled.failures), params=params,
                 column=column.name if isinstance(column.name, str) else None,

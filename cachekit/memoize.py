@@ -27,9 +27,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 
 from . import _fs, arrays, keys
-from .obtain import flow as publish
+from .obtain import Built, ChunkCallback, Expected
 from .errors import CacheCorruptError
-from .obtain.expected import Expected
 from .store.manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir
 
@@ -78,11 +77,11 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         key, arguments = key_of(args, kwargs)
 
-        def build_entry(current: BuildDir, on_chunk: publish.ChunkCallback) -> publish.Built:
+        def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
             first = _write_leaves(current.dir, leaves)
-            return publish.Built(
+            return Built(
                 kind=MEMOIZE_KIND, rows=first.shape[0] if first.shape else 1,
                 files=tuple((file_name(i), kind) for i, (_, kind) in enumerate(leaves)),
                 params={"function": identity, "arguments": arguments}, structure=structure)

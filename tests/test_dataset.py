@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Subset, WeightedRandomSampler
 import cachekit
 from cachekit import arrays
 from cachekit.store import manifest as manifests
-from cachekit.obtain import flow as publish
+from cachekit.obtain import Built, obtain
 from cachekit.store import LocalStore
 from cachekit.dataset import DatasetCorruptError, EntryDataset
 
@@ -217,13 +217,13 @@ def test_spawned_workers_map_the_entry_themselves(shared_entry):
 def test_pickle_is_small_whatever_the_rows(cache_root):
     rows = 100_000
 
-    def build_zeros(current, on_chunk) -> publish.Built:
+    def build_zeros(current, on_chunk) -> Built:
         arrays.create_array(current.dir, manifests.DATA_FILE, (rows, 3, 8, 8),
                             np.dtype(np.uint8))
-        return publish.Built(kind="map", rows=rows, files=((manifests.DATA_FILE, "numpy"),))
+        return Built(kind="map", rows=rows, files=((manifests.DATA_FILE, "numpy"),))
 
-    outcome = publish.obtain(LocalStore(cache_root), "0" * 32, build_zeros, lock_timeout=None,
-                             announce=False)
+    outcome = obtain(LocalStore(cache_root), "0" * 32, build_zeros, lock_timeout=None,
+                     announce=False)
     entry = cachekit.Entry(outcome.entry.path, outcome.entry.manifest, source="local")
     dataset = entry.dataset()
     dataset[rows - 1]  # once mapped, the mapping still is not pickled

@@ -413,6 +413,24 @@ def test_cache_validates_the_executor(tmp_path):
     assert cachekit.Cache(tmp_path).executor is None
 
 
+def test_the_cache_and_the_runner_validate_workers_by_one_rule(tmp_path):
+    """None means the usable CPUs, for a Cache and for a runner alike; anything but None or
+    an int >= 1 is refused by both with the same words."""
+    assert cachekit.Cache(tmp_path).workers == executors.usable_cpus()
+    assert cachekit.Cache(tmp_path, workers=3).workers == 3
+    task = RowTask(square_row, False)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"workers must be None or an int >= 1") as cache:
+            cachekit.Cache(tmp_path, workers=bad)
+        with pytest.raises(ValueError) as runner:
+            make_runner("threads", bad, task)
+        assert str(runner.value) == str(cache.value)
+    out = np.zeros((4, 2), np.int64)
+    with make_runner("threads", None, task) as runner_of_cpus:
+        list(runner_of_cpus.run(chunks_of(4, 2), np.arange(4), out))
+    assert out[:, 1].tolist() == [0, 1, 4, 9]
+
+
 def test_the_default_rule():
     big = executors.PROCESSES_FROM_ROWS
     task = RowTask(square_row, False)

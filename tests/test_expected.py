@@ -11,8 +11,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit.obtain import flow as publish
-from cachekit.obtain.expected import Expected
+from cachekit.obtain import Built, Expected, obtain_and_open
 from cachekit.store.manifest import FileRecord, Manifest
 from cachekit.store import LocalStore
 from helpers import rewrite_entry
@@ -135,10 +134,10 @@ def test_an_entry_that_disagrees_again_after_its_removal_is_corrupt(cache_root, 
         out = arrays.create_array(current.dir, DATA_FILE, (2, 3), np.dtype("<u2"))
         arrays.flush(out)
         del out
-        return publish.Built(kind="map", rows=2, files=((DATA_FILE, "numpy"),))
+        return Built(kind="map", rows=2, files=((DATA_FILE, "numpy"),))
 
     with pytest.raises(cachekit.CacheCorruptError, match="again after it was removed"):
-        publish.obtain_and_open(store, "1" * 32, build_wrong, lambda outcome: None,
-                                lock_timeout=None, expect=Expected("map", rows=3))
+        obtain_and_open(store, "1" * 32, build_wrong, lambda outcome: None,
+                        lock_timeout=None, expect=Expected("map", rows=3))
     assert len(builds) == 2
     assert capfd.readouterr().err.count("does not match the call") == 1

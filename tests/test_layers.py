@@ -143,7 +143,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_tree_is_read_whole() -> None:
-    assert {"cachekit.cache", "cachekit.engine.fill", "cachekit.store.local",
+    assert {"cachekit.cache", "cachekit.engine.builder", "cachekit.store.local",
             "cachekit.obtain.flow", "cachekit.admin.removal", "cachekit.cli"} <= set(MODULES)
     assert {"cachekit.engine", "cachekit.store", "cachekit.obtain", "cachekit.admin",
             "cachekit.cli"} <= PACKAGES

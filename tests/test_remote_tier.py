@@ -25,7 +25,7 @@ import hosts
 import s3
 from helpers import rewrite_entry
 from cachekit import _wandb
-from cachekit.obtain import flow as publish, remote as remote_tier
+from cachekit.obtain import Outcome, remote as remote_tier
 from cachekit.errors import RemoteWarning
 from cachekit.store import LocalStore
 from cachekit.store.remote import RemoteStore
@@ -271,7 +271,7 @@ def test_the_wandb_summary_says_the_entry_was_downloaded(s3_env, tmp_path):
     pulled = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(row, [1, 2, 3])
     assert pulled.source == "remote" and pulled.hit
     published = LocalStore(tmp_path / "b").lookup(pulled.key)
-    fields = _wandb.summary_fields(publish.Outcome(published, "remote"), run_id="r")
+    fields = _wandb.summary_fields(Outcome(published, "remote"), run_id="r")
     assert fields["cachekit/source"] == "remote" and fields["cachekit/hit"] is True
     assert fields["cachekit/build_seconds"] == 0.0
 

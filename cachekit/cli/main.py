@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 
 from .. import _version, liveness, options, units
 from ..errors import CachekitError, UsageError
+from ..engine import executors
 from ..store import locks
 from ..store import remote as remote_store
 from . import local, remote
@@ -134,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
     p.add_argument("--workers", type=positive, default=None,
                    help="parallel decode workers (default: CPUs)")
-    p.add_argument("--executor", choices=("threads", "processes"), default=None,
+    p.add_argument("--executor", choices=executors.KINDS, default=None,
                    help="where rows are decoded (default: cachekit's rule, see "
                         "docs/build-engine.md)")
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")

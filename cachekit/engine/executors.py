@@ -35,8 +35,8 @@ from ..errors import Failure
 from .compute import ChunkRunner, InlineRunner, RowTask
 from .pieces import CLUSTER_SIZES, PROCESS_SIZES, THREAD_SIZES, PieceRunner
 
-__all__ = ["ChunkRunner", "Failure", "RowTask", "default_executor", "make_runner",
-           "usable_cpus"]
+__all__ = ["ChunkRunner", "Failure", "RowTask", "check_executor", "check_workers",
+           "default_executor", "make_runner", "usable_cpus"]
 
 ExecutorSpec = Union[None, str, Executor]
 KINDS = ("threads", "processes")
@@ -77,19 +77,18 @@ def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) ->
     return "processes"
 
 
-def make_runner(executor: ExecutorSpec, workers: int, task: RowTask, *,
+def make_runner(executor: ExecutorSpec, workers: Optional[int], task: RowTask, *,
                 rows: Optional[int] = None) -> ChunkRunner:
     """A runner for ``executor``: None (the default rule), "threads", "processes", or a
-    concurrent.futures.Executor instance. ``workers`` sizes threads and processes (an
-    Executor instance has its own size). ``rows``: how many rows the build will compute,
-    a hint for the default rule.
+    concurrent.futures.Executor instance. ``workers`` sizes threads and processes (None:
+    the usable CPUs; an Executor instance has its own size). ``rows``: how many rows the
+    build will compute, a hint for the default rule.
 
     Raises TypeError naming the row function when it cannot be pickled for a process or
     cluster executor, before any work starts.
     """
     check_executor(executor)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, not {workers!r}")
+    workers = check_workers(workers)
     if executor is None:
         executor = default_executor(workers, task, rows)
     if executor == "threads":
@@ -113,6 +112,16 @@ def make_runner(executor: ExecutorSpec, workers: int, task: RowTask, *,
                             owned=True, in_place=False, caller_runs=True, rows=rows)
     return PieceRunner(executor, _executor_size(executor), CLUSTER_SIZES, task,
                         owned=False, in_place=False, rows=rows)
+
+
+def check_workers(workers: Any) -> int:
+    """How many rows a build runs at once for ``workers``: the number itself, or the usable
+    CPUs for None; ValueError for anything else."""
+    if workers is None:
+        return usable_cpus()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
+    return workers
 
 
 def check_executor(executor: Any) -> None:

@@ -5,9 +5,9 @@ agrees with its own data files can still describe something other than what the 
 for: ``images`` returning uint16, or another number of rows. :class:`Expected` holds what
 the call knows before any entry is read (``images``: kind, rows, row shape and uint8;
 ``map``: kind and rows; ``memoize``: kind, and that its files are the leaves its structure
-names), and :meth:`Expected.check` says what disagrees. :func:`cachekit.obtain.flow.obtain_and_open`
-checks every entry, whatever its source; a mismatch is removed and built again locally,
-and refused (a miss) from a remote.
+names), and :meth:`Expected.check` says what disagrees.
+:func:`cachekit.obtain.flow.obtain_and_open` checks every entry, whatever its source; a
+mismatch is removed and built again locally, and refused (a miss) from a remote.
 """
 
 from __future__ import annotations

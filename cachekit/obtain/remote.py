@@ -1,39 +1,42 @@
-"""The remote tier's part of getting an entry, after a local miss (DESIGN 3.2).
+"""The remote tier's part of getting an entry, after a local miss.
 
-:func:`cachekit.obtain.flow.obtain` calls :func:`obtain` holding the key's local build lock, once
-no live local builder is left, so the agents of one host share one download or one build.
-Then: look the key up remotely, and download it when it is there (source ``"remote"``);
-otherwise take the key's remote lease (:mod:`cachekit.store.lease`) or wait while
-another host holds it, printing whom we wait for, until its entry is published (download)
-or its lease dies (take over); holding the lease, build, commit locally, upload (data first,
-manifest last, create-only) and release (source ``"built"``).
+:func:`cachekit.obtain.flow.obtain` calls :func:`obtain` holding the key's local build lock,
+once no live local builder is left, so the agents of one host share one download or one
+build. Then: look the key up remotely, and download it when it is there (source
+``"remote"``); otherwise take the key's remote lease (:mod:`cachekit.store.lease`) or wait
+while another host holds it, saying whom we wait for, until its entry is published
+(download) or its lease dies (take over), within what is left of the call's
+``lock_timeout`` (:mod:`cachekit.obtain.wait`); holding the lease, build, commit locally,
+upload (data first, manifest last, create-only) and release (source ``"built"``).
 
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
-process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building if
-it must. A remote entry that fails its checks (a manifest that is malformed or not validly
-signed, a data object missing, short or with another checksum) is a miss, as in Nix's and
-Bazel's caches: nothing of it is published, it warns once, and the host that takes the lease
-repairs it: it removes the broken manifest, builds, and uploads create-only. It never raises
-to the caller. A manifest that passes its own checks but disagrees with the call (another
-dtype, shape or row count: ``Expected.check`` of :mod:`cachekit.obtain.expected`) is broken the same
-way, found before anything is downloaded.
+process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building
+if it must: a remote is a shared convenience, never a reason for a call to fail. A remote
+entry that fails its checks (a manifest that is malformed or not validly signed, a data
+object missing, short or with another checksum) is a miss, as in Nix's and Bazel's caches:
+nothing of it is published, it warns once, and the host that takes the lease repairs it:
+it removes the broken manifest, builds, and uploads create-only; it never raises to the
+caller. A manifest that passes its own checks but disagrees with the call (another dtype,
+shape or row count: ``Expected.check`` of :mod:`cachekit.obtain.expected`) is broken the
+same way, found before anything is downloaded.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..errors import CacheCorruptError, LockTimeout, RemoteUnavailableError, RemoteWarning
-from ..store.manifest import Manifest
+from ..errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
 from ..store import LocalStore, Published, locks
+from ..store.manifest import Manifest
 from ..store.remote import RemoteEntry, RemoteStore
 from ..store.lease import Watch, lease_path
+from ..store.manifest import Manifest
+from ..store.remote import RemoteEntry, RemoteStore
+from .wait import WAITING, Awaited, Wait
 
-WAIT_REPORT_SECONDS = 10.0
 _warned: set[str] = set()
 Expect = Callable[[Manifest], Optional[str]]
 """What disagrees with the call in a manifest, or None: ``Expected.check`` of
@@ -50,12 +53,12 @@ class Tier:
 
 
 def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
-           build: Callable[[Any], Published], *, remaining: Optional[float],
-           announce: bool, expect: Optional[Expect] = None) -> tuple[Published, str]:
+           build: Callable[[Any], Published], *, wait: Wait,
+           expect: Optional[Expect] = None) -> tuple[Published, str]:
     """(entry, source) for ``key`` after a local miss, holding the local build lock.
 
     ``build(build_fn)`` builds and commits locally (resuming dead local builds);
-    ``remaining``: seconds left of the caller's lock_timeout (None: wait for good);
+    ``wait``: the call's wait, whose ``lock_timeout`` the local wait began to use;
     ``expect(manifest)``: what disagrees with the call in a remote entry's manifest, or
     None; one that disagrees is refused before it is downloaded, as a miss.
     """
@@ -65,7 +68,7 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
         got = reader.fetch()
         if got is not None:
             return got, "remote"
-        lease = _wait_for_lease(tier, reader, remaining, announce)
+        lease = _wait_for_lease(tier, reader, wait)
         if isinstance(lease, Published):
             return lease, "remote"
     except RemoteUnavailableError as e:
@@ -182,32 +185,27 @@ def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:
     return published
 
 
-def _wait_for_lease(tier: Tier, reader: _Reader, remaining: Optional[float],
-                    announce: bool) -> Any:
+def _wait_for_lease(tier: Tier, reader: _Reader, wait: Wait) -> Any:
     """The key's lease (a started Lease), or the entry (Published) when its builder on
-    another host publishes it while we wait. LockTimeout past ``remaining`` seconds."""
+    another host publishes it while we wait. LockTimeout at the call's deadline."""
     remote, key = tier.store, reader.key
     watch = Watch(remote, key)
-    started = time.monotonic()
-    next_report = started + min(2.0, WAIT_REPORT_SECONDS)
-    poll = min(1.0, watch.lease / 8)
-    while True:
+    awaited = Awaited(
+        remote.object_url(lease_path(remote, key, 1, "json")).rsplit("/", 1)[0],
+        watch.describe, "a lease whose heartbeat stops is taken over after "
+        "CACHEKIT_LOCK_LEASE seconds", note=f" (remote {remote.display})")
+
+    def look(seconds: float) -> Any:
         lease = watch.take_or_wait(lambda: reader.candidate() is None)
         if lease is not None:
             return lease
         got = reader.fetch()
         if got is not None:
             return got
-        waited = time.monotonic() - started
-        if remaining is not None and waited + poll > remaining:
-            raise LockTimeout(remote.object_url(lease_path(remote, key, 1, "json")).rsplit(
-                "/", 1)[0], waited, watch.describe(), "a lease whose heartbeat stops is "
-                "taken over after CACHEKIT_LOCK_LEASE seconds")
-        if announce and time.monotonic() >= next_report:
-            print(f"cachekit: waited {waited:.0f} s for {watch.describe()} to build entry "
-                  f"{key[:12]} (remote {remote.display})", file=sys.stderr, flush=True)
-            next_report = time.monotonic() + WAIT_REPORT_SECONDS
-        time.sleep(poll)
+        time.sleep(seconds)
+        return WAITING
+
+    return wait.until(look, awaited, poll=min(1.0, watch.lease / 8))
 
 
 def _reporting(build_fn: Any, lease: Any) -> Any:

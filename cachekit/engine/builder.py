@@ -44,7 +44,7 @@ from .resume import resume
 from .rows import as_row
 
 if TYPE_CHECKING:
-    from .join import RowsFile
+    from .joiner import RowsFile
 
 RowFunction = Callable[[Any], Any]
 ChunkCallback = Callable[[int, int], None]

@@ -14,7 +14,7 @@ import numpy as np
 from .. import _fs, arrays
 from ..errors import BuildGone
 from .executors import RowTask, make_runner
-from .fill import RowFunction, run_claimed
+from .builder import RowFunction, run_claimed
 from .journal import ROWS_PREFIX, Journal
 from .plan import Plan
 from .resume import plan_fits

@@ -1,0 +1,147 @@
+"""Building an entry in a directory of this process's own and committing it.
+
+The build happens in a private build directory (:class:`cachekit.store.BuildDir`) and is
+published by the store's atomic commit, so if a broken lock lets two builders race, the
+first rename wins and the other uses the winner's entry. Before building, the process
+claims the dead builds of the key that its own user made with this cachekit version (the
+build then copies their verified done chunks into a file of its own) and removes this
+user's other dead ones; another user's build state is never resumed, copied or joined.
+
+A build whose rows fail to decode leaves a failure record, so that the processes waiting
+for it raise the same error instead of each decoding every row again; a full disk or quota
+is said in words that name the entry and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .. import _fs
+from .._version import __version__
+from .. import engine
+from ..engine.journal import is_journal_name
+from ..errors import BuildGone, ImageDecodeError
+from ..store import BuildDir, LocalStore, Published
+from ..store.manifest import Manifest
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+ChunkCallback = engine.ChunkCallback
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a build function made in its directory, for the manifest."""
+
+    kind: str
+    rows: int
+    files: tuple[tuple[str, str], ...]
+    """(file name, leaf kind) of each data file, in order: ``(("data.npy", "numpy"),)``."""
+    failed_rows: tuple = ()
+    params: Optional[dict[str, Any]] = None
+    column: Optional[str] = None
+    structure: Optional[dict[str, Any]] = None
+    builder: Optional[dict[str, Any]] = None
+    """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
+
+
+BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
+"""Fills the build's directory, reporting (rows done, rows total) after each chunk."""
+
+
+def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
+                     announce: bool) -> Published:
+    """Build ``key`` with ``build_fn`` in a new build directory, resuming this user's dead
+    builds of it, and commit it: the published entry (another builder's, if its commit won
+    the race). BuildGone when another process took the directory over meanwhile."""
+    try:
+        current = store.begin(key)
+    except OSError as e:
+        if e.errno in _DISK_FULL:
+            raise _disk_full(e, store, key) from e
+        raise
+    started = time.monotonic()
+    try:
+        claimed = _claim_dead_builds(store, current)
+        if claimed and announce:
+            print(f"cachekit: resuming the build of entry {key[:12]} from {claimed} dead "
+                  "build(s) of this user: their done chunks whose bytes match their "
+                  "checksums are copied, only the other chunks are filled", file=sys.stderr,
+                  flush=True)
+        made = build_fn(current, current.progress)
+        current.drop_resumed()
+        if not current.still_ours():
+            raise BuildGone(str(current.path))
+        files = store.seal(current, made.files)
+        manifest = Manifest(
+            key=key, kind=made.kind, rows=made.rows, files=files, created=time.time(),
+            failed_rows=tuple(made.failed_rows), params=made.params or {}, column=made.column,
+            structure=made.structure,
+            builder={"host": _fs.host(), "pid": os.getpid(), **(made.builder or {})},
+            build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__)
+        published, won = store.commit(current, manifest, scratch=is_journal_name)
+    except KeyboardInterrupt:
+        current.abandon()  # keep the finished chunks for the next run
+        raise
+    except BaseException as e:
+        current.discard()
+        if isinstance(e, ImageDecodeError):
+            _record_failure(store, key, e)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            raise _disk_full(e, store, key) from e
+        raise
+    if won:
+        store.forget_failure(key)  # an earlier failure is history now
+    return published
+
+
+def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) -> None:
+    """Re-raise a build failure recorded while this call waited (not before it asked, and
+    never one dated in the future). A later call builds again: the files may be fixed."""
+    record = store.read_failure(key)
+    try:
+        failed_at, failures = record["time"], record["failures"]
+        if not isinstance(failed_at, (int, float)) or not asked <= failed_at <= time.time():
+            return
+        rows = [(int(r), str(p), str(why)) for r, p, why in failures]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return
+    raise ImageDecodeError(rows)
+
+
+def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> None:
+    """Tell the processes waiting for this build that it failed, and why, so that they
+    raise the same error instead of each decoding every row again (K agents, one build)."""
+    try:
+        store.record_failure(key, {"time": time.time(), **_fs.owner(),
+                                   "failures": [list(f) for f in error.failures]})
+    except OSError:
+        pass  # waiters then build again and fail the same way: slower, still correct
+
+
+def _disk_full(error: OSError, store: LocalStore, key: str) -> OSError:
+    """A full disk or quota, said in words that name the entry and the fix."""
+    return OSError(error.errno, f"{error.strerror} while building cache entry {key} under "
+                   f"{store.root}; nothing was published. Free space there, or point "
+                   "CACHEKIT_DIR at a larger disk", error.filename)
+
+
+def _claim_dead_builds(store: LocalStore, current: BuildDir) -> int:
+    """Claim the dead builds of the key that this user made with this cachekit version
+    for ``current`` to copy verified chunks from; remove this user's others. Another user's
+    build state is never resumed, copied or joined: it is left for its owner (``cachekit
+    clear`` removes it). Returns the number claimed."""
+    claimed = 0
+    for state in store.builds(current.key):
+        if state.alive or state.path == current.path or state.uid != os.geteuid():
+            continue
+        if state.same_version and store.claim_dead(current, state) is not None:
+            claimed += 1
+        else:
+            store.remove_dead(state)
+    return claimed

@@ -1,0 +1,151 @@
+"""Waiting on this host's side: for the key's build lock, then for the live builders the
+lock cannot see, joining their builds meanwhile.
+
+A process that misses takes the key's build lock (one builder per host, or per root where
+locks work across hosts). Holding it, it also waits while another builder of the key is
+alive by the heartbeat rule of :mod:`cachekit.liveness`: a builder on another host whose
+lock this host cannot see. The lock only saves duplicate work (the store's atomic commit
+keeps a race correct), so a lock whose holder shows no sign of life for a whole lease is
+not waited for at all.
+
+While it waits, a process given a join function (a per-row build, ``Cache(join=True)``)
+joins a live build of the key made by its own user, on this host or another: it fills the
+chunks nobody holds (see :func:`cachekit.engine.join`), then goes on waiting for the
+builder's commit, and says that it joined and how many chunks it filled. Another user's
+build is never joined.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Optional, Union
+
+from .. import _fs, liveness
+from .. import engine
+from ..store import BuildState, LocalStore, Published, locks
+from .wait import POLL_SECONDS, WAITING, Awaited, Wait, Waiting
+
+JOIN_POLL_SECONDS = 0.05
+"""How often a process that may join looks for a build to join: a joiner that starts late
+fills fewer chunks."""
+
+JoinFunction = Callable[[_fs.DirHandle], Optional[engine.Joined]]
+"""Fills free chunks of another process's live build, given its directory by handle."""
+
+
+class LocalWait:
+    """The local part of one call's ``wait``: the lock, then the live builders; ``locked``
+    once this process holds ``lock`` (the caller releases it)."""
+
+    def __init__(self, store: LocalStore, key: str, wait: Wait, lock: locks.BuildLock,
+                 join: Optional[JoinFunction] = None) -> None:
+        self.store, self.key, self.wait, self.lock, self.join = store, key, wait, lock, join
+        self.poll = POLL_SECONDS if join is None else JOIN_POLL_SECONDS
+        self.filled = self.rows_filled = 0
+        self.locked = False
+        self.lease = liveness.lease_from_env()
+        self.last_sign_of_life = time.monotonic()
+        self.awaited = Awaited(str(lock.path), self._builder, lock.release_hint())
+
+    def for_lock(self) -> Optional[Published]:
+        """Acquire the lock; return early with the entry if its builder publishes meanwhile.
+
+        A lock whose holder shows no sign of life for a whole lease (no heartbeat of its
+        own, no live build of the key) blocks nobody forever: we then go on without it and
+        build in a directory of our own, which the atomic commit makes safe (a duplicate
+        build at worst, if that holder was in fact about to build)."""
+        return self.wait.until(self._try_lock, self.awaited, self.poll)
+
+    def _try_lock(self, seconds: float) -> Union[Optional[Published], Waiting]:
+        if self.lock.acquire(timeout=seconds):
+            self.locked = True
+            return None
+        found = self.store.lookup(self.key)
+        if found is not None:
+            return found
+        self._join_live_builds()
+        if self._holder_shows_no_life():
+            if self.wait.announce:
+                print(f"cachekit: the build lock of entry {self.key[:12]} has been held for "
+                      f"{self.wait.seconds:.0f} s by a process that shows no heartbeat; "
+                      f"pid {os.getpid()} builds in a directory of its own and publishes "
+                      "atomically (if that holder builds after all, the first to publish "
+                      "wins)", file=sys.stderr, flush=True)
+            return None
+        return WAITING
+
+    def _holder_shows_no_life(self) -> bool:
+        """Whether neither the lock's holder nor any build of the key has shown a heartbeat
+        for a lease, as this process saw on its own clock."""
+        now = time.monotonic()
+        if self.lock.holder_alive() or any(s.alive for s in self.store.builds(self.key)):
+            self.last_sign_of_life = now
+        return now - self.last_sign_of_life > self.lease
+
+    def for_live_builders(self) -> Optional[Published]:
+        """Holding the lock, wait while a builder of the key is alive (on another host, or
+        with ``CACHEKIT_LOCK=none``); the entry if one publishes it, else None."""
+        return self.wait.until(self._look_at_builders, self.awaited, self.poll)
+
+    def _look_at_builders(self, seconds: float) -> Union[Optional[Published], Waiting]:
+        found = self.store.lookup(self.key)
+        if found is not None:
+            return found
+        if not any(state.alive for state in self.store.builds(self.key)):
+            return None
+        if not self._join_live_builds():
+            time.sleep(seconds)  # after a join, look at once: we may have filled the last chunk
+        return WAITING
+
+    def _join_live_builds(self) -> int:
+        """Fill free chunks of each live build of the key that this user owns; the chunks
+        filled. A build on another host of a shared root counts as well as one here."""
+        if self.join is None:
+            return 0
+        filled = 0
+        for state in self.store.builds(self.key):
+            if not (state.alive and state.uid == os.geteuid() and state.same_version):
+                continue
+            try:
+                directory = self.store.open_build_dir(state)
+            except OSError:
+                continue  # gone meanwhile, or not a directory we may follow
+            with directory:
+                joined = self.join(directory)
+            if joined is None or not joined.chunks:
+                continue
+            filled += joined.chunks
+            self.filled += joined.chunks
+            self.rows_filled += joined.rows
+            if self.wait.announce:
+                print(f"cachekit: joined the build of entry {self.key[:12]} by "
+                      f"{state.describe()}: filled {joined.chunks} of its "
+                      f"{joined.total_chunks} chunks ({joined.rows} rows)", file=sys.stderr,
+                      flush=True)
+        return filled
+
+    def source(self, found: Published) -> str:
+        """The source of an entry another process published while we waited: "joined" when
+        we filled chunks of it (and say so), else "local"."""
+        if not self.filled:
+            return "local"
+        builder = found.manifest.builder
+        if self.wait.announce:
+            print(f"cachekit: entry {self.key[:12]} published by pid {builder.get('pid')} on "
+                  f"{builder.get('host')}; this process filled {self.filled} chunks "
+                  f"({self.rows_filled} of {found.manifest.rows} rows)", file=sys.stderr,
+                  flush=True)
+        return "joined"
+
+    def _builder(self) -> str:
+        return describe_builder(self.store.builds(self.key))
+
+
+def describe_builder(states: list[BuildState]) -> str:
+    """Who is building and how far it got: the live build with the newest heartbeat."""
+    live = [s for s in states if s.alive]
+    if not live:
+        return "another process"
+    return max(live, key=lambda s: s.heartbeat).describe()

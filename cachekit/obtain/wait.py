@@ -1,0 +1,106 @@
+"""Waiting for another process's build of a key within the call's ``lock_timeout``.
+
+A call that misses may wait twice: for the key's local build lock and the live builders
+it cannot see (:mod:`cachekit.obtain.local_wait`), then, with a remote tier, for another
+host's lease on the key (:mod:`cachekit.obtain.remote`). Both are the same loop, here: look
+(try the lock, look for the entry, take the lease), else wait one poll; give up with
+LockTimeout, naming the holder and how to get past it, once the deadline is reached; and
+say every ``WAIT_REPORT_SECONDS`` whom we wait for, so that a user whose job seems stuck
+sees why. One :class:`Wait` spans the whole call, so the deadline and the reports carry
+over from the local wait to the remote one: ``lock_timeout`` bounds the call's wait in all.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from ..errors import LockTimeout
+
+POLL_SECONDS = 0.25
+"""How often a waiter that does not join looks again."""
+FIRST_REPORT_SECONDS = 1.0
+"""When a waiter first says whom it waits for: a wait shorter than this goes unsaid."""
+WAIT_REPORT_SECONDS = 10.0
+"""How often it says so again."""
+
+T = TypeVar("T")
+
+
+class Waiting:
+    """The type of :data:`WAITING`."""
+
+    def __repr__(self) -> str:
+        return "WAITING"
+
+
+WAITING = Waiting()
+"""What a step of :meth:`Wait.until` returns when it found nothing: wait on."""
+
+
+def check_lock_timeout(lock_timeout: Any) -> None:
+    """ValueError unless ``lock_timeout`` is None (wait for good) or seconds >= 0."""
+    if lock_timeout is not None and (
+        isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
+        or lock_timeout < 0
+    ):
+        raise ValueError(f"lock_timeout must be None or seconds >= 0, not {lock_timeout!r}")
+
+
+@dataclass(frozen=True)
+class Awaited:
+    """Whom a wait is for: ``where``, the lock or lease a LockTimeout names; ``describe()``,
+    the holder and how far it got (``pid 4242 on node7 (2048/10000 rows, 20%)``), asked
+    afresh each time it is said; ``hint``, how to get past a stuck holder; ``note``, said
+    after each report (`` (remote s3://bucket/prefix)``)."""
+
+    where: str
+    describe: Callable[[], str]
+    hint: str = ""
+    note: str = ""
+
+
+class Wait:
+    """One call's wait for the build of ``key``: at most ``timeout`` seconds from its
+    creation (None: for good); reports go to stderr when ``announce``."""
+
+    def __init__(self, key: str, timeout: Optional[float], announce: bool) -> None:
+        self.key, self.timeout, self.announce = key, timeout, announce
+        self.started = time.monotonic()
+        self.next_report = self.started + FIRST_REPORT_SECONDS
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the wait began."""
+        return time.monotonic() - self.started
+
+    def remaining(self) -> Optional[float]:
+        """Seconds left before the deadline (negative once past it); None: no deadline."""
+        return None if self.timeout is None else self.timeout - self.seconds
+
+    def until(self, step: Callable[[float], Union[T, Waiting]], awaited: Awaited,
+              poll: float = POLL_SECONDS) -> T:
+        """What ``step`` returns first that is not :data:`WAITING`.
+
+        ``step(seconds)`` looks once and, finding nothing, waits up to ``seconds`` (at most
+        ``poll``, never past the deadline; it may wait less, e.g. after doing useful work)
+        and returns WAITING. After the step that ran up to the deadline, LockTimeout naming
+        ``awaited``; until then, a report naming it every WAIT_REPORT_SECONDS."""
+        while True:
+            remaining = self.remaining()
+            result = step(poll if remaining is None else max(0.0, min(poll, remaining)))
+            if not isinstance(result, Waiting):
+                return result
+            if remaining is not None and remaining <= poll:
+                raise LockTimeout(awaited.where, self.timeout, awaited.describe(),
+                                  awaited.hint)
+            self.report(awaited)
+
+    def report(self, awaited: Awaited) -> None:
+        """Say whom we wait for, if a report is due."""
+        if self.announce and time.monotonic() >= self.next_report:
+            print(f"cachekit: waited {self.seconds:.0f} s for {awaited.describe()} to build "
+                  f"entry {self.key[:12]}{awaited.note}", file=sys.stderr, flush=True)
+            self.next_report = time.monotonic() + WAIT_REPORT_SECONDS
