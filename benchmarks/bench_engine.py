@@ -83,7 +83,7 @@ def make_covers(work: Path, count: int) -> list[str]:
 
 
 def make_small(work: Path, count: int) -> list[str]:
-    """64x48 JPEGs: the cover pictures shrunk, as in DESIGN 5's small-image case."""
+    """64x48 JPEGs: the cover pictures shrunk, where per-image Python work dominates."""
     import numpy as np
     from PIL import Image
 
