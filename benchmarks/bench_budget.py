@@ -1,4 +1,5 @@
-"""The performance budget of DESIGN.md section 5, checked against one run's figures.
+"""The performance budget (hits, cold builds, racing agents, build memory, reading: each
+check's label states its target), checked against one run's figures.
 
 Each check gives the target, what this run measured, and whether it was met (None when a
 figure it needs was not measured). Labels are those ``run.py`` gives its rows.
@@ -81,7 +82,7 @@ def markdown(report: Report) -> list[str]:
     rows = checks(report)
     if not rows:
         return []
-    lines = ["| budget (DESIGN.md section 5) | this run | met |", "|---|---|---|"]
+    lines = ["| budget | this run | met |", "|---|---|---|"]
     verdict = {True: "yes", False: "**no**", None: "?"}
     lines += [f"| {target} | {measured} | {verdict[ok]} |" for target, measured, ok in rows]
     return lines

@@ -62,10 +62,9 @@ CACHEKIT = "cachekit entry.dataset()"
 def ram_dataset(data: Any):
     """The ceiling: a uint8 tensor in RAM, a batch fetched with one fancy index.
 
-    It indexes the tensor's numpy view: ``tensor[torch.as_tensor(indices)]`` took 2 ms per
-    batch of 256 x 3x32x32 on one thread and 23 ms with torch's 2 intra-op threads on this
-    busy 2-core machine, against 0.2 ms for numpy's fancy index, so torch indexing would
-    make a weak ceiling.
+    It indexes the tensor's numpy view: ``tensor[torch.as_tensor(indices)]`` is far
+    slower than numpy's fancy index, so torch indexing would make a weak ceiling
+    (docs/dataloader.md has the timings).
     """
     import numpy as np
     import torch

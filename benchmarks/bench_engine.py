@@ -27,8 +27,8 @@ release it, so the fraction errs high, never low.
 
 Contestants take turns round by round, so load from elsewhere falls on all alike. A rate
 is the median of the rounds; a ratio is the median of each round's own ratio (its two
-contestants ran minutes apart at most, where the machine's speed drifts by 10-20% over a
-run), with every round's value shown beside it. Runs in one process (the processes
+contestants ran minutes apart at most, where the machine's speed drifts over a run; see
+docs/build-engine.md), with every round's value shown beside it. Runs in one process (the processes
 executors, datasets, OpenCV and Dask start their own workers, and their start-up is timed except OpenCV's pool,
 started once before the rounds, and each Dask cluster, started afresh for each of its
 rounds and warmed with cachekit's imports, as a long-lived cluster's workers would be).
@@ -83,7 +83,7 @@ def make_covers(work: Path, count: int) -> list[str]:
 
 
 def make_small(work: Path, count: int) -> list[str]:
-    """64x48 JPEGs: the cover pictures shrunk, as in DESIGN 5's small-image case."""
+    """64x48 JPEGs: the cover pictures shrunk, where per-image Python work dominates."""
     import numpy as np
     from PIL import Image
 
@@ -334,7 +334,7 @@ def on_dask(paths: list[str], builds: Builds, workers: int) -> Callable[[], Any]
         finally:
             # A LocalCluster sets MALLOC_TRIM_THRESHOLD_ (and OMP_NUM_THREADS, PYTHONHASHSEED,
             # ...) in this process's environment; every worker interpreter started later
-            # would inherit it, and that malloc setting costs Pillow 15-40% per image.
+            # would inherit it, and that malloc setting slows Pillow (docs/build-engine.md).
             os.environ.clear()
             os.environ.update(environ)
 

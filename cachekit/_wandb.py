@@ -3,7 +3,7 @@
 A sweep's runs table then shows, per agent, which entry it trained on, whether it built or
 hit, and how long it built or waited for another agent. This only happens when the user's
 code already imported wandb and a run is active: cachekit never imports wandb itself (it
-takes about 1.5 s and is an optional extra). ``CACHEKIT_WANDB=0`` turns it off. Nothing here
+is slow to import, docs/sweeps.md, and optional). ``CACHEKIT_WANDB=0`` turns it off. Nothing here
 ever raises into the user's code: a failure is reported once as a warning.
 """
 

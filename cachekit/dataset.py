@@ -96,8 +96,8 @@ class EntryDataset(Dataset):
         pid = os.getpid()
         if self._rows is None or self._pid != pid:
             try:
-                # A plain ndarray view: np.memmap's __array_finalize__ costs about a third
-                # of a 256-row fancy index (measured with cProfile on 3x32x32 rows).
+                # A plain ndarray view: np.memmap's __array_finalize__ is a large share of
+                # a batch's fancy index (docs/dataloader.md).
                 self._rows = np.asarray(self.entry._map())
             except CacheCorruptError as e:
                 reason = e.reason

@@ -61,8 +61,8 @@ def serve() -> None:
             channel_out.flush()
     except (KeyboardInterrupt, BrokenPipeError):  # the builder was interrupted or has gone
         return
-    # End of input: the build is over. Nothing here needs the interpreter's teardown (about
-    # 0.1 s, which the builder would wait for); what a row function printed is flushed.
+    # End of input: the build is over. Nothing here needs the interpreter's teardown, which
+    # the builder would wait for (docs/build-engine.md); what a row function printed is flushed.
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -2,11 +2,11 @@
 
 Why not ``ProcessPoolExecutor``: with spawn or forkserver (fork is ruled out, the builder has
 threads) every worker first re-runs the user's main script as ``__mp_main__``. A training
-script imports torch at the top, so each pool paid 6-18 s before its first row here
-(2 workers, 2 loaded cores), and a script without an ``if __name__ == "__main__":`` guard
+script imports torch at the top, so each pool paid seconds before its first row
+(docs/build-engine.md), and a script without an ``if __name__ == "__main__":`` guard
 would run its own training, or its own ``cache.images`` call, in every worker. These workers
 are fresh interpreters that import only their loop (:mod:`cachekit.engine._worker_main`) and what
-the pickled task names (0.3-0.4 s of CPU for an images build), and never the main script;
+the pickled task names (a fraction of a second of CPU), and never the main script;
 a function defined in the main script therefore cannot run here, which
 :func:`main_references` lets the caller say before any work starts.
 
@@ -38,7 +38,8 @@ _ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                        "MKL_NUM_THREADS")}
 """Each worker is one of many processes: its numpy (and a map function's torch) runs one
 thread, as DataLoader workers do, unless the user's environment says otherwise. Without it,
-numpy's OpenBLAS starts a thread per core at import: 0.15 s more CPU per worker here."""
+numpy's OpenBLAS starts a thread per core at import, more CPU per worker for nothing
+(docs/build-engine.md)."""
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from cachekit.engine._worker_main import serve; serve()")
 

@@ -61,12 +61,12 @@ def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) ->
     (``rows`` None: unknown, so no); and a row function that cachekit's worker processes can
     load (it pickles and needs nothing from the main script). Threads otherwise.
 
-    Why (benchmarks/bench_engine.py; numbers in docs/build-engine.md): 16% of a cover's
-    decode holds the GIL (66% for 64x48 images), so Amdahl's law caps threads at 1.7x on 2
-    cores, 4.6x on 16 and 5.6x on 64, where processes scale with the cores; but a worker
-    process costs 0.3-0.4 s of CPU to start (numpy, Pillow, cachekit's row functions), which
-    a build of fewer than about a thousand rows does not earn back on 2 cores (the two broke
-    even at 1,024 rows, of covers and of 64x48 images): threads start at once.
+    Why (benchmarks/bench_engine.py; the measurements are in docs/build-engine.md): part of
+    each image's decode holds the GIL (most of it for small images), so Amdahl's law caps
+    threads well below the core count, where processes scale with the cores; but a worker
+    process costs a fraction of a second of CPU to start (numpy, Pillow, cachekit's row
+    functions), which a build of fewer than about a thousand rows does not earn back on 2
+    cores (the two broke even near PROCESSES_FROM_ROWS): threads start at once.
     """
     if workers < 2 or rows is None or rows < PROCESSES_FROM_ROWS:
         return "threads"

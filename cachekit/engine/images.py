@@ -62,11 +62,8 @@ def load_image(
 
     ``draft=True`` lets libjpeg decode JPEGs at 1/2, 1/4 or 1/8 scale (``Image.draft``), the
     smallest scale still at least as large as the resize needs; other formats ignore it.
-    Faster but not pixel-identical; ``draft=False`` is the exact path.
-    measured: 32x32 2.0x (554 -> 1125 img/s), mean |d| 1.75, max 119, PSNR 34.9 dB; 64x64
-    2.0x (497 -> 976 img/s), mean |d| 1.22, max 106, PSNR 37.6 dB (one thread, bilinear RGB,
-    300 generated 200-500 x 300-700 q90 covers: gradient, panels, text-like strokes, noise;
-    best of 3 rounds; |d| pooled over all pixels; entropy decoding is not scaled, hence 2x).
+    Faster but not pixel-identical; ``draft=False`` is the exact path. Its speed and pixel
+    differences, as measured, are in docs/usage.md ("Fast decoding").
 
     Any read or decode failure raises (``OSError``, ``UnidentifiedImageError``,
     ``DecompressionBombError``, ...); truncated files raise because ``load()`` is forced

@@ -33,9 +33,8 @@ REMOTE_PIECE_ROWS = 256
 millisecond)."""
 CLUSTER_PIECE_ROWS = 1024
 """Largest piece sent to a user's Executor, such as a Dask cluster, where a task costs
-several milliseconds of scheduler and client time (at about 15 rows a piece, a Dask
-LocalCluster on 2 cores cost the builder 0.9 ms of CPU per image, against 0.25 ms with
-pieces of up to 1,024)."""
+several milliseconds of scheduler and client time: small pieces cost the builder several
+times the CPU per image (docs/build-engine.md)."""
 REMOTE_PIECE_BYTES = 8 << 20
 """...and for both, its rows, pickled back, at most this many bytes (large rows, many
 workers: the pieces in flight stay a few hundred MB at most)."""

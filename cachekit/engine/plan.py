@@ -32,7 +32,7 @@ MAX_CHUNK_BYTES = 32 << 20
 CHUNKS_PER_WORKER = 16
 """Chunks per worker to aim for, when the row count allows: enough that processes joining
 late still find free chunks, and that the last chunks, which joiners hold, end close
-together (two joined agents took 0.44x one's time with 16, 0.54x with 8). Balance among one
+together (docs/joining.md measures 16 against 8). Balance among one
 process's own workers comes from the executors' pieces, which cut across chunks. Each chunk
 costs a claim, an msync and a durable done record: a few milliseconds."""
 PLAN_FORMAT = 1

@@ -1,4 +1,4 @@
-"""The remote tier's part of getting an entry, after a local miss.
+"""The remote tier's part of getting an entry, after a local miss (docs/object-stores.md).
 
 :func:`cachekit.obtain.flow.obtain` calls :func:`obtain` holding the key's local build lock,
 once no live local builder is left, so the agents of one host share one download or one
