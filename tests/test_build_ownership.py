@@ -1,4 +1,4 @@
-"""Only the owner of a build writes its data file (cachekit/engine/fill.py, join.py, resume.py).
+"""Only the owner of a build writes its data file (cachekit/engine/).
 
 A joiner computes into a rows file of its own; a resumed build copies the done chunks of a
 dead one into a file of its own, and only those whose bytes match the checksum in their

@@ -43,7 +43,7 @@ BEATING = 1.0
 
 def quiet(lease: float) -> float:
     """Seconds after which what a stopped uploader wrote is older than twice ``lease`` by
-    the store's whole-second clock (see remote_maintenance.STORE_TIME_SLACK): a sweep then
+    the store's whole-second clock (see cachekit.admin.remote.STORE_TIME_SLACK): a sweep then
     judges it abandoned."""
     return 2 * lease + rm.STORE_TIME_SLACK + 1.1
 
