@@ -130,5 +130,5 @@ def test_an_older_versions_build_directory_is_never_resumed_and_is_listed_and_cl
     assert not state.alive and state.owner == {"host": "elsewhere", "pid": 4242}
     (temp,) = inspect.scan(store).temp_dirs
     assert temp.state == inspect.ORPHANED and temp.owner == "pid 4242 on elsewhere (starting)"
-    report = removal.plan_clear(store).execute()
+    report = removal.removal_for_clear(store).execute()
     assert [t.path for t in report.removed_temp_dirs] == [old] and not old.exists()

@@ -1,6 +1,6 @@
 """Joining another process's build: fill chunks that nobody holds, into a rows file of one's
 own in the build's journal folder, never into the builder's data file; the builder copies
-each such chunk in once its bytes match their checksum (see :mod:`.fill`).
+each such chunk in once its bytes match their checksum (see :mod:`.builder`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         planned = journal.plan
         if not plan_fits(planned, len(values), template, key) or planned.rows == 0:
             return None
+        if not journal.pending()[1]:
+            return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
         try:
             rows_file = RowsFile.create(journal, planned)
         except (OSError, ValueError):
@@ -67,6 +69,8 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         finally:
             runner.close()
             rows_file.close()
+            if not filled:  # no done record names it
+                journal.dir.unlink(rows_file.name)
         return Joined(filled, rows, len(planned.chunks))
 
 
