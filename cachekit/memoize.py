@@ -78,6 +78,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
         key, arguments = key_of(args, kwargs)
 
         def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
+            current.drop_resumed()  # a whole-call build resumes nothing: free their disk now
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
             first = _write_leaves(current.dir, leaves)

@@ -1,5 +1,5 @@
 """Copying a chunk's verified bytes from another file into the builder's own data file: from
-a joiner's rows file (:mod:`.fill`) or from a dead build's data file or rows files
+a joiner's rows file (:mod:`.builder`) or from a dead build's data file or rows files
 (:mod:`.resume`).
 
 A file is copied from only once its header and size are the plan's (:func:`open_checked`,

@@ -108,23 +108,25 @@ def _copy_done(dead: Journal, data: Any, journal: Journal, out: np.ndarray) -> i
     file its record names, where the bytes match its checksum, and record them done; the
     rows copied."""
     planned = journal.plan
-    files: dict[Optional[str], Any] = {None: data}
+    files: dict[str, Any] = {}
     copied = 0
     try:
-        have = set(journal.done_indices())
         for index, record in dead.done(drop_bad=False).items():
-            if index in have:
+            if index in journal.marked:  # copied from an earlier source already
                 continue
-            if record.file is not None and record.file not in files:
-                files[record.file] = open_checked(dead.dir, record.file, planned)
+            candidates = [data]
+            if record.file is not None:
+                if record.file not in files:
+                    files[record.file] = open_checked(dead.dir, record.file, planned)
+                candidates.append(files[record.file])
             chunk = planned.chunks[index]
-            for f in (data, files.get(record.file)):
+            for f in candidates:
                 if f is not None and copy_chunk(f, planned, chunk, record, out):
                     journal.mark_done(chunk, record.failures, record.digest)
                     copied += chunk.rows
                     break
     finally:
-        for file, f in files.items():
-            if file is not None and f is not None:
+        for f in files.values():
+            if f is not None:
                 f.close()
     return copied

@@ -65,8 +65,9 @@ class LocalWait:
         found = self.store.lookup(self.key)
         if found is not None:
             return found
-        self._join_live_builds()
-        if self._holder_shows_no_life():
+        states = self.store.builds(self.key)
+        self._join_live_builds(states)
+        if self._holder_shows_no_life(states):
             if self.wait.announce:
                 print(f"cachekit: the build lock of entry {self.key[:12]} has been held for "
                       f"{self.wait.seconds:.0f} s by a process that shows no heartbeat; "
@@ -76,13 +77,18 @@ class LocalWait:
             return None
         return WAITING
 
-    def _holder_shows_no_life(self) -> bool:
-        """Whether neither the lock's holder nor any build of the key has shown a heartbeat
-        for a lease, as this process saw on its own clock."""
+    def _holder_shows_no_life(self, states: list[BuildState]) -> bool:
+        """Whether neither the lock's holder nor any build of the key (``states``) has shown
+        a heartbeat for a lease, as this process saw on its own clock. Looked at once a
+        lease has passed since the last sign of life: a heartbeat counts as alive for a
+        lease after it beat, so one look then covers the whole lease."""
         now = time.monotonic()
-        if self.lock.holder_alive() or any(s.alive for s in self.store.builds(self.key)):
+        if now - self.last_sign_of_life <= self.lease:
+            return False
+        if self.lock.holder_alive() or any(s.alive for s in states):
             self.last_sign_of_life = now
-        return now - self.last_sign_of_life > self.lease
+            return False
+        return True
 
     def for_live_builders(self) -> Optional[Published]:
         """Holding the lock, wait while a builder of the key is alive (on another host, or
@@ -93,19 +99,21 @@ class LocalWait:
         found = self.store.lookup(self.key)
         if found is not None:
             return found
-        if not any(state.alive for state in self.store.builds(self.key)):
+        states = self.store.builds(self.key)
+        if not any(state.alive for state in states):
             return None
-        if not self._join_live_builds():
+        if not self._join_live_builds(states):
             time.sleep(seconds)  # after a join, look at once: we may have filled the last chunk
         return WAITING
 
-    def _join_live_builds(self) -> int:
-        """Fill free chunks of each live build of the key that this user owns; the chunks
-        filled. A build on another host of a shared root counts as well as one here."""
+    def _join_live_builds(self, states: list[BuildState]) -> int:
+        """Fill free chunks of each live build of the key (of ``states``) that this user
+        owns; the chunks filled. A build on another host of a shared root counts as well as
+        one here."""
         if self.join is None:
             return 0
         filled = 0
-        for state in self.store.builds(self.key):
+        for state in states:
             if not (state.alive and state.uid == os.geteuid() and state.same_version):
                 continue
             try:
