@@ -14,6 +14,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .messages import prefix
+
 if TYPE_CHECKING:
     from .obtain import Outcome
 
@@ -86,6 +88,6 @@ def _warn_once(exc: Exception) -> None:
         return
     _warned = True
     # stacklevel: 1 here, 2 report, 3 Cache._obtain, 4 Cache._rows, 5 Cache.images, 6 the user's call
-    warnings.warn(f"cachekit could not record cache use in the wandb run "
+    warnings.warn(f"{prefix()}: could not record cache use in the wandb run "
                   f"({type(exc).__name__}: {exc}); training goes on. "
                   f"Set {ENV}=0 to stop trying.", RuntimeWarning, stacklevel=6)

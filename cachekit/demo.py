@@ -99,12 +99,12 @@ def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:
             raise RuntimeError(f"demo agent {number} (pid {proc.pid}) failed:\n{err}")
         filled = [int(n) for n in _FILLED.findall(err)]  # what a joiner says it did
         reports.append({"agent": number, **json.loads(out), "rows": sum(filled),
-                        "said": [line for line in err.splitlines()
-                                 if line.startswith("cachekit: joined")]})
+                        "said": [line for line in err.splitlines() if _JOINED.match(line)]})
     return reports
 
 
-_FILLED = re.compile(r"^cachekit: joined the build of entry .*\((\d+) rows\)$", re.M)
+_JOINED = re.compile(r"cachekit\[[^]]*\]: joined the build ")
+_FILLED = re.compile(r"^cachekit\[[^]]*\]: joined the build of entry .*\((\d+) rows\)$", re.M)
 
 
 def _print_wave(reports: list[dict]) -> None:

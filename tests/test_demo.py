@@ -19,7 +19,7 @@ def test_demo_builds_once_and_reports_hits(tmp_path):
     joined = len(re.findall(r"agent \d \(pid \d+\): joined the build", out))
     assert f"{5 - joined} of 6 agents decoded nothing" in out
     # each joiner's own words, relayed: it joined, and how much it filled
-    assert len(re.findall(r"its stderr: cachekit: joined the build of entry \w+ by pid \d+ .*"
+    assert len(re.findall(r"its stderr: cachekit\[pid \d+\]: joined the build of entry \w+ by pid \d+ .*"
                           r"filled \d+ of its \d+ chunks", out)) >= joined
     assert len(list((tmp_path / "root" / "demo-images").glob("*.jpg"))) == 24
     # it says where the race ran, that the user's cache got no entry, and what to try next

@@ -144,7 +144,7 @@ def test_agents_released_together_decode_every_row_once_between_them(tmp_path, a
     assert entries(root) == [reports[0]["key"]] and leftovers(root) == []
     for f, r in zip(finished, reports):  # joiners say so, and how much they filled
         if r["source"] == "joined":
-            assert "cachekit: joined the build of entry" in f.stderr, f.stderr
+            assert f"cachekit[pid {r['pid']}]: joined the build of entry" in f.stderr, f.stderr
             assert "this process filled" in f.stderr, f.stderr
     reference = cachekit.Cache(tmp_path / "alone", progress=False, join=False).images(
         __import__("pandas").Series(paths), 16)

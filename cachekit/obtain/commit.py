@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -26,6 +25,7 @@ from .._version import __version__
 from .. import engine
 from ..engine.journal import is_journal_name
 from ..errors import BuildGone, ImageDecodeError
+from ..messages import say
 from ..store import BuildDir, LocalStore, Published
 from ..store.manifest import Manifest
 
@@ -69,10 +69,9 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
     try:
         claimed = _claim_dead_builds(store, current)
         if claimed and announce:
-            print(f"cachekit: resuming the build of entry {key[:12]} from {claimed} dead "
-                  "build(s) of this user: their done chunks whose bytes match their "
-                  "checksums are copied, only the other chunks are filled", file=sys.stderr,
-                  flush=True)
+            say(f"resuming the build of entry {key[:12]} from {claimed} dead build(s) of "
+                "this user: their done chunks whose bytes match their checksums are "
+                "copied, only the other chunks are filled")
         made = build_fn(current, current.progress)
         current.drop_resumed()
         if not current.still_ours():

@@ -18,14 +18,13 @@ what the call expects (:mod:`cachekit.obtain.expected`).
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from .. import liveness
 from ..errors import BuildGone, CacheCorruptError
+from ..messages import say
 from ..store import LocalStore, Published, locks
 from ..store.manifest import MANIFEST_FILE
 from .commit import BuildFunction, build_and_commit, raise_failure_seen_while_waiting
@@ -74,10 +73,10 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
             if attempt == _TAKEOVERS - 1:
                 raise
             if announce:
-                print(f"cachekit: pid {os.getpid()}'s build of entry {key[:12]} was taken over "
-                      "by another process while this one was paused past the lease "
-                      f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
-                      "waits for that build's entry", file=sys.stderr, flush=True)
+                say(f"this process's build of entry {key[:12]} was taken over by another "
+                    "process while this one was paused past the lease "
+                    f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
+                    "waits for that build's entry")
     raise AssertionError("unreachable")
 
 
@@ -163,7 +162,7 @@ def _remove_mismatch(store: LocalStore, entry: Published, problem: str) -> None:
         raise CacheCorruptError(entry.path / MANIFEST_FILE,
                                 f"the entry does not match the call: {problem}") from e
     if removed:
-        print(f"cachekit: removed entry {entry.manifest.key[:12]}: it does not match the "
-              f"call ({problem}); obtaining it again", file=sys.stderr, flush=True)
+        say(f"removed entry {entry.manifest.key[:12]}: it does not match the call "
+            f"({problem}); obtaining it again")
 
 
