@@ -182,7 +182,8 @@ class Cache:
                 kind=kind, rows=len(values), files=((DATA_FILE, "numpy"),),
                 failed_rows=tuple(filled.failures), params=params,
                 column=column.name if isinstance(column.name, str) else None,
-                builder=_decoders() if decoders else None)
+                builder={**(_decoders() if decoders else {}), **_joiners(filled.joined)},
+                decode_seconds=filled.decode_seconds)
 
         values: list = []  # made once, on the first attempt to join
 
@@ -198,7 +199,8 @@ class Cache:
                           dtype=None if dtype is None else np.dtype(dtype).str)
         return self._obtain(key, build_entry, lambda outcome: Entry(
             outcome.entry.path, outcome.entry.manifest, source=outcome.source,
-            wait_seconds=outcome.wait_seconds), join_entry, expect=expect)
+            wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
+            decode_seconds=outcome.decode_seconds), join_entry, expect=expect)
 
     # Inspection and maintenance: thin wrappers over cachekit.admin.inspect/removal/integrity.
 
@@ -262,6 +264,15 @@ def _decoders() -> dict[str, Any]:
     from .engine.images import decoder_versions
 
     return {"decoders": decoder_versions()}
+
+
+def _joiners(rows: dict[tuple[str, int], int]) -> dict[str, Any]:
+    """The manifest's record of the processes that joined a build, and the rows each
+    computed: ``{"joined": [{"host", "pid", "rows"}, ...]}``; {} when none joined."""
+    if not rows:
+        return {}
+    return {"joined": [{"host": host, "pid": pid, "rows": n}
+                       for (host, pid), n in sorted(rows.items())]}
 
 
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:

@@ -326,6 +326,21 @@ def test_info_survives_a_builder_that_is_not_an_object(cache_root):
     assert result.returncode == 0 and "built by" not in result.stdout
 
 
+def test_info_names_the_processes_that_joined_the_build(cache_root):
+    entry = tiny_entry(cache_root)
+    assert "joined by" not in cachekit_cmd("info", entry.key, root=cache_root).stdout
+    tamper(entry, builder={**entry.manifest["builder"], "joined": [
+        {"host": "node7", "pid": 4243, "rows": 480}, {"host": "vm", "pid": 12, "rows": 3}]})
+    result = cachekit_cmd("info", entry.key, root=cache_root)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^joined by: +pid 4243 on node7 \(480 rows\), pid 12 on vm \(3 rows\)$",
+                     result.stdout, re.M), result.stdout
+    tamper(entry, builder={"pid": 1, "host": "h", "joined": ["someone", {"pid": "x"}]})
+    result = cachekit_cmd("info", entry.key, root=cache_root)  # any JSON may be there
+    assert result.returncode == 0 and re.search(
+        r"^joined by: +'someone', pid x on None \(None rows\)$", result.stdout, re.M), result
+
+
 @pytest.mark.parametrize("created", [float("inf"), float("nan")])
 def test_a_created_time_that_is_not_a_number_is_a_problem_not_a_crash(cache_root, created):
     entry = tiny_entry(cache_root)

@@ -48,6 +48,8 @@ class Built:
     structure: Optional[dict[str, Any]] = None
     builder: Optional[dict[str, Any]] = None
     """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
+    decode_seconds: Optional[float] = None
+    """Seconds the build spent computing rows here (None: all of its time)."""
 
 
 BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
@@ -96,7 +98,22 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         raise
     if won:
         store.forget_failure(key)  # an earlier failure is history now
+        if announce:
+            _say_who_joined(manifest)
     return published
+
+
+def _say_who_joined(manifest: Manifest) -> None:
+    """Say, once the builder committed, which processes joined its build and how many rows
+    each computed, so that its output shows every row was computed once."""
+    joined = manifest.builder.get("joined") or []
+    if not joined:
+        return
+    theirs = sum(j["rows"] for j in joined)
+    who = ", ".join(f"pid {j['pid']} on {j['host']} {j['rows']}" for j in joined)
+    say(f"built entry {manifest.key[:12]} with {len(joined)} joining process"
+        f"{'es' if len(joined) > 1 else ''}, which computed {theirs} of its {manifest.rows} "
+        f"rows ({who}); this process made the other {manifest.rows - theirs}")
 
 
 def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) -> None:

@@ -44,6 +44,7 @@ class LocalWait:
         self.store, self.key, self.wait, self.lock, self.join = store, key, wait, lock, join
         self.poll = POLL_SECONDS if join is None else JOIN_POLL_SECONDS
         self.filled = self.rows_filled = 0
+        self.join_seconds = 0.0  # spent filling chunks: working, not waiting
         self.locked = False
         self.lease = liveness.lease_from_env()
         self.last_sign_of_life = time.monotonic()
@@ -119,10 +120,12 @@ class LocalWait:
                 directory = self.store.open_build_dir(state)
             except OSError:
                 continue  # gone meanwhile, or not a directory we may follow
+            started = time.monotonic()
             with directory:
                 joined = self.join(directory)
             if joined is None or not joined.chunks:
                 continue
+            self.join_seconds += time.monotonic() - started
             filled += joined.chunks
             self.filled += joined.chunks
             self.rows_filled += joined.rows
