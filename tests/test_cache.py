@@ -61,6 +61,70 @@ def test_object_and_str_columns_share_one_entry(cache_root, cover_paths):
     assert second.hit and second.key == first.key
 
 
+@pytest.mark.parametrize("kind", ["list of str", "list of Path", "tuple", "numpy str array",
+                                  "numpy object array of Path", "Series of Path"])
+def test_any_sequence_of_str_or_pathlike_shares_the_entry_of_the_str_series(
+        cache_root, cover_paths, kind):
+    cache = cachekit.Cache(cache_root)
+    first = cache.images(pd.Series(cover_paths, name="img_path"), 8)
+    paths = {"list of str": list(cover_paths),
+             "list of Path": [Path(p) for p in cover_paths],
+             "tuple": tuple(cover_paths),
+             "numpy str array": np.array(cover_paths),
+             "numpy object array of Path": np.array([Path(p) for p in cover_paths],
+                                                    dtype=object),
+             "Series of Path": pd.Series([Path(p) for p in cover_paths])}[kind]
+    again = cache.images(paths, 8)
+    assert again.hit and again.key == first.key
+    np.testing.assert_array_equal(np.asarray(again.array), np.asarray(first.array))
+
+
+def test_a_list_of_path_builds_like_its_str_series(cache_root, cover_paths):
+    built = cachekit.Cache(cache_root).images([Path(p) for p in cover_paths[:3]], 8)
+    assert built.source == "built" and len(built) == 3
+    assert cachekit.Cache(cache_root).images(pd.Series(cover_paths[:3]), 8).hit
+
+
+def test_missing_relative_paths_name_the_working_directory(cache_root, cover_paths,
+                                                          tmp_path, monkeypatch):
+    covers = Path(cover_paths[0]).parent
+    relative = [f"covers/{Path(p).name}" for p in cover_paths[:3]]
+    monkeypatch.chdir(covers)  # one level too deep: covers/covers/... does not exist
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cachekit.Cache(cache_root).images(relative, 8)
+    message = str(caught.value)
+    assert f"looked up from the working directory {covers}" in message
+    assert "absolute paths" in message and "on_error='zero'" not in message
+    monkeypatch.chdir(covers.parent)  # where they resolve
+    assert cachekit.Cache(cache_root).images(relative, 8).source == "built"
+
+
+@pytest.mark.parametrize("paths, why", [
+    (["covers/a.jpg", "{0}"], "one path exists"),
+    (["{missing}"], "the path is absolute"),
+])
+def test_the_working_directory_is_named_only_when_every_relative_path_is_missing(
+        cache_root, cover_paths, tmp_path, monkeypatch, paths, why):
+    monkeypatch.chdir(tmp_path)
+    paths = [p.format(cover_paths[0], missing=tmp_path / "missing.jpg") for p in paths]
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cachekit.Cache(cache_root).images(paths, 8)
+    assert "working directory" not in str(caught.value), why
+    assert "on_error='zero'" in str(caught.value)
+
+
+@pytest.mark.parametrize("paths, hint", [
+    (pd.Series(["a.jpg", 3]), True),
+    (["a.jpg", 3], False),
+    ([Path("a.jpg"), b"b.jpg"], False),
+])
+def test_the_astype_hint_is_given_for_a_series_only(cache_root, paths, hint):
+    with pytest.raises(TypeError, match="must hold str or os.PathLike; row 1") as caught:
+        cachekit.Cache(cache_root).images(paths, 8)
+    assert (".astype(str)" in str(caught.value)) is hint
+    assert published(cache_root) == []
+
+
 def test_row_order_changes_key_and_result_follows_row_order(cache_root, cover_paths):
     cache = cachekit.Cache(cache_root)
     forward = cache.images(pd.Series(cover_paths), 8)

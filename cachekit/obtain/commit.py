@@ -125,9 +125,11 @@ def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) 
         if not isinstance(failed_at, (int, float)) or not asked <= failed_at <= time.time():
             return
         rows = [(int(r), str(p), str(why)) for r, p, why in failures]
-    except (ValueError, KeyError, TypeError, IndexError):
+        total, cwd = record.get("rows"), record.get("cwd")  # the builder's, for its hint
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return
-    raise ImageDecodeError(rows)
+    raise ImageDecodeError(rows, total if isinstance(total, int) else None,
+                           cwd if isinstance(cwd, str) else None)
 
 
 def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> None:
@@ -135,7 +137,8 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
     raise the same error instead of each decoding every row again (K agents, one build)."""
     try:
         store.record_failure(key, {"time": time.time(), **_fs.owner(),
-                                   "failures": [list(f) for f in error.failures]})
+                                   "failures": [list(f) for f in error.failures],
+                                   "rows": error.rows, "cwd": error.cwd})
     except OSError:
         pass  # waiters then build again and fail the same way: slower, still correct
 
