@@ -13,6 +13,7 @@
     +-- BuildGone                       the build a process worked on was committed, discarded
     |                                       or taken over meanwhile
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
+    +-- CacheRootError (NotADirectoryError)   the cache root (or a parent) is not a directory
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
 
@@ -191,6 +192,23 @@ class ReadOnlyCacheError(CachekitError, PermissionError):
 
     def __reduce__(self):  # type: ignore[override]
         return (type(self), (self.root, self.key))
+
+
+class CacheRootError(CachekitError, NotADirectoryError):
+    """The cache root ``root`` cannot be one: ``blocker`` (the root itself, or the nearest
+    of its parents that exists) is not a directory. Raised by ``Cache(root)`` at once."""
+
+    def __init__(self, root: str | Path, blocker: str | Path) -> None:
+        self.root = str(root)
+        self.blocker = str(blocker)
+        where = ("exists and is not a directory" if self.blocker == self.root
+                 else f"cannot be made: {self.blocker} is not a directory")
+        OSError.__init__(self, f"cache root {self.root} {where}; give Cache(root) (or "
+                               "--root, or CACHEKIT_DIR) a directory, or a path where one "
+                               "can be made")
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.root, self.blocker))
 
 
 class UsageError(CachekitError):

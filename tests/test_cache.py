@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import traceback
 import types
 from pathlib import Path
 
@@ -328,6 +329,22 @@ def test_errors_pickle_and_subclass_the_stdlib_types():
     assert isinstance(corrupt, OSError) and isinstance(corrupt, cachekit.CachekitError)
     assert issubclass(cachekit.LockTimeout, TimeoutError)
     assert issubclass(cachekit.ImageDecodeError, ValueError)
+
+
+@pytest.mark.parametrize("below", ["", "sub/cache"])
+def test_a_root_that_is_a_file_is_refused_at_construction(tmp_path, below):
+    file = tmp_path / "not-a-dir"
+    file.write_text("x")
+    root = file / below if below else file
+    with pytest.raises(cachekit.CacheRootError) as caught:
+        cachekit.Cache(root)
+    error = caught.value
+    assert isinstance(error, NotADirectoryError) and isinstance(error, cachekit.CachekitError)
+    assert (error.root, error.blocker) == (str(root), str(file))
+    assert str(file) in str(error) and "a directory" in str(error)
+    assert len(traceback.extract_tb(error.__traceback__)) <= 4  # raised near the call
+    assert cachekit.Cache(tmp_path / "new" / "cache").root == tmp_path / "new" / "cache"
+    assert not (tmp_path / "new").exists()  # nothing made before a build
 
 
 def test_public_names_match_all():

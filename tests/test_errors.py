@@ -36,6 +36,7 @@ EXAMPLES = [
     cachekit.ImageDecodeError([(0, "x.jpg", "FileNotFoundError: x.jpg")], 1, "/home/me"),
     cachekit.CacheCorruptError("/r/entries/k/data.npy", "file is 3 bytes", "a fix"),
     cachekit.ReadOnlyCacheError("/r", "0" * 32),
+    cachekit.CacheRootError("/r/file/cache", "/r/file"),
     errors.DatasetCorruptError("/r/entries/k/data.npy", "gone"),
     errors.NotAnArrayError("map: f returned list"),
     errors.UsageError("bad flag"),

@@ -176,8 +176,10 @@ def build(args: argparse.Namespace) -> int:
     for row, path, reason in failed:
         say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
     how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
+    described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
+    size = described.bytes if described is not None else entry.array.nbytes
     say(f"{how}: {len(entry)} rows {shape(entry.array.shape)} {entry.array.dtype}, "
-        f"{units.format_size(entry.array.nbytes)}"
+        f"{units.format_size(size)}"
         + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
     say(entry.key)
     return 0

@@ -27,7 +27,7 @@ from ..keys import is_key
 from ..messages import say
 from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, STATE_FILE, BuildDir, BuildState, \
     read_state
-from .layout import Layout, Published
+from .layout import Layout, Published, check_root
 from .manifest import FileRecord, Manifest
 from .temp_names import build_dir_name, parse_build_dir_name, trash_name
 
@@ -45,6 +45,7 @@ class LocalStore:
     """
 
     def __init__(self, root: Path) -> None:
+        check_root(Path(root))  # here, not eleven frames into the first build
         self.layout = Layout(Path(root))
 
     @property
