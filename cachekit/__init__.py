@@ -13,6 +13,7 @@ from ._version import __version__
 from .errors import (
     CacheCorruptError,
     CachekitError,
+    CacheRootError,
     ImageDecodeError,
     LockTimeout,
     ReadOnlyCacheError,
@@ -27,6 +28,7 @@ __all__ = [
     "Cache",
     "CacheCorruptError",
     "CachekitError",
+    "CacheRootError",
     "Entry",
     "ImageDecodeError",
     "LockTimeout",

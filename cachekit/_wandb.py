@@ -14,6 +14,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .messages import prefix
+
 if TYPE_CHECKING:
     from .obtain import Outcome
 
@@ -50,31 +52,37 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     """The summary items for one use of an entry: the latest entry's fields, and totals for
     the run.
 
-    ``source`` is ``Entry.source`` (local, remote, built, joined); ``build_seconds`` is this
-    process's build (0 when it built nothing); ``wait_seconds`` is the time spent waiting for
-    another process's build of the same entry.
+    ``source`` is ``Entry.source`` (local, remote, built, joined). The seconds are this
+    process's own, so that a sweep's sum is the work done: ``build_seconds``, building
+    (its own build, or the chunks it filled of another process's; 0 when it built nothing),
+    of which ``decode_seconds`` computing rows; ``wait_seconds``, waiting for another
+    process's build of the same entry (not counting the chunks it filled of it).
     """
     manifest = outcome.entry.manifest
     hit = outcome.source in ("local", "remote")
-    built = 0.0 if hit else float(manifest.build_seconds)
+    built = round(float(outcome.build_seconds), 3)
+    decoded = round(float(outcome.decode_seconds), 3)
     waited = round(float(outcome.wait_seconds), 3)
     if _totals.get("run") != run_id:  # a new run in the same process (wandb.agent(function=))
         _totals.clear()
-        _totals.update(run=run_id, entries=0, build=0.0, wait=0.0)
+        _totals.update(run=run_id, entries=0, build=0.0, decode=0.0, wait=0.0)
     _totals["entries"] += 1
     _totals["build"] += built
+    _totals["decode"] += decoded
     _totals["wait"] += waited
     fields = {
         "key": manifest.key,
         "hit": hit,
         "source": outcome.source,
         "build_seconds": built,
+        "decode_seconds": decoded,
         "wait_seconds": waited,
         "rows": manifest.rows,
         "shape": list(manifest.shape),
         "bytes": sum(f.data_bytes for f in manifest.files),
         "entries": _totals["entries"],
         "build_seconds_total": round(_totals["build"], 3),
+        "decode_seconds_total": round(_totals["decode"], 3),
         "wait_seconds_total": round(_totals["wait"], 3),
     }
     return {PREFIX + name: value for name, value in fields.items()}
@@ -86,6 +94,6 @@ def _warn_once(exc: Exception) -> None:
         return
     _warned = True
     # stacklevel: 1 here, 2 report, 3 Cache._obtain, 4 Cache._rows, 5 Cache.images, 6 the user's call
-    warnings.warn(f"cachekit could not record cache use in the wandb run "
+    warnings.warn(f"{prefix()}: could not record cache use in the wandb run "
                   f"({type(exc).__name__}: {exc}); training goes on. "
                   f"Set {ENV}=0 to stop trying.", RuntimeWarning, stacklevel=6)

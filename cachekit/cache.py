@@ -177,12 +177,13 @@ class Cache:
                                 resume_from=current.resume_from,
                                 done_with_sources=current.drop_resumed)
             if filled.failures and on_error == "raise":
-                raise ImageDecodeError(filled.failures)
+                raise ImageDecodeError(filled.failures, len(values), os.getcwd())
             return Built(
                 kind=kind, rows=len(values), files=((DATA_FILE, "numpy"),),
                 failed_rows=tuple(filled.failures), params=params,
                 column=column.name if isinstance(column.name, str) else None,
-                builder=_decoders() if decoders else None)
+                builder={**(_decoders() if decoders else {}), **_joiners(filled.joined)},
+                decode_seconds=filled.decode_seconds)
 
         values: list = []  # made once, on the first attempt to join
 
@@ -198,7 +199,8 @@ class Cache:
                           dtype=None if dtype is None else np.dtype(dtype).str)
         return self._obtain(key, build_entry, lambda outcome: Entry(
             outcome.entry.path, outcome.entry.manifest, source=outcome.source,
-            wait_seconds=outcome.wait_seconds), join_entry, expect=expect)
+            wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
+            decode_seconds=outcome.decode_seconds), join_entry, expect=expect)
 
     # Inspection and maintenance: thin wrappers over cachekit.admin.inspect/removal/integrity.
 
@@ -264,6 +266,15 @@ def _decoders() -> dict[str, Any]:
     return {"decoders": decoder_versions()}
 
 
+def _joiners(rows: dict[tuple[str, int], int]) -> dict[str, Any]:
+    """The manifest's record of the processes that joined a build, and the rows each
+    computed: ``{"joined": [{"host", "pid", "rows"}, ...]}``; {} when none joined."""
+    if not rows:
+        return {}
+    return {"joined": [{"host": host, "pid": pid, "rows": n}
+                       for (host, pid), n in sorted(rows.items())]}
+
+
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
@@ -301,7 +312,9 @@ def _value_column(values: Any):
 
 
 def _path_column(paths: Any):
-    """Check the image-path column: a non-empty Series of str, no missing values."""
+    """Check the image-path column: a non-empty Series, or any sequence (a list, a tuple, a
+    numpy array), of str or os.PathLike, no missing values. A PathLike becomes its str, so
+    a list of pathlib.Path has the key of the Series of the same str."""
     import pandas as pd
 
     column = _value_column(paths)
@@ -311,9 +324,15 @@ def _path_column(paths: Any):
     missing = np.flatnonzero(column.isna().to_numpy())
     if len(missing):
         raise ValueError(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
-                         "drop them first, e.g. df.dropna(subset=[column])")
+                         "drop them first" + (", e.g. df.dropna(subset=[column])"
+                                              if isinstance(paths, pd.Series) else ""))
+    if column.dtype == object and any(isinstance(p, os.PathLike) for p in column):
+        column = pd.Series([os.fspath(p) if isinstance(p, os.PathLike) else p for p in column],
+                           name=column.name, dtype=object)
     bad = next((i for i, p in enumerate(column) if not isinstance(p, str)), None)
     if bad is not None:  # (a categorical column of str is fine: it hashes like str)
-        raise TypeError(f"paths must hold str; row {bad} is {type(column.iloc[bad]).__name__} "
-                        f"{column.iloc[bad]!r} (convert with .astype(str))")
+        value = column.iloc[bad]
+        hint = " (convert with .astype(str))" if isinstance(paths, pd.Series) else ""
+        raise TypeError(f"paths must hold str or os.PathLike; row {bad} is "
+                        f"{type(value).__name__} {value!r}{hint}")
     return column

@@ -1,11 +1,12 @@
 """``cachekit demo``: sweep agents racing on one image column, end to end, in under a minute.
 
-It generates cover-like sample JPEGs once (kept under ROOT/demo-images), then starts fresh
-Python processes that each call ``cache.images`` on the same column at the same moment, as
-W&B sweep agents would: one builds, the others join its build (each fills chunks nobody
-holds, and says so) and then map its file. A second wave of agents then starts on the warm
-cache and only hits. The race runs in a temporary cache
-so that every run of the demo shows it; the temporary cache is removed afterwards.
+It generates cover-like sample JPEGs in a temporary folder, then starts fresh Python
+processes that each call ``cache.images`` on the same column at the same moment, as W&B
+sweep agents would: one builds, the others join its build (each fills chunks nobody holds,
+and says so; the builder names them once it commits) and then map its file. A second wave
+of agents then starts on the warm cache and only hits. The race runs in a temporary cache,
+so that every run of the demo shows it; the sample images and the temporary cache are
+removed afterwards, and nothing is written under the user's cache root.
 """
 
 from __future__ import annotations
@@ -34,17 +35,16 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
         print("cachekit demo: --images and --agents must be at least 1", file=sys.stderr)
         return 2
     root = Path(root) if root is not None else default_root()
-    sample_dir = root / "demo-images"
-    print(f"cachekit demo: {images} cover-like JPEGs (200-500 x 300-700 px) in {sample_dir}")
-    started = time.perf_counter()
-    paths = write_sample_images(sample_dir, images, seed=0)
-    print(f"  ready in {time.perf_counter() - started:.1f} s (generated once, reused later)\n")
-
     with tempfile.TemporaryDirectory(prefix="cachekit-demo-") as scratch:
-        race_cache = Path(scratch) / "cache"
+        sample_dir = Path(scratch) / "images"
+        print(f"cachekit demo: {images} cover-like JPEGs (200-500 x 300-700 px) in "
+              f"{sample_dir}")
+        started = time.perf_counter()
+        paths = write_sample_images(sample_dir, images, seed=0)
+        print(f"  ready in {time.perf_counter() - started:.1f} s\n")
+        race_cache = cache_dir = Path(scratch) / "cache"
         paths_file = Path(scratch) / "paths.txt"
         paths_file.write_text("\n".join(paths), encoding="utf-8")
-        cache_dir = Path(scratch) / "cache"
         print(f"{agents} sweep agents start at once on an empty cache "
               f"(cache.images(df['img_path'], size={SIZE})):")
         cold = _race(cache_dir, paths_file, agents)
@@ -67,14 +67,14 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
         print(f"{len(joiners)} waiting agents joined the build and decoded {joined_rows} of the "
               f"{images} images; the builder decoded the other {images - joined_rows}.")
     print(f"{agents * 2 - 1 - len(joiners)} of {agents * 2} agents decoded nothing.")
-    _print_next_steps(race_cache, root, sample_dir)
+    _print_next_steps(race_cache, root)
     return 0
 
 
-def _print_next_steps(race_cache: Path, root: Path, sample_dir: Path) -> None:
-    print(f"\nThe agents raced in a temporary cache, {race_cache}, now removed: no entry of "
-          f"your cache at {root} was made or touched (the sample images stay in "
-          f"{sample_dir} for the next demo). On your own data, with a CSV of image paths:")
+def _print_next_steps(race_cache: Path, root: Path) -> None:
+    print(f"\nThe agents raced in a temporary cache, {race_cache}, now removed with the "
+          f"sample images: nothing of your cache at {root} was made or touched. On your own "
+          "data, with a CSV of image paths:")
     print("  cachekit build train.csv --column img_path --size 32x32")
     print('  entry = cachekit.Cache().images(pd.read_csv("train.csv")["img_path"], size=32)')
 
@@ -99,12 +99,12 @@ def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:
             raise RuntimeError(f"demo agent {number} (pid {proc.pid}) failed:\n{err}")
         filled = [int(n) for n in _FILLED.findall(err)]  # what a joiner says it did
         reports.append({"agent": number, **json.loads(out), "rows": sum(filled),
-                        "said": [line for line in err.splitlines()
-                                 if line.startswith("cachekit: joined")]})
+                        "said": [line for line in err.splitlines() if _SAID.match(line)]})
     return reports
 
 
-_FILLED = re.compile(r"^cachekit: joined the build of entry .*\((\d+) rows\)$", re.M)
+_SAID = re.compile(r"cachekit\[[^]]*\]: (joined the build |built entry \w+ with \d+ joining)")
+_FILLED = re.compile(r"^cachekit\[[^]]*\]: joined the build of entry .*\((\d+) rows\)$", re.M)
 
 
 def _print_wave(reports: list[dict]) -> None:

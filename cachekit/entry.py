@@ -22,16 +22,24 @@ class Entry:
     that were produced (False where ``on_error="zero"`` stored zeros); ``manifest`` is the
     parsed manifest as a dict; ``source`` says how this call got the entry and ``hit`` is
     True when it built nothing.
+
+    What this call spent, in this process: ``wait_seconds`` waiting for another process's
+    build (not counting the time it filled chunks of it), ``build_seconds`` building (its
+    own build, or the chunks it filled of another's; 0 on a hit), and ``decode_seconds``,
+    the part of ``build_seconds`` spent computing rows.
     """
 
     def __init__(self, path: Path, manifest: Manifest, *, source: str,
-                 wait_seconds: float = 0.0) -> None:
+                 wait_seconds: float = 0.0, build_seconds: float = 0.0,
+                 decode_seconds: float = 0.0) -> None:
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {source!r}")
         self.path = Path(path)
         self.key: str = manifest.key
         self.source = source
         self.wait_seconds = wait_seconds
+        self.build_seconds = build_seconds
+        self.decode_seconds = decode_seconds
         self._manifest = manifest
         self.manifest: dict[str, Any] = manifest.to_json()
         self.array: np.ndarray = self._map()  # before anything sized by the manifest

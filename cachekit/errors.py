@@ -13,6 +13,7 @@
     +-- BuildGone                       the build a process worked on was committed, discarded
     |                                       or taken over meanwhile
     +-- ReadOnlyCacheError (PermissionError)  a miss needed a build but the root is read-only
+    +-- CacheRootError (NotADirectoryError)   the cache root (or a parent) is not a directory
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
 
@@ -25,6 +26,7 @@ pickling, because errors cross process and thread pools.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
@@ -60,20 +62,35 @@ class ImageDecodeError(CachekitError, ValueError):
     """Some rows could not be decoded; nothing was published.
 
     ``failures`` lists every bad row as ``(row, path, reason)``, not only the first.
+    ``rows`` (the column's length) and ``cwd`` (the working directory of the build): when
+    every row is a missing file at a relative path, the message names ``cwd``, since the
+    paths were most likely written relative to another directory.
     """
 
-    def __init__(self, failures: Sequence[Failure]) -> None:
+    def __init__(self, failures: Sequence[Failure], rows: Optional[int] = None,
+                 cwd: Optional[str] = None) -> None:
         self.failures = [(int(r), str(p), str(why)) for r, p, why in failures]
+        self.rows, self.cwd = rows, cwd
         shown = "\n".join(f"  row {r}: {p!r}: {why}" for r, p, why in self.failures[:10])
         more = len(self.failures) - 10
         tail = f"\n  ... and {more} more" if more > 0 else ""
-        super().__init__(
-            f"{len(self.failures)} row(s) could not be decoded:\n{shown}{tail}\n"
-            "fix or drop these rows, or pass on_error='zero' to store them as zeros"
-        )
+        fix = "fix or drop these rows, or pass on_error='zero' to store them as zeros"
+        if self.all_missing_and_relative():
+            fix = (f"every path is missing, and every path is relative: they were looked up "
+                   f"from the working directory {cwd}; run from the directory they are "
+                   "relative to, or give absolute paths (e.g. "
+                   "df['img_path'].map(os.path.abspath) where they resolve)")
+        super().__init__(f"{len(self.failures)} row(s) could not be decoded:\n{shown}{tail}\n"
+                         f"{fix}")
+
+    def all_missing_and_relative(self) -> bool:
+        """Whether every one of ``rows`` rows failed as a missing file at a relative path."""
+        return (self.cwd is not None and self.rows == len(self.failures) > 0 and all(
+            why.startswith("FileNotFoundError") and not os.path.isabs(path)
+            for _, path, why in self.failures))
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.failures,))
+        return (type(self), (self.failures, self.rows, self.cwd))
 
 
 class NotAnArrayError(CachekitError, TypeError):
@@ -175,6 +192,23 @@ class ReadOnlyCacheError(CachekitError, PermissionError):
 
     def __reduce__(self):  # type: ignore[override]
         return (type(self), (self.root, self.key))
+
+
+class CacheRootError(CachekitError, NotADirectoryError):
+    """The cache root ``root`` cannot be one: ``blocker`` (the root itself, or the nearest
+    of its parents that exists) is not a directory. Raised by ``Cache(root)`` at once."""
+
+    def __init__(self, root: str | Path, blocker: str | Path) -> None:
+        self.root = str(root)
+        self.blocker = str(blocker)
+        where = ("exists and is not a directory" if self.blocker == self.root
+                 else f"cannot be made: {self.blocker} is not a directory")
+        OSError.__init__(self, f"cache root {self.root} {where}; give Cache(root) (or "
+                               "--root, or CACHEKIT_DIR) a directory, or a path where one "
+                               "can be made")
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.root, self.blocker))
 
 
 class UsageError(CachekitError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import traceback
 import types
 from pathlib import Path
 
@@ -59,6 +60,70 @@ def test_object_and_str_columns_share_one_entry(cache_root, cover_paths):
     first = cache.images(pd.Series(cover_paths, dtype=object), 8)
     second = cache.images(pd.Series(cover_paths, dtype="str"), 8)
     assert second.hit and second.key == first.key
+
+
+@pytest.mark.parametrize("kind", ["list of str", "list of Path", "tuple", "numpy str array",
+                                  "numpy object array of Path", "Series of Path"])
+def test_any_sequence_of_str_or_pathlike_shares_the_entry_of_the_str_series(
+        cache_root, cover_paths, kind):
+    cache = cachekit.Cache(cache_root)
+    first = cache.images(pd.Series(cover_paths, name="img_path"), 8)
+    paths = {"list of str": list(cover_paths),
+             "list of Path": [Path(p) for p in cover_paths],
+             "tuple": tuple(cover_paths),
+             "numpy str array": np.array(cover_paths),
+             "numpy object array of Path": np.array([Path(p) for p in cover_paths],
+                                                    dtype=object),
+             "Series of Path": pd.Series([Path(p) for p in cover_paths])}[kind]
+    again = cache.images(paths, 8)
+    assert again.hit and again.key == first.key
+    np.testing.assert_array_equal(np.asarray(again.array), np.asarray(first.array))
+
+
+def test_a_list_of_path_builds_like_its_str_series(cache_root, cover_paths):
+    built = cachekit.Cache(cache_root).images([Path(p) for p in cover_paths[:3]], 8)
+    assert built.source == "built" and len(built) == 3
+    assert cachekit.Cache(cache_root).images(pd.Series(cover_paths[:3]), 8).hit
+
+
+def test_missing_relative_paths_name_the_working_directory(cache_root, cover_paths,
+                                                          tmp_path, monkeypatch):
+    covers = Path(cover_paths[0]).parent
+    relative = [f"covers/{Path(p).name}" for p in cover_paths[:3]]
+    monkeypatch.chdir(covers)  # one level too deep: covers/covers/... does not exist
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cachekit.Cache(cache_root).images(relative, 8)
+    message = str(caught.value)
+    assert f"looked up from the working directory {covers}" in message
+    assert "absolute paths" in message and "on_error='zero'" not in message
+    monkeypatch.chdir(covers.parent)  # where they resolve
+    assert cachekit.Cache(cache_root).images(relative, 8).source == "built"
+
+
+@pytest.mark.parametrize("paths, why", [
+    (["covers/a.jpg", "{0}"], "one path exists"),
+    (["{missing}"], "the path is absolute"),
+])
+def test_the_working_directory_is_named_only_when_every_relative_path_is_missing(
+        cache_root, cover_paths, tmp_path, monkeypatch, paths, why):
+    monkeypatch.chdir(tmp_path)
+    paths = [p.format(cover_paths[0], missing=tmp_path / "missing.jpg") for p in paths]
+    with pytest.raises(cachekit.ImageDecodeError) as caught:
+        cachekit.Cache(cache_root).images(paths, 8)
+    assert "working directory" not in str(caught.value), why
+    assert "on_error='zero'" in str(caught.value)
+
+
+@pytest.mark.parametrize("paths, hint", [
+    (pd.Series(["a.jpg", 3]), True),
+    (["a.jpg", 3], False),
+    ([Path("a.jpg"), b"b.jpg"], False),
+])
+def test_the_astype_hint_is_given_for_a_series_only(cache_root, paths, hint):
+    with pytest.raises(TypeError, match="must hold str or os.PathLike; row 1") as caught:
+        cachekit.Cache(cache_root).images(paths, 8)
+    assert (".astype(str)" in str(caught.value)) is hint
+    assert published(cache_root) == []
 
 
 def test_row_order_changes_key_and_result_follows_row_order(cache_root, cover_paths):
@@ -264,6 +329,22 @@ def test_errors_pickle_and_subclass_the_stdlib_types():
     assert isinstance(corrupt, OSError) and isinstance(corrupt, cachekit.CachekitError)
     assert issubclass(cachekit.LockTimeout, TimeoutError)
     assert issubclass(cachekit.ImageDecodeError, ValueError)
+
+
+@pytest.mark.parametrize("below", ["", "sub/cache"])
+def test_a_root_that_is_a_file_is_refused_at_construction(tmp_path, below):
+    file = tmp_path / "not-a-dir"
+    file.write_text("x")
+    root = file / below if below else file
+    with pytest.raises(cachekit.CacheRootError) as caught:
+        cachekit.Cache(root)
+    error = caught.value
+    assert isinstance(error, NotADirectoryError) and isinstance(error, cachekit.CachekitError)
+    assert (error.root, error.blocker) == (str(root), str(file))
+    assert str(file) in str(error) and "a directory" in str(error)
+    assert len(traceback.extract_tb(error.__traceback__)) <= 4  # raised near the call
+    assert cachekit.Cache(tmp_path / "new" / "cache").root == tmp_path / "new" / "cache"
+    assert not (tmp_path / "new").exists()  # nothing made before a build
 
 
 def test_public_names_match_all():

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import arrays
+from cachekit import arrays, units
 from cachekit.store import manifest as manifests
 from cachekit.cli.main import main
 from helpers import GATED_ROWS, start_gated_builder
@@ -326,6 +326,21 @@ def test_info_survives_a_builder_that_is_not_an_object(cache_root):
     assert result.returncode == 0 and "built by" not in result.stdout
 
 
+def test_info_names_the_processes_that_joined_the_build(cache_root):
+    entry = tiny_entry(cache_root)
+    assert "joined by" not in cachekit_cmd("info", entry.key, root=cache_root).stdout
+    tamper(entry, builder={**entry.manifest["builder"], "joined": [
+        {"host": "node7", "pid": 4243, "rows": 480}, {"host": "vm", "pid": 12, "rows": 3}]})
+    result = cachekit_cmd("info", entry.key, root=cache_root)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^joined by: +pid 4243 on node7 \(480 rows\), pid 12 on vm \(3 rows\)$",
+                     result.stdout, re.M), result.stdout
+    tamper(entry, builder={"pid": 1, "host": "h", "joined": ["someone", {"pid": "x"}]})
+    result = cachekit_cmd("info", entry.key, root=cache_root)  # any JSON may be there
+    assert result.returncode == 0 and re.search(
+        r"^joined by: +'someone', pid x on None \(None rows\)$", result.stdout, re.M), result
+
+
 @pytest.mark.parametrize("created", [float("inf"), float("nan")])
 def test_a_created_time_that_is_not_a_number_is_a_problem_not_a_crash(cache_root, created):
     entry = tiny_entry(cache_root)
@@ -558,6 +573,31 @@ def test_build_prints_the_key_that_training_code_will_hit(tmp_path, cache_root, 
     again = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "12x10",
                          root=cache_root)
     assert again.stdout.strip() == key and "already cached" in again.stderr
+
+
+def test_build_and_ls_report_one_size_for_one_entry(tmp_path, cache_root, cover_paths):
+    csv = write_csv(tmp_path / "train.csv", cover_paths)
+    built = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "32x32",
+                         root=cache_root)
+    assert built.returncode == 0, built.stderr
+    (listed,) = json.loads(cachekit_cmd("ls", "--json", root=cache_root).stdout)
+    size = units.format_size(listed["bytes"])
+    assert listed["bytes"] > 12 * 3 * 32 * 32  # the data, its header and the manifest
+    assert f"built: 12 rows 12x3x32x32 uint8, {size}" in built.stderr, built.stderr
+    table = cachekit_cmd("ls", root=cache_root).stdout
+    assert re.search(rf"^{listed['key'][:12]} .* {re.escape(size)} ", table, re.M), table
+    info = cachekit_cmd("info", listed["key"], root=cache_root).stdout
+    assert f"{size} ({listed['bytes']} bytes)" in info
+
+
+def test_a_root_that_is_a_file_is_one_line_of_error(tmp_path):
+    file = tmp_path / "cache"
+    file.write_text("not a directory")
+    result = cachekit_cmd("ls", root=file)
+    assert result.returncode == 1 and result.stderr == (
+        f"cachekit: error: cache root {file} exists and is not a directory; give "
+        "Cache(root) (or --root, or CACHEKIT_DIR) a directory, or a path where one can be "
+        "made\n")
 
 
 def test_build_passes_every_option(tmp_path, cache_root, cover_paths):

@@ -33,8 +33,10 @@ def test_every_exception_cachekit_defines_derives_from_the_root():
 EXAMPLES = [
     cachekit.LockTimeout("/r/locks/k.lock", 5.0, "pid 1 on a (3/9 rows, 33%)", "a hint"),
     cachekit.ImageDecodeError([(3, "/x.jpg", "OSError: truncated")]),
+    cachekit.ImageDecodeError([(0, "x.jpg", "FileNotFoundError: x.jpg")], 1, "/home/me"),
     cachekit.CacheCorruptError("/r/entries/k/data.npy", "file is 3 bytes", "a fix"),
     cachekit.ReadOnlyCacheError("/r", "0" * 32),
+    cachekit.CacheRootError("/r/file/cache", "/r/file"),
     errors.DatasetCorruptError("/r/entries/k/data.npy", "gone"),
     errors.NotAnArrayError("map: f returned list"),
     errors.UsageError("bad flag"),

@@ -25,6 +25,12 @@ The rules (docs/index.md, "About the examples", says the same for readers):
   block first runs the page's earlier blocks (so ``-k`` picking one block still works).
 - A ``needs: s3`` block runs on its own, in a fresh interpreter or shell with the s3
   environment: it must not depend on other blocks.
+- A comment ``# -> TEXT`` on a line of a python block claims what that line's statement
+  prints (on stdout, from this interpreter; its last newline dropped): it must be TEXT, in
+  which ``...`` stands for any text. So ``print(entry.source)  # -> built`` fails the
+  block if it prints ``local``. A statement runs where the block's own line is running: a
+  print inside a function, called from the line, is that line's; a statement inside a loop
+  or an ``if`` is its own line's. Other comments are prose and are not compared.
 - A failing block fails its test with the block's file:line and its output (stderr
   included; tracebacks point at lines of the markdown file). Later blocks of that page are
   skipped, naming the failed one.
@@ -32,12 +38,16 @@ The rules (docs/index.md, "About the examples", says the same for readers):
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
+import tokenize
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
@@ -68,8 +78,12 @@ class Block:
 
     @property
     def where(self) -> str:
+        return self.at(self.line)
+
+    def at(self, line: int) -> str:
+        """``README.md:12``: line ``line`` of the block's page."""
         page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
-        return f"{page}:{self.line}"
+        return f"{page}:{line}"
 
     @property
     def first_code_line(self) -> int:
@@ -116,6 +130,74 @@ def parse_blocks(page: Path) -> list[Block]:
 ALL_BLOCKS = [block for page in PAGES for block in parse_blocks(page)]
 
 
+# --- what a block claims it prints ------------------------------------------------------
+
+CLAIM = "# ->"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A ``# -> TEXT`` comment: the statement of markdown line ``line`` prints ``text``."""
+
+    line: int
+    text: str
+
+    def matches(self, printed: str) -> bool:
+        """Whether ``printed`` (its last newline dropped) is the text, ``...`` standing for
+        any text."""
+        pattern = ".*".join(re.escape(part) for part in self.text.split("..."))
+        return re.fullmatch(pattern, printed.removesuffix("\n"), re.DOTALL) is not None
+
+
+def claims(block: Block) -> list[Claim]:
+    """The ``# ->`` comments of a python block (real comments, not text in strings)."""
+    if block.language != "python":
+        return []
+    found = []
+    tokens = tokenize.generate_tokens(io.StringIO(block.code).readline)
+    for token in tokens:
+        if token.type == tokenize.COMMENT and token.string.startswith(CLAIM):
+            found.append(Claim(block.first_code_line + token.start[0] - 1,
+                               token.string[len(CLAIM):].strip()))
+    return found
+
+
+def _statement_lines(block: Block) -> dict[int, tuple[int, int]]:
+    """markdown line -> the (first, last) markdown lines of the innermost statement of the
+    block that holds it: a claim and a print are compared by statement, whichever of its
+    lines each names."""
+    spans = sorted(((node.lineno, node.end_lineno or node.lineno)
+                    for node in ast.walk(ast.parse(block.code)) if isinstance(node, ast.stmt)),
+                   key=lambda span: span[0] - span[1])  # widest first: inner ones win
+    offset = block.first_code_line - 1
+    innermost: dict[int, tuple[int, int]] = {}
+    for first, last in spans:
+        for line in range(first, last + 1):
+            innermost[line + offset] = (first + offset, last + offset)
+    return innermost
+
+
+def claim_problems(block: Block, printed: dict[int, str]) -> list[str]:
+    """Each claim of ``block`` that what it printed (markdown line -> text, from
+    :attr:`PythonSession.printed`) does not bear out, said with the claim's file:line."""
+    found = claims(block)
+    if not found:
+        return []
+    statement = _statement_lines(block)
+    by_statement: dict[tuple[int, int], str] = {}
+    for line, text in sorted(printed.items()):
+        span = statement.get(line, (line, line))
+        by_statement[span] = by_statement.get(span, "") + text
+    problems = []
+    for claim in found:
+        span = statement.get(claim.line, (claim.line, claim.line))
+        actual = by_statement.get(span, "")
+        if not claim.matches(actual):
+            problems.append(f"{block.at(claim.line)}: claims `{CLAIM} {claim.text}`, but the "
+                            f"statement printed {actual.removesuffix(chr(10))!r}")
+    return problems
+
+
 # --- running -------------------------------------------------------------------------------
 
 _SESSION = r"""
@@ -138,19 +220,42 @@ def _serve():
         request = json.loads(line)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1), os.dup2(log, 2), os.close(log)
-        ok = True
+        ok, printed, stdout = True, {}, sys.stdout
         try:
             # Padded so that line numbers in tracebacks are the markdown file's own.
-            code = "\n" * (request["line"] - 1) + request["code"]
-            exec(compile(code, request["file"], "exec"), namespace)
+            code = compile("\n" * (request["line"] - 1) + request["code"], request["file"],
+                           "exec")
+            sys.stdout = _ByLine(stdout, code, printed)
+            exec(code, namespace)
         except BaseException:
             ok = False
             traceback.print_exc()
         finally:
+            sys.stdout = stdout
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        replies.write(json.dumps({"ok": ok}) + "\n")
+        replies.write(json.dumps({"ok": ok, "printed": printed}) + "\n")
         replies.flush()
+
+
+class _ByLine:
+    # sys.stdout while a block runs: what is written goes on to the real stream, and is
+    # noted under the line of the block (its own code, not a function's) that was running.
+
+    def __init__(self, stream, code, printed):
+        self._stream, self._code, self._printed = stream, code, printed
+
+    def write(self, text):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not self._code:
+            frame = frame.f_back
+        if frame is not None:
+            line = str(frame.f_lineno)
+            self._printed[line] = self._printed.get(line, "") + text
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 _serve()
@@ -173,7 +278,9 @@ class PythonSession:
         self._receive = os.fdopen(self._replies)
 
     def run(self, block: Block, log: Path) -> tuple[bool, str]:
-        """Run ``block``; (succeeded, its output)."""
+        """Run ``block``; (succeeded, its output). What each line of it printed is then in
+        ``printed`` (markdown line -> text)."""
+        self.printed: dict[int, str] = {}
         self._send.write(json.dumps({"code": block.code, "line": block.first_code_line,
                                      "file": str(block.page), "log": str(log)}) + "\n")
         self._send.flush()
@@ -183,7 +290,9 @@ class PythonSession:
             self.close()
             return False, output + f"\n(the interpreter died or hung; exit status " \
                                    f"{self.proc.returncode})"
-        return json.loads(reply)["ok"], output
+        answer = json.loads(reply)
+        self.printed = {int(line): text for line, text in answer["printed"].items()}
+        return answer["ok"], output
 
     def finish(self) -> None:
         """Let the interpreter exit (it does once its requests end), without waiting."""
@@ -288,6 +397,16 @@ class Page:
         self.logs = 0
 
     def run(self, block: Block, extra_env: Optional[dict[str, str]] = None) -> tuple[bool, str]:
+        """Run ``block``; (succeeded, its output). A python block's claims are then checked:
+        ``claim_problems`` holds those it failed."""
+        self.claim_problems: list[str] = []
+        ok, output, printed = self._run(block, extra_env)
+        if ok:
+            self.claim_problems = claim_problems(block, printed)
+        return ok, output
+
+    def _run(self, block: Block, extra_env: Optional[dict[str, str]]
+             ) -> tuple[bool, str, dict[int, str]]:
         self.logs += 1
         log = self.folder.parent / f"{self.folder.name}-block-{self.logs}.log"
         if extra_env is not None:  # on its own, with the extra environment
@@ -296,17 +415,17 @@ class Page:
                 block = replace(block, code=block.code.replace(PLACEHOLDER_URL,
                                                                env["CACHEKIT_REMOTE"]))
             if block.language == "console":
-                return run_console(block, self.folder, env)
+                return (*run_console(block, self.folder, env), {})
             alone = PythonSession(self.folder, env)
             try:
-                return alone.run(block, log)
+                return (*alone.run(block, log), alone.printed)
             finally:
                 alone.close()
         if block.language == "console":
-            return run_console(block, self.folder, self.env)
+            return (*run_console(block, self.folder, self.env), {})
         if self.session is None:
             self.session = PythonSession(self.folder, self.env)
-        return self.session.run(block, log)
+        return (*self.session.run(block, log), self.session.printed)
 
     def close(self) -> None:
         if self.session is not None:
@@ -388,6 +507,9 @@ def test_example(block: Block, pages, request) -> None:
     if not ok:
         pytest.fail(f"{block.where}: this ```{block.language} block failed:\n{output}",
                     pytrace=False)
+    if page.claim_problems:
+        pytest.fail("\n".join(page.claim_problems) + f"\n--- the block's output ---\n{output}",
+                    pytrace=False)
 
 
 # --- the runner itself ------------------------------------------------------------------
@@ -467,3 +589,68 @@ def test_the_readme_commands_are_those_ci_runs() -> None:
         assert command in ci.splitlines(), command
         assert command in readme, command
     assert 'pip install -e ".[dev]" && cachekit demo' in readme
+
+
+def _run_page(tmp_path: Path, *blocks: str) -> list[list[str]]:
+    """Run python ``blocks`` as the cells of one page; each one's claim problems."""
+    page = tmp_path / "page.md"
+    page.write_text("".join(f"text\n\n```python\n{code}```\n\n" for code in blocks),
+                    encoding="utf-8")
+    session = PythonSession(tmp_path, base_env(tmp_path))
+    problems = []
+    try:
+        for number, block in enumerate(parse_blocks(page)):
+            ok, output = session.run(block, tmp_path / f"log{number}")
+            assert ok, output
+            problems.append(claim_problems(block, session.printed))
+    finally:
+        session.close()
+    return problems
+
+
+def test_a_wrong_output_claim_fails_and_a_right_one_passes(tmp_path) -> None:
+    right, wrong = _run_page(
+        tmp_path,
+        'source = "local"\nprint(source)                 # -> local\n',
+        'print(source)                 # -> built\nprint("# -> not a claim")\n')
+    assert right == []
+    assert wrong == [f"{tmp_path / 'page.md'}:11: claims `# -> built`, but the statement "
+                     "printed 'local'"]
+
+
+def test_claims_match_by_statement_with_ellipses(tmp_path) -> None:
+    (problems,) = _run_page(tmp_path, textwrap.dedent('''\
+        import sys
+        def shout(text):
+            print(text.upper())          # (a function's print is its caller's line's)
+        shout("built")                   # -> BUILT
+        if __name__ == "__main__":
+            print("a", 1,
+                  "b")                   # -> a 1 b
+        print("took 0.42 s")             # -> took ... s
+        print("nothing else"); x = 1     # -> nothing ...
+        print("to stderr", file=sys.stderr)  # -> 
+        x = 2                            # -> 2
+        for i in range(2):
+            print(i)                     # -> 0...1
+        '''))
+    assert problems == [f"{tmp_path / 'page.md'}:14: claims `# -> 2`, but the statement "
+                        "printed ''"]  # a claim on a line that prints nothing fails
+
+
+def test_the_readme_first_screen_says_what_it_is_how_to_install_and_the_one_line() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    first_screen = "\n".join(readme.splitlines()[:45])
+    assert "preprocessing cache for PyTorch" in first_screen
+    assert "$ pip install -e .\n" in first_screen
+    assert 'entry = cachekit.Cache().images(df["img_path"], size=224)' in first_screen
+    assert "dataset = entry.dataset(" in first_screen
+    assert first_screen.index("size=224") < readme.index("cachekit demo")
+    assert readme.index("## What the demo prints") > readme.index("## The one call")
+
+
+def test_the_readme_says_its_blocks_run_as_cells_and_claims_output() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "run like the cells of one notebook: in order, in one Python" in readme
+    blocks = [b for b in ALL_BLOCKS if b.page == REPO / "README.md"]
+    assert len([c for b in blocks for c in claims(b)]) >= 4  # the Dask block's among them

@@ -74,13 +74,19 @@ MAP_AGENT = textwrap.dedent("""
             (work / "joiner-mid.tmp").write_text(str(v))
             os.replace(work / "joiner-mid.tmp", work / "joiner-mid")  # seen whole or not at all
             time.sleep(3600)
+        if ROLE == "slow-joiner":
+            time.sleep(0.01)  # its build_seconds are at least 0.01 s a row
         return np.full(width, v, dtype=np.int16)
 
     cache = cachekit.Cache(root, workers=1, progress=None)
+    began = time.monotonic()
     entry = cache.map(row, pd.Series(range(rows)))
+    elapsed = time.monotonic() - began
     hosts.report(me=me, pid=os.getpid(), source=entry.source, key=entry.key,
                  ok=bool((np.asarray(entry.array) == np.arange(rows)[:, None]).all()),
-                 sha=hashlib.sha256(np.asarray(entry.array).tobytes()).hexdigest())
+                 sha=hashlib.sha256(np.asarray(entry.array).tobytes()).hexdigest(),
+                 elapsed=elapsed, wait_seconds=entry.wait_seconds,
+                 build_seconds=entry.build_seconds, decode_seconds=entry.decode_seconds)
 """)
 
 
@@ -144,7 +150,7 @@ def test_agents_released_together_decode_every_row_once_between_them(tmp_path, a
     assert entries(root) == [reports[0]["key"]] and leftovers(root) == []
     for f, r in zip(finished, reports):  # joiners say so, and how much they filled
         if r["source"] == "joined":
-            assert "cachekit: joined the build of entry" in f.stderr, f.stderr
+            assert f"cachekit[pid {r['pid']}]: joined the build of entry" in f.stderr, f.stderr
             assert "this process filled" in f.stderr, f.stderr
     reference = cachekit.Cache(tmp_path / "alone", progress=False, join=False).images(
         __import__("pandas").Series(paths), 16)
@@ -229,6 +235,42 @@ def test_a_killed_committer_is_finished_by_another_process_and_published_once(tm
     assert manifest["builder"]["pid"] == report["pid"]
 
 
+def test_the_builder_names_its_joiners_and_each_counts_only_its_own_seconds(tmp_path):
+    work, root = tmp_path / "work", tmp_path / "cache"
+    agent = script(work, "agent.py", MAP_AGENT)
+    builder = start(agent, root, work, "builder", "builder", 64, 2048)
+    wait_for((work / "builder-mid").exists, timeout=TIMEOUT, what="the builder mid-chunk",
+             watch=[builder])
+    joiner = start(agent, root, work, "joiner", "slow-joiner", 64, 2048)
+    plan = json.loads((wait_for(lambda: next(iter(root.glob("tmp/*/data.npy.chunks")), None),
+                                timeout=TIMEOUT, what="the journal") / "plan.json").read_text())
+    theirs = 64 - plan["chunk_rows"]  # every chunk but the builder's first
+    wait_for(lambda: len(rows_by(work).get("joiner", [])) == theirs, timeout=TIMEOUT,
+             what="the joiner filling every other chunk", watch=[builder, joiner])
+    (work / "go").touch()
+    built, joined = finish(builder, TIMEOUT), finish(joiner, TIMEOUT)
+    b, j = built.report(), joined.report()
+
+    assert (b["source"], j["source"]) == ("built", "joined") and b["ok"] and j["ok"]
+    assert sorted(rows_by(work)["joiner"]) == list(range(plan["chunk_rows"], 64))
+    manifest = json.loads((root / "entries" / b["key"] / "manifest.json").read_text())
+    host = manifest["builder"]["host"]
+    assert manifest["builder"]["joined"] == [{"host": host, "pid": j["pid"], "rows": theirs}]
+    said = [line for line in built.stderr.splitlines() if "joining process" in line]
+    assert said == [f"cachekit[pid {b['pid']}]: built entry {b['key'][:12]} with 1 joining "
+                    f"process, which computed {theirs} of its 64 rows (pid {j['pid']} on "
+                    f"{host} {theirs}); this process made the other {64 - theirs}"], \
+        built.stderr
+    # Each process's own seconds: the joiner's filling is building, not waiting, and
+    # neither claims the other's work; the measured spans lie inside the call.
+    slack = 0.002  # each figure is rounded to the millisecond
+    assert j["build_seconds"] == j["decode_seconds"] >= 0.01 * theirs
+    assert j["wait_seconds"] + j["build_seconds"] <= j["elapsed"] + slack
+    assert 0 < b["decode_seconds"] <= b["build_seconds"]
+    assert b["wait_seconds"] + b["build_seconds"] <= b["elapsed"] + slack
+    assert b["build_seconds"] >= manifest["build_seconds"]
+
+
 def test_join_false_only_waits(tmp_path):
     work, root = tmp_path / "work", tmp_path / "cache"
     agent = script(work, "agent.py", MAP_AGENT.replace(
@@ -289,6 +331,9 @@ def test_a_joiner_on_another_host_fills_chunks_and_no_page_is_written_by_two_hos
     assert [r["source"] for r in reports] == ["built", "joined"]
     assert all(r["ok"] for r in reports) and len({r["sha"] for r in reports}) == 1
     assert entries(a.root) == [reports[0]["key"]] and leftovers(a.root) == []
+    manifest = json.loads((a.root / "entries" / reports[0]["key"] / "manifest.json").read_text())
+    assert manifest["builder"]["joined"] == [  # the joiner on the other host, by its name
+        {"host": "host-b", "pid": reports[1]["pid"], "rows": rows - plan["chunk_rows"]}]
 
 
 def test_a_dead_joiner_on_another_host_loses_its_chunk_once_its_heartbeat_is_a_lease_old(

@@ -14,6 +14,7 @@ import pytest
 import cachekit
 from cachekit import _fs, UnsignedEntryError
 from cachekit.admin import integrity
+from cachekit.messages import prefix
 from cachekit.store import signing
 from cachekit.store import manifest as manifests
 from cachekit.cli.main import main
@@ -153,7 +154,7 @@ def test_an_unsigned_entry_is_refused_and_replaced_by_a_signed_one(cache_root, m
     assert [p.name for p in (cache_root / "tmp").iterdir()] == []  # the refused one is gone
     err = capfd.readouterr().err
     notes = [line for line in err.splitlines() if "refused" in line]
-    assert len(notes) == 1 and notes[0].startswith(f"cachekit: refused entry {unsigned.key[:12]}")
+    assert len(notes) == 1 and notes[0].startswith(f"{prefix()}: refused entry {unsigned.key[:12]}")
     assert make(cache_root).source == "local"
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cachekit.errors import LockTimeout
+from cachekit.messages import prefix
 from cachekit.obtain import check_lock_timeout
 from cachekit.obtain.wait import WAITING, Awaited, Wait
 
@@ -58,7 +59,8 @@ def test_a_long_wait_says_whom_it_waits_for(capfd):
     with pytest.raises(LockTimeout):
         Wait("0123456789abcdef" * 2, 1.5, announce=True).until(nothing_yet, HOLDER, poll=0.25)
     reports = [line for line in capfd.readouterr().err.splitlines() if line]
-    assert reports and all(line.startswith("cachekit: waited ") for line in reports)
+    me = f"{prefix()}: waited "  # each line names the process
+    assert reports and all(line.startswith(me) for line in reports), reports
     assert reports[0].endswith(" s for pid 4242 on node7 (5/12 rows, 42%) to build entry "
                                "0123456789ab (remote s3://b/p)")
     assert len(reports) == 1  # the next is due WAIT_REPORT_SECONDS later

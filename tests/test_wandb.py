@@ -28,7 +28,8 @@ import cachekit
 from cachekit import _wandb
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wandb_sweep.py"
-FIELDS = ("key", "hit", "source", "build_seconds", "wait_seconds", "rows", "shape", "bytes")
+FIELDS = ("key", "hit", "source", "build_seconds", "decode_seconds", "wait_seconds", "rows",
+          "shape", "bytes")
 
 
 def _row(value: int) -> np.ndarray:
@@ -67,7 +68,9 @@ def test_a_miss_then_a_hit_are_recorded_in_the_run_summary(fake_wandb, cache_roo
     summary = fake_wandb.run.summary
     assert summary["cachekit/key"] == built.key
     assert summary["cachekit/hit"] is False
-    assert summary["cachekit/build_seconds"] == built.manifest["build_seconds"]
+    assert summary["cachekit/build_seconds"] == built.build_seconds  # this process's own
+    assert built.build_seconds >= built.manifest["build_seconds"]  # begin to commit, and more
+    assert summary["cachekit/decode_seconds"] == built.decode_seconds <= built.build_seconds
     assert summary["cachekit/rows"] == 3
     assert summary["cachekit/shape"] == [3, 2, 3]
     assert summary["cachekit/bytes"] == 3 * 2 * 3 * 2
@@ -77,11 +80,15 @@ def test_a_miss_then_a_hit_are_recorded_in_the_run_summary(fake_wandb, cache_roo
     assert hit.hit
     assert summary["cachekit/hit"] is True
     assert summary["cachekit/build_seconds"] == 0.0  # nothing was built by this call
+    assert summary["cachekit/decode_seconds"] == 0.0
     assert summary["cachekit/wait_seconds"] == 0.0
+    assert (hit.build_seconds, hit.decode_seconds, hit.wait_seconds) == (0.0, 0.0, 0.0)
     assert summary["cachekit/entries"] == 2
-    assert summary["cachekit/build_seconds_total"] == built.manifest["build_seconds"]
+    assert summary["cachekit/build_seconds_total"] == built.build_seconds
+    assert summary["cachekit/decode_seconds_total"] == built.decode_seconds
     assert set(summary) == {f"cachekit/{name}" for name in FIELDS} | {
-        "cachekit/entries", "cachekit/build_seconds_total", "cachekit/wait_seconds_total"}
+        "cachekit/entries", "cachekit/build_seconds_total", "cachekit/decode_seconds_total",
+        "cachekit/wait_seconds_total"}
 
 
 def _slow_row(value: int) -> np.ndarray:
@@ -95,6 +102,7 @@ def test_a_builder_that_waited_for_nobody_reports_no_wait(fake_wandb, cache_root
     built = cache.map(_slow_row, pd.Series([1, 2, 3, 4]))
     summary = fake_wandb.run.summary
     assert built.source == "built" and summary["cachekit/build_seconds"] >= 0.4
+    assert summary["cachekit/decode_seconds"] >= 0.4  # four rows of 0.1 s, computed here
     assert summary["cachekit/wait_seconds"] < summary["cachekit/build_seconds"] / 4
 
 
@@ -255,9 +263,15 @@ def test_four_sweep_agents_build_once_and_record_it(tmp_path):
     assert manifest["builder"]["pid"] == built[0]
     lines = decoded.read_text().splitlines()  # every image once, by the builder and joiners
     assert len(lines) == 120 and {line.split()[0] for line in lines} == helped
-    for summary in summaries:
-        built = summary["cachekit/build_seconds"]
-        assert built == (0 if summary["cachekit/hit"] else manifest["build_seconds"])
+    for summary in summaries:  # each agent's own seconds, never another's
+        built, decoded = summary["cachekit/build_seconds"], summary["cachekit/decode_seconds"]
+        source = summary["cachekit/source"]
+        if source == "built":
+            assert built >= manifest["build_seconds"] and 0 < decoded <= built
+        elif source == "joined":
+            assert 0 < decoded == built  # the chunks it filled, not the whole build
+        else:
+            assert built == decoded == 0
         waited = summary["cachekit/wait_seconds"]
         # a number of seconds (wandb may hand a whole 0.0 back as 0)
         assert type(waited) in (int, float) and 0 <= waited < 300

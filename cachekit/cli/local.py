@@ -19,7 +19,8 @@ from ..admin import inspect
 from ..errors import CachekitError, ImageDecodeError, UsageError
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, say, shape, table, when
+from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, joined_by, say, shape, \
+    table, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
@@ -90,6 +91,7 @@ def _print_entry(e: inspect.EntryInfo) -> None:
         pairs.append(("built by", f"pid {builder.get('pid')} on {builder.get('host')} in "
                                   f"{manifest.get('build_seconds', '?')} s with cachekit "
                                   f"{manifest.get('cachekit_version', '?')}"))
+        pairs.append(("joined by", joined_by(builder)))
     if e.params is not None:
         pairs += [(f"  {name}", json.dumps(value, sort_keys=True))
                   for name, value in sorted(e.params.items())]
@@ -174,8 +176,10 @@ def build(args: argparse.Namespace) -> int:
     for row, path, reason in failed:
         say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
     how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
+    described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
+    size = described.bytes if described is not None else entry.array.nbytes
     say(f"{how}: {len(entry)} rows {shape(entry.array.shape)} {entry.array.dtype}, "
-        f"{units.format_size(entry.array.nbytes)}"
+        f"{units.format_size(size)}"
         + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
     say(entry.key)
     return 0

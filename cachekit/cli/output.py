@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 from .. import units
 from ..admin.inspect import SHORT_KEY, ago, local_time
 
-__all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "printable", "say",
-           "shape", "table", "when"]
+__all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
+           "printable", "say", "shape", "table", "when"]
 
 # C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
 # lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
@@ -54,6 +54,16 @@ def fields(pairs: Sequence[tuple[str, Any]]) -> None:
     width = max(len(name) for name, _ in shown) + 1
     for name, value in shown:
         say(f"{name + ':':<{width}} {value}")
+
+
+def joined_by(builder: Any) -> Optional[str]:
+    """``pid 4243 on node7 (480 rows), ...``: the processes that joined a build, from a
+    manifest's ``builder`` (any JSON: not a checked field); None when nobody joined."""
+    joined = builder.get("joined") if isinstance(builder, dict) else None
+    if not isinstance(joined, list) or not joined:
+        return None
+    return ", ".join(f"pid {j.get('pid')} on {j.get('host')} ({j.get('rows')} rows)"
+                     if isinstance(j, dict) else repr(j) for j in joined)
 
 
 def shape(dims: Optional[Sequence[int]]) -> str:

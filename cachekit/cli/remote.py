@@ -20,7 +20,8 @@ from ..errors import CacheCorruptError, UsageError
 from ..obtain.remote import Tier, pull as pull_entry
 from ..store.remote import RemoteEntry, RemoteStore
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fields, say, shape, table, when
+from .output import SHORT_KEY, ByteProgress, ago, count, fields, joined_by, say, shape, table, \
+    when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store, remote_store
 
@@ -147,6 +148,7 @@ def _print_entry(remote: RemoteStore, entry: RemoteEntry, info: admin.RemoteEntr
     builder = m.builder
     pairs.append(("built by", f"pid {builder.get('pid')} on {builder.get('host')} in "
                               f"{m.build_seconds} s with cachekit {m.cachekit_version}"))
+    pairs.append(("joined by", joined_by(builder)))
     decoders = builder.get("decoders")
     if isinstance(decoders, dict):
         pairs.append(("decoders", ", ".join(f"{k} {v}" for k, v in sorted(decoders.items()))))

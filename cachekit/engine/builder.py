@@ -38,7 +38,7 @@ from . import plan as plans
 from .copying import copy_chunk, open_checked
 from .executors import RowTask, make_runner
 from ..errors import Failure, NotAnArrayError, failure_reason
-from .journal import Claim, Done, Journal, digest, journal_name
+from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
 from .plan import Chunk
 from .resume import resume
 from .rows import as_row
@@ -61,6 +61,10 @@ class Filled:
     failures: list[Failure] = field(default_factory=list)
     resumed: int = 0
     """Rows copied from the verified done chunks of dead builds."""
+    joined: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Rows that joiners computed and this fill copied in, by joiner (host, pid)."""
+    decode_seconds: float = 0.0
+    """Seconds this process spent computing rows (not waiting for joiners, not copying)."""
 
 
 def fill(
@@ -106,22 +110,35 @@ def fill(
         if done_with_sources is not None:
             done_with_sources()
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
+        work = _Work()
         if resumed is None:
+            started = time.monotonic()  # without a template, rows run here until one succeeds
             journal, array, head = _start(directory, name, values, task, template, key,
                                           workers)
+            work.decode_seconds = time.monotonic() - started
             copied = 0
         else:
             journal, array, copied = resumed
         bar = _progress_bar(n, progress, description)
         try:
             with journal:
-                done = _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
+                done = _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar,
+                                 work)
                 failures = sorted(f for chunk in done.values() for f in chunk.failures)
         finally:
             bar.close()
     finally:
         runner.close()
-    return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied)
+    return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied,
+                  joined=work.joined, decode_seconds=round(work.decode_seconds, 3))
+
+
+@dataclass
+class _Work:
+    """What a fill did here, and what its joiners did for it, tallied as it goes."""
+
+    decode_seconds: float = 0.0
+    joined: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
@@ -164,7 +181,7 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
 
 def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
               runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
-              bar: Any) -> dict[int, Done]:
+              bar: Any, work: _Work) -> dict[int, Done]:
     """Fill chunks until every chunk is done and its rows are in ``array``, computed here
     or copied in from the rows files of joiners; return every chunk's done record (read
     once at the end)."""
@@ -172,7 +189,7 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
     shown = journal.rows_done()
     bar.update(shown)
     held_here = journal.marked  # done by us: computed here, or put here by _start or a resume
-    joined = _JoinedRows(journal, array)
+    joined = _JoinedRows(journal, array, work.joined)
 
     def report() -> None:
         nonlocal shown
@@ -185,8 +202,10 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
 
     try:
         while True:
+            started = time.monotonic()
             for _ in run_claimed(journal, array, values, runner, head):
                 report()
+            work.decode_seconds += time.monotonic() - started
             head = None
             joined.copy_in(held_here)
             held, free = journal.pending()
@@ -209,12 +228,14 @@ class _JoinedRows:
     joiner's rows file into the builder's own data file, if its bytes match the record's
     checksum; otherwise drop the record, so that the chunk is filled again."""
 
-    def __init__(self, journal: Journal, array: np.ndarray) -> None:
-        self.journal, self.array = journal, array
+    def __init__(self, journal: Journal, array: np.ndarray,
+                 rows_by_joiner: dict[tuple[str, int], int]) -> None:
+        self.journal, self.array, self.rows_by_joiner = journal, array, rows_by_joiner
         self.files: dict[str, Optional[Any]] = {}
 
     def copy_in(self, held_here: set[int]) -> None:
-        """Copy in every done chunk not yet in ``held_here``, adding it there."""
+        """Copy in every done chunk not yet in ``held_here``, adding it there, and count its
+        rows for the joiner that computed them."""
         if len(held_here) == len(self.journal.plan.chunks):
             return
         planned = self.journal.plan
@@ -224,6 +245,9 @@ class _JoinedRows:
             source = self._open(record.file)
             if source is not None and copy_chunk(source, planned, chunk, record, self.array):
                 held_here.add(index)
+                joiner = rows_file_owner(record.file or "")
+                if joiner is not None:
+                    self.rows_by_joiner[joiner] = self.rows_by_joiner.get(joiner, 0) + chunk.rows
             else:
                 self.journal.drop_done(chunk)
 

@@ -310,6 +310,15 @@ def is_rows_file(name: str) -> bool:
     return name.startswith(ROWS_PREFIX) and "/" not in name and name not in (".", "..")
 
 
+def rows_file_owner(name: str) -> Optional[tuple[str, int]]:
+    """(host, pid) of the joiner that made the rows file ``name`` (``rows.HOST.PID.UUID``,
+    the host may hold dots); None for a name not made that way."""
+    host, _, rest = name[len(ROWS_PREFIX):].rpartition(".")[0].rpartition(".")
+    if not (is_rows_file(name) and host and rest.isdigit()):
+        return None
+    return host, int(rest)
+
+
 def _done_record(raw: Any, chunk: Chunk) -> Done:
     if not (isinstance(raw, dict) and raw.get("chunk") == chunk.index
             and raw.get("start") == chunk.start and raw.get("stop") == chunk.stop

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -26,6 +25,7 @@ from .._version import __version__
 from .. import engine
 from ..engine.journal import is_journal_name
 from ..errors import BuildGone, ImageDecodeError
+from ..messages import say
 from ..store import BuildDir, LocalStore, Published
 from ..store.manifest import Manifest
 
@@ -48,6 +48,8 @@ class Built:
     structure: Optional[dict[str, Any]] = None
     builder: Optional[dict[str, Any]] = None
     """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
+    decode_seconds: Optional[float] = None
+    """Seconds the build spent computing rows here (None: all of its time)."""
 
 
 BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
@@ -69,10 +71,9 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
     try:
         claimed = _claim_dead_builds(store, current)
         if claimed and announce:
-            print(f"cachekit: resuming the build of entry {key[:12]} from {claimed} dead "
-                  "build(s) of this user: their done chunks whose bytes match their "
-                  "checksums are copied, only the other chunks are filled", file=sys.stderr,
-                  flush=True)
+            say(f"resuming the build of entry {key[:12]} from {claimed} dead build(s) of "
+                "this user: their done chunks whose bytes match their checksums are "
+                "copied, only the other chunks are filled")
         made = build_fn(current, current.progress)
         current.drop_resumed()
         if not current.still_ours():
@@ -97,7 +98,22 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         raise
     if won:
         store.forget_failure(key)  # an earlier failure is history now
+        if announce:
+            _say_who_joined(manifest)
     return published
+
+
+def _say_who_joined(manifest: Manifest) -> None:
+    """Say, once the builder committed, which processes joined its build and how many rows
+    each computed, so that its output shows every row was computed once."""
+    joined = manifest.builder.get("joined") or []
+    if not joined:
+        return
+    theirs = sum(j["rows"] for j in joined)
+    who = ", ".join(f"pid {j['pid']} on {j['host']} {j['rows']}" for j in joined)
+    say(f"built entry {manifest.key[:12]} with {len(joined)} joining process"
+        f"{'es' if len(joined) > 1 else ''}, which computed {theirs} of its {manifest.rows} "
+        f"rows ({who}); this process made the other {manifest.rows - theirs}")
 
 
 def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) -> None:
@@ -109,9 +125,11 @@ def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) 
         if not isinstance(failed_at, (int, float)) or not asked <= failed_at <= time.time():
             return
         rows = [(int(r), str(p), str(why)) for r, p, why in failures]
-    except (ValueError, KeyError, TypeError, IndexError):
+        total, cwd = record.get("rows"), record.get("cwd")  # the builder's, for its hint
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return
-    raise ImageDecodeError(rows)
+    raise ImageDecodeError(rows, total if isinstance(total, int) else None,
+                           cwd if isinstance(cwd, str) else None)
 
 
 def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> None:
@@ -119,7 +137,8 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
     raise the same error instead of each decoding every row again (K agents, one build)."""
     try:
         store.record_failure(key, {"time": time.time(), **_fs.owner(),
-                                   "failures": [list(f) for f in error.failures]})
+                                   "failures": [list(f) for f in error.failures],
+                                   "rows": error.rows, "cwd": error.cwd})
     except OSError:
         pass  # waiters then build again and fail the same way: slower, still correct
 

@@ -18,16 +18,16 @@ what the call expects (:mod:`cachekit.obtain.expected`).
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from .. import liveness
 from ..errors import BuildGone, CacheCorruptError
+from ..messages import say
 from ..store import LocalStore, Published, locks
 from ..store.manifest import MANIFEST_FILE
+from .accounting import OwnWork
 from .commit import BuildFunction, build_and_commit, raise_failure_seen_while_waiting
 from .expected import Expected
 from .local_wait import JoinFunction, LocalWait
@@ -48,6 +48,13 @@ class Outcome:
     entry: Published
     source: str
     wait_seconds: float = 0.0
+    """Seconds spent waiting for another process's build, not counting those spent
+    filling chunks of it."""
+    build_seconds: float = 0.0
+    """Seconds this process spent building the entry: its own build, and the chunks it
+    filled of another's (0 when it built nothing)."""
+    decode_seconds: float = 0.0
+    """The part of ``build_seconds`` spent computing rows here."""
 
 
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
@@ -66,18 +73,20 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
     A build of ours that another process took over (we were paused past the lease, and it
     claimed our directory) stops writing at once: we then wait for, or join, the build that
     took it over, as any waiter does, and return its entry."""
+    work = OwnWork()  # a build taken over was work of this process all the same
     for attempt in range(_TAKEOVERS):
         try:
             return _obtain_once(store, key, build_fn, lock_timeout=lock_timeout,
-                                announce=announce, join=join, remote=remote, expect=expect)
+                                announce=announce, join=join, remote=remote, expect=expect,
+                                work=work)
         except BuildGone:
             if attempt == _TAKEOVERS - 1:
                 raise
             if announce:
-                print(f"cachekit: pid {os.getpid()}'s build of entry {key[:12]} was taken over "
-                      "by another process while this one was paused past the lease "
-                      f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
-                      "waits for that build's entry", file=sys.stderr, flush=True)
+                say(f"this process's build of entry {key[:12]} was taken over by another "
+                    "process while this one was paused past the lease "
+                    f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
+                    "waits for that build's entry")
     raise AssertionError("unreachable")
 
 
@@ -85,11 +94,11 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
                  lock_timeout: Optional[float], announce: bool,
                  join: Optional[JoinFunction],
                  remote: Optional["remote_tier.Tier"],
-                 expect: Optional[Expected]) -> Outcome:
+                 expect: Optional[Expected], work: OwnWork) -> Outcome:
     asked = time.time()
     found = store.lookup(key)
     if found is not None:
-        return Outcome(found, "local")
+        return _outcome(found, "local", 0.0, work)
     store.ensure_writable(key)
     build_lock = locks.make_lock(store.layout.lock_path(key))
     wait = Wait(key, lock_timeout, announce)
@@ -98,23 +107,30 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
     try:
         if found is None:
             found = local.for_live_builders()
+        work.joined(local.join_seconds)
         if found is not None:
-            return Outcome(found, local.source(found), wait.seconds)
+            return _outcome(found, local.source(found), wait.seconds, work)
         raise_failure_seen_while_waiting(store, key, asked)
         waited = wait.seconds  # before the build: waiting, not building
+        commit = work.timed(lambda fn: build_and_commit(store, key, fn, announce))
         if remote is not None:
             from . import remote as remote_tier
 
             published, source = remote_tier.obtain(
-                remote, store, key, build_fn,
-                lambda fn: build_and_commit(store, key, fn, announce), wait=wait,
+                remote, store, key, build_fn, commit, wait=wait,
                 expect=None if expect is None else expect.check)
-            return Outcome(published, source, waited)
+            return _outcome(published, source, waited, work)
         # "built" even when another builder's rename won the race: this call did the work.
-        return Outcome(build_and_commit(store, key, build_fn, announce), "built", waited)
+        return _outcome(commit(build_fn), "built", waited, work)
     finally:
         if local.locked:
             build_lock.release()
+
+
+def _outcome(entry: Published, source: str, waited: float, work: OwnWork) -> Outcome:
+    """The outcome of a call that waited ``waited`` seconds in all (joins included)."""
+    return Outcome(entry, source, work.waited(waited), round(work.build_seconds, 3),
+                   round(work.decode_seconds, 3))
 
 
 def obtain_and_open(store: LocalStore, key: str, build_fn: BuildFunction,
@@ -163,7 +179,7 @@ def _remove_mismatch(store: LocalStore, entry: Published, problem: str) -> None:
         raise CacheCorruptError(entry.path / MANIFEST_FILE,
                                 f"the entry does not match the call: {problem}") from e
     if removed:
-        print(f"cachekit: removed entry {entry.manifest.key[:12]}: it does not match the "
-              f"call ({problem}); obtaining it again", file=sys.stderr, flush=True)
+        say(f"removed entry {entry.manifest.key[:12]}: it does not match the call "
+            f"({problem}); obtaining it again")
 
 

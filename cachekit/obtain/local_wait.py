@@ -18,12 +18,12 @@ build is never joined.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Callable, Optional, Union
 
 from .. import _fs, liveness
 from .. import engine
+from ..messages import say
 from ..store import BuildState, LocalStore, Published, locks
 from .wait import POLL_SECONDS, WAITING, Awaited, Wait, Waiting
 
@@ -44,6 +44,7 @@ class LocalWait:
         self.store, self.key, self.wait, self.lock, self.join = store, key, wait, lock, join
         self.poll = POLL_SECONDS if join is None else JOIN_POLL_SECONDS
         self.filled = self.rows_filled = 0
+        self.join_seconds = 0.0  # spent filling chunks: working, not waiting
         self.locked = False
         self.lease = liveness.lease_from_env()
         self.last_sign_of_life = time.monotonic()
@@ -69,11 +70,10 @@ class LocalWait:
         self._join_live_builds(states)
         if self._holder_shows_no_life(states):
             if self.wait.announce:
-                print(f"cachekit: the build lock of entry {self.key[:12]} has been held for "
-                      f"{self.wait.seconds:.0f} s by a process that shows no heartbeat; "
-                      f"pid {os.getpid()} builds in a directory of its own and publishes "
-                      "atomically (if that holder builds after all, the first to publish "
-                      "wins)", file=sys.stderr, flush=True)
+                say(f"the build lock of entry {self.key[:12]} has been held for "
+                    f"{self.wait.seconds:.0f} s by a process that shows no heartbeat; this "
+                    "process builds in a directory of its own and publishes atomically (if "
+                    "that holder builds after all, the first to publish wins)")
             return None
         return WAITING
 
@@ -120,18 +120,19 @@ class LocalWait:
                 directory = self.store.open_build_dir(state)
             except OSError:
                 continue  # gone meanwhile, or not a directory we may follow
+            started = time.monotonic()
             with directory:
                 joined = self.join(directory)
             if joined is None or not joined.chunks:
                 continue
+            self.join_seconds += time.monotonic() - started
             filled += joined.chunks
             self.filled += joined.chunks
             self.rows_filled += joined.rows
             if self.wait.announce:
-                print(f"cachekit: joined the build of entry {self.key[:12]} by "
-                      f"{state.describe()}: filled {joined.chunks} of its "
-                      f"{joined.total_chunks} chunks ({joined.rows} rows)", file=sys.stderr,
-                      flush=True)
+                say(f"joined the build of entry {self.key[:12]} by {state.describe()}: "
+                    f"filled {joined.chunks} of its {joined.total_chunks} chunks "
+                    f"({joined.rows} rows)")
         return filled
 
     def source(self, found: Published) -> str:
@@ -141,10 +142,9 @@ class LocalWait:
             return "local"
         builder = found.manifest.builder
         if self.wait.announce:
-            print(f"cachekit: entry {self.key[:12]} published by pid {builder.get('pid')} on "
-                  f"{builder.get('host')}; this process filled {self.filled} chunks "
-                  f"({self.rows_filled} of {found.manifest.rows} rows)", file=sys.stderr,
-                  flush=True)
+            say(f"entry {self.key[:12]} published by pid {builder.get('pid')} on "
+                f"{builder.get('host')}; this process filled {self.filled} chunks "
+                f"({self.rows_filled} of {found.manifest.rows} rows)")
         return "joined"
 
     def _builder(self) -> str:

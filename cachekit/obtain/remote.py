@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
+from ..messages import prefix
 from ..store import LocalStore, Published, locks
 from ..store.manifest import Manifest
 from ..store.remote import RemoteEntry, RemoteStore
@@ -154,7 +155,7 @@ class _Reader:
         if (remote.display, self.key) in _warned_broken:
             return
         _warned_broken.add((remote.display, self.key))
-        warnings.warn(f"cachekit: remote entry {self.key[:12]} is broken: {error.path}: "
+        warnings.warn(f"{prefix()}: remote entry {self.key[:12]} is broken: {error.path}: "
                       f"{error.reason}; it counts as missing: cachekit builds it and uploads "
                       "it in place of the broken one", RemoteWarning, stacklevel=6)
 
@@ -225,6 +226,6 @@ def warn_once(remote: RemoteStore, error: Exception) -> None:
     if remote.display in _warned:
         return
     _warned.add(remote.display)
-    warnings.warn(f"cachekit: {error}; carrying on with the local cache only",
+    warnings.warn(f"{prefix()}: {error}; carrying on with the local cache only",
                   RemoteWarning, stacklevel=5)
 

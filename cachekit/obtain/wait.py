@@ -12,12 +12,12 @@ over from the local wait to the remote one: ``lock_timeout`` bounds the call's w
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from ..errors import LockTimeout
+from ..messages import say
 
 POLL_SECONDS = 0.25
 """How often a waiter that does not join looks again."""
@@ -101,6 +101,6 @@ class Wait:
     def report(self, awaited: Awaited) -> None:
         """Say whom we wait for, if a report is due."""
         if self.announce and time.monotonic() >= self.next_report:
-            print(f"cachekit: waited {self.seconds:.0f} s for {awaited.describe()} to build "
-                  f"entry {self.key[:12]}{awaited.note}", file=sys.stderr, flush=True)
+            say(f"waited {self.seconds:.0f} s for {awaited.describe()} to build entry "
+                f"{self.key[:12]}{awaited.note}")
             self.next_report = time.monotonic() + WAIT_REPORT_SECONDS

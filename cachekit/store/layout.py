@@ -19,9 +19,11 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CacheRootError
 from ..keys import is_key
 from .manifest import Manifest
 
@@ -34,6 +36,21 @@ def default_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "cachekit"
+
+
+def check_root(root: Path) -> None:
+    """CacheRootError when ``root``, or the nearest of its parents that exists, is not a
+    directory (a root that does not exist yet is made by the first build)."""
+    for path in (root, *root.parents):
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there (yet), or a parent further up is the blocker
+        except OSError:
+            return  # e.g. no permission to look: the first real use says so, in its words
+        if not stat.S_ISDIR(mode):
+            raise CacheRootError(root, path)
+        return
 
 
 @dataclass(frozen=True)

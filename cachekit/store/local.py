@@ -14,7 +14,6 @@ import errno
 import json
 import os
 import stat
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -25,9 +24,10 @@ from . import manifest as manifests
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
+from ..messages import say
 from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, STATE_FILE, BuildDir, BuildState, \
     read_state
-from .layout import Layout, Published
+from .layout import Layout, Published, check_root
 from .manifest import FileRecord, Manifest
 from .temp_names import build_dir_name, parse_build_dir_name, trash_name
 
@@ -45,6 +45,7 @@ class LocalStore:
     """
 
     def __init__(self, root: Path) -> None:
+        check_root(Path(root))  # here, not eleven frames into the first build
         self.layout = Layout(Path(root))
 
     @property
@@ -141,8 +142,8 @@ class LocalStore:
             return  # another process removed it first
         except OSError:
             raise refused from None  # e.g. a read-only root: this process cannot replace it
-        print(f"cachekit: refused entry {key[:12]}: {refused.reason}; removed it, a signed "
-              "entry is built in its place", file=sys.stderr, flush=True)
+        say(f"refused entry {key[:12]}: {refused.reason}; removed it, a signed entry is "
+            "built in its place")
 
     def still_published(self, published: Published) -> bool:
         """Whether ``published`` is still the entry under its key (not cleared meanwhile)."""

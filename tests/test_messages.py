@@ -1,0 +1,77 @@
+"""Every line cachekit says on stderr names its process: the pid, and the torchrun rank."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachekit import messages
+
+RANKLESS = {name: "" for name in messages.RANK_VARIABLES}
+
+
+@pytest.mark.parametrize("env, named", [
+    (RANKLESS, ""),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, " rank 3/4 local 1"),
+    ({"RANK": "0", "WORLD_SIZE": "", "LOCAL_RANK": ""}, " rank 0"),
+    ({"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": "2"}, " local 2"),
+    ({"RANK": "one", "WORLD_SIZE": "-2", "LOCAL_RANK": "1\x1b[31m"}, ""),  # not a launcher's
+])
+def test_the_prefix_names_the_pid_and_the_rank(monkeypatch, env, named):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert messages.prefix() == f"cachekit[pid {os.getpid()}{named}]"
+
+
+def test_say_writes_one_line_on_stderr(monkeypatch, capfd):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    messages.say("joined the build")
+    out, err = capfd.readouterr()
+    assert out == "" and err == f"cachekit[pid {os.getpid()} rank 1/2]: joined the build\n"
+
+
+def test_no_library_module_prints_on_stderr_but_through_say():
+    """A message printed straight to stderr, or a warning in words of its own, would name
+    no process: only the command line (whose errors and results are its own) and
+    messages.py print there."""
+    package = Path(messages.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if relative.startswith("cli/") or relative in ("messages.py", "demo.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            called = ast.unparse(node.func)
+            to_stderr = any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr"
+                            for k in node.keywords)
+            own_words = called == "warnings.warn" and node.args and \
+                ast.unparse(node.args[0]).lstrip("f").strip("'\"").startswith("cachekit")
+            if (called == "print" and to_stderr) or own_words:
+                offenders.append(f"{relative}:{node.lineno}")
+    assert offenders == []
+
+
+def test_a_rank_of_torchrun_is_named_in_a_real_message(tmp_path):
+    """A real wait report in a process started as torchrun starts its ranks."""
+    code = ("from cachekit.obtain.wait import Awaited, Wait, WAITING\n"
+            "import time\n"
+            "w = Wait('ab' * 16, None, announce=True)\n"
+            "answers = iter([WAITING] * 8 + [None])\n"
+            "w.until(lambda s: time.sleep(0.2) or next(answers), "
+            "Awaited('lock', lambda: 'pid 1 on h'), poll=0.2)\n")
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"cachekit\[pid \d+ rank 1/2 local 1\]: waited 1 s for pid 1 on h "
+                        r"to build entry abababababab\n", done.stderr), done.stderr
