@@ -66,9 +66,10 @@ COMPARISONS = {
 
 
 def race(work: Path, paths_file: Path, agents: int, workers: str, trial: str
-         ) -> tuple[float, float, list[str]]:
-    """Seconds from the release of ``agents`` fresh agents to the last one's entry, the CPU
-    seconds they spent after it, and how each got its entry."""
+         ) -> tuple[float, list[dict]]:
+    """Seconds from the release of ``agents`` fresh agents to the last one's entry, and each
+    one's report: how it got its entry (``source``), the CPU seconds it spent after the
+    release (``cpu``)."""
     root, start = work / f"cache-{trial}", work / f"start-{trial}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -89,8 +90,7 @@ def race(work: Path, paths_file: Path, agents: int, workers: str, trial: str
         if proc.returncode != 0:
             raise RuntimeError(f"an agent failed (exit {proc.returncode})")
         reports.append(json.loads(out))
-    return (max(r["done"] for r in reports) - released, sum(r["cpu"] for r in reports),
-            sorted(r["source"] for r in reports))
+    return max(r["done"] for r in reports) - released, reports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,14 +113,21 @@ def main(argv: list[str] | None = None) -> int:
             walls: dict[str, list[float]] = {name: [] for name, _ in configurations}
             cpus: dict[str, list[float]] = {name: [] for name, _ in configurations}
             sources: dict[str, list[str]] = {}
+            waited: list[float] = []  # CPU of each agent that got the entry by waiting
             for trial in range(args.repeat):
                 for name, agents in configurations:
-                    wall, cpu, how = race(work, paths_file, agents, workers,
-                                          f"{comparison}-{name[:3]}{trial}")
+                    wall, reports = race(work, paths_file, agents, workers,
+                                         f"{comparison}-{name[:3]}{trial}")
                     walls[name].append(wall)
-                    cpus[name].append(cpu)
-                    sources[name] = how
+                    cpus[name].append(sum(r["cpu"] for r in reports))
+                    sources[name] = sorted(r["source"] for r in reports)
+                    waited += [r["cpu"] for r in reports if r["source"] == "local"]
             _print(comparison, args, workers, configurations, walls, cpus, sources)
+            if waited:
+                print(f"agents that only waited: {len(waited)}, CPU after the start "
+                      f"{statistics.median(waited) * 1000:.0f} ms each (median), "
+                      f"{max(waited) * 1000:.0f} ms at most")
+            print()
     return 0
 
 
@@ -140,10 +147,10 @@ def _print(comparison: str, args: argparse.Namespace, workers: str, configuratio
     cpu = statistics.median(cpus[many]) / statistics.median(cpus[alone])
     if comparison == "join":
         print(f"ratio {many} / {alone}: wall {wall:.2f}x (the issue asks <= 0.6x), "
-              f"CPU {cpu:.2f}x\n")
+              f"CPU {cpu:.2f}x")
     else:
         print(f"ratio {many} / {alone}: CPU {cpu:.2f}x, wall {wall:.2f}x (the issue asks "
-              "<= 1.05x for both)\n")
+              "<= 1.05x for both)")
 
 
 if __name__ == "__main__":
