@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Optional
 
 from .. import _fs
@@ -48,7 +48,7 @@ class Spare:
 
 
 def spare_cores(builder_cpus: AbstractSet[int], builder_workers: int,
-          own: Optional[AbstractSet[int]] = None) -> Spare:
+                own: Optional[AbstractSet[int]] = None) -> Spare:
     """What a joiner whose affinity set is ``own`` (None: this process's) may add to a build
     whose builder runs ``builder_workers`` rows at once on ``builder_cpus``, before counting
     the seats other joiners hold."""
@@ -76,12 +76,12 @@ class Seats:
         """Take up to ``most`` of the seats ``free`` offers that no live joiner holds: its
         own CPUs first, then the builder's idle cores. Seats of joiners that died (on this
         host, so their pids tell) are taken over."""
-        wanted = [f"{SEAT_PREFIX}cpu.{cpu}" for cpu in free.cpus]
+        own = [f"{SEAT_PREFIX}cpu.{cpu}" for cpu in free.cpus]
         idle = [f"{SEAT_PREFIX}idle.{i}" for i in range(free.idle_seats)]
         seats = cls(folder, [])
         try:
             taken_idle = 0
-            for name in wanted + idle:
+            for name in own + idle:
                 if len(seats.names) >= most:
                     break
                 if name in idle and taken_idle >= free.idle:
@@ -96,7 +96,8 @@ class Seats:
 
     def _sit(self, name: str) -> bool:
         """Create seat ``name``, or take it over from a dead owner; False when a live
-        joiner (or one that cannot be judged) holds it."""
+        joiner (or one that cannot be judged) holds it. (Two joiners taking one dead seat
+        over at once may both sit: one core too many, for the rest of the build at most.)"""
         for _ in range(2):
             try:
                 fd = self.folder.create(name)
