@@ -31,6 +31,15 @@ def host() -> str:
     return _HOST
 
 
+def cpu_affinity() -> frozenset[int]:
+    """The CPUs this process may run on: its affinity set where the platform has one, else
+    every CPU of the machine."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return frozenset(range(os.cpu_count() or 1))
+
+
 def unique_suffix() -> str:
     """A name part no other process or thread on any host will pick: host, pid, uuid."""
     return f"{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}"

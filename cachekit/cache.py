@@ -170,6 +170,7 @@ class Cache:
 
         def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
+            current.record_cpus(build.runs_at_once(self.executor, self.workers))
             filled = build.fill(current.dir, DATA_FILE, values, row_fn,
                                 workers=self.workers, record=record, key=key,
                                 executor=self.executor, template=template, on_chunk=on_chunk,
@@ -187,12 +188,13 @@ class Cache:
 
         values: list = []  # made once, on the first attempt to join
 
-        def join_entry(directory: _fs.DirHandle) -> Optional[build.Joined]:
+        def join_entry(directory: _fs.DirHandle,
+                       spare: Optional[build.Spare]) -> Optional[build.Joined]:
             if not values:
                 values.append(column.to_numpy(dtype=object))
             return build.join(directory, DATA_FILE, values[0], row_fn, workers=self.workers,
                               record=record, template=template, key=key,
-                              executor=self.executor)
+                              executor=self.executor, spare=spare)
 
         row_shape, dtype = template if template is not None else (None, None)
         expect = Expected(kind, rows=len(column), row_shape=row_shape,

@@ -2,11 +2,12 @@
 
 It generates cover-like sample JPEGs in a temporary folder, then starts fresh Python
 processes that each call ``cache.images`` on the same column at the same moment, as W&B
-sweep agents would: one builds, the others join its build (each fills chunks nobody holds,
-and says so; the builder names them once it commits) and then map its file. A second wave
-of agents then starts on the warm cache and only hits. The race runs in a temporary cache,
-so that every run of the demo shows it; the sample images and the temporary cache are
-removed afterwards, and nothing is written under the user's cache root.
+sweep agents would: one builds; the others join its build where they bring cores it does
+not use (each fills chunks nobody holds, and says so; the builder names them once it
+commits), or else only wait, and say why, and then map its file. A second wave of agents
+then starts on the warm cache and only hits. The race runs in a temporary cache, so that
+every run of the demo shows it; the sample images and the temporary cache are removed
+afterwards, and nothing is written under the user's cache root.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
     if joiners:
         print(f"{len(joiners)} waiting agents joined the build and decoded {joined_rows} of the "
               f"{images} images; the builder decoded the other {images - joined_rows}.")
+    reasons = {line.split(_NO_JOIN, 1)[1] for r in cold for line in r["said"] if _NO_JOIN in line}
+    if reasons:
+        waited = sum(any(_NO_JOIN in line for line in r["said"]) for r in cold)
+        print(f"{waited} waiting agents did not join the build: {'; '.join(sorted(reasons))}.")
     print(f"{agents * 2 - 1 - len(joiners)} of {agents * 2} agents decoded nothing.")
     _print_next_steps(race_cache, root)
     return 0
@@ -99,11 +104,14 @@ def _race(cache_dir: Path, paths_file: Path, agents: int) -> list[dict]:
             raise RuntimeError(f"demo agent {number} (pid {proc.pid}) failed:\n{err}")
         filled = [int(n) for n in _FILLED.findall(err)]  # what a joiner says it did
         reports.append({"agent": number, **json.loads(out), "rows": sum(filled),
-                        "said": [line for line in err.splitlines() if _SAID.match(line)]})
+                        "said": [line for line in err.splitlines()
+                                 if _SAID.match(line) or _NO_JOIN in line]})
     return reports
 
 
 _SAID = re.compile(r"cachekit\[[^]]*\]: (joined the build |built entry \w+ with \d+ joining)")
+_NO_JOIN = " without joining it: "
+"""What a waiting agent says when it does not join the build, before saying why."""
 _FILLED = re.compile(r"^cachekit\[[^]]*\]: joined the build of entry .*\((\d+) rows\)$", re.M)
 
 

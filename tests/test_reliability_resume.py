@@ -263,8 +263,9 @@ def test_a_joiner_of_a_live_builder_fills_its_free_chunks_and_never_commits(cach
     build_dir = interrupted(cache_root, 21)
     todo = rows_not_done(build_dir)
     holder = live_process()
-    try:
-        as_owner(build_dir, host=_fs.host(), pid=holder.pid)
+    try:  # a builder pinned to CPUs other than ours: we bring cores, so we join
+        as_owner(build_dir, host=_fs.host(), pid=holder.pid,
+                 cpus=[max(os.sched_getaffinity(0)) + 1], workers=1)
         CONTROL["computed"] = []
         with pytest.raises(LockTimeout, match=f"pid {holder.pid} on {_fs.host()}"):
             cachekit.Cache(cache_root, progress=False, lock_timeout=1).map(

@@ -1,6 +1,7 @@
 """Joining another process's build: fill chunks that nobody holds, into a rows file of one's
 own in the build's journal folder, never into the builder's data file; the builder copies
-each such chunk in once its bytes match their checksum (see :mod:`.builder`).
+each such chunk in once its bytes match their checksum (see :mod:`.builder`). A joiner on
+the builder's host joins only with the cores the build leaves free (see :mod:`.cores`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .. import _fs, arrays
 from ..errors import BuildGone
 from .executors import RowTask, make_runner
 from .builder import RowFunction, run_claimed
+from .cores import Seats, Spare
 from .journal import ROWS_PREFIX, Journal
 from .plan import Plan
 from .resume import plan_fits
@@ -27,15 +29,23 @@ class Joined:
     chunks: int
     rows: int
     total_chunks: int
+    no_core: bool = False
+    """It did not join: the builder and the other joiners of its host use every core it
+    could have added."""
 
 
 def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
          workers: int, record: bool, template: tuple[tuple[int, ...], np.dtype] | None,
-         key: str, executor: Any = None) -> Optional[Joined]:
+         key: str, executor: Any = None, spare: Optional[Spare] = None) -> Optional[Joined]:
     """Fill chunks that nobody holds of another process's build in ``directory`` (opened
     by handle, and of this user), until none is left; None when it cannot be joined (no
-    plan yet, or a plan of other rows). Writes only claims, done records and a rows file
-    of its own in the build's journal folder: never the builder's data file.
+    plan yet, or a plan of other rows). Writes only claims, done records, seats and a rows
+    file of its own in the build's journal folder: never the builder's data file.
+
+    ``spare``: the cores this process may add to a build of its own host; it then runs at
+    most that many of its ``workers``, one per seat it takes (:class:`~.cores.Seats`), and
+    joins not at all (``Joined.no_core``) when the other joiners hold every seat. None: a
+    build of another host, joined with all its ``workers``.
 
     Returns as soon as no chunk is free: the builder waits for the claims it leaves, copies
     the rows in and commits. If the build is committed, discarded or taken over meanwhile,
@@ -55,23 +65,40 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         if not journal.pending()[1]:
             return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
         try:
-            rows_file = RowsFile.create(journal, planned)
-        except (OSError, ValueError):
-            return None
-        runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
-        filled = rows = 0
+            seats = None if spare is None else Seats.take(journal.dir, spare, workers)
+        except OSError:
+            return None  # the journal is gone meanwhile: committed, or taken over
+        if seats is not None and not seats.names:
+            return Joined(0, 0, len(planned.chunks), no_core=True)
         try:
-            for chunk in run_claimed(journal, rows_file.array, values, runner,
-                                     rows_file=rows_file):
-                filled, rows = filled + 1, rows + chunk.rows
-        except BuildGone:
-            pass  # published, failed or taken over meanwhile: the caller looks again
+            return _fill(journal, planned, values, row_fn, record, executor,
+                         workers if seats is None else len(seats.names))
         finally:
-            runner.close()
-            rows_file.close()
-            if not filled:  # no done record names it
-                journal.dir.unlink(rows_file.name)
-        return Joined(filled, rows, len(planned.chunks))
+            if seats is not None:
+                seats.release()
+
+
+def _fill(journal: Journal, planned: Plan, values: Sequence[Any], row_fn: RowFunction,
+          record: bool, executor: Any, workers: int) -> Optional[Joined]:
+    """Fill free chunks with ``workers`` rows at once, into a rows file of our own."""
+    try:
+        rows_file = RowsFile.create(journal, planned)
+    except (OSError, ValueError):
+        return None
+    runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
+    filled = rows = 0
+    try:
+        for chunk in run_claimed(journal, rows_file.array, values, runner,
+                                 rows_file=rows_file):
+            filled, rows = filled + 1, rows + chunk.rows
+    except BuildGone:
+        pass  # published, failed or taken over meanwhile: the caller looks again
+    finally:
+        runner.close()
+        rows_file.close()
+        if not filled:  # no done record names it
+            journal.dir.unlink(rows_file.name)
+    return Joined(filled, rows, len(planned.chunks))
 
 
 class RowsFile:

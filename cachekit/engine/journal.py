@@ -18,6 +18,9 @@ needs no lock and means the same on every host of a shared root::
     rows.HOST.PID.UUID
                     a joiner's own rows file (a sparse .npy of the plan's layout): a joiner
                     computes into it, never into the builder's data file
+    seat.cpu.C, seat.idle.I
+                    a core a joiner of the builder's host uses, held while it joins
+                    (cachekit.engine.cores)
 
 Only the builder writes its data file. A chunk a joiner finished is in the joiner's rows
 file until the builder copies it in, checking its checksum; a resumed build copies the

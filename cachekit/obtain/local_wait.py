@@ -12,7 +12,10 @@ While it waits, a process given a join function (a per-row build, ``Cache(join=T
 joins a live build of the key made by its own user, on this host or another: it fills the
 chunks nobody holds (see :func:`cachekit.engine.join`), then goes on waiting for the
 builder's commit, and says that it joined and how many chunks it filled. Another user's
-build is never joined.
+build is never joined. A build of this host is joined only with the cores it leaves free
+(its builder records its CPUs and workers; see :mod:`cachekit.engine.cores`): where the
+builder and the joiners before us use every core, we only wait, at a waiter's pace, and
+say so.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ JOIN_POLL_SECONDS = 0.05
 """How often a process that may join looks for a build to join: a joiner that starts late
 fills fewer chunks."""
 
-JoinFunction = Callable[[_fs.DirHandle], Optional[engine.Joined]]
-"""Fills free chunks of another process's live build, given its directory by handle."""
+JoinFunction = Callable[[_fs.DirHandle, Optional[engine.Spare]], Optional[engine.Joined]]
+"""Fills free chunks of another process's live build, given its directory by handle and,
+for a build of this host, the cores we may add to it (None: a build of another host)."""
 
 
 class LocalWait:
@@ -43,8 +47,11 @@ class LocalWait:
                  join: Optional[JoinFunction] = None) -> None:
         self.store, self.key, self.wait, self.lock, self.join = store, key, wait, lock, join
         self.poll = POLL_SECONDS if join is None else JOIN_POLL_SECONDS
+        """Seconds between looks: a joiner's, until every build we could join has no core
+        for us (then a waiter's)."""
         self.filled = self.rows_filled = 0
         self.join_seconds = 0.0  # spent filling chunks: working, not waiting
+        self.said_no_core: set[str] = set()
         self.locked = False
         self.lease = liveness.lease_from_env()
         self.last_sign_of_life = time.monotonic()
@@ -57,7 +64,7 @@ class LocalWait:
         own, no live build of the key) blocks nobody forever: we then go on without it and
         build in a directory of our own, which the atomic commit makes safe (a duplicate
         build at worst, if that holder was in fact about to build)."""
-        return self.wait.until(self._try_lock, self.awaited, self.poll)
+        return self.wait.until(self._try_lock, self.awaited, lambda: self.poll)
 
     def _try_lock(self, seconds: float) -> Union[Optional[Published], Waiting]:
         if self.lock.acquire(timeout=seconds):
@@ -93,7 +100,7 @@ class LocalWait:
     def for_live_builders(self) -> Optional[Published]:
         """Holding the lock, wait while a builder of the key is alive (on another host, or
         with ``CACHEKIT_LOCK=none``); the entry if one publishes it, else None."""
-        return self.wait.until(self._look_at_builders, self.awaited, self.poll)
+        return self.wait.until(self._look_at_builders, self.awaited, lambda: self.poll)
 
     def _look_at_builders(self, seconds: float) -> Union[Optional[Published], Waiting]:
         found = self.store.lookup(self.key)
@@ -113,16 +120,33 @@ class LocalWait:
         if self.join is None:
             return 0
         filled = 0
+        joinable = may_help = False
         for state in states:
             if not (state.alive and state.uid == os.geteuid() and state.same_version):
                 continue
+            joinable = True
+            spare = None  # a build of another host: we bring cores of our own
+            if state.on_this_host:
+                recorded = state.cpus
+                if recorded is None:
+                    may_help = True
+                    continue  # its builder has not yet said which CPUs it uses
+                spare = engine.spare_cores(*recorded)
+                if not spare.count:
+                    self._say_no_core(state, "the build already uses every core here")
+                    continue
             try:
                 directory = self.store.open_build_dir(state)
             except OSError:
                 continue  # gone meanwhile, or not a directory we may follow
             started = time.monotonic()
             with directory:
-                joined = self.join(directory)
+                joined = self.join(directory, spare)
+            if joined is not None and joined.no_core:
+                self._say_no_core(state, "the build and the processes joining it already use "
+                                  "every core here")
+                continue
+            may_help = True
             if joined is None or not joined.chunks:
                 continue
             self.join_seconds += time.monotonic() - started
@@ -133,7 +157,15 @@ class LocalWait:
                 say(f"joined the build of entry {self.key[:12]} by {state.describe()}: "
                     f"filled {joined.chunks} of its {joined.total_chunks} chunks "
                     f"({joined.rows} rows)")
+        self.poll = JOIN_POLL_SECONDS if may_help or not joinable else POLL_SECONDS
         return filled
+
+    def _say_no_core(self, state: BuildState, why: str) -> None:
+        """Say once per build that we wait for it instead of joining it, and why."""
+        if self.wait.announce and str(state.path) not in self.said_no_core:
+            say(f"waits for the build of entry {self.key[:12]} by {state.describe()} "
+                f"without joining it: {why}")
+        self.said_no_core.add(str(state.path))
 
     def source(self, found: Published) -> str:
         """The source of an entry another process published while we waited: "joined" when

@@ -81,19 +81,22 @@ class Wait:
         return None if self.timeout is None else self.timeout - self.seconds
 
     def until(self, step: Callable[[float], Union[T, Waiting]], awaited: Awaited,
-              poll: float = POLL_SECONDS) -> T:
+              poll: Union[float, Callable[[], float]] = POLL_SECONDS) -> T:
         """What ``step`` returns first that is not :data:`WAITING`.
 
         ``step(seconds)`` looks once and, finding nothing, waits up to ``seconds`` (at most
         ``poll``, never past the deadline; it may wait less, e.g. after doing useful work)
-        and returns WAITING. After the step that ran up to the deadline, LockTimeout naming
-        ``awaited``; until then, a report naming it every WAIT_REPORT_SECONDS."""
+        and returns WAITING. ``poll`` may be a function, asked before each step (a step
+        may learn that looking often no longer pays). After the step that ran up to the
+        deadline, LockTimeout naming ``awaited``; until then, a report naming it every
+        WAIT_REPORT_SECONDS."""
         while True:
+            every = poll() if callable(poll) else poll
             remaining = self.remaining()
-            result = step(poll if remaining is None else max(0.0, min(poll, remaining)))
+            result = step(every if remaining is None else max(0.0, min(every, remaining)))
             if not isinstance(result, Waiting):
                 return result
-            if remaining is not None and remaining <= poll:
+            if remaining is not None and remaining <= every:
                 raise LockTimeout(awaited.where, self.timeout, awaited.describe(),
                                   awaited.hint)
             self.report(awaited)

@@ -2,9 +2,10 @@
 as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
 
 A build directory holds ``state.json`` (the build's record: owner, key, cachekit version,
-progress), ``heartbeat`` (its mtime is the builder's heartbeat, see :mod:`cachekit.liveness`),
-the data files, and whatever working files the builder keeps next to them (a per-row fill's
-chunk journal, through which joiners of the same user fill chunks of it too). Its name is
+the CPUs its builder may run on and how many rows it runs at once, progress), ``heartbeat``
+(its mtime is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files, and
+whatever working files the builder keeps next to them (a per-row fill's chunk journal,
+through which joiners of the same user fill chunks of it too). Its name is
 ``KEY.HOST.PID.UUID``.
 """
 
@@ -59,6 +60,22 @@ class BuildState:
         return (record.get("key") == self.key and record.get("cachekit_version") == __version__
                 and record.get("format") == manifests.FORMAT_VERSION)
 
+    @property
+    def on_this_host(self) -> bool:
+        """Its builder runs on this host (by host name), on the CPUs this process sees."""
+        return self.owner.get("host") == _fs.host()
+
+    @property
+    def cpus(self) -> Optional[tuple[frozenset[int], int]]:
+        """(the CPUs its builder may run on, how many rows it runs at once), as its record
+        says; None until the builder has said (see :meth:`BuildDir.record_cpus`)."""
+        record = self.record or {}
+        cpus, workers = record.get("cpus"), record.get("workers")
+        if not (isinstance(cpus, list) and cpus and all(map(_is_count, cpus))
+                and _is_count(workers) and workers > 0):
+            return None
+        return frozenset(cpus), workers
+
     def describe(self) -> str:
         """``pid 4242 on node7 (2048/10000 rows, 20%)``, for people."""
         record = self.record or {}
@@ -105,6 +122,16 @@ class BuildDir:
         for name in self.dir.names():
             if name.startswith(RESUMED_PREFIX):
                 self.dir.remove_tree(name)
+
+    def record_cpus(self, workers: int) -> None:
+        """Record the CPUs this process may run on and how many rows its build runs at once
+        (``workers``), before the build can be joined: a joiner on this host joins only
+        with the cores these leave free (see :mod:`cachekit.engine.cores`)."""
+        self.record.update(cpus=sorted(_fs.cpu_affinity()), workers=workers)
+        try:
+            self.dir.replace_json(STATE_FILE, self.record)
+        except FileNotFoundError:
+            raise BuildGone(str(self.path)) from None  # taken over while we were paused
 
     def progress(self, done: int, total: int) -> None:
         """Record rows done, for the messages of processes that wait for this build: at most

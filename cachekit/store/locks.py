@@ -39,6 +39,9 @@ KINDS = ("os", "soft", "none")
 SOFT_SUFFIX = ".soft"
 HOLDER_SUFFIX = ".holder"
 _POLL_SECONDS = 0.05
+_FLOCK_TRY_SECONDS = 0.25
+"""At most this long between two tries of a held OS lock (filelock's default is 0.05 s, and
+each try opens the lock file: a waiter's CPU went mostly into them)."""
 _RECORD_LIMIT = 4096
 
 
@@ -93,8 +96,11 @@ class OsLock(BuildLock):
         return self.path.with_name(self.path.name + HOLDER_SUFFIX)
 
     def acquire(self, timeout: float) -> bool:
+        # For a short timeout, one try now and one at its end: the caller's loop sets the pace.
+        every = _FLOCK_TRY_SECONDS if timeout is None or timeout < 0 else \
+            min(timeout, _FLOCK_TRY_SECONDS)
         try:
-            self._lock.acquire(timeout=timeout)
+            self._lock.acquire(timeout=timeout, poll_interval=every)
         except filelock.Timeout:
             return False
         except OSError as e:
