@@ -232,7 +232,7 @@ def test_joiners_count_the_seats_of_those_before_them_and_take_a_dead_ones(tmp_p
 
     assert [r["source"] for r in reports] == ["built", "joined"]
     assert all(r["ok"] for r in reports)
-    assert "cachekit: joined the build of entry" in said(work, "second")
+    assert "]: joined the build of entry" in said(work, "second")
 
 
 def test_a_joiner_on_another_host_joins_a_builder_that_uses_every_core(two_hosts):
