@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -36,11 +37,14 @@ import numpy as np
 from .. import _fs, arrays
 from . import plan as plans
 from .copying import copy_chunk, open_checked
-from .executors import RowTask, make_runner
+from .executors import RowTask, check_picklable, make_runner
 from ..errors import Failure, NotAnArrayError, failure_reason
 from .journal import Claim, Done, Journal, digest, journal_name
 from .plan import Chunk
-from .resume import resume
+from .prefill import prefill, scatter, template_for
+from .rest import rest_key, rest_name, take, write_todo
+from .resume import has_rest, resume
+from .reuse import Donor
 from .rows import as_row
 
 if TYPE_CHECKING:
@@ -54,13 +58,25 @@ POLL_SECONDS = 0.05
 
 @dataclass
 class Filled:
-    """What a fill produced: the array's shape and dtype, and the rows that failed."""
+    """What a fill produced: the array's shape and dtype, the rows that failed, and where
+    its rows came from."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     failures: list[Failure] = field(default_factory=list)
     resumed: int = 0
     """Rows copied from the verified done chunks of dead builds."""
+    joined: int = 0
+    """Rows that joiners computed, copied in from their rows files."""
+    reused: dict[str, int] = field(default_factory=dict)
+    """Rows copied from each donor (by its name)."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Rows of each donor whose block failed its check, so that they were computed."""
+
+    @property
+    def decoded(self) -> int:
+        """Rows this process computed (the rest)."""
+        return self.shape[0] - self.resumed - self.joined - sum(self.reused.values())
 
 
 def fill(
@@ -79,6 +95,7 @@ def fill(
     done_with_sources: Callable[[], None] | None = None,
     key: str = "",
     executor: Any = None,
+    donors: Sequence[Donor] = (),
 ) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
@@ -95,13 +112,24 @@ def fill(
     chunks are computed. The caller vouches that the directories are its own (the
     coordinator checks their owner and cachekit version). ``done_with_sources()`` is called once
     nothing more is read from them (the caller may then delete them).
+
+    ``donors``: rows of committed entries to copy instead of computing them (checked block by
+    block, :mod:`.reuse`); the rows no donor or dead build gives are then computed as the
+    build's rest (:mod:`.rest`), which joiners join.
     """
     n = len(values)
     task = RowTask(row_fn, record)
+    for leftover in (name, rest_name(name)):
+        directory.remove_tree(journal_name(leftover))
+        directory.unlink(leftover)
+    if donors or has_rest(resume_from, name):
+        filled = _fill_copying(directory, name, values, task, workers, template, on_chunk,
+                               progress, description, resume_from, done_with_sources, key,
+                               executor, donors)
+        if filled is not None:
+            return filled
     runner = make_runner(executor, workers, task, rows=n)  # first: it refuses what cannot run
     try:
-        directory.remove_tree(journal_name(name))
-        directory.unlink(name)
         resumed = resume(directory, name, n, resume_from, template, key)
         if done_with_sources is not None:
             done_with_sources()
@@ -115,17 +143,84 @@ def fill(
         bar = _progress_bar(n, progress, description)
         try:
             with journal:
-                done = _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar)
+                done, joined = _fill_all(journal, array, values, lambda: runner, head, on_chunk,
+                                         bar)
                 failures = sorted(f for chunk in done.values() for f in chunk.failures)
         finally:
             bar.close()
     finally:
         runner.close()
-    return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied)
+    return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied,
+                  joined=joined)
+
+
+def _fill_copying(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
+                  workers: int, template: Any, on_chunk: Optional[ChunkCallback],
+                  progress: bool, description: str, sources: Sequence[_fs.DirHandle],
+                  done_with_sources: Optional[Callable[[], None]], key: str, executor: Any,
+                  donors: Sequence[Donor]) -> Optional[Filled]:
+    """A fill that first copies the rows dead builds and donors hold (:mod:`.prefill`),
+    then computes only the rest; None when the row shape and dtype are not known yet (no
+    template, no donor, no usable dead build), so that the caller fills as usual."""
+    n = len(values)
+    template = template_for(template, donors, sources, name, n, key)
+    if template is None:
+        return None
+    if executor is not None and executor != "threads" and not isinstance(
+            executor, ThreadPoolExecutor):
+        check_picklable(task, executor)  # refuse what cannot run before any work
+    pre = prefill(directory, name, n, template, key, sources, donors)
+    if done_with_sources is not None:
+        done_with_sources()
+    todo = np.flatnonzero(~pre.covered)
+    copied = n - len(todo)
+    failures, joined = list(pre.failures), 0
+    bar = _progress_bar(n, progress, description)
+    try:
+        bar.update(copied)
+        if on_chunk is not None:
+            on_chunk(copied, n)
+        if len(todo):
+            failures_rest, joined = _fill_rest(directory, name, values, task, workers,
+                                               template, key, executor, todo, pre.array, bar,
+                                               None if on_chunk is None else
+                                               lambda done, _: on_chunk(copied + done, n))
+            failures += failures_rest
+    finally:
+        bar.close()
+    arrays.flush(pre.array)
+    return Filled(shape=pre.array.shape, dtype=pre.array.dtype, failures=sorted(failures),
+                  resumed=pre.resumed, joined=joined, reused=pre.copied.rows,
+                  refused=pre.copied.refused)
+
+
+def _fill_rest(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
+               workers: int, template: Any, key: str, executor: Any, todo: np.ndarray,
+               out: np.ndarray, bar: Any, on_chunk: Optional[ChunkCallback]
+               ) -> tuple[list[Failure], int]:
+    """Compute rows ``todo`` as a fill of their own (with joiners) and put them into
+    ``out``: (their failures, in rows of ``out``; the rows joiners computed)."""
+    rest = rest_name(name)
+    rest_values = take(values, todo)
+    runner = make_runner(executor, workers, task, rows=len(todo))
+    try:
+        journal, array, _ = _start(directory, rest, rest_values, task, template,
+                                   rest_key(key, todo), workers,
+                                   before_plan=lambda j: write_todo(j.dir, todo))
+        with journal:
+            done, joined = _fill_all(journal, array, rest_values, lambda: runner, None,
+                                     on_chunk, bar)
+        scatter(out, array, todo)
+    finally:
+        runner.close()
+    failures = [(int(todo[row]), path, reason) for chunk in done.values()
+                for row, path, reason in chunk.failures]
+    return failures, joined
 
 
 def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
-           template: Any, key: str, workers: int):
+           template: Any, key: str, workers: int,
+           before_plan: Optional[Callable[[Journal], None]] = None):
     """Create the data file, the journal and the plan of a fresh fill. Without a template,
     rows run in order until one succeeds (its shape and dtype fix the plan's); the chunk
     holding that row stays claimed by us, as (claim, the rest of its rows, its failures)."""
@@ -153,6 +248,8 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
             claim = journal.claim(chunk)
             head = (claim, Chunk(chunk.index, row + 1, chunk.stop),
                     [f for f in failures if f[0] >= chunk.start])
+        if before_plan is not None:
+            before_plan(journal)
         journal.write_plan(planned)  # last: from here on other processes may join
     except BaseException:
         if head is not None:
@@ -164,10 +261,10 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
 
 def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
               runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
-              bar: Any) -> dict[int, Done]:
+              bar: Any) -> tuple[dict[int, Done], int]:
     """Fill chunks until every chunk is done and its rows are in ``array``, computed here
     or copied in from the rows files of joiners; return every chunk's done record (read
-    once at the end)."""
+    once at the end) and the rows copied in from joiners."""
     total = len(array)
     shown = journal.rows_done()
     bar.update(shown)
@@ -201,7 +298,7 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
         joined.close()
     if total == 0 and on_chunk is not None:
         on_chunk(0, 0)
-    return done
+    return done, joined.rows
 
 
 class _JoinedRows:
@@ -212,6 +309,8 @@ class _JoinedRows:
     def __init__(self, journal: Journal, array: np.ndarray) -> None:
         self.journal, self.array = journal, array
         self.files: dict[str, Optional[Any]] = {}
+        self.rows = 0
+        """Rows copied in so far."""
 
     def copy_in(self, held_here: set[int]) -> None:
         """Copy in every done chunk not yet in ``held_here``, adding it there."""
@@ -224,6 +323,7 @@ class _JoinedRows:
             source = self._open(record.file)
             if source is not None and copy_chunk(source, planned, chunk, record, self.array):
                 held_here.add(index)
+                self.rows += chunk.rows
             else:
                 self.journal.drop_done(chunk)
 

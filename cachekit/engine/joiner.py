@@ -1,6 +1,8 @@
 """Joining another process's build: fill chunks that nobody holds, into a rows file of one's
 own in the build's journal folder, never into the builder's data file; the builder copies
-each such chunk in once its bytes match their checksum (see :mod:`.builder`).
+each such chunk in once its bytes match their checksum (see :mod:`.builder`). A build that
+copied some of its rows from other entries is joined in its rest (:mod:`.rest`): only the
+rows nobody copies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .executors import RowTask, make_runner
 from .builder import RowFunction, run_claimed
 from .journal import ROWS_PREFIX, Journal
 from .plan import Plan
+from .rest import read_todo, rest_key, rest_name, take
 from .resume import plan_fits
 
 
@@ -45,33 +48,54 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         own = os.fstat(directory.fd)
         if own.st_uid != os.geteuid() or own.st_mode & 0o022:
             return None  # not a private build directory of ours: never write there
-        journal = Journal.open(directory, name)
+    except OSError:
+        return None
+    for part in (name, rest_name(name)):
+        try:
+            journal = Journal.open(directory, part)
+        except (OSError, ValueError):
+            continue
+        with journal:
+            return _join(journal, part != name, values, row_fn, workers, record, template,
+                         key, executor)
+    return None
+
+
+def _join(journal: Journal, rest: bool, values: Sequence[Any], row_fn: RowFunction,
+          workers: int, record: bool, template: Any, key: str, executor: Any
+          ) -> Optional[Joined]:
+    """Join the fill whose journal is ``journal``: the build's own, or (``rest``) the rest
+    of a build that copied its other rows, whose rows the journal names."""
+    planned = journal.plan
+    if planned.rows == 0 or (not rest and not plan_fits(planned, len(values), template, key)):
+        return None
+    if not journal.pending()[1]:
+        return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
+    if rest:  # read only when there is work: a joiner looks every few tens of milliseconds
+        todo = read_todo(journal.dir, len(values))
+        if todo is None:
+            return None
+        values, key = take(values, todo), rest_key(key, todo)
+        if not plan_fits(planned, len(values), template, key):
+            return None
+    try:
+        rows_file = RowsFile.create(journal, planned)
     except (OSError, ValueError):
         return None
-    with journal:
-        planned = journal.plan
-        if not plan_fits(planned, len(values), template, key) or planned.rows == 0:
-            return None
-        if not journal.pending()[1]:
-            return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
-        try:
-            rows_file = RowsFile.create(journal, planned)
-        except (OSError, ValueError):
-            return None
-        runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
-        filled = rows = 0
-        try:
-            for chunk in run_claimed(journal, rows_file.array, values, runner,
-                                     rows_file=rows_file):
-                filled, rows = filled + 1, rows + chunk.rows
-        except BuildGone:
-            pass  # published, failed or taken over meanwhile: the caller looks again
-        finally:
-            runner.close()
-            rows_file.close()
-            if not filled:  # no done record names it
-                journal.dir.unlink(rows_file.name)
-        return Joined(filled, rows, len(planned.chunks))
+    runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
+    filled = rows = 0
+    try:
+        for chunk in run_claimed(journal, rows_file.array, values, runner,
+                                 rows_file=rows_file):
+            filled, rows = filled + 1, rows + chunk.rows
+    except BuildGone:
+        pass  # published, failed or taken over meanwhile: the caller looks again
+    finally:
+        runner.close()
+        rows_file.close()
+        if not filled:  # no done record names it
+            journal.dir.unlink(rows_file.name)
+    return Joined(filled, rows, len(planned.chunks))
 
 
 class RowsFile:

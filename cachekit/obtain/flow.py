@@ -48,6 +48,28 @@ class Outcome:
     entry: Published
     source: str
     wait_seconds: float = 0.0
+    rows_filled: int = 0
+    """Rows this call computed for another process's build that it joined."""
+
+    @property
+    def row_counts(self) -> tuple[int, int, int]:
+        """(rows decoded by this call, rows other processes decoded for its build, rows
+        copied from other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.
+
+        A builder's come from its manifest's origin (a build that resumed dead builds counts
+        their rows as joined: other processes decoded them); a joiner decoded the rows it
+        filled, and everyone else decoded or copied the rest, counted as joined. They add up
+        to the entry's rows, and are all 0 on a hit."""
+        manifest = self.entry.manifest
+        if self.source == "built":
+            origin = manifest.origin
+            if origin is None:  # an entry with no origin (memoize): all its rows decoded
+                return manifest.rows, 0, 0
+            return origin.decoded, origin.joined, origin.rows_reused
+        if self.source == "joined":
+            decoded = min(self.rows_filled, manifest.rows)
+            return decoded, manifest.rows - decoded, 0
+        return 0, 0, 0
 
 
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
@@ -99,7 +121,7 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
         if found is None:
             found = local.for_live_builders()
         if found is not None:
-            return Outcome(found, local.source(found), wait.seconds)
+            return Outcome(found, local.source(found), wait.seconds, local.rows_filled)
         raise_failure_seen_while_waiting(store, key, asked)
         waited = wait.seconds  # before the build: waiting, not building
         if remote is not None:
