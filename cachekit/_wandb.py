@@ -14,6 +14,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .store.manifest import ROW_FILES
+
 if TYPE_CHECKING:
     from .obtain import Outcome
 
@@ -52,7 +54,9 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
 
     ``source`` is ``Entry.source`` (local, remote, built, joined); ``build_seconds`` is this
     process's build (0 when it built nothing); ``wait_seconds`` is the time spent waiting for
-    another process's build of the same entry.
+    another process's build of the same entry; ``rows_decoded``, ``rows_joined`` and
+    ``rows_reused`` are ``Entry``'s: the rows this process decoded, those others decoded for
+    its build, and those copied from other entries (all 0 on a hit), with run totals.
     """
     manifest = outcome.entry.manifest
     hit = outcome.source in ("local", "remote")
@@ -60,10 +64,15 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     waited = round(float(outcome.wait_seconds), 3)
     if _totals.get("run") != run_id:  # a new run in the same process (wandb.agent(function=))
         _totals.clear()
-        _totals.update(run=run_id, entries=0, build=0.0, wait=0.0)
+        _totals.update(run=run_id, entries=0, build=0.0, wait=0.0, decoded=0, joined=0,
+                       reused=0)
+    decoded, joined, reused = outcome.row_counts
     _totals["entries"] += 1
     _totals["build"] += built
     _totals["wait"] += waited
+    _totals["decoded"] += decoded
+    _totals["joined"] += joined
+    _totals["reused"] += reused
     fields = {
         "key": manifest.key,
         "hit": hit,
@@ -72,10 +81,16 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
         "wait_seconds": waited,
         "rows": manifest.rows,
         "shape": list(manifest.shape),
-        "bytes": sum(f.data_bytes for f in manifest.files),
+        "bytes": sum(f.data_bytes for f in manifest.files if f.name not in ROW_FILES),
         "entries": _totals["entries"],
         "build_seconds_total": round(_totals["build"], 3),
         "wait_seconds_total": round(_totals["wait"], 3),
+        "rows_decoded": decoded,
+        "rows_joined": joined,
+        "rows_reused": reused,
+        "rows_decoded_total": _totals["decoded"],
+        "rows_joined_total": _totals["joined"],
+        "rows_reused_total": _totals["reused"],
     }
     return {PREFIX + name: value for name, value in fields.items()}
 
