@@ -346,3 +346,49 @@ def test_memoize_stays_whole_call(cache):
     doubled(pd.DataFrame({"x": range(10)}))
     doubled(pd.DataFrame({"x": range(11)}))
     assert calls == [10, 11]
+
+
+# --- the three counts, over random columns ---------------------------------------------------
+
+_computed: list[int] = []
+
+
+def _square(value: int) -> np.ndarray:
+    _computed.append(int(value))
+    return np.full(4, value * value, dtype=np.int64)
+
+
+def test_counts_add_up_and_only_unseen_values_are_computed_over_random_columns() -> None:
+    import tempfile
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    columns = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=30),
+                       min_size=1, max_size=4)
+
+    @settings(max_examples=40, deadline=None)
+    @given(columns)
+    def check(specs: list[list[int]]) -> None:
+        with tempfile.TemporaryDirectory() as root:
+            cache = cachekit.Cache(root, workers=2, executor="threads", progress=False)
+            seen: set[int] = set()
+            made: set[tuple[int, ...]] = set()
+            for values in specs:
+                _computed.clear()
+                entry = cache.map(_square, pd.Series(values))
+                np.testing.assert_array_equal(
+                    entry.array, np.stack([_square(v) for v in values]))
+                _computed[len(_computed) - len(values):] = []
+                if tuple(values) in made:
+                    assert entry.hit and counts(entry) == (0, 0, 0) and not _computed
+                    continue
+                assert entry.source == "built"
+                assert sum(counts(entry)) == len(entry) == len(values)
+                assert entry.rows_joined == 0
+                assert entry.rows_decoded == len(_computed) == sum(v not in seen for v in values)
+                assert sorted(_computed) == sorted(v for v in values if v not in seen)
+                seen.update(values)
+                made.add(tuple(values))
+
+    check()
