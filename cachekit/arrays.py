@@ -194,10 +194,10 @@ def _pread_all(fd: int, size: int, position: int, path: Path) -> bytes:
 
 def write_small(directory: _fs.DirHandle, name: str, array: np.ndarray) -> None:
     """Write ``array`` as a new .npy file ``name`` of ``directory`` (an entry's per-row
-    records: row identities, block digests, file stats), flushed."""
+    records: row identities, block digests, file stats). Not flushed: a build's commit
+    fsyncs every file it publishes."""
     out = create_array(directory, name, array.shape, array.dtype)
     out[...] = array
-    flush(out)
     del out
 
 

@@ -188,7 +188,6 @@ def _fill_copying(directory: _fs.DirHandle, name: str, values: Sequence[Any], ta
             failures += failures_rest
     finally:
         bar.close()
-    arrays.flush(pre.array)
     return Filled(shape=pre.array.shape, dtype=pre.array.dtype, failures=sorted(failures),
                   resumed=pre.resumed, joined=joined, reused=pre.copied.rows,
                   refused=pre.copied.refused)

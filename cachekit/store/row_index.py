@@ -81,13 +81,15 @@ class RowIndex:
         """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
         ``remaining`` whose hash it holds; the caller clears in ``remaining`` the rows it
         takes before it asks for the next entry. Entries with the most rows come first."""
+        needles = _Needles(hashes)
         try:
             with self.store._open(INDEX_FOLDER) as index, index.child(recipe) as folder, \
                     self.store._open("entries") as entries:
                 for key in self._keys_by_size(folder, exclude):
-                    if not remaining.any():
+                    live = remaining[needles.order]
+                    if not live.any():
                         return
-                    found = self._match(folder, entries, key, hashes, remaining)
+                    found = self._match(folder, entries, key, needles, live)
                     if found is not None and len(found.dst):
                         yield found
         except (FileNotFoundError, NotADirectoryError, CacheCorruptError):
@@ -109,7 +111,8 @@ class RowIndex:
         return [key for _, _, key in sorted(sized)]
 
     def _match(self, folder: _fs.DirHandle, entries: _fs.DirHandle, key: str,
-               hashes: np.ndarray, remaining: np.ndarray) -> Optional[Match]:
+               needles: "_Needles", live: np.ndarray) -> Optional[Match]:
+        """The rows still ``live`` of ``needles`` whose hashes the entry ``key`` holds."""
         if not _published(entries, key):
             folder.unlink(f"{key}.npy")  # its entry was removed: the file names nothing
             return None
@@ -121,15 +124,30 @@ class RowIndex:
         if parsed is None:
             return None
         sorted_hashes, positions, bitmap, log2_bits = parsed
-        dst = np.flatnonzero(remaining)
-        needles = hashes[dst]
-        top = (needles >> np.uint64(64 - log2_bits)).astype(np.intp)
-        passed = ((bitmap[top >> 6] >> (top & 63).astype(np.uint64)) & np.uint64(1)).astype(bool)
-        dst, needles = dst[passed], needles[passed]
-        at = np.searchsorted(sorted_hashes, needles)
+        bits = np.unpackbits(np.asarray(bitmap).view(np.uint8), bitorder="little").view(bool)
+        passed = bits[needles.top(log2_bits)] & live
+        dst, wanted = needles.order[passed], needles.sorted[passed]
+        at = np.searchsorted(sorted_hashes, wanted)
         at[at == len(sorted_hashes)] = 0
-        hit = sorted_hashes[at] == needles if len(sorted_hashes) else np.zeros(len(dst), bool)
-        return Match(key, dst[hit], np.asarray(positions[at[hit]], dtype=np.int64))
+        hit = sorted_hashes[at] == wanted if len(sorted_hashes) else np.zeros(len(dst), bool)
+        dst, src = dst[hit], np.asarray(positions[at[hit]], dtype=np.int64)
+        ascending = np.argsort(dst, kind="stable")
+        return Match(key, dst[ascending], src[ascending])
+
+
+class _Needles:
+    """The hashes looked up, sorted once (sorted needles make the binary searches walk
+    nearby paths), with their rows, and their top bits for each bitmap size met."""
+
+    def __init__(self, hashes: np.ndarray) -> None:
+        self.order = np.argsort(hashes, kind="stable")
+        self.sorted = np.ascontiguousarray(hashes[self.order], dtype="<u8")
+        self._tops: dict[int, np.ndarray] = {}
+
+    def top(self, log2_bits: int) -> np.ndarray:
+        if log2_bits not in self._tops:
+            self._tops[log2_bits] = (self.sorted >> np.uint64(64 - log2_bits)).astype(np.intp)
+        return self._tops[log2_bits]
 
 
 def _published(entries: _fs.DirHandle, key: str) -> bool:
