@@ -3,8 +3,8 @@
 With ``validate="path"`` (the default) the key is made from the paths, so a file rewritten
 under the same name is a hit and serves the pixels decoded before. An entry records each
 file's (size, mtime_ns) when it was built (``row_stats.npy``); a hit compares a few rows,
-picked at random, against the files now (:data:`SAMPLE_ROWS` stats, a fraction of a
-millisecond however many rows the entry has), and warns once per process and entry when
+picked at random, against the files now (:data:`SAMPLE_ROWS` stats, however many rows the
+entry has), and warns once per process and entry when
 one differs, naming it and ``validate="stat"``. A sample finds a column that changed in
 bulk (a data set regenerated, a folder copied over), not one file among many: that is what
 ``validate="stat"`` is for, where a changed file is decoded again and costs one decode.

@@ -106,9 +106,9 @@ BAD_ROW_FIELDS = {
     "a row file first": lambda m: {**m, "files": [m["files"][1], m["files"][0]]},
     "a recipe that is not hex": lambda m: {**m, "reuse": {**m["reuse"], "recipe": "../x"}},
     "no block rows": lambda m: {**m, "reuse": {**m["reuse"], "block_rows": 0}},
-    "an origin that does not add up": lambda m: {**m, "origin": {**m["origin"], "decoded": 2}},
     "an origin naming a path": lambda m: {**m, "origin": {**m["origin"], "decoded": 2,
                                                           "reused": [["../etc", 1]]}},
+    "an origin of another kind": lambda m: {**m, "origin": [3, 0]},
     "an origin of negative rows": lambda m: {**m, "origin": {**m["origin"], "joined": -1,
                                                              "decoded": 4}},
 }

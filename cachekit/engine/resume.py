@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _fs, arrays
 from ..errors import Failure
-from .copying import copy_chunk, open_checked, read_chunk
+from .copying import open_checked, read_chunk
 from .journal import Journal
 from .plan import Plan
 from .rest import read_todo, rest_key, rest_name
@@ -111,28 +111,50 @@ def _copy_done(dead: Journal, data: Any, journal: Journal, out: np.ndarray) -> i
     file its record names, where the bytes match its checksum, and record them done; the
     rows copied."""
     planned = journal.plan
-    files: dict[str, Any] = {}
     copied = 0
-    try:
+    with _DoneChunks(dead, data) as chunks:
         for index, record in dead.done(drop_bad=False).items():
             if index in journal.marked:  # copied from an earlier source already
                 continue
-            candidates = [data]
-            if record.file is not None:
-                if record.file not in files:
-                    files[record.file] = open_checked(dead.dir, record.file, planned)
-                candidates.append(files[record.file])
             chunk = planned.chunks[index]
-            for f in candidates:
-                if f is not None and copy_chunk(f, planned, chunk, record, out):
-                    journal.mark_done(chunk, record.failures, record.digest)
-                    copied += chunk.rows
-                    break
-    finally:
-        for f in files.values():
+            rows = chunks.verified(chunk, record)
+            if rows is not None:
+                out[chunk.start:chunk.stop] = rows
+                arrays.flush_bytes(out, *planned.byte_range(chunk))
+                journal.mark_done(chunk, record.failures, record.digest)
+                copied += chunk.rows
+    return copied
+
+
+class _DoneChunks:
+    """The done chunks of a dead fill, read where its records say they are: its data file
+    (open and checked) or a joiner's rows file, opened once each."""
+
+    def __init__(self, dead: Journal, data: Any) -> None:
+        self.dead, self.data = dead, data
+        self.files: dict[str, Any] = {}
+
+    def verified(self, chunk: Any, record: Any) -> Optional[np.ndarray]:
+        """The chunk's rows from the first file whose bytes match the record's checksum."""
+        candidates = [self.data]
+        if record.file is not None:
+            if record.file not in self.files:
+                self.files[record.file] = open_checked(self.dead.dir, record.file,
+                                                       self.dead.plan)
+            candidates.append(self.files[record.file])
+        for f in candidates:
+            rows = None if f is None else read_chunk(f, self.dead.plan, chunk, record)
+            if rows is not None:
+                return rows
+        return None
+
+    def __enter__(self) -> "_DoneChunks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for f in self.files.values():
             if f is not None:
                 f.close()
-    return copied
 
 
 def has_rest(sources: Sequence[_fs.DirHandle], name: str) -> bool:
@@ -201,33 +223,21 @@ def _copy_rows(source: _fs.DirHandle, part: str, dead: Journal, planned: Plan,
     data = open_checked(source, part, planned)
     if data is None:
         return 0  # its data file disagrees with its plan: trust neither
-    files: dict[str, Any] = {}
     copied = 0
-    try:
+    with data, _DoneChunks(dead, data) as chunks:
         for index, record in dead.done(drop_bad=False).items():
             chunk = planned.chunks[index]
             rows = (np.arange(chunk.start, chunk.stop) if todo is None
                     else todo[chunk.start:chunk.stop])
             if covered[rows].all():
                 continue
-            candidates = [data]
-            if record.file is not None:
-                if record.file not in files:
-                    files[record.file] = open_checked(dead.dir, record.file, planned)
-                candidates.append(files[record.file])
-            for f in candidates:
-                got = None if f is None else read_chunk(f, planned, chunk, record)
-                if got is not None:
-                    copied += int((~covered[rows]).sum())
-                    out[rows] = got
-                    covered[rows] = True
-                    for row, path, reason in record.failures:
-                        at = int(rows[row - chunk.start])
-                        failures[at] = (at, path, reason)
-                    break
-    finally:
-        data.close()
-        for f in files.values():
-            if f is not None:
-                f.close()
+            got = chunks.verified(chunk, record)
+            if got is None:
+                continue
+            copied += int((~covered[rows]).sum())
+            out[rows] = got
+            covered[rows] = True
+            for row, path, reason in record.failures:
+                at = int(rows[row - chunk.start])
+                failures[at] = (at, path, reason)
     return copied

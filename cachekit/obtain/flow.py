@@ -63,8 +63,8 @@ class Outcome:
         manifest = self.entry.manifest
         if self.source == "built":
             origin = manifest.origin
-            if origin is None:  # an entry with no origin (memoize): all its rows decoded
-                return manifest.rows, 0, 0
+            if origin is None or not origin.adds_up(manifest.rows):
+                return manifest.rows, 0, 0  # no origin (memoize), or one that is not ours
             return origin.decoded, origin.joined, origin.rows_reused
         if self.source == "joined":
             decoded = min(self.rows_filled, manifest.rows)

@@ -9,8 +9,9 @@ Each file is one flat ``<u8`` array: a format number, the row count M, the bit c
 bitmap as its base-2 logarithm, then the entry's row hashes (the first half of each row's
 identity, :func:`cachekit.keys.row_identities`) sorted, the entry's row of each, and a
 bitmap of the hashes' top bits. A lookup tests the bitmap first and binary-searches only the
-hashes that pass, so finding a column's rows among many entries costs about a millisecond
-per hundred thousand rows per entry.
+hashes that pass (about one in nine of those absent), with the column's hashes sorted once,
+so it reads each entry's file once and never the entries themselves
+(``benchmarks/bench_incremental.py`` times it; docs/incremental.md has the figures).
 
 The index is a hint and nothing more. A file is written to a temporary name and renamed, so
 a reader sees a whole file or none; a crash between an entry's commit and its index file
