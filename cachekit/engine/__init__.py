@@ -4,7 +4,8 @@ threads, processes or a cluster, so that a crashed build resumes and other proce
 Public surface: :func:`fill` (a builder), :func:`join` (a helper of another process's
 build), :func:`read_progress` (how far a partly filled file is), and what they take and
 return. Inside: ``plan`` (the chunks), ``journal`` (the chunk journal), ``builder``,
-``joiner``, ``resume`` and ``copying`` (who fills and copies what), ``executors``,
+``joiner``, ``resume`` and ``copying`` (who fills and copies what), ``reuse``, ``prefill``
+and ``rest`` (copying rows of committed entries, then computing only the rest), ``executors``,
 ``pieces`` and ``compute`` (running rows on threads, processes or a cluster), ``rows`` and
 ``images`` (the row functions). The engine knows nothing of stores: it works in a
 directory handle it is given.

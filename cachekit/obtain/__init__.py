@@ -5,8 +5,9 @@ and the store: :func:`obtain` returns the published entry of a key, building it 
 caller's build function on a miss; :func:`obtain_and_open` also checks it against what the
 call expects and opens it. Modules: ``flow`` (obtain), ``wait`` (the one wait loop, bounded
 by ``lock_timeout``), ``local_wait`` (the build lock, live builders, joining), ``commit``
-(building in a private directory and the atomic commit), ``remote`` (the remote tier),
-``expected`` (what a call knows of its entry).
+(building in a private directory and the atomic commit), ``reuse`` (the rows a build
+copies from committed entries, and what its entry records for later builds), ``remote``
+(the remote tier), ``expected`` (what a call knows of its entry).
 """
 
 from __future__ import annotations
