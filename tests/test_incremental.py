@@ -392,3 +392,25 @@ def test_counts_add_up_and_only_unseen_values_are_computed_over_random_columns()
                 made.add(tuple(values))
 
     check()
+
+
+def test_a_failed_row_is_never_copied(cache, pictures, decodes, tmp_path):
+    missing = str(tmp_path / "missing.png")
+    with_hole = pd.Series([*pictures[:20], missing])
+    first = cache.images(with_hole, 8, on_error="zero")
+    assert not first.valid[20]
+    decodes.take()
+    again = cache.images(pd.Series([missing, *pictures[:30]]), 8, on_error="zero")
+    assert sorted(decodes.take()) == sorted([missing, *pictures[20:30]])
+    assert counts(again) == (11, 0, 20) and not again.valid[0] and again.valid[1:].all()
+
+
+def test_an_entry_downloaded_from_a_remote_tier_lends_its_rows(tmp_path, pictures, decodes):
+    remote = (tmp_path / "bucket").as_uri()
+    host_a = cachekit.Cache(tmp_path / "a", remote=remote, workers=1, progress=False)
+    host_b = cachekit.Cache(tmp_path / "b", remote=remote, workers=1, progress=False)
+    host_a.images(column(pictures, range(100)), 8)
+    assert host_b.images(column(pictures, range(100)), 8).source == "remote"
+    decodes.take()
+    grown = host_b.images(column(pictures, range(120)), 8)
+    assert counts(grown) == (20, 0, 100) and len(decodes.take()) == 20
