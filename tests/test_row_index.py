@@ -111,3 +111,17 @@ def test_a_row_source_that_is_refused_costs_nothing_but_its_rows(tmp_path, monke
     assert (grown.rows_decoded, grown.rows_reused) == (25, 0)
     assert (np.asarray(grown.array)[:, 0] == np.arange(25)).all()
     assert first.key != grown.key and keys.is_key(grown.key)
+
+
+def test_a_writer_that_died_before_its_rename_leaves_nothing_for_long(tmp_path):
+    store = LocalStore(tmp_path)
+    index = RowIndex(store)
+    _published(tmp_path, "6" * 32)
+    index.add(RECIPE, "6" * 32, np.arange(5, dtype=np.uint64))
+    folder = tmp_path / "index" / RECIPE
+    old, new = folder / f".{'7' * 32}.npy.h.1.x.tmp", folder / f".{'8' * 32}.npy.h.2.y.tmp"
+    old.write_bytes(b"half")
+    new.write_bytes(b"half")
+    os.utime(old, (1, 1))
+    assert [m.key for m in _matches(index, np.arange(5, dtype=np.uint64))] == ["6" * 32]
+    assert not old.exists() and new.exists()  # a writer may still be renaming that one

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -41,6 +42,7 @@ _HEAD = 3
 _MIN_LOG2_BITS, _MAX_LOG2_BITS = 6, 32
 _BITS_PER_ROW = 8
 """Bitmap bits per row: about one hash in nine that is not there passes the bitmap."""
+STALE_TEMP_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class RowIndex:
     def _keys_by_size(self, folder: _fs.DirHandle, exclude: str) -> list[str]:
         sized = []
         for name in folder.names():
+            if name.startswith(".") and name.endswith(".tmp"):
+                _drop_if_stale(folder, name)
+                continue
             key = name[:-4] if name.endswith(".npy") else ""
             if not is_key(key) or key == exclude:
                 continue
@@ -159,6 +164,16 @@ def _published(entries: _fs.DirHandle, key: str) -> bool:
         return False
     except OSError:
         return True  # cannot tell: leave the file alone
+
+
+def _drop_if_stale(folder: _fs.DirHandle, name: str) -> None:
+    """Remove the temporary file ``name`` of a writer that died before its rename: one
+    older than :data:`STALE_TEMP_SECONDS` (a writer renames within milliseconds)."""
+    try:
+        if time.time() - folder.lstat(name).st_mtime > STALE_TEMP_SECONDS:
+            folder.unlink(name)
+    except OSError:
+        pass
 
 
 def _index_array(hashes: np.ndarray, skip: Optional[np.ndarray]) -> np.ndarray:
