@@ -17,8 +17,9 @@ The index is a hint and nothing more. A file is written to a temporary name and 
 a reader sees a whole file or none; a crash between an entry's commit and its index file
 costs a later build some reuse, never a wrong row. Whatever a file says, the build that
 reuses rows checks them against the entry itself (:mod:`cachekit.store.row_source`): its
-manifest, the row identities it lists and the checksum of every block it copies. The file
-of an entry that was removed is deleted by the next lookup that meets it.
+manifest, the row identities it lists and the checksum of every block it copies. The store
+removes an entry's files with the entry (:func:`forget`); the file of an entry removed any
+other way is deleted by the next lookup that meets it.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from .. import _fs, arrays
 from ..errors import CacheCorruptError
 from ..keys import is_key
-from .local import LocalStore
+
+if TYPE_CHECKING:
+    from .local import LocalStore
 
 INDEX_FOLDER = "index"
 INDEX_FORMAT = 1
@@ -58,7 +63,7 @@ class Match:
 class RowIndex:
     """The row index of one local store."""
 
-    def __init__(self, store: LocalStore) -> None:
+    def __init__(self, store: "LocalStore") -> None:
         self.store = store
 
     def add(self, recipe: str, key: str, hashes: np.ndarray,
@@ -154,6 +159,21 @@ class _Needles:
         if log2_bits not in self._tops:
             self._tops[log2_bits] = (self.sorted >> np.uint64(64 - log2_bits)).astype(np.intp)
         return self._tops[log2_bits]
+
+
+def forget(index: _fs.DirHandle, key: str) -> None:
+    """Remove the index files of the entry ``key`` (which was removed), in every recipe's
+    folder of the open index folder ``index``; best effort."""
+    try:
+        recipes = [name for name in index.names() if is_key(name)]
+    except OSError:
+        return
+    for recipe in recipes:
+        try:
+            with index.child(recipe) as folder:
+                folder.unlink(f"{key}.npy")
+        except OSError:
+            continue
 
 
 def _published(entries: _fs.DirHandle, key: str) -> bool:
