@@ -15,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .messages import prefix
+from .store.manifest import ROW_FILES
 
 if TYPE_CHECKING:
     from .obtain import Outcome
@@ -57,6 +58,9 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     (its own build, or the chunks it filled of another process's; 0 when it built nothing),
     of which ``decode_seconds`` computing rows; ``wait_seconds``, waiting for another
     process's build of the same entry (not counting the chunks it filled of it).
+    ``rows_decoded``, ``rows_joined`` and ``rows_reused`` are ``Entry``'s: the rows this
+    process decoded, those others decoded for its build, and those copied from other
+    entries (all 0 on a hit), with run totals.
     """
     manifest = outcome.entry.manifest
     hit = outcome.source in ("local", "remote")
@@ -65,11 +69,16 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     waited = round(float(outcome.wait_seconds), 3)
     if _totals.get("run") != run_id:  # a new run in the same process (wandb.agent(function=))
         _totals.clear()
-        _totals.update(run=run_id, entries=0, build=0.0, decode=0.0, wait=0.0)
+        _totals.update(run=run_id, entries=0, build=0.0, decode=0.0, wait=0.0,
+                       rows_decoded=0, rows_joined=0, rows_reused=0)
+    rows_decoded, rows_joined, rows_reused = outcome.row_counts
     _totals["entries"] += 1
     _totals["build"] += built
     _totals["decode"] += decoded
     _totals["wait"] += waited
+    _totals["rows_decoded"] += rows_decoded
+    _totals["rows_joined"] += rows_joined
+    _totals["rows_reused"] += rows_reused
     fields = {
         "key": manifest.key,
         "hit": hit,
@@ -79,11 +88,17 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
         "wait_seconds": waited,
         "rows": manifest.rows,
         "shape": list(manifest.shape),
-        "bytes": sum(f.data_bytes for f in manifest.files),
+        "bytes": sum(f.data_bytes for f in manifest.files if f.name not in ROW_FILES),
         "entries": _totals["entries"],
         "build_seconds_total": round(_totals["build"], 3),
         "decode_seconds_total": round(_totals["decode"], 3),
         "wait_seconds_total": round(_totals["wait"], 3),
+        "rows_decoded": rows_decoded,
+        "rows_joined": rows_joined,
+        "rows_reused": rows_reused,
+        "rows_decoded_total": _totals["rows_decoded"],
+        "rows_joined_total": _totals["rows_joined"],
+        "rows_reused_total": _totals["rows_reused"],
     }
     return {PREFIX + name: value for name, value in fields.items()}
 

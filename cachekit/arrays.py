@@ -8,11 +8,12 @@ misread bytes are never returned and the file cannot be swapped between check an
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import mmap
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional
 
 import numpy as np
 
@@ -150,6 +151,93 @@ def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None
         else:
             size = os.fstat(f.fileno()).st_size
     return shape, dtype, size, digest
+
+
+def block_checksums(directory: _fs.DirHandle, name: str, block_rows: int
+                    ) -> tuple[str, np.ndarray]:
+    """(the whole file's checksum, a (B, 16) uint8 array of each block's digest) of the
+    .npy file ``name`` of ``directory``: block ``b`` holds its rows [b * block_rows,
+    (b + 1) * block_rows). One read of the file: a reader that copies some rows out of it
+    checks only the blocks it reads (:func:`block_digest`)."""
+    path = directory.path / name
+    whole = hashlib.blake2b(digest_size=16)
+    with directory.open_file(name) as f:
+        shape, dtype = _header(f, path)
+        offset = _validated_offset(f, path, shape, dtype, None)
+        rows = shape[0] if shape else 1
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        count = -(-rows // block_rows) if rows else 0
+        blocks = np.zeros((count, 16), dtype=np.uint8)
+        fd = f.fileno()
+        whole.update(_pread_all(fd, offset, 0, path))
+        position = offset
+        for b in range(count):
+            size = (min(rows, (b + 1) * block_rows) - b * block_rows) * row_bytes
+            data = _pread_all(fd, size, position, path)
+            whole.update(data)
+            blocks[b] = np.frombuffer(block_digest(data), dtype=np.uint8)
+            position += size
+    return "blake2b-128:" + whole.hexdigest(), blocks
+
+
+def block_digest(data: Any) -> bytes:
+    """The 16-byte digest of one block of rows (:func:`block_checksums`)."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _pread_all(fd: int, size: int, position: int, path: Path) -> bytes:
+    data = os.pread(fd, size, position)
+    if len(data) != size:
+        raise CacheCorruptError(path, "the file is shorter than its rows")
+    return data
+
+
+def write_small(directory: _fs.DirHandle, name: str, array: np.ndarray) -> None:
+    """Write ``array`` as a new .npy file ``name`` of ``directory`` (an entry's per-row
+    records: row identities, block digests, file stats). Not flushed: a build's commit
+    fsyncs every file it publishes."""
+    out = create_array(directory, name, array.shape, array.dtype)
+    out[...] = array
+    del out
+
+
+def read_small(directory: _fs.DirHandle, name: str, shape: tuple[int, ...], dtype: np.dtype,
+               size: int, digest: str, limit: int) -> np.ndarray:
+    """Read the whole .npy file ``name`` of ``directory`` into memory, checked: its size is
+    ``size`` (at most ``limit``), its checksum ``digest``, its header ``shape`` and
+    ``dtype``. CacheCorruptError when anything disagrees; the array is read-only."""
+    path = directory.path / name
+    if size > limit:
+        raise CacheCorruptError(path, f"the file is said to be {size} bytes, more than "
+                                f"{limit}")
+    with directory.open_file(name) as f:
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise CacheCorruptError(path, f"file is {len(data)} bytes, expected {size}")
+    if "blake2b-128:" + hashlib.blake2b(data, digest_size=16).hexdigest() != digest:
+        raise CacheCorruptError(path, "checksum mismatch")
+    f = io.BytesIO(data)
+    file_shape, file_dtype = _header(f, path)
+    offset = f.tell()
+    if file_shape != tuple(shape) or file_dtype != np.dtype(dtype):
+        raise CacheCorruptError(path, f"header says {file_dtype} {tuple(file_shape)}, "
+                                f"expected {np.dtype(dtype)} {tuple(shape)}")
+    if size != offset + math.prod(shape) * np.dtype(dtype).itemsize:
+        raise CacheCorruptError(path, f"file is {size} bytes, not as its header says")
+    array = np.frombuffer(data, dtype=np.dtype(dtype), offset=offset,
+                          count=math.prod(shape)).reshape(shape)
+    return array
+
+
+def open_readonly(directory: _fs.DirHandle, name: str) -> np.ndarray:
+    """Map any well-formed .npy file ``name`` of ``directory`` read-only, whatever its
+    shape and dtype (the caller checks them); CacheCorruptError when it is malformed."""
+    with directory.open_file(name) as f:
+        shape, dtype = _header(f, directory.path / name)
+        if dtype.hasobject:
+            raise CacheCorruptError(directory.path / name, "a dtype of Python objects")
+        offset = _validated_offset(f, directory.path / name, shape, dtype, None)
+        return _map(f, shape, dtype, "r", offset)
 
 
 def checksum(path: Path) -> tuple[int, str]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _fs, _wandb, keys, options
+from . import _fs, _wandb, keys, options, staleness
 from . import engine as build
 from .engine import executors
 from .engine.rows import ArrayRow, ImageRow
@@ -23,6 +23,7 @@ from .entry import Entry
 from .errors import ImageDecodeError
 from .obtain import (BuildFunction, Built, ChunkCallback, Expected, JoinFunction, Outcome,
                      check_lock_timeout, obtain_and_open)
+from .obtain import reuse
 from .store import BuildDir, LocalStore, default_root
 from .store.manifest import DATA_FILE, FORMAT_VERSION
 
@@ -163,28 +164,46 @@ class Cache:
               params: dict[str, Any], material: dict[str, Any], *,
               template: Optional[tuple], collect_errors: bool, on_error: str,
               decoders: bool = False) -> Entry:
-        """Key, then obtain: the one path every per-row entry takes."""
+        """Key, then obtain: the one path every per-row entry takes. A build copies the rows
+        that committed entries of the same recipe hold and decodes only the others
+        (:mod:`cachekit.obtain.reuse`); a hit keyed by paths alone samples its files' stats
+        (:mod:`cachekit.staleness`)."""
         key = keys.digest({"kind": kind, "format": FORMAT_VERSION, "params": params,
                            "n": len(column), **material})
         record = collect_errors or on_error == "zero"
+        announce = self.progress is not False
 
         def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
             values = column.to_numpy(dtype=object)  # only a build needs the values themselves
             current.record_cpus(build.runs_at_once(self.executor, self.workers))
-            filled = build.fill(current.dir, DATA_FILE, values, row_fn,
-                                workers=self.workers, record=record, key=key,
-                                executor=self.executor, template=template, on_chunk=on_chunk,
-                                progress=self._show_progress(), description=f"cachekit {kind}",
-                                resume_from=current.resume_from,
-                                done_with_sources=current.drop_resumed)
+            builder = _decoders() if decoders else None
+            rows = reuse.describe_rows(kind, params, column, material, builder=builder,
+                                       values=values)
+            with reuse.find_donors(self._store, key, rows, template) as found:
+                if announce:
+                    reuse.announce_donors(key, found, len(values))
+                filled = build.fill(current.dir, DATA_FILE, values, row_fn,
+                                    workers=self.workers, record=record, key=key,
+                                    executor=self.executor, template=template,
+                                    on_chunk=on_chunk, progress=self._show_progress(),
+                                    description=f"cachekit {kind}",
+                                    resume_from=current.resume_from,
+                                    done_with_sources=current.drop_resumed,
+                                    donors=found.donors)
+            if announce:
+                reuse.announce_refused(key, filled)
             if filled.failures and on_error == "raise":
                 raise ImageDecodeError(filled.failures, len(values), os.getcwd())
+            extra = reuse.row_files(current.dir, rows, filled)
             return Built(
-                kind=kind, rows=len(values), files=((DATA_FILE, "numpy"),),
+                kind=kind, rows=len(values), files=((DATA_FILE, "numpy"), *extra.files),
                 failed_rows=tuple(filled.failures), params=params,
                 column=column.name if isinstance(column.name, str) else None,
-                builder={**(_decoders() if decoders else {}), **_joiners(filled.joined)},
-                decode_seconds=filled.decode_seconds)
+                builder={**(builder or {}), **_joiners(filled.joined)},
+                decode_seconds=filled.decode_seconds, digests=extra.digests,
+                reuse=extra.reuse, origin=extra.origin,
+                committed=lambda published: reuse.index_entry(self._store, published,
+                                                              rows.ids))
 
         values: list = []  # made once, on the first attempt to join
 
@@ -196,13 +215,20 @@ class Cache:
                               record=record, template=template, key=key,
                               executor=self.executor, spare=spare)
 
+        def open_entry(outcome: Outcome) -> Entry:
+            if outcome.source == "remote":  # downloaded: its rows may serve later builds
+                reuse.index_entry(self._store, outcome.entry)
+            return Entry(outcome.entry.path, outcome.entry.manifest, source=outcome.source,
+                         wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
+                         decode_seconds=outcome.decode_seconds, row_counts=outcome.row_counts)
+
         row_shape, dtype = template if template is not None else (None, None)
         expect = Expected(kind, rows=len(column), row_shape=row_shape,
                           dtype=None if dtype is None else np.dtype(dtype).str)
-        return self._obtain(key, build_entry, lambda outcome: Entry(
-            outcome.entry.path, outcome.entry.manifest, source=outcome.source,
-            wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
-            decode_seconds=outcome.decode_seconds), join_entry, expect=expect)
+        entry = self._obtain(key, build_entry, open_entry, join_entry, expect=expect)
+        if entry.source == "local" and params.get("validate") == "path" and kind == "images":
+            staleness.check(entry.path, entry._manifest, column, stacklevel=3)
+        return entry
 
     # Inspection and maintenance: thin wrappers over cachekit.admin.inspect/removal/integrity.
 

@@ -27,11 +27,18 @@ class Entry:
     build (not counting the time it filled chunks of it), ``build_seconds`` building (its
     own build, or the chunks it filled of another's; 0 on a hit), and ``decode_seconds``,
     the part of ``build_seconds`` spent computing rows.
+
+    ``rows_decoded``, ``rows_joined``, ``rows_reused``: of the entry's rows, those this
+    call decoded, those other processes decoded for its build (its joiners, or the dead
+    builds it resumed; for a joiner, everyone else's rows), and those it copied from other
+    entries of the same recipe. For a call that built or joined they add up to
+    ``len(entry)``; on a hit all three are 0.
     """
 
     def __init__(self, path: Path, manifest: Manifest, *, source: str,
                  wait_seconds: float = 0.0, build_seconds: float = 0.0,
-                 decode_seconds: float = 0.0) -> None:
+                 decode_seconds: float = 0.0,
+                 row_counts: tuple[int, int, int] = (0, 0, 0)) -> None:
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {source!r}")
         self.path = Path(path)
@@ -40,6 +47,7 @@ class Entry:
         self.wait_seconds = wait_seconds
         self.build_seconds = build_seconds
         self.decode_seconds = decode_seconds
+        self.rows_decoded, self.rows_joined, self.rows_reused = (int(n) for n in row_counts)
         self._manifest = manifest
         self.manifest: dict[str, Any] = manifest.to_json()
         self.array: np.ndarray = self._map()  # before anything sized by the manifest

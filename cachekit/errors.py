@@ -18,7 +18,9 @@
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
 
 ``RemoteWarning`` (a CachekitError and a ``UserWarning``) is the category of the one warning
-a process gives when its remote tier fails and it carries on with the local root.
+a process gives when its remote tier fails and it carries on with the local root;
+``StaleEntryWarning`` (the same) the category of the warning a hit gives when files of its
+column changed since the entry was built.
 
 Every exception carries the path or rows it is about, says how to fix it, and survives
 pickling, because errors cross process and thread pools.
@@ -240,3 +242,8 @@ class RemoteUnavailableError(CachekitError, OSError):
 class RemoteWarning(CachekitError, UserWarning):
     """The remote tier failed; cachekit goes on with the local root (warned once per
     process and remote)."""
+
+
+class StaleEntryWarning(CachekitError, UserWarning):
+    """Files of an images column changed since its entry was built, which a hit keyed by the
+    paths alone (``validate="path"``) does not see (warned once per process and entry)."""

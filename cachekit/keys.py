@@ -157,13 +157,19 @@ def pandas_row_hashes(obj: Any) -> np.ndarray:
     return _row_hashes(obj)[0]
 
 
+PANDAS_HASH_KEY = "0123456789123456"
+"""pandas' default hash key: the one every key is made with."""
+ROW_HASH_KEYS = (PANDAS_HASH_KEY, "cachekit:row:v1.")
+"""The hash keys of the two halves of a row's identity (:func:`row_identities`)."""
+
 SURROGATEPASS = "surrogatepass"
 """Added to a column's dtype material when one of its strings holds a surrogate that no
 file name decodes to (see :func:`_row_hashes`)."""
 
 
-def _row_hashes(obj: Any) -> tuple[np.ndarray, bool]:
+def _row_hashes(obj: Any, hash_key: str = PANDAS_HASH_KEY) -> tuple[np.ndarray, bool]:
     """(:func:`pandas_row_hashes`, whether a string was hashed by its surrogatepass bytes).
+    ``hash_key``: pandas' 16-character hash key (its default for every key).
 
     pandas hashes a str by its UTF-8 bytes, and a bytes value by itself, alike. A str that
     UTF-8 cannot encode holds surrogates: a file name that is not UTF-8, as ``os.fsdecode``
@@ -177,7 +183,8 @@ def _row_hashes(obj: Any) -> tuple[np.ndarray, bool]:
     import pandas as pd
 
     try:
-        hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False)
+        hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False,
+                                            hash_key=hash_key)
         passed = False
     except UnicodeEncodeError:
         columns = [obj.iloc[:, i] for i in range(obj.shape[1])] if obj.ndim == 2 else [obj]
@@ -185,7 +192,7 @@ def _row_hashes(obj: Any) -> tuple[np.ndarray, bool]:
         encoded = [_as_bytes(column, passed) for column in columns]
         hashes = pd.util.hash_pandas_object(
             encoded[0] if obj.ndim == 1 else pd.concat(encoded, axis=1, ignore_index=True),
-            index=False, categorize=False)
+            index=False, categorize=False, hash_key=hash_key)
     rows = np.ascontiguousarray(hashes.to_numpy(dtype=np.uint64)).astype("<u8", copy=False)
     return rows, passed
 
@@ -234,6 +241,54 @@ def _as_bytes(column: Any, passing: bool) -> Any:
     for i in unencodable:
         values[i] = values[i].encode("utf-8", errors)
     return pd.Series(values, dtype=object)
+
+
+def row_identities(column: Any, extra: Sequence[np.ndarray] = ()) -> tuple[np.ndarray, Any]:
+    """Each row's identity under its recipe, and the column's dtype as recipe material.
+
+    The identity is the row's part of the key: its value's hash (as :func:`column_material`
+    hashes it), for an ``object`` column its value's type (which :func:`column_dtype` keys
+    per row), and the row of each ``extra`` array (a file's stat or content signature).
+    Two 64-bit halves, each ``hash_pandas_object`` of those parts under one of
+    :data:`ROW_HASH_KEYS`, give an (N, 2) ``<u8`` array: the first half finds a row in an
+    index, both together say it is the same row. The dtype material (``"string"``,
+    ``"int64"``, ``"object"``, and whether strings were hashed by their surrogatepass bytes)
+    goes into the recipe, so that rows are only ever matched within one kind of column.
+    """
+    import pandas as pd
+
+    dtype = column_dtype(column)
+    types = None
+    if isinstance(dtype, list):  # ["object", [type names]]: the types are per row
+        types = pd.Series(dtype[1], dtype=object)
+        dtype = "object"
+    words = []
+    for part in extra:
+        part = np.ascontiguousarray(part).reshape(len(column), -1)
+        if part.dtype.hasobject or part.nbytes % (8 * max(1, len(column))):
+            raise ValueError("each row of an extra identity part must be whole 8-byte words")
+        words.append(part.view("<u8").reshape(len(column), -1))
+    halves, passed = [], False
+    for hash_key in ROW_HASH_KEYS:
+        hashes, passed_here = _row_hashes(column, hash_key)
+        passed = passed or passed_here
+        parts: dict[str, Any] = {"value": hashes}
+        if types is not None:
+            parts["type"] = types.to_numpy()
+        for i, block in enumerate(words):
+            for j in range(block.shape[1]):
+                parts[f"extra{i}.{j}"] = block[:, j]
+        frame = pd.DataFrame(parts, copy=False)
+        halves.append(pd.util.hash_pandas_object(frame, index=False, categorize=False,
+                                                 hash_key=hash_key).to_numpy(dtype=np.uint64))
+    ids = np.ascontiguousarray(np.stack(halves, axis=1)).astype("<u8", copy=False)
+    return ids, [dtype, SURROGATEPASS] if passed else dtype
+
+
+def recipe(material: dict[str, Any]) -> str:
+    """The hex digest naming a recipe: everything of a key but its rows (see
+    :func:`row_identities`). Its own namespace, so no recipe is ever a key."""
+    return digest({"row recipe": 1, **material})
 
 
 def column_dtype(column: Any) -> Any:

@@ -109,3 +109,18 @@ def test_the_engine_benchmark_prints_every_ratio(tmp_path: Path, monkeypatch) ->
     assert all(len(runs) == 1 and runs[0][0] > 0 for runs in result["runs"].values())
     assert 0 <= result["gil"]["covers"]["gil"] <= 1
     assert (tmp_path / "e.json").exists()
+
+
+def test_the_incremental_benchmark_prints_every_ratio(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    incremental = importlib.import_module("bench_incremental")
+    result = incremental.main(["--quick", "--covers", "30", "--lookup-entries", "3",
+                               "--lookup-rows", "3000", "--json", str(tmp_path / "i.json")])
+    text = result["table"]
+    for figure in ("99% shared / fresh build", "5 training columns / one full build",
+                   "no entry holds the column's rows", "one more entry holds 99% of them",
+                   "staleness check of a hit of 3000 rows"):
+        assert f"| {figure} |" in text
+    assert result["shared"][0]["decoded"] == 1 and result["folds"][0]["decoded"] == 30
+    assert all(r["reuse"] > 0 and r["fresh"] > 0 for r in result["shared"])
+    assert (tmp_path / "i.json").exists()

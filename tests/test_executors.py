@@ -452,7 +452,8 @@ def test_a_large_default_build_runs_on_processes(tmp_path, monkeypatch):
     # The first row (it fixes the row shape) here, the rest in worker processes.
     assert os.getpid() in pids(tmp_path / "big.log") and len(pids(tmp_path / "big.log")) >= 2
     monkeypatch.setenv("PID_LOG", str(tmp_path / "small.log"))
-    cachekit.Cache(tmp_path / "cache", workers=2, progress=False).map(pid_row, pd.Series(range(30)))
+    cachekit.Cache(tmp_path / "cache", workers=2, progress=False).map(
+        pid_row, pd.Series(range(100, 130)))  # rows of their own: none to copy from the first
     assert pids(tmp_path / "small.log") == {os.getpid()}  # a small build stays on threads
 
 

@@ -159,3 +159,35 @@ def test_frames_with_non_utf8_names_key_like_their_bytes_and_keep_other_columns(
 def test_a_column_mixing_types_with_lone_surrogates_is_a_type_error():
     with pytest.raises(TypeError, match="lone surrogates"):
         keys.column_material(pd.Series([1, os.fsdecode(b"\xff")], dtype=object))
+
+
+def test_row_identities_are_pinned_and_follow_each_row():
+    # Entries store them (row_ids.npy) and later builds match them: they must never change.
+    values = pd.Series(["a.jpg", "b.jpg"])
+    ids, dtype = keys.row_identities(values)
+    assert dtype == "string" and ids.dtype == np.dtype("<u8") and ids.shape == (2, 2)
+    assert ids.tolist() == [[10172663211253542638, 489807376274706098],
+                            [13307858920972088888, 5683098582681676939]]
+    stat = np.array([[10, 20], [30, 40]], dtype="<i8")
+    assert keys.row_identities(values, [stat])[0].tolist() == [
+        [11661504444599131219, 9479988153022335623],
+        [17098391601911408733, 5024570843749529062]]
+    # A row's identity is its own: the same in any column, at any position.
+    other, _ = keys.row_identities(pd.Series(["z.jpg", "b.jpg", "a.jpg"], dtype=object))
+    assert other[1:].tolist() == ids[::-1].tolist()
+    changed, _ = keys.row_identities(values, [stat + [[0, 0], [0, 1]]])
+    assert (changed[0] == keys.row_identities(values, [stat])[0][0]).all()
+    assert not (changed[1] == keys.row_identities(values, [stat])[0][1]).any()
+
+
+def test_row_identities_tell_value_types_apart_where_the_key_does():
+    mixed, dtype = keys.row_identities(pd.Series([1, "1"], dtype=object))
+    assert dtype == "object" and not (mixed[0] == mixed[1]).any()
+    assert keys.row_identities(pd.Series([1, 2]))[1] == "int64"
+
+
+def test_a_recipe_is_never_a_key():
+    material = {"kind": "images", "params": {"size": [8, 8]}}
+    assert keys.is_key(keys.recipe(material))
+    assert keys.recipe(material) != keys.digest(material)
+    assert keys.recipe(material) == "4b7a641bd51ef8ceb1cb571a0b003620"

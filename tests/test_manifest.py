@@ -77,3 +77,54 @@ def test_a_manifest_is_never_written_over_an_existing_file(tmp_path, memoized):
     with pytest.raises(FileExistsError), _fs.DirHandle.open(tmp_path) as directory:
         manifests.write_at(directory, manifest)
     assert (tmp_path / manifests.MANIFEST_FILE).read_text() == "someone else's"
+
+
+def test_a_per_row_entry_lists_its_row_files_after_its_data(cache):
+    entry = cache.map(lambda v: np.full(2, v, np.int8), pd.Series([1, 2, 3]), version="1")
+    manifest = manifests.read(entry.path)
+    assert [f.name for f in manifest.files] == ["data.npy", "row_ids.npy", "row_blocks.npy"]
+    assert manifest.row_file(manifests.ROW_IDS_FILE).shape == (3, 2)
+    assert manifest.row_file(manifests.ROW_STATS_FILE) is None  # a map has no files to stat
+    assert manifest.reuse is not None and keys_like(manifest.reuse.recipe)
+    assert manifest.origin == manifests.Origin((), 3, 0)
+    again = manifests.loads(manifests.dumps(manifest), entry.path / manifests.MANIFEST_FILE,
+                            entry.key)
+    assert again == manifest
+
+
+def keys_like(text: str) -> bool:
+    from cachekit.keys import is_key
+
+    return is_key(text)
+
+
+BAD_ROW_FIELDS = {
+    "row files out of order": lambda m: {**m, "files": [m["files"][0], m["files"][2],
+                                                        m["files"][1]]},
+    "a row file twice": lambda m: {**m, "files": [m["files"][0], m["files"][1],
+                                                  m["files"][1]]},
+    "a row file first": lambda m: {**m, "files": [m["files"][1], m["files"][0]]},
+    "a recipe that is not hex": lambda m: {**m, "reuse": {**m["reuse"], "recipe": "../x"}},
+    "no block rows": lambda m: {**m, "reuse": {**m["reuse"], "block_rows": 0}},
+    "an origin naming a path": lambda m: {**m, "origin": {**m["origin"], "decoded": 2,
+                                                          "reused": [["../etc", 1]]}},
+    "an origin of another kind": lambda m: {**m, "origin": [3, 0]},
+    "an origin of negative rows": lambda m: {**m, "origin": {**m["origin"], "joined": -1,
+                                                             "decoded": 4}},
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_ROW_FIELDS))
+def test_bad_row_fields_are_corrupt(cache, how):
+    entry = cache.map(lambda v: np.full(2, v, np.int8), pd.Series([1, 2, 3]), version="1")
+    raw = BAD_ROW_FIELDS[how](dict(entry.manifest))
+    with pytest.raises(CacheCorruptError):
+        manifests.Manifest.from_json(raw, entry.path / manifests.MANIFEST_FILE, entry.key)
+
+
+def test_a_memoize_entry_has_no_row_files(memoized):
+    raw = manifests.read(memoized).to_json()
+    assert "reuse" not in raw and "origin" not in raw
+    with pytest.raises(CacheCorruptError):
+        manifests.Manifest.from_json({**raw, "reuse": {"recipe": "0" * 32, "block_rows": 1}},
+                                     memoized / manifests.MANIFEST_FILE, memoized.name)

@@ -506,8 +506,9 @@ def interrupt_a_build(shared: users.SharedRoot, script: Path, config: Path) -> l
              watch=[process])
     process.kill_group()
     finish(process, 30)
-    dead = [p for p in (shared.root / "tmp").iterdir()
-            if (p / "data.npy.chunks" / "done.0").exists()]
+    dead = [p for p in (shared.root / "tmp").iterdir()  # a whole fill, or the rest of one
+            if any((p / journal / "done.0").exists()  # that copied rows of an entry
+                   for journal in ("data.npy.chunks", "data.npy.rest.chunks"))]
     assert dead, f"no build directory with a done chunk under {shared.root / 'tmp'}"
     return dead
 

@@ -75,6 +75,8 @@ def test_a_miss_then_a_hit_are_recorded_in_the_run_summary(fake_wandb, cache_roo
     assert summary["cachekit/shape"] == [3, 2, 3]
     assert summary["cachekit/bytes"] == 3 * 2 * 3 * 2
     assert summary["cachekit/entries"] == 1
+    assert (summary["cachekit/rows_decoded"], summary["cachekit/rows_joined"],
+            summary["cachekit/rows_reused"]) == (3, 0, 0)
 
     hit = cache.map(_row, pd.Series([1, 2, 3]))
     assert hit.hit
@@ -86,9 +88,26 @@ def test_a_miss_then_a_hit_are_recorded_in_the_run_summary(fake_wandb, cache_roo
     assert summary["cachekit/entries"] == 2
     assert summary["cachekit/build_seconds_total"] == built.build_seconds
     assert summary["cachekit/decode_seconds_total"] == built.decode_seconds
+    assert (summary["cachekit/rows_decoded"], summary["cachekit/rows_reused"]) == (0, 0)
+    assert summary["cachekit/rows_decoded_total"] == 3
     assert set(summary) == {f"cachekit/{name}" for name in FIELDS} | {
         "cachekit/entries", "cachekit/build_seconds_total", "cachekit/decode_seconds_total",
-        "cachekit/wait_seconds_total"}
+        "cachekit/wait_seconds_total",
+        "cachekit/rows_decoded", "cachekit/rows_joined", "cachekit/rows_reused",
+        "cachekit/rows_decoded_total", "cachekit/rows_joined_total",
+        "cachekit/rows_reused_total"}
+
+
+def test_a_build_that_reuses_rows_reports_the_three_counts(fake_wandb, cache_root):
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    cache.map(_row, pd.Series([1, 2, 3, 4]))
+    grown = cache.map(_row, pd.Series([1, 2, 3, 4, 5, 6]))
+    summary = fake_wandb.run.summary
+    assert (grown.rows_decoded, grown.rows_joined, grown.rows_reused) == (2, 0, 4)
+    assert (summary["cachekit/rows_decoded"], summary["cachekit/rows_joined"],
+            summary["cachekit/rows_reused"]) == (2, 0, 4)
+    assert (summary["cachekit/rows_decoded_total"], summary["cachekit/rows_reused_total"]) \
+        == (6, 4)
 
 
 def _slow_row(value: int) -> np.ndarray:

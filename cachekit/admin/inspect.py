@@ -59,6 +59,10 @@ class EntryInfo:
     failed_rows: int = 0
     params: Optional[dict[str, Any]] = None
     problem: Optional[str] = None
+    origin: Optional[dict[str, Any]] = None
+    """Where a per-row entry's rows came from when it was built: ``reused`` ([key, rows]
+    of each entry they were copied from), ``decoded`` (by its builder) and ``joined`` (by
+    other processes for its build); None for entries that do not say."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the objects of ``cachekit ls --json``)."""
@@ -68,6 +72,7 @@ class EntryInfo:
             "dtype": self.dtype, "bytes": self.bytes, "created": self.created,
             "last_used": self.last_used, "path": str(self.path), "column": self.column,
             "failed_rows": self.failed_rows, "params": self.params, "problem": self.problem,
+            "origin": self.origin,
         }
 
 
@@ -157,6 +162,7 @@ def entry_info(path: Path) -> Optional[EntryInfo]:
             dtype=manifest.dtype.name, bytes=size, created=manifest.created, last_used=used,
             path=path, column=manifest.column, failed_rows=len(manifest.failed_rows),
             params=manifest.params,
+            origin=None if manifest.origin is None else manifest.origin.to_json(),
         )
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
                      created=used, last_used=used, path=path, problem=problem)

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from .. import units
 from ..admin import inspect
@@ -64,12 +64,12 @@ def info(args: argparse.Namespace) -> int:
             [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
     entry = next((e for e in found.entries if e.key == key), None)
     if entry is not None:
-        _print_entry(entry)
+        _print_entry(entry, {e.key for e in found.entries})
     _report_temp_dirs([t for t in found.temp_dirs if t.key == key], out=sys.stdout)
     return 0
 
 
-def _print_entry(e: inspect.EntryInfo) -> None:
+def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
     now = time.time()
     pairs: list[tuple[str, Any]] = [("key", e.key), ("path", e.path), ("kind", e.kind)]
     if e.problem is not None:
@@ -95,6 +95,7 @@ def _print_entry(e: inspect.EntryInfo) -> None:
     if e.params is not None:
         pairs += [(f"  {name}", json.dumps(value, sort_keys=True))
                   for name, value in sorted(e.params.items())]
+    pairs += _origin_pairs(e.origin, published)
     for record in manifest.get("files") or []:
         pairs.append((record["name"], f"{record['bytes']} bytes, checksum {record['checksum']}"))
     fields(pairs)
@@ -103,6 +104,24 @@ def _print_entry(e: inspect.EntryInfo) -> None:
         say(f"  failed row {row}: {path}: {reason}")
     if len(failed) > 20:
         say(f"  ... and {len(failed) - 20} more")
+
+
+def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
+                  ) -> list[tuple[str, Any]]:
+    """Where the entry's rows came from: decoded by its builder, by other processes, and
+    copied from which entries (still in the root, or gone since)."""
+    if origin is None:
+        return []
+    reused = origin["reused"]
+    copied = sum(rows for _, rows in reused)
+    pairs: list[tuple[str, Any]] = [(
+        "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
+                     f"other processes (joiners, resumed builds), {copied} copied from "
+                     f"{len(reused)} {'entry' if len(reused) == 1 else 'entries'}")]
+    for key, rows in reused:
+        pairs.append((f"  copied from {key[:SHORT_KEY]}",
+                      f"{rows} rows{'' if key in published else ' (since removed)'}"))
+    return pairs
 
 
 def clear(args: argparse.Namespace) -> int:

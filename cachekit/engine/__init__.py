@@ -5,9 +5,10 @@ Public surface: :func:`fill` (a builder), :func:`join` (a helper of another proc
 build), :func:`read_progress` (how far a partly filled file is), and what they take and
 return. Inside: ``plan`` (the chunks), ``journal`` (the chunk journal), ``builder``,
 ``joiner``, ``resume`` and ``copying`` (who fills and copies what), ``cores`` (the cores a
-joiner brings), ``executors``, ``pieces`` and ``compute`` (running rows on threads, processes
-or a cluster), ``rows`` and ``images`` (the row functions). The engine knows nothing of
-stores: it works in a directory handle it is given.
+joiner brings), ``reuse``, ``prefill`` and ``rest`` (copying rows of committed entries, then
+computing only the rest), ``executors``, ``pieces`` and ``compute`` (running rows on threads,
+processes or a cluster), ``rows`` and ``images`` (the row functions). The engine knows
+nothing of stores: it works in a directory handle it is given.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -36,11 +37,14 @@ import numpy as np
 from .. import _fs, arrays
 from . import plan as plans
 from .copying import copy_chunk, open_checked
-from .executors import RowTask, make_runner
+from .executors import RowTask, check_picklable, make_runner
 from ..errors import Failure, NotAnArrayError, failure_reason
 from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
 from .plan import Chunk
-from .resume import resume
+from .prefill import prefill, scatter, template_for
+from .rest import rest_key, rest_name, take, write_todo
+from .resume import has_rest, resume
+from .reuse import Donor
 from .rows import as_row
 
 if TYPE_CHECKING:
@@ -54,7 +58,8 @@ POLL_SECONDS = 0.05
 
 @dataclass
 class Filled:
-    """What a fill produced: the array's shape and dtype, and the rows that failed."""
+    """What a fill produced: the array's shape and dtype, the rows that failed, and where
+    its rows came from."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -65,6 +70,20 @@ class Filled:
     """Rows that joiners computed and this fill copied in, by joiner (host, pid)."""
     decode_seconds: float = 0.0
     """Seconds this process spent computing rows (not waiting for joiners, not copying)."""
+    reused: dict[str, int] = field(default_factory=dict)
+    """Rows copied from each donor (by its name)."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Rows of each donor whose block failed its check, so that they were computed."""
+
+    @property
+    def rows_joined(self) -> int:
+        """Rows that joiners computed, copied in from their rows files."""
+        return sum(self.joined.values())
+
+    @property
+    def decoded(self) -> int:
+        """Rows this process computed (the rest)."""
+        return self.shape[0] - self.resumed - self.rows_joined - sum(self.reused.values())
 
 
 def fill(
@@ -83,6 +102,7 @@ def fill(
     done_with_sources: Callable[[], None] | None = None,
     key: str = "",
     executor: Any = None,
+    donors: Sequence[Donor] = (),
 ) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
@@ -99,13 +119,24 @@ def fill(
     chunks are computed. The caller vouches that the directories are its own (the
     coordinator checks their owner and cachekit version). ``done_with_sources()`` is called once
     nothing more is read from them (the caller may then delete them).
+
+    ``donors``: rows of committed entries to copy instead of computing them (checked block by
+    block, :mod:`.reuse`); the rows no donor or dead build gives are then computed as the
+    build's rest (:mod:`.rest`), which joiners join.
     """
     n = len(values)
     task = RowTask(row_fn, record)
+    for leftover in (name, rest_name(name)):
+        directory.remove_tree(journal_name(leftover))
+        directory.unlink(leftover)
+    if donors or has_rest(resume_from, name):
+        filled = _fill_copying(directory, name, values, task, workers, template, on_chunk,
+                               progress, description, resume_from, done_with_sources, key,
+                               executor, donors)
+        if filled is not None:
+            return filled
     runner = make_runner(executor, workers, task, rows=n)  # first: it refuses what cannot run
     try:
-        directory.remove_tree(journal_name(name))
-        directory.unlink(name)
         resumed = resume(directory, name, n, resume_from, template, key)
         if done_with_sources is not None:
             done_with_sources()
@@ -141,8 +172,73 @@ class _Work:
     joined: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
+def _fill_copying(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
+                  workers: int, template: Any, on_chunk: Optional[ChunkCallback],
+                  progress: bool, description: str, sources: Sequence[_fs.DirHandle],
+                  done_with_sources: Optional[Callable[[], None]], key: str, executor: Any,
+                  donors: Sequence[Donor]) -> Optional[Filled]:
+    """A fill that first copies the rows dead builds and donors hold (:mod:`.prefill`),
+    then computes only the rest; None when the row shape and dtype are not known yet (no
+    template, no donor, no usable dead build), so that the caller fills as usual."""
+    n = len(values)
+    template = template_for(template, donors, sources, name, n, key)
+    if template is None:
+        return None
+    if executor is not None and executor != "threads" and not isinstance(
+            executor, ThreadPoolExecutor):
+        check_picklable(task, executor)  # refuse what cannot run before any work
+    pre = prefill(directory, name, n, template, key, sources, donors)
+    if done_with_sources is not None:
+        done_with_sources()
+    todo = np.flatnonzero(~pre.covered)
+    copied = n - len(todo)
+    failures, work = list(pre.failures), _Work()
+    bar = _progress_bar(n, progress, description)
+    try:
+        bar.update(copied)
+        if on_chunk is not None:
+            on_chunk(copied, n)
+        if len(todo):
+            failures += _fill_rest(directory, name, values, task, workers, template, key,
+                                   executor, todo, pre.array, bar, work,
+                                   None if on_chunk is None else
+                                   lambda done, _: on_chunk(copied + done, n))
+    finally:
+        bar.close()
+    return Filled(shape=pre.array.shape, dtype=pre.array.dtype, failures=sorted(failures),
+                  resumed=pre.resumed, joined=work.joined,
+                  decode_seconds=round(work.decode_seconds, 3), reused=pre.copied.rows,
+                  refused=pre.copied.refused)
+
+
+def _fill_rest(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
+               workers: int, template: Any, key: str, executor: Any, todo: np.ndarray,
+               out: np.ndarray, bar: Any, work: _Work, on_chunk: Optional[ChunkCallback]
+               ) -> list[Failure]:
+    """Compute rows ``todo`` as a fill of their own (with joiners) and put them into
+    ``out``; return their failures, in rows of ``out``. ``work`` tallies what this process
+    and its joiners did."""
+    rest = rest_name(name)
+    rest_values = take(values, todo)
+    runner = make_runner(executor, workers, task, rows=len(todo))
+    try:
+        journal, array, _ = _start(directory, rest, rest_values, task, template,
+                                   rest_key(key, todo), workers,
+                                   before_plan=lambda j: write_todo(j.dir, todo))
+        with journal:
+            done = _fill_all(journal, array, rest_values, lambda: runner, None, on_chunk,
+                             bar, work)
+        scatter(out, array, todo)
+    finally:
+        runner.close()
+    failures = [(int(todo[row]), path, reason) for chunk in done.values()
+                for row, path, reason in chunk.failures]
+    return failures
+
+
 def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
-           template: Any, key: str, workers: int):
+           template: Any, key: str, workers: int,
+           before_plan: Optional[Callable[[Journal], None]] = None):
     """Create the data file, the journal and the plan of a fresh fill. Without a template,
     rows run in order until one succeeds (its shape and dtype fix the plan's); the chunk
     holding that row stays claimed by us, as (claim, the rest of its rows, its failures)."""
@@ -170,6 +266,8 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
             claim = journal.claim(chunk)
             head = (claim, Chunk(chunk.index, row + 1, chunk.stop),
                     [f for f in failures if f[0] >= chunk.start])
+        if before_plan is not None:
+            before_plan(journal)
         journal.write_plan(planned)  # last: from here on other processes may join
     except BaseException:
         if head is not None:
@@ -184,7 +282,8 @@ def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
               bar: Any, work: _Work) -> dict[int, Done]:
     """Fill chunks until every chunk is done and its rows are in ``array``, computed here
     or copied in from the rows files of joiners; return every chunk's done record (read
-    once at the end)."""
+    once at the end). ``work`` tallies the seconds spent computing here and the rows each
+    joiner computed."""
     total = len(array)
     shown = journal.rows_done()
     bar.update(shown)

@@ -42,18 +42,26 @@ def open_checked(directory: _fs.DirHandle, name: str, planned: Plan) -> Optional
 def copy_chunk(source: Any, planned: Plan, chunk: Chunk, record: Done,
                out: np.ndarray) -> bool:
     """Copy the bytes of ``chunk`` from the open file ``source`` (laid out as ``planned``)
-    into ``out`` and flush them, if they match ``record``'s checksum; False otherwise.
+    into ``out`` and flush them, if they match ``record``'s checksum; False otherwise."""
+    rows = read_chunk(source, planned, chunk, record)
+    if rows is None:
+        return False
+    out[chunk.start:chunk.stop] = rows
+    arrays.flush_bytes(out, *planned.byte_range(chunk))
+    return True
 
-    The bytes are read once into memory, checked there and written from there: a process
+
+def read_chunk(source: Any, planned: Plan, chunk: Chunk, record: Done) -> Optional[np.ndarray]:
+    """The rows of ``chunk`` read from the open file ``source`` (laid out as ``planned``),
+    if their bytes match ``record``'s checksum; None otherwise.
+
+    The bytes are read once into memory, checked there and used from there: a process
     that still writes into ``source`` cannot change what is copied after the check."""
     first, end = planned.byte_range(chunk)
     try:
         data = os.pread(source.fileno(), end - first, first)
     except OSError:
-        return False
+        return None
     if len(data) != end - first or digest(data) != record.digest:
-        return False
-    out[chunk.start:chunk.stop] = np.frombuffer(data, planned.dtype).reshape(
-        (chunk.rows, *planned.row_shape))
-    arrays.flush_bytes(out, first, end)
-    return True
+        return None
+    return np.frombuffer(data, planned.dtype).reshape((chunk.rows, *planned.row_shape))

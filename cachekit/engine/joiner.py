@@ -1,7 +1,9 @@
 """Joining another process's build: fill chunks that nobody holds, into a rows file of one's
 own in the build's journal folder, never into the builder's data file; the builder copies
 each such chunk in once its bytes match their checksum (see :mod:`.builder`). A joiner on
-the builder's host joins only with the cores the build leaves free (see :mod:`.cores`).
+the builder's host joins only with the cores the build leaves free (see :mod:`.cores`). A
+build that copied some of its rows from other entries is joined in its rest (:mod:`.rest`):
+only the rows nobody copies.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .builder import RowFunction, run_claimed
 from .cores import Seats, Spare
 from .journal import ROWS_PREFIX, Journal
 from .plan import Plan
+from .rest import read_todo, rest_key, rest_name, take
 from .resume import plan_fits
 
 
@@ -55,27 +58,48 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         own = os.fstat(directory.fd)
         if own.st_uid != os.geteuid() or own.st_mode & 0o022:
             return None  # not a private build directory of ours: never write there
-        journal = Journal.open(directory, name)
-    except (OSError, ValueError):
+    except OSError:
         return None
-    with journal:
-        planned = journal.plan
-        if not plan_fits(planned, len(values), template, key) or planned.rows == 0:
+    for part in (name, rest_name(name)):
+        try:
+            journal = Journal.open(directory, part)
+        except (OSError, ValueError):
+            continue
+        with journal:
+            return _join(journal, part != name, values, row_fn, workers, record, template,
+                         key, executor, spare)
+    return None
+
+
+def _join(journal: Journal, rest: bool, values: Sequence[Any], row_fn: RowFunction,
+          workers: int, record: bool, template: Any, key: str, executor: Any,
+          spare: Optional[Spare]) -> Optional[Joined]:
+    """Join the fill whose journal is ``journal``: the build's own, or (``rest``) the rest
+    of a build that copied its other rows, whose rows the journal names."""
+    planned = journal.plan
+    if planned.rows == 0 or (not rest and not plan_fits(planned, len(values), template, key)):
+        return None
+    if not journal.pending()[1]:
+        return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
+    if rest:  # read only when there is work: a joiner looks every few tens of milliseconds
+        todo = read_todo(journal.dir, len(values))
+        if todo is None:
             return None
-        if not journal.pending()[1]:
-            return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
-        try:
-            seats = None if spare is None else Seats.take(journal.dir, spare, workers)
-        except OSError:
-            return None  # the journal is gone meanwhile: committed, or taken over
-        if seats is not None and not seats.names:
-            return Joined(0, 0, len(planned.chunks), no_core=True)
-        try:
-            return _fill(journal, planned, values, row_fn, record, executor,
-                         workers if seats is None else len(seats.names))
-        finally:
-            if seats is not None:
-                seats.release()
+        values, key = take(values, todo), rest_key(key, todo)
+        if not plan_fits(planned, len(values), template, key):
+            return None
+    try:
+        seats = None if spare is None else Seats.take(journal.dir, spare, workers)
+    except OSError:
+        return None  # the journal is gone meanwhile: committed, or taken over
+    if seats is not None and not seats.names:
+        return Joined(0, 0, len(planned.chunks), no_core=True)
+    try:
+        return _fill(journal, planned, values, row_fn, record, executor,
+                     workers if seats is None else len(seats.names))
+    finally:
+        if seats is not None:
+            seats.release()
 
 
 def _fill(journal: Journal, planned: Plan, values: Sequence[Any], row_fn: RowFunction,

@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, Optional
 from .. import _fs, liveness
 from ..errors import BuildGone, Failure
 from .plan import Chunk, Plan
+from .rest import is_rest_name
 
 SUFFIX = ".chunks"
 PLAN_FILE = "plan.json"
@@ -57,9 +58,9 @@ def journal_name(name: str) -> str:
 
 
 def is_journal_name(name: str) -> bool:
-    """Whether ``name`` in a build directory is a chunk journal folder: the engine's working
-    state, never published."""
-    return name.endswith(SUFFIX)
+    """Whether ``name`` in a build directory is the engine's working state, never
+    published: a chunk journal folder, or the data file of a build's rest (:mod:`.rest`)."""
+    return name.endswith(SUFFIX) or is_rest_name(name)
 
 
 def digest(data: Any) -> str:

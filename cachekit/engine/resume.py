@@ -1,5 +1,6 @@
 """What a partly filled data file holds (:func:`read_progress`), and starting a fill from the
-verified done chunks of dead builds (:func:`resume`).
+verified done chunks of dead builds (:func:`resume`), or taking their verified rows into a
+build that copies rows (:func:`copy_dead_rows`).
 
 A dead build's directory is claimed by the caller and read only: its plan must be one of
 this very fill (:func:`plan_fits`: the caller's key, row count and row template) before
@@ -16,9 +17,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .. import _fs, arrays
-from .copying import copy_chunk, open_checked
+from ..errors import Failure
+from .copying import open_checked, read_chunk
 from .journal import Journal
 from .plan import Plan
+from .rest import read_todo, rest_key, rest_name
 
 
 @dataclass(frozen=True)
@@ -108,25 +111,133 @@ def _copy_done(dead: Journal, data: Any, journal: Journal, out: np.ndarray) -> i
     file its record names, where the bytes match its checksum, and record them done; the
     rows copied."""
     planned = journal.plan
-    files: dict[str, Any] = {}
     copied = 0
-    try:
+    with _DoneChunks(dead, data) as chunks:
         for index, record in dead.done(drop_bad=False).items():
             if index in journal.marked:  # copied from an earlier source already
                 continue
-            candidates = [data]
-            if record.file is not None:
-                if record.file not in files:
-                    files[record.file] = open_checked(dead.dir, record.file, planned)
-                candidates.append(files[record.file])
             chunk = planned.chunks[index]
-            for f in candidates:
-                if f is not None and copy_chunk(f, planned, chunk, record, out):
-                    journal.mark_done(chunk, record.failures, record.digest)
-                    copied += chunk.rows
-                    break
-    finally:
-        for f in files.values():
+            rows = chunks.verified(chunk, record)
+            if rows is not None:
+                out[chunk.start:chunk.stop] = rows
+                arrays.flush_bytes(out, *planned.byte_range(chunk))
+                journal.mark_done(chunk, record.failures, record.digest)
+                copied += chunk.rows
+    return copied
+
+
+class _DoneChunks:
+    """The done chunks of a dead fill, read where its records say they are: its data file
+    (open and checked) or a joiner's rows file, opened once each."""
+
+    def __init__(self, dead: Journal, data: Any) -> None:
+        self.dead, self.data = dead, data
+        self.files: dict[str, Any] = {}
+
+    def verified(self, chunk: Any, record: Any) -> Optional[np.ndarray]:
+        """The chunk's rows from the first file whose bytes match the record's checksum."""
+        candidates = [self.data]
+        if record.file is not None:
+            if record.file not in self.files:
+                self.files[record.file] = open_checked(self.dead.dir, record.file,
+                                                       self.dead.plan)
+            candidates.append(self.files[record.file])
+        for f in candidates:
+            rows = None if f is None else read_chunk(f, self.dead.plan, chunk, record)
+            if rows is not None:
+                return rows
+        return None
+
+    def __enter__(self) -> "_DoneChunks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for f in self.files.values():
             if f is not None:
                 f.close()
+
+
+def has_rest(sources: Sequence[_fs.DirHandle], name: str) -> bool:
+    """Whether a dead build of ``sources`` computed the rest of a fill that copied rows."""
+    for source in sources:
+        try:
+            source.lstat(rest_name(name))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def dead_template(sources: Sequence[_fs.DirHandle], name: str, n: int, key: str
+                  ) -> Optional[tuple[tuple[int, ...], np.dtype]]:
+    """The row shape and dtype of the first dead fill of ``sources`` that is one of this
+    build (its plan's), for a build that does not know them yet; None when there is none."""
+    for source in sources:
+        for planned, _ in _dead_parts(source, name, n, None, key):
+            return planned.row_shape, planned.dtype
+    return None
+
+
+def copy_dead_rows(sources: Sequence[_fs.DirHandle], name: str, n: int, template: Any,
+                   key: str, out: np.ndarray, covered: np.ndarray) -> tuple[list[Failure], int]:
+    """Copy into ``out`` the rows of every verified done chunk of the dead fills of ``name``
+    in ``sources`` (whole fills, and the rests of fills that copied rows), where ``covered``
+    is not yet True, and set it True there: (the failures recorded for those rows, in rows
+    of ``out``; the rows copied). As :func:`resume`, a fill is read only once its plan is
+    one of this build, and a chunk only where its bytes match its checksum."""
+    failures: dict[int, Failure] = {}
+    copied = 0
+    for source in sources:
+        for planned, todo in _dead_parts(source, name, n, template, key):
+            part = name if todo is None else rest_name(name)
+            if planned.offset != arrays.data_offset(planned.shape, planned.dtype,
+                                                    align=planned.page):
+                continue  # a layout this host would not make (another page size)
+            with Journal.open(source, part) as dead:
+                copied += _copy_rows(source, part, dead, planned, todo, out, covered, failures)
+    return [failures[row] for row in sorted(failures)], copied
+
+
+def _dead_parts(source: _fs.DirHandle, name: str, n: int, template: Any, key: str):
+    """(plan, rows it computes or None for all) of each fill of ``source`` that is one of
+    this build: the whole fill of ``name``, or the rest of one that copied rows."""
+    for part in (name, rest_name(name)):
+        try:
+            dead = Journal.open(source, part)
+        except (OSError, ValueError):
+            continue
+        with dead:
+            planned = dead.plan
+            todo = None if part == name else read_todo(dead.dir, n)
+            if part != name and todo is None:
+                continue
+            fits = (plan_fits(planned, n, template, key) if todo is None else
+                    plan_fits(planned, len(todo), template, rest_key(key, todo)))
+        if fits and planned.rows:
+            yield planned, todo
+
+
+def _copy_rows(source: _fs.DirHandle, part: str, dead: Journal, planned: Plan,
+               todo: Optional[np.ndarray], out: np.ndarray, covered: np.ndarray,
+               failures: dict[int, Failure]) -> int:
+    data = open_checked(source, part, planned)
+    if data is None:
+        return 0  # its data file disagrees with its plan: trust neither
+    copied = 0
+    with data, _DoneChunks(dead, data) as chunks:
+        for index, record in dead.done(drop_bad=False).items():
+            chunk = planned.chunks[index]
+            rows = (np.arange(chunk.start, chunk.stop) if todo is None
+                    else todo[chunk.start:chunk.stop])
+            if covered[rows].all():
+                continue
+            got = chunks.verified(chunk, record)
+            if got is None:
+                continue
+            copied += int((~covered[rows]).sum())
+            out[rows] = got
+            covered[rows] = True
+            for row, path, reason in record.failures:
+                at = int(rows[row - chunk.start])
+                failures[at] = (at, path, reason)
     return copied

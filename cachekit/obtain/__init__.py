@@ -6,8 +6,9 @@ caller's build function on a miss; :func:`obtain_and_open` also checks it agains
 call expects and opens it. Modules: ``flow`` (obtain), ``wait`` (the one wait loop, bounded
 by ``lock_timeout``), ``local_wait`` (the build lock, live builders, joining), ``commit``
 (building in a private directory and the atomic commit), ``accounting`` (the seconds a
-call spent on its own work, not waiting), ``remote`` (the remote tier), ``expected`` (what
-a call knows of its entry).
+call spent on its own work, not waiting), ``reuse`` (the rows a build copies from committed
+entries, and what its entry records for later builds), ``remote`` (the remote tier),
+``expected`` (what a call knows of its entry).
 """
 
 from __future__ import annotations

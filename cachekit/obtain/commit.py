@@ -27,7 +27,7 @@ from ..engine.journal import is_journal_name
 from ..errors import BuildGone, ImageDecodeError
 from ..messages import say
 from ..store import BuildDir, LocalStore, Published
-from ..store.manifest import Manifest
+from ..store.manifest import Manifest, Origin, RowReuse
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -50,6 +50,14 @@ class Built:
     """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
     decode_seconds: Optional[float] = None
     """Seconds the build spent computing rows here (None: all of its time)."""
+    digests: Optional[dict[str, str]] = None
+    """Checksums of data files that the build function computed as it read them, by name."""
+    reuse: Optional[RowReuse] = None
+    """How later builds may copy the rows of a per-row entry (its recipe, its blocks)."""
+    origin: Optional[Origin] = None
+    """Where a per-row entry's rows came from."""
+    committed: Optional[Callable[[Published], None]] = None
+    """Called once this build's commit published the entry (to index its rows)."""
 
 
 BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
@@ -78,13 +86,14 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         current.drop_resumed()
         if not current.still_ours():
             raise BuildGone(str(current.path))
-        files = store.seal(current, made.files)
+        files = store.seal(current, made.files, made.digests)
         manifest = Manifest(
             key=key, kind=made.kind, rows=made.rows, files=files, created=time.time(),
             failed_rows=tuple(made.failed_rows), params=made.params or {}, column=made.column,
             structure=made.structure,
             builder={"host": _fs.host(), "pid": os.getpid(), **(made.builder or {})},
-            build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__)
+            build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__,
+            reuse=made.reuse, origin=made.origin)
         published, won = store.commit(current, manifest, scratch=is_journal_name)
     except KeyboardInterrupt:
         current.abandon()  # keep the finished chunks for the next run
@@ -100,6 +109,8 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         store.forget_failure(key)  # an earlier failure is history now
         if announce:
             _say_who_joined(manifest)
+        if made.committed is not None:
+            made.committed(published)
     return published
 
 

@@ -55,6 +55,28 @@ class Outcome:
     filled of another's (0 when it built nothing)."""
     decode_seconds: float = 0.0
     """The part of ``build_seconds`` spent computing rows here."""
+    rows_filled: int = 0
+    """Rows this call computed for another process's build that it joined."""
+
+    @property
+    def row_counts(self) -> tuple[int, int, int]:
+        """(rows decoded by this call, rows other processes decoded for its build, rows
+        copied from other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.
+
+        A builder's come from its manifest's origin (a build that resumed dead builds counts
+        their rows as joined: other processes decoded them); a joiner decoded the rows it
+        filled, and everyone else decoded or copied the rest, counted as joined. They add up
+        to the entry's rows, and are all 0 on a hit."""
+        manifest = self.entry.manifest
+        if self.source == "built":
+            origin = manifest.origin
+            if origin is None or not origin.adds_up(manifest.rows):
+                return manifest.rows, 0, 0  # no origin (memoize), or one that is not ours
+            return origin.decoded, origin.joined, origin.rows_reused
+        if self.source == "joined":
+            decoded = min(self.rows_filled, manifest.rows)
+            return decoded, manifest.rows - decoded, 0
+        return 0, 0, 0
 
 
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
@@ -109,7 +131,7 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
             found = local.for_live_builders()
         work.joined(local.join_seconds)
         if found is not None:
-            return _outcome(found, local.source(found), wait.seconds, work)
+            return _outcome(found, local.source(found), wait.seconds, work, local.rows_filled)
         raise_failure_seen_while_waiting(store, key, asked)
         waited = wait.seconds  # before the build: waiting, not building
         commit = work.timed(lambda fn: build_and_commit(store, key, fn, announce))
@@ -127,10 +149,12 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
             build_lock.release()
 
 
-def _outcome(entry: Published, source: str, waited: float, work: OwnWork) -> Outcome:
-    """The outcome of a call that waited ``waited`` seconds in all (joins included)."""
-    return Outcome(entry, source, work.waited(waited), round(work.build_seconds, 3),
-                   round(work.decode_seconds, 3))
+def _outcome(entry: Published, source: str, waited: float, work: OwnWork,
+             rows_filled: int = 0) -> Outcome:
+    """The outcome of a call that waited ``waited`` seconds in all (joins included) and
+    computed ``rows_filled`` rows of another process's build."""
+    return Outcome(entry, source, work.waited(waited), build_seconds=round(work.build_seconds, 3),
+                   decode_seconds=round(work.decode_seconds, 3), rows_filled=rows_filled)
 
 
 def obtain_and_open(store: LocalStore, key: str, build_fn: BuildFunction,

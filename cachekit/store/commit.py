@@ -32,7 +32,7 @@ def seal(build: BuildDir, files: Iterable[tuple[str, str]],
     ``digests``: checksums the writer computed as it wrote (a download), by name."""
     records = []
     for index, (name, kind) in enumerate(files):
-        if name != manifests.file_name(index):
+        if not manifests.allowed_file_name(index, name):
             raise ValueError(f"file {index} of a build must be {manifests.file_name(index)}")
         shape, dtype, size, digest = arrays.seal(build.dir, name, (digests or {}).get(name))
         records.append(FileRecord(name, shape, dtype.str, size, digest, kind))

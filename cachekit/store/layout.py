@@ -4,7 +4,9 @@
 
     ROOT/
       entries/KEY/manifest.json        published, immutable; the manifest is written last
-      entries/KEY/data.npy, leaf_N.npy the files the manifest lists
+      entries/KEY/data.npy, leaf_N.npy the files the manifest lists (a per-row entry's
+                                       row_ids.npy, row_blocks.npy, row_stats.npy too)
+      index/RECIPE/KEY.npy             the row index of each recipe (a hint, see row_index)
       tmp/KEY.HOST.PID.UUID/           a private build directory: state.json (owner,
                                        progress), heartbeat (its mtime is the builder's
                                        heartbeat), data files and the builder's working

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 from .. import _fs, liveness
 from . import commit as commits
 from . import manifest as manifests
+from . import row_index
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
@@ -347,7 +348,16 @@ class LocalStore:
         of it or none; processes that mapped it keep their bytes), then deleted. False when
         it was already gone. A planted symlink is unlinked, never followed."""
         with self._open("entries") as entries, self._open("tmp", create=True) as tmp:
-            return self._move_out_and_delete(entries, key, tmp, key)
+            removed = self._move_out_and_delete(entries, key, tmp, key)
+        if removed:
+            try:
+                index = self._open_if_any(row_index.INDEX_FOLDER)
+            except OSError:  # a symlink in its place: the index is only ever a hint
+                index = None
+            if index is not None:
+                with index:
+                    row_index.forget(index, key)  # its rows are no longer there to copy
+        return removed
 
     def remove_temp(self, name: str, key: str) -> bool:
         """Remove the build directory or leftover ``tmp/NAME`` the same way."""

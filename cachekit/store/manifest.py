@@ -47,9 +47,64 @@ MANIFEST_LIMIT = 64 << 20  # a tampered manifest must not exhaust memory
 _CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
 
 
+ROW_IDS_FILE = "row_ids.npy"
+"""A per-row entry's row identities: (rows, 2) ``<u8``, see :func:`cachekit.keys.row_identities`."""
+ROW_BLOCKS_FILE = "row_blocks.npy"
+"""The digest of each block of ``reuse.block_rows`` rows of the data: (blocks, 16) ``|u1``."""
+ROW_STATS_FILE = "row_stats.npy"
+"""An images entry's (size, mtime_ns) of each file when it was built: (rows, 2) ``<i8``."""
+ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE)
+"""The files a per-row entry may list after its data, in this order: what lets a later
+build copy its rows (:mod:`cachekit.store.row_index`) and a hit check its files' stats."""
+ROW_FILES_LIMIT = 1 << 30
+"""The largest row file read into memory (a billion bytes: 67 million rows)."""
+
+
 def file_name(index: int) -> str:
     """Name of an entry's ``index``-th data file: ``data.npy``, then ``leaf_1.npy``, ..."""
     return DATA_FILE if index == 0 else f"leaf_{index}.npy"
+
+
+def allowed_file_name(index: int, name: str) -> bool:
+    """Whether an entry's ``index``-th file may be called ``name``: :func:`file_name`, or
+    after the data of a per-row entry one of :data:`ROW_FILES`."""
+    return name == file_name(index) or (index > 0 and name in ROW_FILES)
+
+
+@dataclass(frozen=True)
+class RowReuse:
+    """How a per-row entry's rows may be reused by later builds: its recipe (the key but
+    for the rows, :func:`cachekit.keys.recipe`) and the rows per block of ``row_blocks.npy``."""
+
+    recipe: str
+    block_rows: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "block_rows": self.block_rows}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a per-row entry's rows came from when it was built: copied from other entries
+    (key, rows), decoded by its builder, decoded by other processes for this build (its
+    joiners, or the dead builds it resumed). The three add up to the entry's rows when its
+    builder wrote them (:meth:`adds_up`); a manifest is read without that check, since
+    nothing but reports depends on it."""
+
+    reused: tuple[tuple[str, int], ...] = ()
+    decoded: int = 0
+    joined: int = 0
+
+    @property
+    def rows_reused(self) -> int:
+        return sum(rows for _, rows in self.reused)
+
+    def adds_up(self, rows: int) -> bool:
+        return self.rows_reused + self.decoded + self.joined == rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reused": [[key, rows] for key, rows in self.reused], "decoded": self.decoded,
+                "joined": self.joined}
 
 
 @dataclass(frozen=True)
@@ -97,6 +152,8 @@ class Manifest:
     build_seconds: float = 0.0
     cachekit_version: str = ""
     format: int = FORMAT_VERSION
+    reuse: Optional[RowReuse] = None
+    origin: Optional[Origin] = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,6 +166,12 @@ class Manifest:
     @property
     def bytes(self) -> int:
         return sum(f.bytes for f in self.files)
+
+    def row_file(self, name: str) -> Optional[FileRecord]:
+        """The record of the row file ``name`` (:data:`ROW_FILES`), or None when the entry
+        has none (made by an older cachekit, or a memoize entry)."""
+        return next((f for f in self.files[1:] if f.name == name and self.kind != MEMOIZE_KIND),
+                    None)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to ``manifest.json`` (also ``entry.manifest``), without
@@ -123,6 +186,10 @@ class Manifest:
         }
         if self.structure is not None:
             out["structure"] = self.structure
+        if self.reuse is not None:
+            out["reuse"] = self.reuse.to_json()
+        if self.origin is not None:
+            out["origin"] = self.origin.to_json()
         return out
 
     @classmethod
@@ -227,10 +294,16 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
         raise fail(f"unknown kind {kind!r}")
     rows = _count(raw.get("rows"), "rows", fail)
     files_raw = _get(raw, "files", list, fail)
-    if not files_raw or (kind != MEMOIZE_KIND and len(files_raw) != 1):
-        raise fail(f"a {kind} entry has {'one' if kind != MEMOIZE_KIND else 'at least one'} "
-                   f"file, not {len(files_raw)}")
+    if not files_raw or (kind != MEMOIZE_KIND and len(files_raw) > 1 + len(ROW_FILES)):
+        raise fail(f"a {kind} entry has "
+                   f"{'at least one' if kind == MEMOIZE_KIND else 'one to four'} files, not "
+                   f"{len(files_raw)}")
     files = tuple(_file_record(i, item, fail) for i, item in enumerate(files_raw))
+    names = [f.name for f in files]
+    expected = ([file_name(i) for i in range(len(files))] if kind == MEMOIZE_KIND else
+                [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]])
+    if names != expected:
+        raise fail(f"a {kind} entry's files must be {expected}, not {names}")
     first = files[0]
     if raw.get("shape") != list(first.shape) or raw.get("dtype") != first.dtype:
         raise fail("shape and dtype disagree with the first file's")
@@ -258,17 +331,48 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
             raise fail("a memoize manifest needs a 'structure' object")
     elif structure is not None or any(f.kind != "numpy" for f in files):
         raise fail(f"a {kind} entry has no structure and numpy files only")
+    reuse = _reuse(raw.get("reuse"), kind, fail)
+    origin = _origin(raw.get("origin"), kind, rows, fail)
     return Manifest(key=entry_key, kind=kind, rows=rows, files=files, created=float(created),
                     failed_rows=failed, params=params, column=column, structure=structure,
                     builder=builder, build_seconds=float(build_seconds),
-                    cachekit_version=version)
+                    cachekit_version=version, reuse=reuse, origin=origin)
+
+
+def _reuse(raw: Any, kind: str, fail) -> Optional[RowReuse]:
+    if raw is None:
+        return None
+    if kind == MEMOIZE_KIND or not isinstance(raw, dict):
+        raise fail("bad reuse field")
+    recipe, block_rows = raw.get("recipe"), raw.get("block_rows")
+    if not (isinstance(recipe, str) and is_key(recipe) and _is_count(block_rows)
+            and block_rows >= 1):
+        raise fail(f"bad reuse field {raw!r}"[:200])
+    return RowReuse(recipe, block_rows)
+
+
+def _origin(raw: Any, kind: str, rows: int, fail) -> Optional[Origin]:
+    if raw is None:
+        return None
+    if kind == MEMOIZE_KIND or not isinstance(raw, dict) or not isinstance(
+            raw.get("reused"), list):
+        raise fail("bad origin field")
+    reused = []
+    for item in raw["reused"]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and is_key(item[0]) and _is_count(item[1])):
+            raise fail(f"bad origin item {item!r}"[:200])
+        reused.append((item[0], item[1]))
+    decoded = _count(raw.get("decoded"), "origin's decoded", fail)
+    joined = _count(raw.get("joined"), "origin's joined", fail)
+    return Origin(tuple(reused), decoded, joined)  # a report: its sum is not checked here
 
 
 def _file_record(index: int, item: Any, fail) -> FileRecord:
     if not isinstance(item, dict):
         raise fail(f"file {index} is not a JSON object")
     name = item.get("name")
-    if name != file_name(index):
+    if not isinstance(name, str) or not allowed_file_name(index, name):
         raise fail(f"file {index} must be named {file_name(index)!r}, not {name!r}")
     shape = item.get("shape")
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):

@@ -1,0 +1,106 @@
+"""Copying rows that committed entries already hold into a new data file, block by checked
+block, instead of computing them again.
+
+A :class:`Donor` is another entry's data file, opened once and checked by the caller (its
+header, its size, the digests of its blocks), with the rows of it that the new entry wants.
+Each block of the donor that holds a wanted row is read once into memory, and its rows are
+used only if the block's bytes match its digest: a donor that is truncated, rewritten or
+removed while it is read gives no row at all, and those rows are computed instead. The
+bytes are checked and written from the one copy in memory, so no change of the file after
+the check can reach the new entry.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import BinaryIO, Sequence
+
+import numpy as np
+
+from .. import arrays
+
+
+@dataclass(frozen=True)
+class Donor:
+    """Rows ``src`` of another entry (``name``, for reports) to copy into rows ``dst`` of the
+    new one. ``file``: its data file, open, ``rows`` rows of ``row_shape`` and ``dtype``
+    from byte ``offset``; ``blocks``: the (B, 16) digests of its blocks of ``block_rows``
+    rows (:func:`cachekit.arrays.block_checksums`)."""
+
+    name: str
+    file: BinaryIO
+    offset: int
+    rows: int
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    block_rows: int
+    blocks: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What the donors gave: rows copied and rows refused (their block failed its check),
+    by donor name, in the donors' order."""
+
+    rows: dict[str, int]
+    refused: dict[str, int]
+
+
+def copy_from_donors(donors: Sequence[Donor], out: np.ndarray, covered: np.ndarray) -> Copied:
+    """Copy each donor's rows into ``out`` where ``covered`` is still False, setting it
+    True for every row copied; rows whose donor block fails its check stay False."""
+    rows: dict[str, int] = {}
+    refused: dict[str, int] = {}
+    for donor in donors:
+        if tuple(out.shape[1:]) != tuple(donor.row_shape) or out.dtype != donor.dtype:
+            refused[donor.name] = refused.get(donor.name, 0) + len(donor.dst)
+            continue
+        wanted = ~covered[donor.dst]
+        got, bad = _copy(donor, out, donor.src[wanted], donor.dst[wanted])
+        covered[got] = True
+        rows[donor.name] = rows.get(donor.name, 0) + len(got)
+        if bad:
+            refused[donor.name] = refused.get(donor.name, 0) + bad
+    return Copied(rows, refused)
+
+
+def _copy(donor: Donor, out: np.ndarray, src: np.ndarray, dst: np.ndarray
+          ) -> tuple[np.ndarray, int]:
+    """(the rows of ``out`` filled, the count refused) from the donor's rows ``src``."""
+    if not len(src):
+        return np.zeros(0, dtype=np.int64), 0
+    order = np.argsort(src, kind="stable")
+    src, dst = src[order], dst[order]
+    if src[0] < 0 or src[-1] >= donor.rows:
+        return np.zeros(0, dtype=np.int64), len(src)
+    block_of = src // donor.block_rows
+    starts = np.flatnonzero(np.r_[True, block_of[1:] != block_of[:-1]])
+    ends = np.r_[starts[1:], len(src)]
+    row_bytes = donor.row_bytes
+    filled, refused = [], 0
+    for start, end in zip(starts, ends):
+        block = int(block_of[start])
+        first = block * donor.block_rows
+        last = min(donor.rows, first + donor.block_rows)
+        size = (last - first) * row_bytes
+        try:
+            data = os.pread(donor.file.fileno(), size, donor.offset + first * row_bytes)
+        except OSError:
+            data = b""
+        if len(data) != size or block >= len(donor.blocks) or \
+                arrays.block_digest(data) != donor.blocks[block].tobytes():
+            refused += end - start
+            continue
+        rows = np.frombuffer(data, dtype=donor.dtype).reshape((last - first, *donor.row_shape))
+        out[dst[start:end]] = rows[src[start:end] - first]
+        filled.append(dst[start:end])
+    got = np.concatenate(filled) if filled else np.zeros(0, dtype=np.int64)
+    return got, refused

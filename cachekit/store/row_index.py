@@ -1,0 +1,240 @@
+"""The per-recipe row index: which committed entries hold which rows, found without reading
+them.
+
+::
+
+    ROOT/index/RECIPE/KEY.npy     one file per entry of that recipe, written after its commit
+
+Each file is one flat ``<u8`` array: a format number, the row count M, the bit count of a
+bitmap as its base-2 logarithm, then the entry's row hashes (the first half of each row's
+identity, :func:`cachekit.keys.row_identities`) sorted, the entry's row of each, and a
+bitmap of the hashes' top bits. A lookup tests the bitmap first and binary-searches only the
+hashes that pass (about one in nine of those absent), with the column's hashes sorted once,
+so it reads each entry's file once and never the entries themselves
+(``benchmarks/bench_incremental.py`` times it; docs/incremental.md has the figures).
+
+The index is a hint and nothing more. A file is written to a temporary name and renamed, so
+a reader sees a whole file or none; a crash between an entry's commit and its index file
+costs a later build some reuse, never a wrong row. Whatever a file says, the build that
+reuses rows checks them against the entry itself (:mod:`cachekit.store.row_source`): its
+manifest, the row identities it lists and the checksum of every block it copies. The store
+removes an entry's files with the entry (:func:`forget`); the file of an entry removed any
+other way is deleted by the next lookup that meets it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from typing import TYPE_CHECKING
+
+from .. import _fs, arrays
+from ..errors import CacheCorruptError
+from ..keys import is_key
+
+if TYPE_CHECKING:
+    from .local import LocalStore
+
+INDEX_FOLDER = "index"
+INDEX_FORMAT = 1
+_HEAD = 3
+_MIN_LOG2_BITS, _MAX_LOG2_BITS = 6, 32
+_BITS_PER_ROW = 8
+"""Bitmap bits per row: about one hash in nine that is not there passes the bitmap."""
+STALE_TEMP_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class Match:
+    """Rows of a lookup found in one entry: ``dst`` of the column looked up (ascending) are
+    said to be the entry's rows ``src``. A hint: the caller checks them."""
+
+    key: str
+    dst: np.ndarray
+    src: np.ndarray
+
+
+class RowIndex:
+    """The row index of one local store."""
+
+    def __init__(self, store: "LocalStore") -> None:
+        self.store = store
+
+    def add(self, recipe: str, key: str, hashes: np.ndarray,
+            skip: Optional[np.ndarray] = None) -> None:
+        """Index the committed entry ``key`` of ``recipe``: ``hashes`` its rows' lookup
+        hashes in row order, ``skip`` a mask of rows not to offer (failed rows). Best
+        effort: an error (a read-only root) leaves the entry unindexed."""
+        if not (is_key(recipe) and is_key(key)):
+            raise ValueError("a recipe and a key are 32 hex digits")
+        try:
+            with self.store._open(INDEX_FOLDER, create=True) as index:
+                try:
+                    index.mkdir(recipe, _fs.shared_dir_mode())
+                except FileExistsError:
+                    pass
+                with index.child(recipe) as folder:
+                    _write(folder, f"{key}.npy", _index_array(hashes, skip))
+        except OSError:
+            pass
+
+    def matches(self, recipe: str, hashes: np.ndarray, remaining: np.ndarray, *,
+                exclude: str = "") -> Iterator[Match]:
+        """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
+        ``remaining`` whose hash it holds; the caller clears in ``remaining`` the rows it
+        takes before it asks for the next entry. Entries with the most rows come first."""
+        needles = _Needles(hashes)
+        try:
+            with self.store._open(INDEX_FOLDER) as index, index.child(recipe) as folder, \
+                    self.store._open("entries") as entries:
+                for key in self._keys_by_size(folder, exclude):
+                    live = remaining[needles.order]
+                    if not live.any():
+                        return
+                    found = self._match(folder, entries, key, needles, live)
+                    if found is not None and len(found.dst):
+                        yield found
+        except (FileNotFoundError, NotADirectoryError, CacheCorruptError):
+            return
+        except OSError:
+            return  # a symlink planted in place of the folder (ELOOP), an unreadable one
+
+    def _keys_by_size(self, folder: _fs.DirHandle, exclude: str) -> list[str]:
+        sized = []
+        for name in folder.names():
+            if name.startswith(".") and name.endswith(".tmp"):
+                _drop_if_stale(folder, name)
+                continue
+            key = name[:-4] if name.endswith(".npy") else ""
+            if not is_key(key) or key == exclude:
+                continue
+            try:
+                st = folder.lstat(name)
+            except FileNotFoundError:
+                continue
+            sized.append((-st.st_size, -st.st_mtime, key))
+        return [key for _, _, key in sorted(sized)]
+
+    def _match(self, folder: _fs.DirHandle, entries: _fs.DirHandle, key: str,
+               needles: "_Needles", live: np.ndarray) -> Optional[Match]:
+        """The rows still ``live`` of ``needles`` whose hashes the entry ``key`` holds."""
+        if not _published(entries, key):
+            folder.unlink(f"{key}.npy")  # its entry was removed: the file names nothing
+            return None
+        try:
+            flat = arrays.open_readonly(folder, f"{key}.npy")
+        except (OSError, CacheCorruptError):
+            return None
+        parsed = _parse(flat)
+        if parsed is None:
+            return None
+        sorted_hashes, positions, bitmap, log2_bits = parsed
+        bits = np.unpackbits(np.asarray(bitmap).view(np.uint8), bitorder="little").view(bool)
+        passed = bits[needles.top(log2_bits)] & live
+        dst, wanted = needles.order[passed], needles.sorted[passed]
+        at = np.searchsorted(sorted_hashes, wanted)
+        at[at == len(sorted_hashes)] = 0
+        hit = sorted_hashes[at] == wanted if len(sorted_hashes) else np.zeros(len(dst), bool)
+        dst, src = dst[hit], np.asarray(positions[at[hit]], dtype=np.int64)
+        ascending = np.argsort(dst, kind="stable")
+        return Match(key, dst[ascending], src[ascending])
+
+
+class _Needles:
+    """The hashes looked up, sorted once (sorted needles make the binary searches walk
+    nearby paths), with their rows, and their top bits for each bitmap size met."""
+
+    def __init__(self, hashes: np.ndarray) -> None:
+        self.order = np.argsort(hashes, kind="stable")
+        self.sorted = np.ascontiguousarray(hashes[self.order], dtype="<u8")
+        self._tops: dict[int, np.ndarray] = {}
+
+    def top(self, log2_bits: int) -> np.ndarray:
+        if log2_bits not in self._tops:
+            self._tops[log2_bits] = (self.sorted >> np.uint64(64 - log2_bits)).astype(np.intp)
+        return self._tops[log2_bits]
+
+
+def forget(index: _fs.DirHandle, key: str) -> None:
+    """Remove the index files of the entry ``key`` (which was removed), in every recipe's
+    folder of the open index folder ``index``; best effort."""
+    try:
+        recipes = [name for name in index.names() if is_key(name)]
+    except OSError:
+        return
+    for recipe in recipes:
+        try:
+            with index.child(recipe) as folder:
+                folder.unlink(f"{key}.npy")
+        except OSError:
+            continue
+
+
+def _published(entries: _fs.DirHandle, key: str) -> bool:
+    try:
+        entries.lstat(key)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: leave the file alone
+
+
+def _drop_if_stale(folder: _fs.DirHandle, name: str) -> None:
+    """Remove the temporary file ``name`` of a writer that died before its rename: one
+    older than :data:`STALE_TEMP_SECONDS` (a writer renames within milliseconds)."""
+    try:
+        if time.time() - folder.lstat(name).st_mtime > STALE_TEMP_SECONDS:
+            folder.unlink(name)
+    except OSError:
+        pass
+
+
+def _index_array(hashes: np.ndarray, skip: Optional[np.ndarray]) -> np.ndarray:
+    hashes = np.asarray(hashes, dtype="<u8")
+    rows = np.arange(len(hashes), dtype="<u8")
+    if skip is not None:
+        keep = ~np.asarray(skip, dtype=bool)
+        hashes, rows = hashes[keep], rows[keep]
+    order = np.argsort(hashes, kind="stable")
+    count = len(hashes)
+    log2_bits = min(_MAX_LOG2_BITS, max(_MIN_LOG2_BITS,
+                                        math.ceil(math.log2(max(1, _BITS_PER_ROW * count)))))
+    bitmap = np.zeros((1 << log2_bits) // 64, dtype="<u8")
+    top = (hashes >> np.uint64(64 - log2_bits)).astype(np.intp)
+    np.bitwise_or.at(bitmap, top >> 6, np.uint64(1) << (top & 63).astype(np.uint64))
+    head = np.array([INDEX_FORMAT, count, log2_bits], dtype="<u8")
+    return np.concatenate([head, hashes[order], rows[order], bitmap])
+
+
+def _parse(flat: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """(sorted hashes, rows, bitmap words, log2 of the bitmap's bits) of an index file's
+    array, or None when it is not one of this format."""
+    if flat.ndim != 1 or flat.dtype != np.dtype("<u8") or len(flat) < _HEAD:
+        return None
+    version, count, log2_bits = (int(v) for v in flat[:_HEAD])
+    if version != INDEX_FORMAT or not _MIN_LOG2_BITS <= log2_bits <= _MAX_LOG2_BITS:
+        return None
+    words = (1 << log2_bits) // 64
+    if len(flat) != _HEAD + 2 * count + words:
+        return None
+    hashes = flat[_HEAD:_HEAD + count]
+    return hashes, flat[_HEAD + count:_HEAD + 2 * count], flat[_HEAD + 2 * count:], log2_bits
+
+
+def _write(folder: _fs.DirHandle, name: str, array: np.ndarray) -> None:
+    """Write ``array`` as ``name`` in one step: readers see the old file, the new one or
+    none, never a part."""
+    tmp = f".{name}.{_fs.unique_suffix()}.tmp"
+    try:
+        arrays.write_small(folder, tmp, array)
+        os.replace(tmp, name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
+    except BaseException:
+        folder.unlink(tmp)
+        raise

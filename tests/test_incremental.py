@@ -1,0 +1,422 @@
+"""Incremental builds: a column that shares rows with committed entries of its recipe decodes
+only its new rows, and its bytes are a fresh build's (cachekit/obtain/reuse.py,
+cachekit/engine/reuse.py, cachekit/engine/prefill.py, cachekit/staleness.py).
+
+Decodes are counted in this process by patching ``cachekit.engine.images.load_image``
+(the builds run on threads here), and compared byte for byte with a build of the same
+column in an empty root. Sources are damaged as real files, on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit.cli.main import main as cli_main
+from cachekit.engine import images, reuse
+from cachekit.errors import StaleEntryWarning
+from cachekit.store import manifest as manifests
+
+N = 600
+
+
+def _write_picture(path: Path, seed: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(path)
+
+
+@pytest.fixture
+def pictures(tmp_path: Path) -> list[str]:
+    """N small PNGs, each of its own random pixels."""
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    paths = []
+    for i in range(N):
+        path = folder / f"p{i:04d}.png"
+        _write_picture(path, i)
+        paths.append(str(path))
+    return paths
+
+
+class Decodes:
+    """The paths ``load_image`` decoded in this process since the last :meth:`take`
+    (fresh builds of :func:`fresh` aside)."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.counting = True
+
+    def take(self) -> list[str]:
+        taken, self.paths = self.paths, []
+        return taken
+
+
+_decodes = Decodes()
+
+
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> Decodes:
+    counter = _decodes
+    counter.paths, counter.counting = [], True
+    real = images.load_image
+
+    def counting(path, *args, **kwargs):
+        if counter.counting:
+            counter.paths.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(images, "load_image", counting)
+    return counter
+
+
+def column(paths: list[str], rows) -> pd.Series:
+    return pd.Series([paths[i] for i in rows], name="img_path")
+
+
+def fresh(tmp_path: Path, col: pd.Series, **options) -> np.ndarray:
+    """The bytes of a build of ``col`` in an empty root (its decodes are not counted)."""
+    root = tmp_path / f"fresh-{len(list(tmp_path.glob('fresh-*')))}"
+    _decodes.counting = False
+    try:
+        entry = cachekit.Cache(root, workers=1, progress=False).images(col, 8, **options)
+    finally:
+        _decodes.counting = True
+    assert entry.source == "built" and entry.rows_reused == 0
+    return np.array(entry.array)
+
+
+def counts(entry: cachekit.Entry) -> tuple[int, int, int]:
+    return entry.rows_decoded, entry.rows_joined, entry.rows_reused
+
+
+@pytest.fixture
+def cache(cache_root: Path) -> cachekit.Cache:
+    return cachekit.Cache(cache_root, workers=2, executor="threads", progress=False)
+
+
+# --- the cases of the issue ---------------------------------------------------------------
+
+
+def test_an_overlapping_column_decodes_only_its_new_rows(cache, pictures, decodes, tmp_path):
+    a = cache.images(column(pictures, range(0, 500)), 8)
+    assert counts(a) == (500, 0, 0) and len(decodes.take()) == 500
+    b = cache.images(column(pictures, range(100, 600)), 8)
+    assert sorted(decodes.take()) == pictures[500:600]
+    assert b.source == "built" and counts(b) == (100, 0, 400)
+    assert b.manifest["origin"] == {"reused": [[a.key, 400]], "decoded": 100, "joined": 0}
+    np.testing.assert_array_equal(b.array, fresh(tmp_path, column(pictures, range(100, 600))))
+    again = cache.images(column(pictures, range(100, 600)), 8)
+    assert again.hit and counts(again) == (0, 0, 0) and decodes.take() == []
+
+
+def test_five_fold_training_columns_decode_each_image_once(cache, pictures, decodes, tmp_path):
+    n = 250
+    folds = np.array_split(np.random.default_rng(3).permutation(n), 5)
+    decoded = 0
+    for k in range(5):
+        train = np.sort(np.concatenate([f for i, f in enumerate(folds) if i != k]))
+        entry = cache.images(column(pictures, train), 8)
+        got = decodes.take()
+        decoded += len(got)
+        assert entry.rows_decoded == len(got)
+        assert sum(counts(entry)) == len(entry) == len(train)
+        np.testing.assert_array_equal(entry.array, fresh(tmp_path, column(pictures, train)))
+    assert decoded == n
+
+
+def test_appended_rows_are_the_only_ones_decoded(cache, pictures, decodes, tmp_path):
+    cache.images(column(pictures, range(300)), 8)
+    decodes.take()
+    grown = cache.images(column(pictures, range(310)), 8)
+    assert sorted(decodes.take()) == pictures[300:310]
+    assert counts(grown) == (10, 0, 300)
+    np.testing.assert_array_equal(grown.array, fresh(tmp_path, column(pictures, range(310))))
+
+
+def test_with_validate_stat_a_rewritten_file_costs_one_decode(cache, pictures, decodes,
+                                                              tmp_path):
+    col = column(pictures, range(200))
+    before = cache.images(col, 8, validate="stat")
+    old = np.array(before.array)
+    decodes.take()
+    _write_picture(Path(pictures[17]), 10_000)
+    os.utime(pictures[17], ns=(1, 1))  # and a stat of its own, whatever the clock
+    after = cache.images(col, 8, validate="stat")
+    assert decodes.take() == [pictures[17]]
+    assert after.key != before.key and counts(after) == (1, 0, 199)
+    expected = fresh(tmp_path, col, validate="stat")
+    np.testing.assert_array_equal(after.array, expected)
+    assert not np.array_equal(expected[17], old[17])
+
+
+def test_with_validate_path_a_build_never_copies_a_row_whose_file_changed(
+        cache, pictures, decodes, tmp_path):
+    cache.images(column(pictures, range(100)), 8)
+    decodes.take()
+    _write_picture(Path(pictures[5]), 20_000)
+    os.utime(pictures[5], ns=(2, 2))
+    grown = cache.images(column(pictures, range(110)), 8)  # a miss: rows 0..99 may be copied
+    assert sorted(decodes.take()) == sorted([pictures[5], *pictures[100:110]])
+    assert counts(grown) == (11, 0, 99)
+    np.testing.assert_array_equal(grown.array, fresh(tmp_path, column(pictures, range(110))))
+
+
+def test_a_hit_warns_once_when_files_of_its_column_changed(cache, pictures, decodes):
+    col = column(pictures, range(10))
+    cache.images(col, 8)
+    for i, path in enumerate(pictures[:10]):
+        os.utime(path, ns=(10 + i, 10 + i))
+    with pytest.warns(StaleEntryWarning, match=r'row \d+ .*validate="stat"') as caught:
+        hit = cache.images(col, 8)
+    assert hit.hit and len(caught) == 1
+    assert str(caught[0].message).count(pictures[0][:-9]) == 1  # names the file's path
+    assert Path(caught[0].filename).resolve() == Path(__file__).resolve()  # the user's call
+    again = cache.images(col, 8)  # warned once per process and entry: filterwarnings=error
+    assert again.hit
+
+
+def test_a_hit_of_unchanged_files_checks_and_stays_silent(cache, pictures):
+    col = column(pictures, range(40))
+    cache.images(col, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.images(col, 8).hit
+    assert cache.images(col, 8, validate="stat").source == "built"
+
+
+# --- sources that fail their checks ---------------------------------------------------------
+
+
+def _data_file(entry: cachekit.Entry) -> Path:
+    return entry.path / manifests.DATA_FILE
+
+
+def test_a_truncated_source_is_skipped(cache, pictures, decodes, tmp_path):
+    a = cache.images(column(pictures, range(0, 500)), 8)
+    os.truncate(_data_file(a), os.path.getsize(_data_file(a)) // 2)
+    decodes.take()
+    b = cache.images(column(pictures, range(100, 600)), 8)
+    assert len(decodes.take()) == 500 and counts(b) == (500, 0, 0)
+    np.testing.assert_array_equal(b.array, fresh(tmp_path, column(pictures, range(100, 600))))
+
+
+def test_a_tampered_source_block_is_decoded_instead(cache, pictures, decodes, tmp_path):
+    a = cache.images(column(pictures, range(0, 500)), 8)
+    offset = os.path.getsize(_data_file(a)) - 500 * 3 * 8 * 8
+    with open(_data_file(a), "r+b") as f:  # row 300 of A (row 200 of B): same size, other bytes
+        f.seek(offset + 300 * 3 * 8 * 8)
+        f.write(bytes(3 * 8 * 8))
+    decodes.take()
+    b = cache.images(column(pictures, range(100, 600)), 8)
+    decoded = decodes.take()
+    assert pictures[300] in decoded and len(decoded) > 100
+    assert sum(counts(b)) == 500 and b.rows_reused == 500 - len(decoded)
+    np.testing.assert_array_equal(b.array, fresh(tmp_path, column(pictures, range(100, 600))))
+
+
+@pytest.mark.parametrize("damage", ["clear", "truncate", "tamper"])
+def test_a_source_damaged_during_the_copy_never_gives_wrong_bytes(
+        cache, pictures, decodes, tmp_path, monkeypatch, damage):
+    a = cache.images(column(pictures, range(0, 500)), 8)
+    source = os.path.realpath(_data_file(a))
+    real_pread = os.pread
+    done = []
+
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        if not done and os.path.realpath(f"/proc/self/fd/{fd}").startswith(source):
+            done.append(damage)  # the copy has opened the source: now damage it
+            if damage == "clear":
+                assert cache.clear([a.key]).removed_entries
+            elif damage == "truncate":
+                os.truncate(source, 0)
+            else:
+                with open(source, "r+b") as f:
+                    f.seek(offset)
+                    f.write(b"\xff" * size)
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(reuse.os, "pread", pread)
+    decodes.take()
+    b = cache.images(column(pictures, range(100, 600)), 8)
+    monkeypatch.undo()
+    assert done == [damage]
+    decoded = len(decodes.take())
+    if damage == "clear":  # the open file still holds what its manifest describes
+        assert counts(b) == (100, 0, 400) and decoded == 100
+        assert not a.path.exists()
+    else:
+        assert decoded > 100 and counts(b) == (decoded, 0, 500 - decoded)
+    np.testing.assert_array_equal(b.array, fresh(tmp_path, column(pictures, range(100, 600))))
+
+
+def test_a_source_cleared_by_another_process_mid_build_never_gives_wrong_bytes(
+        cache_root, pictures, tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    cache.images(column(pictures, range(0, 300)), 8)
+    stop = tmp_path / "stop"
+    clearer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, time, cachekit
+        cache = cachekit.Cache({str(cache_root)!r}, progress=False)
+        while not os.path.exists({str(stop)!r}):
+            cache.clear()
+            time.sleep(0.05)
+    """)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        for start in range(25, 300, 50):  # each a miss
+            rows = range(start, start + 300)
+            entry = cache.images(column(pictures, rows), 8)
+            assert sum(counts(entry)) == 300
+            np.testing.assert_array_equal(entry.array, fresh(tmp_path, column(pictures, rows)))
+    finally:
+        stop.touch()
+        assert clearer.wait(timeout=120) == 0
+
+
+def test_a_damaged_row_index_costs_reuse_never_correctness(cache, pictures, decodes, tmp_path):
+    a = cache.images(column(pictures, range(0, 500)), 8)
+    index_files = list((cache.root / "index").glob("*/*.npy"))
+    assert [p.stem for p in index_files] == [a.key]
+    flat = np.load(index_files[0])
+    count = int(flat[1])
+    flat[3 + count:3 + 2 * count] = np.roll(flat[3 + count:3 + 2 * count], 1)  # wrong rows
+    np.save(index_files[0], flat)
+    decodes.take()
+    b = cache.images(column(pictures, range(100, 600)), 8)
+    assert counts(b) == (500, 0, 0) and len(decodes.take()) == 500  # every row refused
+    np.testing.assert_array_equal(b.array, fresh(tmp_path, column(pictures, range(100, 600))))
+    index_files[0].write_bytes(b"\x93NUMPY garbage")
+    c = cache.images(column(pictures, range(50, 550)), 8)
+    assert sum(counts(c)) == 500
+    np.testing.assert_array_equal(c.array, fresh(tmp_path, column(pictures, range(50, 550))))
+
+
+def test_the_index_file_of_a_removed_entry_is_dropped(cache, pictures):
+    a = cache.images(column(pictures, range(0, 100)), 8)
+    b = cache.images(column(pictures, range(100, 200)), 8)
+    [a_index] = (cache.root / "index").glob(f"*/{a.key}.npy")
+    [b_index] = (cache.root / "index").glob(f"*/{b.key}.npy")
+    cache.clear([a.key])
+    assert not a_index.exists() and b_index.exists()  # cleared with its entry
+    import shutil
+
+    shutil.rmtree(b.path)  # removed behind cachekit's back: the next lookup drops its file
+    c = cache.images(column(pictures, range(50, 150)), 8)
+    assert counts(c) == (100, 0, 0) and not b_index.exists()
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def test_progress_says_how_many_rows_are_reused_and_info_where_they_came_from(
+        cache_root, pictures, capsys):
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    a = cache.images(column(pictures, range(0, 300)), 8)
+    b_col = column(pictures, range(0, 200))
+    c = cache.images(column(pictures, range(200, 400)), 8)
+    shown = cachekit.Cache(cache_root, workers=1, progress=True)
+    b = shown.images(pd.concat([b_col, column(pictures, range(300, 400)),
+                                column(pictures, range(400, 420))], ignore_index=True), 8)
+    err = capsys.readouterr().err
+    assert f"entry {b.key[:12]}: reusing 300 rows from 2 entries" in err
+    assert "decoding the other 20" in err
+    assert counts(b) == (20, 0, 300)
+    cache.clear([c.key])
+    assert cli_main(["--root", str(cache_root), "info", b.key[:12]]) == 0
+    out = capsys.readouterr().out
+    assert "rows from:" in out and "20 decoded by its builder" in out
+    assert "300 copied from 2 entries" in out
+    assert f"copied from {a.key[:12]}: 200 rows\n" in out
+    assert f"copied from {c.key[:12]}: 100 rows (since removed)" in out
+
+
+def test_memoize_stays_whole_call(cache):
+    calls = []
+
+    @cache.memoize
+    def doubled(frame: pd.DataFrame) -> np.ndarray:
+        calls.append(len(frame))
+        return frame["x"].to_numpy() * 2
+
+    doubled(pd.DataFrame({"x": range(10)}))
+    doubled(pd.DataFrame({"x": range(11)}))
+    assert calls == [10, 11]
+
+
+# --- the three counts, over random columns ---------------------------------------------------
+
+_computed: list[int] = []
+
+
+def _square(value: int) -> np.ndarray:
+    _computed.append(int(value))
+    return np.full(4, value * value, dtype=np.int64)
+
+
+def test_counts_add_up_and_only_unseen_values_are_computed_over_random_columns() -> None:
+    import tempfile
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    columns = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=30),
+                       min_size=1, max_size=4)
+
+    @settings(max_examples=40, deadline=None)
+    @given(columns)
+    def check(specs: list[list[int]]) -> None:
+        with tempfile.TemporaryDirectory() as root:
+            cache = cachekit.Cache(root, workers=2, executor="threads", progress=False)
+            seen: set[int] = set()
+            made: set[tuple[int, ...]] = set()
+            for values in specs:
+                _computed.clear()
+                entry = cache.map(_square, pd.Series(values))
+                np.testing.assert_array_equal(
+                    entry.array, np.stack([_square(v) for v in values]))
+                _computed[len(_computed) - len(values):] = []
+                if tuple(values) in made:
+                    assert entry.hit and counts(entry) == (0, 0, 0) and not _computed
+                    continue
+                assert entry.source == "built"
+                assert sum(counts(entry)) == len(entry) == len(values)
+                assert entry.rows_joined == 0
+                assert entry.rows_decoded == len(_computed) == sum(v not in seen for v in values)
+                assert sorted(_computed) == sorted(v for v in values if v not in seen)
+                seen.update(values)
+                made.add(tuple(values))
+
+    check()
+
+
+def test_a_failed_row_is_never_copied(cache, pictures, decodes, tmp_path):
+    missing = str(tmp_path / "missing.png")
+    with_hole = pd.Series([*pictures[:20], missing])
+    first = cache.images(with_hole, 8, on_error="zero")
+    assert not first.valid[20]
+    decodes.take()
+    again = cache.images(pd.Series([missing, *pictures[:30]]), 8, on_error="zero")
+    assert sorted(decodes.take()) == sorted([missing, *pictures[20:30]])
+    assert counts(again) == (11, 0, 20) and not again.valid[0] and again.valid[1:].all()
+
+
+def test_an_entry_downloaded_from_a_remote_tier_lends_its_rows(tmp_path, pictures, decodes):
+    remote = (tmp_path / "bucket").as_uri()
+    host_a = cachekit.Cache(tmp_path / "a", remote=remote, workers=1, progress=False)
+    host_b = cachekit.Cache(tmp_path / "b", remote=remote, workers=1, progress=False)
+    host_a.images(column(pictures, range(100)), 8)
+    assert host_b.images(column(pictures, range(100)), 8).source == "remote"
+    decodes.take()
+    grown = host_b.images(column(pictures, range(120)), 8)
+    assert counts(grown) == (20, 0, 100) and len(decodes.take()) == 20

@@ -1,0 +1,157 @@
+"""Incremental builds with real processes: joiners fill only the rows nobody copies, a build
+that dies while it computes its rest is resumed without computing again what it finished,
+and every executor copies and computes the same rows.
+
+Each process logs the values its row function computes (one short ``O_APPEND`` write per
+row), so the test counts every decode of every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+
+AGENT = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    import numpy as np, pandas as pd
+    import cachekit
+
+    root, log, start, ready, first, last, crash_at = sys.argv[1:8]
+    first, last, crash_at = int(first), int(last), int(crash_at)
+
+    def slow(v):
+        if v == crash_at:
+            os._exit(3)  # as a killed agent would, mid-build
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, f"{os.getpid()} {v}\\n".encode())
+        os.close(fd)
+        time.sleep(0.02)
+        return np.full(512, v, dtype=np.int64)  # 4 KiB rows: a chunk is a few rows
+
+    cache = cachekit.Cache(root, workers=1, executor="threads", progress=False)
+    Path(ready).touch()
+    while not os.path.exists(start):
+        time.sleep(0.001)
+    entry = cache.map(slow, pd.Series(range(first, last)))
+    assert (np.asarray(entry.array)[:, 0] == np.arange(first, last)).all()
+    print(json.dumps({"pid": os.getpid(), "source": entry.source, "key": entry.key,
+                      "counts": [entry.rows_decoded, entry.rows_joined, entry.rows_reused]}))
+''')
+
+
+def run_agents(work: Path, root: Path, rows: tuple[int, int], agents: int, *,
+               crash_at: int = -1) -> list[dict]:
+    """Start ``agents`` agents on ``range(*rows)`` behind a start barrier; their reports
+    (None for an agent that died)."""
+    script = work / "agent.py"
+    script.write_text(AGENT)
+    log, start = work / "computed.log", work / f"start-{time.monotonic_ns()}"
+    ready = [work / f"ready-{i}-{time.monotonic_ns()}" for i in range(agents)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(root), str(log), str(start),
+                               str(r), str(rows[0]), str(rows[1]), str(crash_at)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for r in ready]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.005)
+    start.touch()
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        if crash_at >= 0 and proc.returncode == 3:
+            reports.append(None)
+            continue
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    return reports
+
+
+def computed(work: Path) -> list[tuple[int, int]]:
+    """(pid, value) of every row computed so far, then forget them."""
+    log = work / "computed.log"
+    if not log.exists():
+        return []
+    lines = log.read_text().splitlines()
+    log.unlink()
+    return [(int(pid), int(v)) for pid, v in (line.split() for line in lines)]
+
+
+def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    [first] = run_agents(tmp_path, root, (0, 40), 1)
+    assert first["counts"] == [40, 0, 0]
+    computed(tmp_path)
+    reports = run_agents(tmp_path, root, (20, 140), 2)
+    rows = computed(tmp_path)
+    assert sorted(v for _, v in rows) == list(range(40, 140))  # each new row once, no other
+    by_source = {r["source"]: r for r in reports}
+    assert set(by_source) == {"built", "joined"}, reports
+    built, joined = by_source["built"], by_source["joined"]
+    assert built["counts"][2] == 20 and sum(built["counts"]) == 120
+    assert sum(joined["counts"]) == 120 and joined["counts"][2] == 0
+    mine = sum(1 for pid, _ in rows if pid == joined["pid"])
+    assert joined["counts"][0] == mine == built["counts"][1] > 0
+    assert built["counts"][0] == sum(1 for pid, _ in rows if pid == built["pid"])
+
+
+def test_a_build_that_dies_in_its_rest_is_resumed_without_computing_it_again(
+        tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    run_agents(tmp_path, root, (0, 40), 1)
+    computed(tmp_path)
+    assert run_agents(tmp_path, root, (20, 140), 1, crash_at=100) == [None]
+    before = sorted(v for _, v in computed(tmp_path))
+    assert before == list(range(40, 100))
+    [after] = run_agents(tmp_path, root, (20, 140), 1)
+    again = sorted(v for _, v in computed(tmp_path))
+    decoded, joined, reused = after["counts"]
+    assert after["source"] == "built" and reused == 20
+    assert decoded == len(again) and decoded + joined == 100
+    assert joined > 0 and set(again) >= set(range(100, 140))  # a dead build's rows: joined
+    assert not list((root / "tmp").glob(f"{after['key']}.*"))
+
+
+def _pictures(folder: Path, count: int) -> list[str]:
+    from PIL import Image
+
+    folder.mkdir()
+    paths = []
+    for i in range(count):
+        rng = np.random.default_rng(i)
+        path = folder / f"p{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (9, 11, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes", "pool"])
+def test_every_executor_copies_and_decodes_the_same_rows(tmp_path: Path, executor: str) -> None:
+    paths = _pictures(tmp_path / "pictures", 160)
+    pool = ProcessPoolExecutor(2) if executor == "pool" else None
+    try:
+        cache = cachekit.Cache(tmp_path / "cache", workers=2, progress=False,
+                               executor=pool if pool is not None else executor)
+        cache.images(pd.Series(paths[:120]), 8)
+        grown = cache.images(pd.Series(paths[40:160]), 8)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    assert (grown.rows_decoded, grown.rows_joined, grown.rows_reused) == (40, 0, 80)
+    expected = cachekit.Cache(tmp_path / "fresh", workers=1, progress=False).images(
+        pd.Series(paths[40:160]), 8)
+    np.testing.assert_array_equal(grown.array, expected.array)

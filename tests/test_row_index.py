@@ -1,0 +1,127 @@
+"""The per-recipe row index (cachekit/store/row_index.py) and opening an entry as a row
+source (cachekit/store/row_source.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+import cachekit
+from cachekit import keys
+from cachekit.store import LocalStore
+from cachekit.store import manifest as manifests
+from cachekit.store.row_index import RowIndex
+from cachekit.store.row_source import open_row_source
+
+RECIPE = "ab" * 16
+
+
+def _published(root: Path, key: str) -> None:
+    (root / "entries" / key).mkdir(parents=True)
+
+
+def _matches(index: RowIndex, hashes: np.ndarray, take: bool = True) -> list:
+    remaining = np.ones(len(hashes), dtype=bool)
+    found = []
+    for match in index.matches(RECIPE, hashes, remaining):
+        found.append(match)
+        if take:
+            remaining[match.dst] = False
+    return found
+
+
+def test_a_lookup_finds_each_row_in_the_largest_entry_that_holds_it(tmp_path):
+    store = LocalStore(tmp_path)
+    rng = np.random.default_rng(0)
+    hashes = rng.integers(0, 2**64 - 1, size=1000, dtype=np.uint64)
+    small, large = "1" * 32, "2" * 32
+    for key in (small, large):
+        _published(tmp_path, key)
+    index = RowIndex(store)
+    index.add(RECIPE, small, hashes[:300])
+    skip = np.zeros(700, dtype=bool)
+    skip[5] = True  # a failed row is never offered
+    index.add(RECIPE, large, hashes[200:900], skip=skip)
+    found = _matches(index, hashes)
+    assert [m.key for m in found] == [large, small]
+    first, second = found
+    assert first.dst.tolist() == [r for r in range(200, 900) if r != 205]
+    assert (hashes[200:900][first.src] == hashes[first.dst]).all()
+    assert second.dst.tolist() == list(range(0, 200)) + [205]
+    assert (second.src == second.dst).all()
+    assert [m.key for m in _matches(index, hashes[900:])] == []  # nobody holds these
+
+
+def test_an_index_file_is_a_hint_that_never_breaks_a_lookup(tmp_path):
+    store = LocalStore(tmp_path)
+    hashes = np.arange(1, 101, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    keys_ = [f"{i:032x}" for i in range(1, 5)]
+    index = RowIndex(store)
+    for key in keys_:
+        _published(tmp_path, key)
+        index.add(RECIPE, key, hashes)
+    folder = tmp_path / "index" / RECIPE
+    (folder / f"{keys_[0]}.npy").write_bytes(b"not an index")
+    np.save(folder / f"{keys_[1]}.npy", np.zeros(7, dtype="<u8"))  # wrong lengths
+    os.unlink(folder / f"{keys_[2]}.npy")
+    os.symlink("/etc/passwd", folder / f"{keys_[2]}.npy")
+    (folder / "stray.npy").write_bytes(b"")
+    assert [m.key for m in _matches(index, hashes)] == [keys_[3]]
+
+
+def test_the_file_of_a_removed_entry_goes_at_the_next_lookup(tmp_path):
+    store = LocalStore(tmp_path)
+    hashes = np.arange(10, dtype=np.uint64)
+    gone, kept = "3" * 32, "4" * 32
+    index = RowIndex(store)
+    _published(tmp_path, kept)
+    for key in (gone, kept):
+        index.add(RECIPE, key, hashes)
+    assert [m.key for m in _matches(index, hashes, take=False)] == [kept]
+    assert sorted(p.stem for p in (tmp_path / "index" / RECIPE).iterdir()) == [kept]
+
+
+def test_a_row_source_is_refused_when_any_row_file_disagrees_with_the_manifest(tmp_path):
+    cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
+    entry = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
+    store = LocalStore(tmp_path / "cache")
+    recipe = manifests.read(entry.path).reuse.recipe
+    with open_row_source(store, entry.key, recipe) as source:
+        assert source.ids.shape == (20, 2) and source.blocks.shape == (1, 16)
+        assert source.stats is None and not source.failed.any()
+        assert source.offset == os.path.getsize(entry.path / "data.npy") - 20 * 6
+    assert open_row_source(store, entry.key, "0" * 32) is None  # another recipe
+    ids = entry.path / manifests.ROW_IDS_FILE
+    raw = bytearray(ids.read_bytes())
+    raw[-1] ^= 1
+    ids.write_bytes(bytes(raw))
+    assert open_row_source(store, entry.key, recipe) is None
+    assert open_row_source(store, "5" * 32, recipe) is None  # no such entry
+
+
+def test_a_row_source_that_is_refused_costs_nothing_but_its_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "k" * 32)
+    cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
+    first = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
+    monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "other" * 8)  # its signature is now wrong
+    grown = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(25)), version="1")
+    assert (grown.rows_decoded, grown.rows_reused) == (25, 0)
+    assert (np.asarray(grown.array)[:, 0] == np.arange(25)).all()
+    assert first.key != grown.key and keys.is_key(grown.key)
+
+
+def test_a_writer_that_died_before_its_rename_leaves_nothing_for_long(tmp_path):
+    store = LocalStore(tmp_path)
+    index = RowIndex(store)
+    _published(tmp_path, "6" * 32)
+    index.add(RECIPE, "6" * 32, np.arange(5, dtype=np.uint64))
+    folder = tmp_path / "index" / RECIPE
+    old, new = folder / f".{'7' * 32}.npy.h.1.x.tmp", folder / f".{'8' * 32}.npy.h.2.y.tmp"
+    old.write_bytes(b"half")
+    new.write_bytes(b"half")
+    os.utime(old, (1, 1))
+    assert [m.key for m in _matches(index, np.arange(5, dtype=np.uint64))] == ["6" * 32]
+    assert not old.exists() and new.exists()  # a writer may still be renaming that one
