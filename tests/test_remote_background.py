@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -37,7 +40,7 @@ from cachekit.store.remote import RemoteStore
 ROWS = 48
 
 AGENT = textwrap.dedent('''
-    import hashlib, json, os, sys, warnings
+    import hashlib, json, os, signal, sys, warnings
     from pathlib import Path
     import numpy as np
     import cachekit
@@ -48,6 +51,9 @@ AGENT = textwrap.dedent('''
     from cachekit.store.remote import RemoteStore
 
     work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    # As in a terminal, whatever the test runner's own SIGINT (a shell's background job
+    # inherits it ignored, and Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def row(v):
         with open(work / f"decoded.{me}", "a") as f:
@@ -239,6 +245,30 @@ def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, 
     after = hosts.finish(agent(work, tmp_path / "b", s3_env, "b")).report()
     assert after["source"] == "built" and decoded(work, "b") == ROWS
     assert rm.verify(remote) == (1, [])
+
+
+def test_a_ctrl_c_while_the_process_waits_at_exit_cuts_the_upload_off_and_says_so(
+        s3_env, work, tmp_path, proxy):
+    proxy.mode = "late-request"  # never released: the stop at teardown drops the create
+    uploader = agent(work, tmp_path / "a", through(proxy, s3_env), "a")
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(uploader.stderr), daemon=True)
+    reader.start()
+    try:
+        held_after_its_call(work, proxy, uploader)
+        hosts.wait_for(lambda: any("before exiting (Ctrl-C cuts it off)" in line
+                                   for line in said), timeout=120,
+                       what="the uploader to wait for its upload at exit", watch=[uploader])
+        os.kill(uploader.pid, signal.SIGINT)
+        assert uploader.wait(timeout=120) == 0  # the script itself had done its work
+        reader.join(timeout=30)
+    finally:
+        uploader.reap()
+    key12 = returned(work, "a")["key"][:12]
+    assert any(line.startswith(f"cachekit: ERROR: cut off the upload of entry {key12} (")
+               and "no partial entry is published" in line for line in said), "".join(said)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert remote.lookup(returned(work, "a")["key"]) is None and rm.verify(remote) == (0, [])
 
 
 def row(v):

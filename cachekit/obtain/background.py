@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -47,15 +47,17 @@ if TYPE_CHECKING:
     from ..store.remote import RemoteStore
 
 
-@dataclass
+@dataclass(eq=False)
 class _Upload:
     remote: "RemoteStore"
     published: "Published"
     lease: "Lease"
     root: Path
     pid: int
-    thread: Optional[threading.Thread] = None
     error: Optional[Exception] = None
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set when the upload has ended and released the lease (a thread's own liveness is no
+    guide once a join was interrupted: Python 3.11 then marks the thread stopped)."""
 
     @property
     def key(self) -> str:
@@ -70,12 +72,12 @@ class _Upload:
                 f"{self.key[:12]}` uploads it again")
 
     def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+        return not self.done.is_set()
 
 
 _lock = threading.Lock()
 _uploads: list[_Upload] = []
-"""This process's background uploads, running and done."""
+"""This process's background uploads under way."""
 _unwarned: list[_Upload] = []
 """Failed ones that no call has warned about yet."""
 _hooked_pid: Optional[int] = None
@@ -93,10 +95,7 @@ def start(remote: "RemoteStore", published: "Published", lease: "Lease", root: P
     with _lock:
         if not _hook_exit():
             return False
-        upload.thread = thread
         _uploads.append(upload)
-    _say(f"cachekit: uploading {upload.what()} in the background; the process waits for it "
-         "before exiting")
     try:
         thread.start()
     except RuntimeError:
@@ -130,11 +129,12 @@ def wait_all() -> None:
     with _lock:
         pending = [u for u in _uploads if u.pid == os.getpid() and u.running()]
     for upload in pending:
-        assert upload.thread is not None
-        upload.thread.join()
+        upload.done.wait()
 
 
 def _run(upload: _Upload) -> None:
+    _say(f"cachekit: uploading {upload.what()} in the background; the process waits for it "
+         "before exiting")
     started = time.monotonic()
     try:
         upload.lease.uploading()
@@ -154,6 +154,10 @@ def _run(upload: _Upload) -> None:
                  "nothing uploaded")
     finally:
         upload.lease.release()
+        with _lock:
+            if upload in _uploads:  # (not after a fork)
+                _uploads.remove(upload)
+        upload.done.set()
 
 
 def _hook_exit() -> bool:
@@ -178,8 +182,7 @@ def _hook_exit() -> bool:
 
 def _at_exit() -> None:
     with _lock:
-        mine = [u for u in _uploads if u.pid == os.getpid()]
-    pending = [u for u in mine if u.running()]
+        pending = [u for u in _uploads if u.pid == os.getpid() and u.running()]
     if pending:
         _say(f"cachekit: waiting for the upload of {', '.join(u.what() for u in pending)} "
              "before exiting (Ctrl-C cuts it off)")
