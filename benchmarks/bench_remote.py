@@ -2,9 +2,18 @@
 
     python benchmarks/bench_remote.py              # 100,000 rows of 3x32x32 (about 3 min)
     python benchmarks/bench_remote.py --rows 20000 # a quicker look
+    python benchmarks/bench_remote.py --rows 65000 --first-host   # the first host only
+    python benchmarks/bench_remote.py --quick      # the same on 8,000 rows
 
 Prints ratios measured in one run:
 
+- first host: how long the call takes on the first host of an empty bucket (build, local
+  commit; the upload then runs in the background, and the process waits for it at exit)
+  against the same call with no remote, each in a fresh interpreter, ``--repeat`` runs of
+  each taken in turns (medians); what the remote adds to the call within each run (the
+  call's time minus its build's, with a remote against without: steadier than the first,
+  on a machine shared with other work); and the first host's whole process against the
+  local one's (the upload included);
 - pull: ``cachekit pull``'s path (RemoteStore.download: ranged parallel GETs, size and
   checksum checks, local commit) against building the same images entry locally, and
   against a raw fsspec ``get_file`` of the same object (the link's limit here);
@@ -22,12 +31,14 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -36,10 +47,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import s3  # noqa: E402  (tests/s3.py: the server the tests use)
 
 AGENT = textwrap.dedent("""
-    import sys, pandas as pd, cachekit
+    import json, sys, time, pandas as pd, cachekit
     paths = pd.read_csv(sys.argv[1])["img_path"]
+    started = time.perf_counter()
     entry = cachekit.Cache(workers=2, progress=False).images(paths, 32)
-    print(entry.source)
+    took = time.perf_counter() - started
+    built = json.loads((entry.path / "manifest.json").read_text())["build_seconds"]
+    print(entry.source, took, built)
 """)
 
 
@@ -66,23 +80,69 @@ def child_cpu() -> float:
 
 
 def run_agents(csv: Path, roots: list[Path], env: dict[str, str], script: Path
-               ) -> tuple[float, float, list[str]]:
-    """(wall seconds, CPU seconds of all agents, their sources)."""
+               ) -> tuple[float, float, list[str], list[tuple[float, float]]]:
+    """(wall seconds, CPU seconds of all agents, their sources, the seconds of their call
+    and of the build in it, as its manifest says)."""
     before, started = child_cpu(), time.perf_counter()
     agents = [subprocess.Popen([sys.executable, str(script), str(csv)], text=True,
                                stdout=subprocess.PIPE,
                                env={**env, "CACHEKIT_DIR": str(root), "PYTHONPATH": str(REPO)})
               for root in roots]
-    sources = [a.communicate()[0].strip() for a in agents]
+    said = [a.communicate()[0].split() for a in agents]
     if any(a.returncode for a in agents):
-        raise SystemExit(f"an agent failed: {sources}")
-    return time.perf_counter() - started, child_cpu() - before, sources
+        raise SystemExit(f"an agent failed: {said}")
+    return (time.perf_counter() - started, child_cpu() - before, [s[0] for s in said],
+            [(float(s[1]), float(s[2])) for s in said])
+
+
+def first_host(csv: Path, base: Path, env: dict[str, str], server: "s3.Seaweed",
+               script: Path, repeat: int) -> str:
+    """The first host's call with a remote (an empty prefix each time) against the call
+    with none, in turns; a report of medians.
+
+    On a machine shared with other work a build's time varies from run to run far more
+    than the remote adds, so the report also gives what the remote adds within each run:
+    the call's time minus its own build's (the manifest's ``build_seconds``), with a remote
+    against without."""
+    runs: dict[str, list[tuple[float, float]]] = {"alone": [], "first": []}
+    walls: dict[str, list[float]] = {"alone": [], "first": []}
+    for i in range(repeat):
+        for side, extra in (("alone", {"CACHEKIT_REMOTE": ""}),
+                            ("first", server.env(f"first-{i}"))):
+            wall, _, sources, calls = run_agents(csv, [base / f"{side}-{i}"],
+                                                 {**env, **extra}, script)
+            assert sources == ["built"], sources
+            runs[side] += calls
+            walls[side].append(wall)
+
+    def median(side: str, what: Callable[[tuple[float, float]], float]) -> float:
+        return statistics.median(what(run) for run in runs[side])
+
+    call, alone = median("first", lambda r: r[0]), median("alone", lambda r: r[0])
+    added = median("first", lambda r: r[0] - r[1]) - median("alone", lambda r: r[0] - r[1])
+    built = median("alone", lambda r: r[1])
+    listed = {side: ", ".join(f"{c:.2f}" for c, _ in runs[side]) for side in runs}
+    return (f"first host with a remote: the call {call:.2f} s against {alone:.2f} s with no "
+            f"remote = {call / alone:.2f}x (medians of {repeat}; calls {listed['first']} "
+            f"against {listed['alone']}); within each run the remote adds {added:.2f} s to "
+            f"the call beside its build, = {(alone + added) / alone:.2f}x a call with no "
+            f"remote (whose build took {built:.2f} s); the whole process, upload included, "
+            f"{statistics.median(walls['first']):.2f} s against "
+            f"{statistics.median(walls['alone']):.2f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--first-host", action="store_true",
+                        help="measure only the first host's call against a local build")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each side of the first host's measure")
+    parser.add_argument("--quick", action="store_true",
+                        help="the first host's measure on 8,000 rows")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.first_host = 8000, True
     import pandas as pd
 
     import cachekit
@@ -102,13 +162,18 @@ def main() -> None:
             env = {**os.environ}
             env.pop("CACHEKIT_SIGNING_KEY", None)
 
+            first = first_host(csv, base, env, server, script, args.repeat)
+            if args.first_host:
+                print(f"entry: {args.rows} rows of 3x32x32 uint8\n{first}")
+                return
+
             # One local build (no remote), in a fresh interpreter like the agents.
-            build_wall, build_cpu, _ = run_agents(csv, [base / "local"], {
+            build_wall, build_cpu, _, _ = run_agents(csv, [base / "local"], {
                 **env, "CACHEKIT_REMOTE": ""}, script)
 
             # 4 agents on 2 hosts, empty bucket.
             env4 = {**env, **server.env("agents")}
-            wall4, cpu4, sources = run_agents(
+            wall4, cpu4, sources, _ = run_agents(
                 csv, [base / "host-a", base / "host-a", base / "host-b", base / "host-b"],
                 env4, script)
 
@@ -142,6 +207,7 @@ def main() -> None:
     mb = size / 1e6
     print(f"entry: {args.rows} rows of 3x32x32 uint8, {mb:.0f} MB")
     print(f"local build (fresh interpreter): {build_wall:.1f} s wall, {build_cpu:.1f} s CPU")
+    print(first)
     print(f"pull: {pull:.2f} s ({mb / pull:.0f} MB/s); raw fsspec get_file {raw_get:.2f} s "
           f"({mb / raw_get:.0f} MB/s): {raw_get / pull:.2f}x raw; build/pull "
           f"{build_wall / pull:.1f}x")

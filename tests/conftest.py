@@ -93,3 +93,13 @@ def s3_env(s3_server: s3.Seaweed, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env
+
+
+@pytest.fixture(autouse=True)
+def background_uploads_end_with_their_test() -> Iterator[None]:
+    """A test's background uploads (cachekit.obtain.background) end with the test, so that
+    none writes into the next test's bucket or its captured stderr."""
+    yield
+    from cachekit.obtain import background
+
+    background.wait_all()

@@ -17,6 +17,7 @@ from cachekit.store import manifest as manifests
 import s3
 from cachekit.admin import remote as rm
 from cachekit.errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
+from cachekit.obtain import background
 from cachekit.store import LocalStore
 from cachekit.store.remote import (CHECK, EXISTS, OTHER, RemoteStore, classify_failed_create,
     redact)
@@ -196,8 +197,11 @@ def uploaded(s3_env, tmp_path):
 
 
 def obtain_from_remote(root: Path, env: dict[str, str]) -> cachekit.Entry:
-    return cachekit.Cache(root, remote=env["CACHEKIT_REMOTE"], workers=2,
-                          progress=False).map(row, VALUES)
+    """The entry of VALUES in ``root``, its upload over if it built it."""
+    entry = cachekit.Cache(root, remote=env["CACHEKIT_REMOTE"], workers=2,
+                           progress=False).map(row, VALUES)
+    background.wait_all()
+    return entry
 
 
 def built_in_place_of_broken(root: Path, env: dict[str, str], *names: str) -> cachekit.Entry:

@@ -25,7 +25,7 @@ import hosts
 import s3
 from helpers import rewrite_entry
 from cachekit import _wandb
-from cachekit.obtain import Outcome, remote as remote_tier
+from cachekit.obtain import Outcome, background, remote as remote_tier
 from cachekit.errors import RemoteWarning
 from cachekit.store import LocalStore
 from cachekit.store.remote import RemoteStore
@@ -326,5 +326,6 @@ def test_a_remote_entry_that_disagrees_with_the_call_is_refused_and_built_here(
     assert entry.source == "built" and entry.key == good.key
     assert entry.array.dtype == np.uint8 and entry.array.shape == pixels.shape
     np.testing.assert_array_equal(np.asarray(entry.array), pixels)
+    background.wait_all()  # the upload runs after the call returns
     assert remote.lookup(good.key).manifest.dtype == np.uint8  # repaired
     assert cache.images(column, 8).source == "local"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -32,6 +33,7 @@ import s3
 from cachekit.cli import main
 from cachekit.admin import remote as rm
 from cachekit.errors import RemoteWarning
+from cachekit.obtain import background
 from cachekit.store.remote import RemoteStore
 from cachekit.store.lease import generations, lease_path
 
@@ -201,11 +203,13 @@ def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
         # before it removes anything: it finds its own and calls it a win (no warning).
         built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
             row, list(range(ROWS)))
+        background.wait_all()  # the upload runs after the call returns
         assert built.source == "built" and proxy.delayed >= 1
     finally:
         proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert "ERROR" not in capsys.readouterr().err
     assert one_valid_entry(remote, capsys) == built.key
     pulled = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
         row, list(range(ROWS)))
@@ -222,11 +226,13 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "1.5")
         # No answer, and no manifest yet when the uploader looks: it cannot tell, so it
-        # leaves its data in place, warns and carries on with its local entry.
-        with pytest.warns(RemoteWarning, match="no answer within"):
-            built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
-                row, list(range(ROWS)))
+        # leaves its data in place and says so; the call has its local entry.
+        built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
+            row, list(range(ROWS)))
+        background.wait_all()
         assert built.source == "built" and proxy.delayed >= 1
+        assert re.search(f"ERROR: the background upload of entry {built.key[:12]} .* failed: "
+                         ".*no answer within", capsys.readouterr().err)
         assert [len(k.uploads) for k in remote.scan()[0]] == [1]
         time.sleep(quiet(LEASE))
         assert "orphaned upload" in sweep(capsys, monkeypatch)  # its data goes
@@ -244,8 +250,11 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     assert rm.verify(remote) == (0, [])
-    again = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
-        row, list(range(ROWS)))
+    with pytest.warns(RemoteWarning, match=f"background upload of entry {built.key[:12]} "
+                      ".* failed: .*no answer within"):  # the next call with that remote
+        again = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
+            row, list(range(ROWS)))
+    background.wait_all()
     assert again.source == "built" and one_valid_entry(remote, capsys) == built.key
 
 
@@ -337,9 +346,9 @@ def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lea
     assert generations(remote, key) == [1, 2] and record["pid"] == second.pid
     os.kill(first.pid, signal.SIGCONT)
     # The first holder wakes, publishes and releases its own generation, 1: the second
-    # holder's lease still says it is building.
+    # holder's lease still says it is building or uploading.
     assert hosts.finish(first).report()["source"] == "built"
-    assert read_json(remote, lease_path(remote, key, 2, "beat"))["state"] == "building"
+    assert read_json(remote, lease_path(remote, key, 2, "beat"))["state"] != "released"
     assert read_json(remote, lease_path(remote, key, 1, "beat"))["state"] == "released"
     (work[0] / "go.b").touch()
     assert hosts.finish(second).report()["source"] == "built"

@@ -8,7 +8,8 @@ by ``lock_timeout``), ``local_wait`` (the build lock, live builders, joining), `
 (building in a private directory and the atomic commit), ``accounting`` (the seconds a
 call spent on its own work, not waiting), ``reuse`` (the rows a build copies from committed
 entries, and what its entry records for later builds), ``remote`` (the remote tier),
-``expected`` (what a call knows of its entry).
+``background`` (its uploads after the call returns) and ``expected`` (what a call knows of
+its entry).
 """
 
 from __future__ import annotations

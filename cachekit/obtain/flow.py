@@ -27,6 +27,7 @@ from ..errors import BuildGone, CacheCorruptError
 from ..messages import say
 from ..store import LocalStore, Published, locks
 from ..store.manifest import MANIFEST_FILE
+from . import background
 from .accounting import OwnWork
 from .commit import BuildFunction, build_and_commit, raise_failure_seen_while_waiting
 from .expected import Expected
@@ -88,8 +89,9 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
 
     With ``join``, fill chunks of a live build of the key while waiting for it. With
     ``remote``, a local miss looks the key up there before building, and a build is
-    uploaded after its local commit (:mod:`cachekit.obtain.remote`); a local hit never
-    touches the remote. A remote entry that disagrees with ``expect`` is refused before
+    uploaded in the background after its local commit (:mod:`cachekit.obtain.remote`); a
+    local hit never touches the remote (it only warns of this process's background uploads
+    to it that failed). A remote entry that disagrees with ``expect`` is refused before
     its download (a miss); the local entry returned is checked by :func:`obtain_and_open`.
 
     A build of ours that another process took over (we were paused past the lease, and it
@@ -118,6 +120,8 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
                  remote: Optional["remote_tier.Tier"],
                  expect: Optional[Expected], work: OwnWork) -> Outcome:
     asked = time.time()
+    if remote is not None:
+        background.warn_failed(remote.store)
     found = store.lookup(key)
     if found is not None:
         return _outcome(found, "local", 0.0, work)

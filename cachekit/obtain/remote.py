@@ -6,8 +6,10 @@ build. Then: look the key up remotely, and download it when it is there (source
 ``"remote"``); otherwise take the key's remote lease (:mod:`cachekit.store.lease`) or wait
 while another host holds it, saying whom we wait for, until its entry is published
 (download) or its lease dies (take over), within what is left of the call's
-``lock_timeout`` (:mod:`cachekit.obtain.wait`); holding the lease, build, commit locally,
-upload (data first, manifest last, create-only) and release (source ``"built"``).
+``lock_timeout`` (:mod:`cachekit.obtain.wait`); holding the lease, build and commit locally
+(source ``"built"``). The call returns the local entry then, while the upload (data first,
+manifest last, create-only) runs in a background thread that keeps the lease until it is
+done, and that the process waits for before it exits (:mod:`cachekit.obtain.background`).
 
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building
@@ -34,8 +36,7 @@ from ..store import LocalStore, Published, locks
 from ..store.manifest import Manifest
 from ..store.remote import RemoteEntry, RemoteStore
 from ..store.lease import Watch, lease_path
-from ..store.manifest import Manifest
-from ..store.remote import RemoteEntry, RemoteStore
+from . import background
 from .wait import WAITING, Awaited, Wait
 
 _warned: set[str] = set()
@@ -58,13 +59,16 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
            expect: Optional[Expect] = None) -> tuple[Published, str]:
     """(entry, source) for ``key`` after a local miss, holding the local build lock.
 
-    ``build(build_fn)`` builds and commits locally (resuming dead local builds);
+    ``build(build_fn)`` builds and commits locally (resuming dead local builds); the upload
+    of what it built is left running in the background, holding the lease (in this thread
+    only when this process is already shutting down);
     ``wait``: the call's wait, whose ``lock_timeout`` the local wait began to use;
     ``expect(manifest)``: what disagrees with the call in a remote entry's manifest, or
     None; one that disagrees is refused before it is downloaded, as a miss.
     """
     remote = tier.store
     reader = _Reader(tier, local, key, expect)
+    handed_over = False
     try:
         got = reader.fetch()
         if got is not None:
@@ -81,16 +85,19 @@ def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
             return got, "remote"
         reader.remove_broken()
         published = build(_reporting(build_fn, lease))
-        try:
-            remote.upload(published, progress=tier.progress)
-        except (RemoteUnavailableError, CacheCorruptError) as e:
-            warn_once(remote, e)  # the local entry is good; only the sharing failed
+        handed_over = background.start(remote, published, lease, local.root)
+        if not handed_over:
+            try:
+                remote.upload(published, progress=tier.progress)
+            except (RemoteUnavailableError, CacheCorruptError) as e:
+                warn_once(remote, e)  # the local entry is good; only the sharing failed
         return published, "built"
     except RemoteUnavailableError as e:
         warn_once(remote, e)
         return build(build_fn), "built"
     finally:
-        lease.release()
+        if not handed_over:
+            lease.release()
 
 
 class _Reader:

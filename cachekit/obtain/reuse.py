@@ -18,7 +18,6 @@ entries of its recipe already hold, and records what lets later builds copy its 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,6 +26,7 @@ import numpy as np
 from .. import arrays, keys
 from .. import engine
 from ..engine.reuse import Donor
+from ..messages import say
 from ..store import LocalStore, Published
 from ..store import manifest as manifests
 from ..store.manifest import FORMAT_VERSION, Origin, RowReuse
@@ -193,16 +193,15 @@ def announce_donors(key: str, found: Donors, rows: int) -> None:
     """Say on stderr how many rows the build copies and from how many entries."""
     if found.donors:
         entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
-        print(f"cachekit: entry {key[:12]}: reusing {found.rows} rows from {entries} of the "
-              "same recipe (each block checked as it is copied); decoding the other "
-              f"{rows - found.rows}", file=sys.stderr, flush=True)
+        say(f"entry {key[:12]}: reusing {found.rows} rows from {entries} of the same recipe "
+            f"(each block checked as it is copied); decoding the other {rows - found.rows}")
     for skipped in found.skipped:
-        print(f"cachekit: entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; "
-              "its rows are not reused", file=sys.stderr, flush=True)
+        say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
+            "are not reused")
 
 
 def announce_refused(key: str, filled: engine.Filled) -> None:
     """Say on stderr which donors' rows failed their block checks (and were decoded)."""
     for donor, count in filled.refused.items():
-        print(f"cachekit: entry {key[:12]}: {count} rows of entry {donor[:12]} failed their "
-              "checks as they were copied; decoded them instead", file=sys.stderr, flush=True)
+        say(f"entry {key[:12]}: {count} rows of entry {donor[:12]} failed their checks as "
+            "they were copied; decoded them instead")

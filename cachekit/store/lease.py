@@ -7,7 +7,9 @@ and plain overwrites of one's own object only (no ``If-Match``, which fsspec doe
                                  create-only by the host that takes it, never rewritten:
                                  {"generation", "host", "pid", "started"}
     PREFIX/leases/KEY/GEN.beat   its holder's heartbeat, rewritten only by the holder every
-                                 lease / 4 seconds: {"seq", "done", "total", "state"}
+                                 lease / 4 seconds: {"seq", "done", "total", "state"}, the
+                                 state "building", "uploading" (built and committed on its
+                                 host, the upload running) or "released"
 
 The key's current lease is its highest generation. It is dead when its heartbeat says
 ``released`` (the holder is done: published, or failed), when its holder is a process of
@@ -38,7 +40,7 @@ from ..keys import is_key
 from .remote import RemoteStore
 
 _RECORD_LIMIT = 1 << 16
-BUILDING, RELEASED = "building", "released"
+BUILDING, UPLOADING, RELEASED = "building", "uploading", "released"
 
 
 def lease_path(remote: RemoteStore, key: str, generation: int, suffix: str) -> str:
@@ -67,7 +69,9 @@ def generations(remote: RemoteStore, key: str) -> list[int]:
 class Lease:
     """A lease this process holds: its heartbeat (:class:`cachekit.liveness.Heartbeat`, the
     timer every builder beats with) rewrites ``GEN.beat`` from :meth:`start` until
-    :meth:`release`, carrying the build's progress for the hosts that wait."""
+    :meth:`release`, carrying the build's progress for the hosts that wait, then that the
+    upload runs (:meth:`uploading`): the lease is held until the manifest is written, so
+    waiters wait for it rather than build."""
 
     def __init__(self, remote: RemoteStore, key: str, generation: int) -> None:
         self.remote, self.key, self.generation = remote, key, generation
@@ -75,6 +79,7 @@ class Lease:
         self._seq = 0
         self._done: Optional[int] = None
         self._total: Optional[int] = None
+        self._state = BUILDING
         self._heartbeat = liveness.Heartbeat(self.beat, self.lease)
 
     def start(self) -> "Lease":
@@ -85,12 +90,18 @@ class Lease:
         """Record rows done; the next beat carries them."""
         self._done, self._total = done, total
 
-    def beat(self, state: str = BUILDING) -> None:
-        """Rewrite this generation's heartbeat object (never raises: a missed beat is
-        followed by the next well within the lease)."""
+    def uploading(self) -> None:
+        """Say at once that the build is committed and its upload runs (one beat, from the
+        uploader's thread); every later beat says so too."""
+        self._state = UPLOADING
+        self.beat()
+
+    def beat(self, state: Optional[str] = None) -> None:
+        """Rewrite this generation's heartbeat object, in ``state`` (default: the lease's
+        own); never raises: a missed beat is followed by the next well within the lease."""
         self._seq += 1
         body = json.dumps({"seq": self._seq, "done": self._done, "total": self._total,
-                           "state": state}).encode()
+                           "state": state or self._state}).encode()
         path = lease_path(self.remote, self.key, self.generation, "beat")
         try:
             self.remote.call(f"beating {self.remote.object_url(path)}",
@@ -139,13 +150,16 @@ class Watch:
         return None
 
     def describe(self) -> str:
-        """``pid 4242 on node7 (2048/10000 rows, 20%)``, or "another host"."""
+        """``pid 4242 on node7 (2048/10000 rows, 20%)``, ``... (built, uploading)``, or
+        "another host"."""
         if self._seen is None:
             return "another host"
         holder, beat = self._seen.holder, self._seen.beat
         done = beat.get("done") if isinstance(beat, dict) else None
         total = beat.get("total") if isinstance(beat, dict) else None
-        if _is_count(done) and _is_count(total) and total:
+        if isinstance(beat, dict) and beat.get("state") == UPLOADING:
+            progress = "built, uploading"
+        elif _is_count(done) and _is_count(total) and total:
             progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
         else:
             progress = "starting"

@@ -1,0 +1,300 @@
+"""The upload after a build runs in the background (cachekit.obtain.background): the call
+returns its local entry at once, the process waits for the upload before it exits, other
+hosts wait for it rather than build, and a failed upload is loud and publishes nothing.
+Real processes against a real S3 server (SeaweedFS on loopback).
+
+The upload is made observable as pending, not timed: the children reach the server
+through a proxy (tests/s3.py) that can hold the manifest's create-only PUT until the test
+releases it. The proxy takes one request per connection and the children name it by host
+name (``localhost``), so every request an upload makes at exit resolves a host name: what
+fails once ``concurrent.futures`` has shut its pools down, the shutdown trap the exit wait
+must avoid. Each decoded row appends a line to a counter file per host, so builds are
+counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+import cachekit
+import hosts
+import s3
+from cachekit import _fs
+from cachekit.admin import remote as rm
+from cachekit.obtain import background
+from cachekit.store import LocalStore
+from cachekit.store.remote import RemoteStore
+
+ROWS = 48
+
+AGENT = textwrap.dedent('''
+    import hashlib, json, os, signal, sys, warnings
+    from pathlib import Path
+    import numpy as np
+    import cachekit
+    import hosts
+    from cachekit.errors import RemoteWarning
+    from cachekit.obtain import background
+    from cachekit.store import lease as leases
+    from cachekit.store.remote import RemoteStore
+
+    work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    # As in a terminal, whatever the test runner's own SIGINT (a shell's background job
+    # inherits it ignored, and Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def row(v):
+        with open(work / f"decoded.{me}", "a") as f:
+            f.write("x\\n")
+        return np.full((3, 8, 8), v % 251, dtype=np.uint8)
+
+    def say(name, text):  # whole, or not at all, for the test that polls for it
+        (work / f".{name}").write_text(text)
+        (work / f".{name}").rename(work / name)
+
+    if "watch" in mode:  # say whom we wait for when we first find a live lease
+        take = leases.Watch.take_or_wait
+        def watching(self, *args, **kwargs):
+            got = take(self, *args, **kwargs)
+            if got is None and not (work / f"waiting.{me}").exists():
+                say(f"waiting.{me}", self.describe())
+            return got
+        leases.Watch.take_or_wait = watching
+
+    cache = cachekit.Cache(workers=2, progress=False)
+    entry = cache.map(row, list(range(ROWS)))
+    returned = {"source": entry.source, "key": entry.key,
+                "sha": hashlib.sha256(entry.array.tobytes()).hexdigest(),
+                "manifest_after_call":
+                    RemoteStore(os.environ["CACHEKIT_REMOTE"]).lookup(entry.key) is not None}
+    say(f"returned.{me}", json.dumps(returned))
+    if "again" in mode:  # once the upload is over, another call with that remote
+        background.wait_all()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            returned["again"] = cache.map(row, list(range(ROWS))).source
+        returned["warnings"] = [str(w.message) for w in caught
+                                if issubclass(w.category, RemoteWarning)]
+    hosts.report(**returned)
+''').replace("ROWS", str(ROWS))
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def proxy(s3_server: s3.Seaweed) -> Iterator[s3.Proxy]:
+    """A forwarding proxy in front of the session's server; a test that sets its mode to
+    ``late-request`` holds every manifest create until it sets ``released``."""
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "forward", delay=600.0)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def through(proxy: s3.Proxy, env: dict[str, str], **extra: str) -> dict[str, str]:
+    """``env`` with the remote reached through ``proxy``, named by host name, which
+    aiohttp then resolves for every request (no DNS cache, whose entries would otherwise
+    last 10 s)."""
+    return {**env, "AWS_ENDPOINT_URL": f"http://localhost:{proxy.port}",
+            "CACHEKIT_REMOTE_TIMEOUT": "120", "FSSPEC_S3": json.dumps(
+                {"config_kwargs": {"connector_args": {"use_dns_cache": False}}}), **extra}
+
+
+def agent(work: Path, root: Path, env: dict[str, str], me: str, mode: str = "run"
+          ) -> hosts.HostProcess:
+    """Start the agent script with cache root ``root`` (one root is one host); ``mode``:
+    flags joined by commas, ``watch`` (say whom it waits for) and ``again`` (call again
+    once the upload is over)."""
+    script = work / "agent.py"
+    if not script.exists():
+        script.write_text(AGENT)
+    return hosts.HostProcess(me, [str(script), me, mode],
+                             [sys.executable, str(script), str(work), me, mode],
+                             hosts.child_env({**env, "CACHEKIT_DIR": str(root)}))
+
+
+def decoded(work: Path, me: str) -> int:
+    path = work / f"decoded.{me}"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def returned(work: Path, me: str) -> dict:
+    return json.loads((work / f"returned.{me}").read_text())
+
+
+def held_after_its_call(work: Path, proxy: s3.Proxy, process: hosts.HostProcess) -> None:
+    """Wait until ``process``'s call has returned and its manifest create is held."""
+    hosts.wait_for(lambda: proxy.delayed and (work / f"returned.{process.host}").exists(),
+                   timeout=120, what=f"{process.host}'s call to return and its upload to "
+                   "reach the manifest", watch=[process])
+
+
+def one_valid_entry(remote: RemoteStore, tmp_path: Path, sha: str) -> str:
+    """Assert the remote holds exactly one entry, whole (every byte checked), with only its
+    own upload, and that its pixels hash to ``sha``; its key."""
+    assert rm.verify(remote) == (1, [])
+    keys, unknown = remote.scan()
+    assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
+    found = remote.lookup(keys[0].key)
+    assert list(keys[0].uploads) == [found.upload]
+    published, _ = remote.download(found, LocalStore(tmp_path / "check"))
+    data = np.load(published.path / "data.npy", mmap_mode="r")
+    assert hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest() == sha
+    return keys[0].key
+
+
+def test_the_call_returns_before_its_upload_ends_and_the_process_waits_for_it_to_exit(
+        s3_env, work, tmp_path, proxy):
+    proxy.mode = "late-request"
+    uploader = agent(work, tmp_path / "a", through(proxy, s3_env), "a")
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    try:
+        held_after_its_call(work, proxy, uploader)
+        called = returned(work, "a")
+        assert called["source"] == "built" and called["manifest_after_call"] is False
+        assert remote.lookup(called["key"]) is None  # the upload still runs...
+        assert uploader.poll() is None  # ...and the process, its script done, waits for it
+        proxy.released.set()
+        done = hosts.finish(uploader)
+    finally:
+        uploader.reap()
+    report = done.report()
+    key12 = report["key"][:12]
+    assert re.search(f"]: uploading entry {key12} \\([0-9.]+ KB\\) to "
+                     f"{re.escape(s3_env['CACHEKIT_REMOTE'])} in the background; the process "
+                     "waits for it before exiting", done.stderr), done.stderr
+    assert f"]: waiting for the upload of entry {key12}" in done.stderr
+    assert f"]: uploaded entry {key12}" in done.stderr and "ERROR" not in done.stderr
+    assert proxy.late_forwarded == 1
+    assert one_valid_entry(remote, tmp_path, report["sha"]) == report["key"]
+
+
+def test_a_process_that_exits_right_after_the_call_completes_its_upload(
+        s3_env, work, tmp_path, proxy):
+    done = hosts.finish(agent(work, tmp_path / "a", through(proxy, s3_env), "a"))
+    report = done.report()
+    assert report["source"] == "built" and "ERROR" not in done.stderr
+    assert f"]: uploaded entry {report['key'][:12]}" in done.stderr, done.stderr
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert one_valid_entry(remote, tmp_path, report["sha"]) == report["key"]
+
+
+def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_builds(
+        s3_env, work, tmp_path, proxy):
+    proxy.mode = "late-request"
+    uploader = agent(work, tmp_path / "a", through(proxy, s3_env), "a")
+    other = None
+    try:
+        held_after_its_call(work, proxy, uploader)
+        other = agent(work, tmp_path / "b", s3_env, "b", "watch")  # straight to the server
+        hosts.wait_for(lambda: (work / "waiting.b").exists(), timeout=120,
+                       what="the other host to wait for the uploader's lease", watch=[other])
+        assert (work / "waiting.b").read_text() == \
+            f"pid {uploader.pid} on {_fs.owner()['host']} (built, uploading)"
+        proxy.released.set()
+        first, second = hosts.finish(uploader).report(), hosts.finish(other).report()
+    finally:
+        uploader.reap()
+        if other is not None:
+            other.reap()
+    assert first["source"] == "built" and second["source"] == "remote"
+    assert decoded(work, "a") == ROWS and decoded(work, "b") == 0  # one build
+    assert second["key"] == first["key"] and second["sha"] == first["sha"]
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert one_valid_entry(remote, tmp_path, first["sha"]) == first["key"]
+
+
+def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, tmp_path,
+                                                                   proxy):
+    proxy.mode = "late-request"
+    uploader = agent(work, tmp_path / "a", through(proxy, s3_env,
+                                                   CACHEKIT_REMOTE_TIMEOUT="10"), "a", "again")
+    try:
+        held_after_its_call(work, proxy, uploader)
+        proxy.stop()  # the store goes away with the manifest's create in flight
+        done = hosts.finish(uploader)
+    finally:
+        uploader.reap()
+    report = done.report()  # exits 0: the run had its entry
+    key12, url = report["key"][:12], re.escape(s3_env["CACHEKIT_REMOTE"])
+    failure = (f"the background upload of entry {key12} \\([0-9.]+ KB\\) to {url} failed: "
+               f"remote {url} did not work while publishing .*/manifest.json")
+    assert re.search(f"]: ERROR: {failure}.*; the local entry is good; no reader sees "
+                     "a partial remote entry .*push " + key12, done.stderr), done.stderr
+    # The next call with that remote (a local hit) warns in the caller's thread.
+    assert report["again"] == "local" and len(report["warnings"]) == 1
+    assert re.match(f"cachekit: {failure}", report["warnings"][0]), report["warnings"]
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert remote.lookup(report["key"]) is None  # no manifest: nothing torn, a miss
+    assert rm.verify(remote) == (0, [])
+    # The lease was released: another host takes it at once, builds, and publishes.
+    after = hosts.finish(agent(work, tmp_path / "b", s3_env, "b")).report()
+    assert after["source"] == "built" and decoded(work, "b") == ROWS
+    assert rm.verify(remote) == (1, [])
+
+
+def test_a_ctrl_c_while_the_process_waits_at_exit_cuts_the_upload_off_and_says_so(
+        s3_env, work, tmp_path, proxy):
+    proxy.mode = "late-request"  # never released: the stop at teardown drops the create
+    uploader = agent(work, tmp_path / "a", through(proxy, s3_env), "a")
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(uploader.stderr), daemon=True)
+    reader.start()
+    try:
+        held_after_its_call(work, proxy, uploader)
+        hosts.wait_for(lambda: any("before exiting (Ctrl-C cuts it off)" in line
+                                   for line in said), timeout=120,
+                       what="the uploader to wait for its upload at exit", watch=[uploader])
+        os.kill(uploader.pid, signal.SIGINT)
+        assert uploader.wait(timeout=120) == 0  # the script itself had done its work
+        reader.join(timeout=30)
+    finally:
+        uploader.reap()
+    key12 = returned(work, "a")["key"][:12]
+    assert any(re.match(rf"cachekit\[[^]]*\]: ERROR: cut off the upload of entry {key12} \(", line)
+               and "no partial entry is published" in line for line in said), "".join(said)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert remote.lookup(returned(work, "a")["key"]) is None and rm.verify(remote) == (0, [])
+
+
+def row(v):
+    return np.full((3, 8, 8), v % 251, dtype=np.uint8)
+
+
+def test_a_second_call_for_the_key_while_its_upload_runs_starts_no_second_upload(
+        s3_env, tmp_path, proxy, monkeypatch, capfd):
+    proxy.mode, proxy.delay = "late-request", 2.0  # held 2 s, then passed on
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    first = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(row, list(range(ROWS)))
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert first.source == "built" and background.running(remote, first.key)
+    np.testing.assert_array_equal(first.array[5], row(5))  # the entry is there at once
+    again = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(row, list(range(ROWS)))
+    assert again.source == "local" and background.running(remote, first.key)
+    # Another root in this process (another host) waits for the lease, then downloads.
+    other = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(row, list(range(ROWS)))
+    assert other.source == "remote"
+    background.wait_all()
+    manifest = f"/{remote.manifest_path(first.key)}".encode()
+    assert proxy.log.count((b"PUT", manifest)) == 1 and proxy.delayed == 1
+    [listed], _ = remote.scan()
+    assert len(listed.uploads) == 1
+    assert capfd.readouterr().err.count(f"uploading entry {first.key[:12]}") == 1
