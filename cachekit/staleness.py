@@ -21,6 +21,7 @@ import numpy as np
 
 from . import arrays
 from .errors import CacheCorruptError, StaleEntryWarning
+from .messages import prefix
 from .store.manifest import ROW_STATS_FILE, Manifest
 
 SAMPLE_ROWS = 16
@@ -46,7 +47,7 @@ def check(entry_path: Path, manifest: Manifest, paths: Any, *, stacklevel: int =
     row, path, then, now = changed
     _warned.add(manifest.key)
     warnings.warn(StaleEntryWarning(
-        f"cachekit: the file of row {row} ({path}) changed since entry {manifest.key[:12]} "
+        f"{prefix()}: the file of row {row} ({path}) changed since entry {manifest.key[:12]} "
         f"was built ({_describe(then)} then, {_describe(now)} now); this hit serves the "
         "pixels decoded then, because validate=\"path\" keys the paths only. Pass "
         "validate=\"stat\" to key each file's size and mtime as well: then only the files "

@@ -241,7 +241,7 @@ def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, 
                      "a partial remote entry .*push " + key12, done.stderr), done.stderr
     # The next call with that remote (a local hit) warns in the caller's thread.
     assert report["again"] == "local" and len(report["warnings"]) == 1
-    assert re.match(f"cachekit: {failure}", report["warnings"][0]), report["warnings"]
+    assert re.match(rf"cachekit\[[^]]*\]: {failure}", report["warnings"][0]), report["warnings"]
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     assert remote.lookup(report["key"]) is None  # no manifest: nothing torn, a miss
     assert rm.verify(remote) == (0, [])
