@@ -1,0 +1,90 @@
+"""The DDP example of docs/ddp.md, run as written with torchrun: two ranks share one build.
+
+torchrun's rendezvous store and gloo listen on sockets, so the job runs in a network
+namespace of its own whose only interface is loopback (``unshare --net``; CI runs as root):
+nothing it starts can be reached from outside this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from cachekit.samples import write_sample_images
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS = 240
+LINE = re.compile(r"rank (\d)/2: (\w+); decoded (\d+), joined (\d+), reused (\d+) of (\d+) "
+                  r"rows; all ranks decoded (\d+)")
+"""A rank's line. The ranks share one stdout, where one rank's text may come between another's
+line and its newline, so lines are found anywhere in it."""
+
+
+def _script() -> str:
+    """The python block of docs/ddp.md: the page's one script, tested as users copy it."""
+    page = (REPO / "docs" / "ddp.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+    assert len(blocks) == 1, "docs/ddp.md should hold exactly one python block"
+    return blocks[0]
+
+
+@pytest.fixture
+def job(tmp_path):
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.fail("this test runs torchrun in a network namespace of its own: it needs root, "
+                    "unshare and ip (CI has them)")
+    (tmp_path / "train_ddp.py").write_text(_script())
+    paths = write_sample_images(tmp_path / "covers", ROWS)
+    pd.DataFrame({"img_path": paths, "label": [i % 3 for i in range(ROWS)]}).to_csv(
+        tmp_path / "covers.csv", index=False)
+    return tmp_path
+
+
+def _torchrun(work: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CACHEKIT_DIR": str(work / "cache"), "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = (f"ip link set lo up && exec {sys.executable} -m torch.distributed.run "
+               "--standalone --nproc_per_node=2 train_ddp.py covers.csv")
+    done = subprocess.run(["unshare", "--net", "--fork", "sh", "-c", command], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _ranks(done: subprocess.CompletedProcess) -> dict[int, tuple]:
+    ranks = {int(m[1]): (m[2], *map(int, m.groups()[2:])) for m in LINE.finditer(done.stdout)}
+    assert sorted(ranks) == [0, 1], done.stdout
+    return ranks
+
+
+def test_two_ranks_share_one_build_and_each_says_what_it_did(job):
+    done = _torchrun(job)
+    ranks = _ranks(done)
+    sources = sorted(source for source, *_ in ranks.values())
+    assert sources in (["built", "joined"], ["built", "local"]), ranks
+    for source, decoded, joined, reused, rows, total in ranks.values():
+        assert rows == ROWS and reused == 0
+        assert decoded + joined == ROWS  # every row accounted for, on each rank
+        assert total == ROWS  # and decoded once across the ranks (an all_reduce of the counts)
+    assert sum(decoded for _, decoded, *_ in ranks.values()) == ROWS
+    # Every line cachekit says names its rank; the builder's names whoever joined it.
+    said = [line for line in done.stderr.splitlines() if line.startswith("cachekit")]
+    assert said and all(re.match(r"cachekit\[pid \d+ rank [01]/2 local [01]\]: ", line)
+                        for line in said), said
+    builder = next(rank for rank, (source, *_) in ranks.items() if source == "built")
+    if "joined" in sources:
+        assert any(re.match(rf"cachekit\[pid \d+ rank {builder}/2 local {builder}\]: built entry "
+                            r"\w+ with 1 joining process", line) for line in said), said
+
+
+def test_a_second_job_maps_the_entry_and_decodes_nothing(job):
+    _torchrun(job)
+    again = _ranks(_torchrun(job))
+    assert all(counts == ("local", 0, 0, 0, ROWS, 0) for counts in again.values()), again
