@@ -19,9 +19,11 @@ One file, step by step:
 
 Everything else goes through the ``"pil"`` pipeline (:func:`.decode_pil.decode`, on the
 image already opened), for that file alone: other formats (GIF, WebP, BMP, TIFF, ...), CMYK
-and YCCK JPEGs, palette, 16-bit and low-bit PNGs, PNGs with transparency or frames, a file
-above the read cap, and a file torchvision cannot decode (there Pillow raises the error
-reported for the row). The ``nearest``, ``lanczos`` and ``box`` filters are the ``"pil"``
+and YCCK JPEGs, palette, 16-bit and low-bit PNGs, PNGs with transparency or frames, a PNG
+with an alpha channel asked for in mode RGBA (Pillow resizes it with premultiplied alpha,
+where torch's kernel, as v2, resizes each channel alone: they differ by far more than a
+level at the edges of transparent parts), a file above the read cap, and a file torchvision
+cannot decode (there Pillow raises the error reported for the row). The ``nearest``, ``lanczos`` and ``box`` filters are the ``"pil"``
 pipeline for every file (:func:`.images.backend_for`).
 """
 
@@ -40,6 +42,7 @@ __all__ = ["load"]
 
 _JPEG_MODES = {"RGB": 3, "L": 1}
 _PNG_MODES = frozenset({"L", "LA", "RGB", "RGBA"})
+_ALPHA = frozenset({"LA", "RGBA"})  # resized premultiplied by Pillow, not by torch's kernel
 _PNG_DEPTH_AT = 24  # IHDR's bit depth: signature 8, chunk length 4, type 4, width 4, height 4
 
 _UPRIGHT: dict[int, Callable[[np.ndarray], np.ndarray]] = {  # views, as decode_pil.TRANSPOSITIONS
@@ -99,6 +102,7 @@ def _upright(im: Image.Image, data: Any, mode: str, target: tuple[int, int], fit
             return None
         return _converted(_oriented(hwc, decode_pil.orientation(im)), im.mode, mode)
     if (im.format == "PNG" and im.mode in _PNG_MODES and "transparency" not in im.info
+            and not (mode == "RGBA" and im.mode in _ALPHA)
             and not getattr(im, "is_animated", False)
             and data.getvalue()[_PNG_DEPTH_AT:_PNG_DEPTH_AT + 1] == b"\x08"):
         return _from_pillow(im, mode)

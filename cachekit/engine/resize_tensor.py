@@ -8,12 +8,12 @@ it, so the pixels are v2's on the same tensor; the fits are defined with v2's fu
 - ``"stretch"``: ``resize(img, [h, w])``;
 - ``"crop"``: ``crop(resized_crop(img, top, left, height, width, [h + m, w + n]), ...)``:
   the box ``ImageOps.fit`` resamples (the largest centered box of the target's aspect
-  ratio, in float coordinates) grown by up to :data:`CROP_MARGIN` output pixels on each
-  side that has image there, rounded to whole pixels, resized, and the margin cut off
-  again. The margin lets the kernel see the pixels beyond the box's edges, as Pillow's
-  does; what is left of the difference is the rounding of the box to whole pixels (at most
-  half an input pixel). Where the box is whole, the pixels are ``ImageOps.fit``'s within
-  one level;
+  ratio, in float coordinates) grown on each side that has image there by a margin that
+  holds the kernel's reach, rounded to whole pixels, resized, and the margin cut off again.
+  The margin lets the kernel see the pixels beyond the box's edges, as Pillow's does; what
+  is left of the difference is the rounding of the box to whole pixels (at most half an
+  input pixel). Where the rounding changes nothing, the pixels are ``ImageOps.fit``'s
+  within one level;
 - ``"pad"``: ``resize`` to the size ``ImageOps.contain`` picks, then zeros around it at
   ``ImageOps.pad``'s offsets: the same geometry as the ``"pil"`` pipeline.
 
@@ -40,11 +40,10 @@ from torch.nn import functional
 
 from . import _worker_main
 
-__all__ = ["CROP_MARGIN", "Window", "crop_window", "decode_jpeg", "fit_size", "resize_fit"]
+__all__ = ["RADIUS", "Window", "crop_window", "decode_jpeg", "fit_size", "resize_fit"]
 
-CROP_MARGIN = 2
-"""Output pixels kept beyond each edge of a "crop" box while resizing: the radius of the
-bicubic kernel (bilinear's is 1)."""
+RADIUS = {"bilinear": 1, "bicubic": 2}
+"""Each kernel's reach, in input pixels when enlarging, in output pixels when shrinking."""
 
 if _worker_main.serving():
     torch.set_num_threads(1)
@@ -104,9 +103,11 @@ class Window(NamedTuple):
     skip: int
 
 
-def crop_window(src: tuple[int, int], target: tuple[int, int]) -> tuple[Window, Window]:
+def crop_window(src: tuple[int, int], target: tuple[int, int], resample: str
+                ) -> tuple[Window, Window]:
     """The (rows, columns) windows of a "crop" of an image of size ``src`` (h, w) to
-    ``target`` (h, w): ``ImageOps.fit``'s box, its arithmetic included, grown by the margin."""
+    ``target`` (h, w): ``ImageOps.fit``'s box, its arithmetic included, grown by the margin
+    ``resample``'s kernel needs."""
     (src_h, src_w), (h, w) = src, target
     image_ratio, target_ratio = src_w / src_h, w / h
     if image_ratio == target_ratio:
@@ -115,14 +116,18 @@ def crop_window(src: tuple[int, int], target: tuple[int, int]) -> tuple[Window, 
         box_w, box_h = target_ratio * src_h, float(src_h)
     else:
         box_w, box_h = float(src_w), src_w / target_ratio
-    return (_window((src_h - box_h) * 0.5, box_h, src_h, h),
-            _window((src_w - box_w) * 0.5, box_w, src_w, w))
+    radius = RADIUS[resample]
+    return (_window((src_h - box_h) * 0.5, box_h, src_h, h, radius),
+            _window((src_w - box_w) * 0.5, box_w, src_w, w, radius))
 
 
-def _window(start: float, length: float, total: int, out: int) -> Window:
+def _window(start: float, length: float, total: int, out: int, radius: int) -> Window:
     scale = length / out  # input pixels per output pixel
-    before = max(0, min(CROP_MARGIN, math.floor(start / scale)))
-    after = max(0, min(CROP_MARGIN, math.floor((total - start - length) / scale)))
+    # Output pixels whose span covers the kernel's reach beyond the box, and the pixel the
+    # rounding of the window's ends may take away.
+    margin = math.ceil((radius * max(scale, 1.0) + 1) / scale)
+    before = max(0, min(margin, math.floor(start / scale)))
+    after = max(0, min(margin, math.floor((total - start - length) / scale)))
     first = max(0, round(start - before * scale))
     end = min(total, max(first + 1, round(start + length + after * scale)))
     return Window(first, end - first, out + before + after, before)
@@ -154,7 +159,7 @@ def resize_fit(hwc: np.ndarray, size: tuple[int, int], fit: str, resample: str,
     """
     h, w = size
     if fit == "crop":
-        rows, columns = crop_window(hwc.shape[:2], size)
+        rows, columns = crop_window(hwc.shape[:2], size, resample)
         box = hwc[rows.start:rows.start + rows.length, columns.start:columns.start + columns.length]
         resized = _resize(np.ascontiguousarray(box), (rows.scaled, columns.scaled), resample)
         resized = resized[:, rows.skip:rows.skip + h, columns.skip:columns.skip + w]
