@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image, ImageOps, features
 
 import cachekit
-from cachekit.engine import decode_pil, decode_tensor, images, resize_tensor
+from cachekit.engine import decode_pil, decode_tensor, images, jpeg_header, resize_tensor
 from cachekit.engine.images import load_image
 
 torch = pytest.importorskip("torch")
@@ -511,3 +511,89 @@ def test_a_worker_process_runs_torch_on_one_thread(tmp_path: Path,
                            progress=False).map(torch_threads_row, pd.Series(range(2000)))
     in_workers = entry.array[entry.array[:, 0] != os.getpid()]
     assert len(in_workers) and set(in_workers[:, 1].tolist()) == {1}
+
+
+# --- the JPEG header reader -------------------------------------------------------------------
+
+def jpeg_bytes(image: Image.Image, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", **options)
+    return buffer.getvalue()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 90), st.integers(1, 90), st.booleans(), st.booleans(),
+       st.sampled_from([None, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 300]), st.booleans(),
+       st.sampled_from([None, "II", "MM"]))
+def test_the_header_reader_answers_as_pillow_does(h: int, w: int, gray: bool,
+                                                  progressive: bool, orientation,
+                                                  comment: bool, order) -> None:
+    image = Image.fromarray(pixels(h, w, seed=h * w))
+    if gray:
+        image = image.convert("L")
+    options: dict = {"progressive": progressive}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        if order == "MM":
+            exif.endian = ">"  # (Pillow writes little-endian unless told)
+        options["exif"] = exif.tobytes()
+    if comment:
+        options["comment"] = b"made by a test"
+    data = jpeg_bytes(image, **options)
+    header = jpeg_header.read(data)
+    assert header is not None
+    with Image.open(io.BytesIO(data)) as im:
+        assert header == (im.width, im.height, len(im.getbands()),
+                          im.getexif().get(0x0112, 1))
+
+
+def test_the_header_reader_leaves_the_unusual_to_pillow() -> None:
+    rgb = Image.fromarray(pixels(20, 30, seed=1))
+    xmp = b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>'
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    exif[0x0110] = "camera"  # a second tag: the orientation is found among several
+    unusual = {
+        "CMYK (Adobe segment)": jpeg_bytes(rgb.convert("CMYK")),
+        "XMP": jpeg_bytes(rgb, xmp=xmp),
+        "MPO": _mpo(rgb),
+        "not a JPEG": b"\x89PNG\r\n\x1a\n" + b"\x00" * 40,
+        "truncated header": jpeg_bytes(rgb)[:30],
+        "empty": b"",
+    }
+    for name, data in unusual.items():
+        assert jpeg_header.read(data) is None, name
+    assert jpeg_header.read(jpeg_bytes(rgb, exif=exif)).orientation == 3
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        Image.MAX_IMAGE_PIXELS = 20 * 30 - 1  # Pillow would warn: let it
+        assert jpeg_header.read(jpeg_bytes(rgb)) is None
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def _mpo(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="MPO", save_all=True, append_images=[image])
+    return buffer.getvalue()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_header_reader_never_raises_on_damaged_bytes(data) -> None:
+    original = bytearray(jpeg_bytes(Image.fromarray(pixels(16, 24, seed=3)),
+                                    exif=_exif_with_orientation(6)))
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(original) - 1))
+        original[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(original)))
+    header = jpeg_header.read(bytes(original[:cut]))
+    assert header is None or (header.width >= 1 and header.height >= 1
+                              and header.channels in (1, 3))
+
+
+def _exif_with_orientation(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()

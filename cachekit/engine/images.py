@@ -31,6 +31,7 @@ TENSOR_RESAMPLES: tuple[str, ...] = ("bilinear", "bicubic")
 backend is the ``"pil"`` pipeline for every file."""
 
 _MODULES = {"pil": "decode_pil", "tensor": "decode_tensor"}
+_LOADED: dict[str, Backend] = {}
 
 
 class Backend(Protocol):
@@ -66,8 +67,10 @@ def load_image(
     for the file (``OSError``, ``UnidentifiedImageError``, ``DecompressionBombError``, ...),
     whatever the backend. The array may be read-only; copy it to modify it.
     """
-    module: Backend = importlib.import_module(f".{_MODULES[backend_for(backend, resample)]}",
-                                              __package__)  # type: ignore[assignment]
+    name = backend_for(backend, resample)
+    module = _LOADED.get(name)
+    if module is None:
+        module = _LOADED[name] = importlib.import_module(f".{_MODULES[name]}", __package__)
     return module.load(path, size, mode, fit, resample, draft, max_read_bytes)
 
 

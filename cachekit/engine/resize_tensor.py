@@ -169,6 +169,8 @@ def resize_fit(hwc: np.ndarray, size: tuple[int, int], fit: str, resample: str,
         return np.zeros((channels, h, w), dtype=np.uint8)
     resized = _resize(hwc, scaled, resample)
     if fit == "stretch":
+        if resized.shape[0] == channels and resized.flags.c_contiguous:
+            return resized  # torch's new output itself
         return _filled(resized, channels, np.empty((channels, h, w), dtype=np.uint8))
     rh, rw = scaled
     out = np.zeros((channels, h, w), dtype=np.uint8)
