@@ -255,6 +255,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--images", type=int, help="covers in each build (default 1000)")
     parser.add_argument("--rounds", type=int, help="rounds (default 3)")
     parser.add_argument("--size", type=int, default=32, help="square target side (32)")
+    parser.add_argument("--only", help="comma-separated prefixes of the contestants to run "
+                                       "(default: all); the bare loop always runs")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     n = args.images or (60 if args.quick else 1000)
@@ -276,7 +278,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         say("start costs of worker interpreters")
         starts = {name: start_cost(code) for name, code in START_COSTS.items()}
         with ExitStack() as stack:
-            runs = rounds_of(contestants(work / "roots", paths, size, stack), rounds)
+            everyone = contestants(work / "roots", paths, size, stack)
+            if args.only:
+                prefixes = tuple(p.strip() for p in args.only.split(","))
+                everyone = {name: run for name, run in everyone.items()
+                            if name == BARE or name.startswith(prefixes)}
+            runs = rounds_of(everyone, rounds)
         diffs = exactness(paths, size)
     finally:
         shutil.rmtree(work, ignore_errors=True)

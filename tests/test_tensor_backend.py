@@ -597,3 +597,20 @@ def _exif_with_orientation(value: int) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = value
     return exif.tobytes()
+
+
+def test_the_default_rule_counts_torchs_start_in_a_worker() -> None:
+    from cachekit.engine import executors
+    from cachekit.engine.rows import ImageRow
+
+    tensor = executors.RowTask(ImageRow((8, 8)), True)
+    pil = executors.RowTask(ImageRow((8, 8), backend="pil"), True)
+    nearest = executors.RowTask(ImageRow((8, 8), resample="nearest"), True)  # Pillow's rows
+    rows = executors.PROCESSES_FROM_ROWS * 4
+    assert ImageRow((8, 8)).imports_torch and not ImageRow((8, 8), backend="pil").imports_torch
+    assert executors.default_executor(2, pil, rows) == "processes"
+    assert executors.default_executor(2, nearest, rows) == "processes"
+    assert executors.default_executor(2, tensor, rows) == "threads"
+    big = executors.PROCESSES_FROM_ROWS_WITH_TORCH
+    assert executors.default_executor(2, tensor, big) == "processes"
+    assert executors.default_executor(16, tensor, big - 1) == "threads"
