@@ -178,25 +178,77 @@ def start_cost(code: str) -> tuple[float, float]:
     return float(cpu), float(wall)
 
 
-def exactness(paths: list[str], size: tuple[int, int]) -> dict[str, tuple[float, int]]:
-    """(mean |difference| /255, max) from the "pil" pipeline's exact pixels."""
+def exactness(paths: list[str], size: tuple[int, int]
+              ) -> dict[str, tuple[float, int, float]]:
+    """(mean |difference| /255, max, share of values more than 1 level off) from the "pil"
+    pipeline's pixels for the same fit and filter (draft and OpenCV: from its exact ones)."""
     import numpy as np
 
     from cachekit.engine.images import load_image
 
     sample = paths[:200]
-    exact = np.stack([load_image(p, size, backend="pil") for p in sample]).astype(np.int16)
-    variants = {
-        "tensor": [load_image(p, size) for p in sample],
-        "draft (tensor)": [load_image(p, size, draft=True) for p in sample],
-        "draft pil": [load_image(p, size, draft=True, backend="pil") for p in sample],
-        "OpenCV proxy": [bench_engine.opencv_row(p) for p in sample],
+
+    def pil(**options: Any) -> np.ndarray:
+        return np.stack([load_image(p, size, backend="pil", **options) for p in sample])
+
+    exact = pil()
+    variants = {  # name: (rows, the pil rows they are set against)
+        "tensor": ([load_image(p, size) for p in sample], exact),
+        "tensor, bicubic": ([load_image(p, size, resample="bicubic") for p in sample],
+                            pil(resample="bicubic")),
+        "tensor, crop": ([load_image(p, size, fit="crop") for p in sample], pil(fit="crop")),
+        "tensor, pad": ([load_image(p, size, fit="pad") for p in sample], pil(fit="pad")),
+        "draft (tensor)": ([load_image(p, size, draft=True) for p in sample], exact),
+        "draft pil": (list(pil(draft=True)), exact),
+        "OpenCV proxy": ([bench_engine.opencv_row(p) for p in sample], exact),
     }
     out = {}
-    for name, rows in variants.items():
-        diff = np.abs(np.stack(rows).astype(np.int16) - exact)
-        out[name] = (float(diff.mean()), int(diff.max()))
+    for name, (rows, reference) in variants.items():
+        diff = np.abs(np.stack(rows).astype(np.int16) - reference.astype(np.int16))
+        out[name] = (float(diff.mean()), int(diff.max()), float((diff > 1).mean()))
     return out
+
+
+def decoders(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, float]:
+    """CPU us per cover of each decoder alone (one thread, files in memory; median of
+    ``rounds``): what the backends and the OpenCV proxy start from."""
+    import io
+
+    import cv2
+    import numpy as np
+    from PIL import Image
+
+    from cachekit.engine import jpeg_header, resize_tensor
+
+    datas = [Path(p).read_bytes() for p in paths]
+    headers = [jpeg_header.read(data) for data in datas]
+
+    def pillow(draft: bool) -> None:
+        for data in datas:
+            with Image.open(io.BytesIO(data)) as im:
+                if draft:
+                    im.draft(None, size[::-1])
+                im.load()
+
+    def torchvision() -> None:
+        for data, header in zip(datas, headers):
+            resize_tensor.decode_jpeg(data, header.channels, header.height, header.width)
+
+    def opencv() -> None:
+        for data in datas:
+            cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_REDUCED_COLOR_8
+                         if size[0] <= 64 else cv2.IMREAD_COLOR)
+
+    steps = {"Pillow decode": lambda: pillow(False), "torchvision decode_jpeg": torchvision,
+             "Pillow DCT-scaled decode (draft)": lambda: pillow(True),
+             "OpenCV reduced decode (IMREAD_REDUCED_COLOR_8)": opencv}
+    spent: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            started = time.process_time()
+            step()
+            spent[name].append((time.process_time() - started) / len(datas) * 1e6)
+    return {name: statistics.median(values) for name, values in spent.items()}
 
 
 def find(names: list[str], prefix: str) -> Optional[str]:
@@ -205,7 +257,7 @@ def find(names: list[str], prefix: str) -> Optional[str]:
 
 def table(n: int, size: tuple[int, int], runs: dict[str, list[tuple[float, float]]],
           gil: dict[str, dict[str, float]], starts: dict[str, tuple[float, float]],
-          diffs: dict[str, tuple[float, int]]) -> str:
+          diffs: dict[str, tuple[float, int, float]], decoded: dict[str, float]) -> str:
     rate = {name: n / statistics.median(w for w, _ in r) for name, r in runs.items()}
     cpu = {name: statistics.median(c for _, c in r) / n for name, r in runs.items()}
     lines = [f"## Decoding backends, {n:,} covers, {size[0]}x{size[1]} RGB bilinear", "",
@@ -241,11 +293,14 @@ def table(n: int, size: tuple[int, int], runs: dict[str, list[tuple[float, float
         fmt = "{:.3f}" if key.startswith("gil") else "{:,.1f}"
         lines.append(f"| {label} | " + " | ".join(fmt.format(g[key]) for g in gil.values())
                      + " |")
+    lines += ["", "| a decoder alone, one thread | CPU us per cover |", "|---|---:|"]
+    lines += [f"| {name} | {us:,.0f} |" for name, us in decoded.items()]
     lines += ["", "| a fresh worker interpreter imports | CPU s | wall s |", "|---|---:|---:|"]
     lines += [f"| {name} | {c:.2f} | {w:.2f} |" for name, (c, w) in starts.items()]
-    lines += ["", "| pixels against the pil pipeline's exact ones | mean /255 | max |",
-              "|---|---:|---:|"]
-    lines += [f"| {name} | {mean:.3f} | {top} |" for name, (mean, top) in diffs.items()]
+    lines += ["", "| pixels against the pil pipeline's (200 covers) | mean /255 | max | "
+              "share > 1 level |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {mean:.3f} | {top} | {share:.2%} |"
+              for name, (mean, top, share) in diffs.items()]
     return "\n".join(lines)
 
 
@@ -255,8 +310,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--images", type=int, help="covers in each build (default 1000)")
     parser.add_argument("--rounds", type=int, help="rounds (default 3)")
     parser.add_argument("--size", type=int, default=32, help="square target side (32)")
-    parser.add_argument("--only", help="comma-separated prefixes of the contestants to run "
-                                       "(default: all); the bare loop always runs")
+    parser.add_argument("--only", action="append", metavar="PREFIX",
+                        help="run the contestants whose name starts with PREFIX (repeat it "
+                             "for more; default: all); the bare loop always runs")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     n = args.images or (60 if args.quick else 1000)
@@ -275,25 +331,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                for backend, draft in (("pil", False), ("tensor", False))}
         gil["tensor, draft"] = bench_engine.gil_fraction(gil_paths, size, gil_rounds,
                                                          "tensor", True)
+        say("decoders alone")
+        decoded = decoders(paths[:min(n, 300)], size, gil_rounds)
         say("start costs of worker interpreters")
         starts = {name: start_cost(code) for name, code in START_COSTS.items()}
         with ExitStack() as stack:
             everyone = contestants(work / "roots", paths, size, stack)
             if args.only:
-                prefixes = tuple(p.strip() for p in args.only.split(","))
+                prefixes = tuple(args.only)
                 everyone = {name: run for name, run in everyone.items()
                             if name == BARE or name.startswith(prefixes)}
             runs = rounds_of(everyone, rounds)
         diffs = exactness(paths, size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = table(n, size, runs, gil, starts, diffs)
+    text = table(n, size, runs, gil, starts, diffs, decoded)
     text += (f"\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end; "
              f"median of {rounds} rounds; command: python benchmarks/bench_backends.py"
              + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)))
     print(text)
     result = {"images": n, "rounds": rounds, "size": size, "runs": runs, "gil": gil,
-              "starts": starts, "diffs": diffs, "table": text}
+              "starts": starts, "diffs": diffs, "decoders": decoded, "table": text}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return result
