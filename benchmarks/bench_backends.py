@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -251,13 +252,54 @@ def decoders(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, 
     return {name: statistics.median(values) for name, values in spent.items()}
 
 
+def resizers(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, float]:
+    """CPU us per cover of Pillow's and torch's resize, each right after the decode (as in a
+    build: caches are cold for the resize's code), of the full image and of the DCT-scaled
+    one (``draft``), and the median pixels of each."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from cachekit.engine import resize_tensor
+
+    datas = [Path(p).read_bytes() for p in paths]
+    out: dict[str, float] = {}
+    for draft in (False, True):
+        spent = {"Pillow": [], "torch": []}
+        pixels = []
+        for _ in range(rounds):
+            totals = {"Pillow": 0.0, "torch": 0.0}
+            for data in datas:
+                with Image.open(io.BytesIO(data)) as im:
+                    if draft:
+                        im.draft(None, size[::-1])
+                    im.load()
+                    hwc = np.array(im)
+                    started = time.thread_time()
+                    resize_tensor.resize_fit(hwc, size, "stretch", "bilinear", 3)
+                    totals["torch"] += time.thread_time() - started
+                    started = time.thread_time()
+                    np.asarray(im.resize(size[::-1], Image.Resampling.BILINEAR))
+                    totals["Pillow"] += time.thread_time() - started
+                    pixels.append(im.width * im.height)
+            for name, total in totals.items():
+                spent[name].append(total / len(datas) * 1e6)
+        image = "DCT-scaled image" if draft else "full image"
+        out[f"{image}, median pixels"] = statistics.median(pixels)
+        for name, values in spent.items():
+            out[f"{image}, {name}"] = statistics.median(values)
+    return out
+
+
 def find(names: list[str], prefix: str) -> Optional[str]:
     return next((n for n in names if n.startswith(prefix)), None)
 
 
 def table(n: int, size: tuple[int, int], runs: dict[str, list[tuple[float, float]]],
           gil: dict[str, dict[str, float]], starts: dict[str, tuple[float, float]],
-          diffs: dict[str, tuple[float, int, float]], decoded: dict[str, float]) -> str:
+          diffs: dict[str, tuple[float, int, float]], decoded: dict[str, float],
+          resized: dict[str, float]) -> str:
     rate = {name: n / statistics.median(w for w, _ in r) for name, r in runs.items()}
     cpu = {name: statistics.median(c for _, c in r) / n for name, r in runs.items()}
     lines = [f"## Decoding backends, {n:,} covers, {size[0]}x{size[1]} RGB bilinear", "",
@@ -295,6 +337,9 @@ def table(n: int, size: tuple[int, int], runs: dict[str, list[tuple[float, float
                      + " |")
     lines += ["", "| a decoder alone, one thread | CPU us per cover |", "|---|---:|"]
     lines += [f"| {name} | {us:,.0f} |" for name, us in decoded.items()]
+    lines += ["", "| a resize right after its decode, one thread | CPU us per cover |",
+              "|---|---:|"]
+    lines += [f"| {name} | {value:,.0f} |" for name, value in resized.items()]
     lines += ["", "| a fresh worker interpreter imports | CPU s | wall s |", "|---|---:|---:|"]
     lines += [f"| {name} | {c:.2f} | {w:.2f} |" for name, (c, w) in starts.items()]
     lines += ["", "| pixels against the pil pipeline's (200 covers) | mean /255 | max | "
@@ -333,6 +378,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                                          "tensor", True)
         say("decoders alone")
         decoded = decoders(paths[:min(n, 300)], size, gil_rounds)
+        resized = resizers(paths[:min(n, 300)], size, gil_rounds)
         say("start costs of worker interpreters")
         starts = {name: start_cost(code) for name, code in START_COSTS.items()}
         with ExitStack() as stack:
@@ -345,13 +391,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         diffs = exactness(paths, size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = table(n, size, runs, gil, starts, diffs, decoded)
+    text = table(n, size, runs, gil, starts, diffs, decoded, resized)
     text += (f"\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end; "
-             f"median of {rounds} rounds; command: python benchmarks/bench_backends.py"
-             + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)))
+             f"median of {rounds} rounds; command: "
+             + shlex.join(["python", "benchmarks/bench_backends.py",
+                           *(sys.argv[1:] if argv is None else argv)]))
     print(text)
     result = {"images": n, "rounds": rounds, "size": size, "runs": runs, "gil": gil,
-              "starts": starts, "diffs": diffs, "decoders": decoded, "table": text}
+              "starts": starts, "diffs": diffs, "decoders": decoded, "resizers": resized,
+              "table": text}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return result

@@ -341,6 +341,15 @@ def test_draft_decodes_dct_scaled_then_resizes_with_torch(tmp_path: Path) -> Non
     assert np.abs(load_image(path, size, draft=True).astype(int) - exact).mean() < 2
 
 
+def test_a_small_dct_scaled_image_is_resized_by_pillow(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path / "small.jpg", Image.fromarray(pixels(320, 400, seed=4)), quality=90)
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    out = load_image(path, (20, 25), draft=True)  # decoded at 1/8: 50 x 40 pixels
+    assert 50 * 40 < decode_tensor.TORCH_RESIZES_FROM and resized.count == 0
+    np.testing.assert_array_equal(out, load_image(path, (20, 25), draft=True, backend="pil"))
+
+
 def test_draft_with_no_scale_to_gain_is_the_exact_tensor_path(covered: dict[str, str]) -> None:
     path = covered["jpeg-rgb"]  # 60 x 40 to 40 x 30: libjpeg has nothing to scale down
     np.testing.assert_array_equal(load_image(path, (30, 40), draft=True),

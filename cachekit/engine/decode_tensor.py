@@ -11,7 +11,8 @@ One file, step by step:
    animated nor with a transparency chunk, by Pillow (torchvision 0.29's PNG decoder crashed
    the process on a PNG with a damaged data stream, so it is not used). With ``draft=True``
    a JPEG that libjpeg can decode at 1/2, 1/4 or 1/8 scale is decoded so by Pillow
-   (``Image.draft``), otherwise as without it.
+   (``Image.draft``), otherwise as without it; a DCT-scaled image of fewer than
+   :data:`TORCH_RESIZES_FROM` pixels is then the ``"pil"`` pipeline's to resize.
 3. Turned upright by its EXIF orientation and converted to the mode with Pillow's formulas
    (``L = (19595 R + 38470 G + 7471 B + 32768) >> 16``, gray copied into each channel,
    alpha 255 added).
@@ -41,6 +42,10 @@ from . import decode_pil, jpeg_header, resize_tensor
 
 __all__ = ["load"]
 
+TORCH_RESIZES_FROM = 8192
+"""Pixels of a DCT-scaled image (``draft=True``) from which torch's kernel resizes it faster
+than Pillow's: below, Pillow's smaller fixed cost per call wins (measured with
+benchmarks/bench_backends.py, see docs/usage.md)."""
 _JPEG_MODES = {"RGB": 3, "L": 1}
 _JPEG_SOURCES = {channels: mode for mode, channels in _JPEG_MODES.items()}
 _PNG_MODES = frozenset({"L", "LA", "RGB", "RGBA"})
@@ -115,6 +120,8 @@ def _upright(im: Image.Image, data: Any, mode: str, target: tuple[int, int], fit
             full = im.size
             decode_pil.request_draft(im, target, fit)
             if im.size != full:  # libjpeg decodes it at a reduced scale: Pillow does that
+                if im.width * im.height < TORCH_RESIZES_FROM:
+                    return None  # and resizes it faster than torch: the "pil" pipeline
                 return _from_pillow(im, mode)
         hwc = resize_tensor.decode_jpeg(data.getvalue(), _JPEG_MODES[im.mode], im.height,
                                         im.width)
