@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
 import bench_engine  # noqa: E402
-from bench_engine import amdahl, cpu_now, make_covers, spread  # noqa: E402
+from bench_engine import make_covers, spread  # noqa: E402
 
 BARE = "bare Pillow loop"
 OPENCV = "OpenCV reduced decode, 2 processes"
@@ -152,19 +152,6 @@ def opencv_chunk(piece: tuple[list[str], tuple[int, int]]) -> int:
     paths, size = piece
     bench_engine.SIZE = tuple(size)
     return bench_engine.opencv_chunk(paths)
-
-
-def rounds_of(runs: dict[str, Callable[[], Any]], rounds: int
-              ) -> dict[str, list[tuple[float, float]]]:
-    """(wall, CPU) of each contestant in each round, contestants taking turns."""
-    out: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
-    for index in range(rounds):
-        for name, run in runs.items():
-            say(f"round {index + 1}/{rounds}: {name}")
-            wall, cpu = time.perf_counter(), cpu_now()
-            run()
-            out[name].append((time.perf_counter() - wall, cpu_now() - cpu))
-    return out
 
 
 def start_cost(code: str) -> tuple[float, float]:
@@ -387,7 +374,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 prefixes = tuple(args.only)
                 everyone = {name: run for name, run in everyone.items()
                             if name == BARE or name.startswith(prefixes)}
-            runs = rounds_of(everyone, rounds)
+            runs = bench_engine.rounds_of(everyone, rounds)
         diffs = exactness(paths, size)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -202,6 +202,10 @@ def test_the_decoded_tensor_is_the_one_pillow_decodes(covered: dict[str, str]) -
         np.testing.assert_array_equal(theirs, ours.reshape(theirs.shape), err_msg=name)
 
 
+FILE_PER_EXAMPLE = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+"""Each example writes its image into the test's tmp_path (overwriting the last one)."""
+
+
 @st.composite
 def geometry(draw) -> tuple[tuple[int, int], tuple[int, int]]:
     h, w = draw(st.integers(1, 40)), draw(st.integers(1, 40))
@@ -209,8 +213,7 @@ def geometry(draw) -> tuple[tuple[int, int], tuple[int, int]]:
     return src, (h, w)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=FILE_PER_EXAMPLE)
 @given(geometry(), st.sampled_from(FITS), st.sampled_from(MODES), st.sampled_from(FILTERS),
        st.sampled_from(["jpg", "png"]), st.integers(0, 2**16))
 def test_any_geometry_is_v2_on_the_decoded_tensor(tmp_path: Path, shapes, fit: str, mode: str,
@@ -223,8 +226,7 @@ def test_any_geometry_is_v2_on_the_decoded_tensor(tmp_path: Path, shapes, fit: s
         assert off_by(out, load_image(path, size, mode, fit, resample, backend="pil")) <= 1
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=FILE_PER_EXAMPLE)
 @given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 4), st.integers(0, 4),
        st.booleans(), st.integers(0, 2**16))
 def test_crop_is_within_one_level_of_imageops_fit_where_the_box_is_whole(

@@ -25,8 +25,9 @@ and YCCK JPEGs, palette, 16-bit and low-bit PNGs, PNGs with transparency or fram
 with an alpha channel asked for in mode RGBA (Pillow resizes it with premultiplied alpha,
 where torch's kernel, as v2, resizes each channel alone: they differ by far more than a
 level at the edges of transparent parts), a file above the read cap, and a file torchvision
-cannot decode (there Pillow raises the error reported for the row). The ``nearest``, ``lanczos`` and ``box`` filters are the ``"pil"``
-pipeline for every file (:func:`.images.backend_for`).
+cannot decode (there Pillow raises the error reported for the row). The ``nearest``,
+``lanczos`` and ``box`` filters are the ``"pil"`` pipeline for every file
+(:func:`.images.backend_for`).
 """
 
 from __future__ import annotations
