@@ -59,6 +59,9 @@ SMALL = (48, 64)  # (height, width) of the small-image set: per-image Python wor
 RELEASING = {("ImagingDecoder", "decode"), ("ImagingCore", "resize"),
              ("ImagingCore", "convert"), ("ImagingCore", "transpose")}
 """Pillow C calls that release the GIL around their work (ImagingSectionEnter)."""
+TORCH_RELEASING = {"decode_jpeg", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}
+"""torch ops of the tensor backend, by name (torchvision's JPEG decoder through torch.ops,
+torch's uint8 antialiased resize): their Python bindings release the GIL while they run."""
 
 
 def cpu_now() -> float:
@@ -179,7 +182,7 @@ def phase_steps() -> list[tuple[str, Callable[[str], Any]]]:
     from PIL import ExifTags, Image
 
     from cachekit import _fs
-    from cachekit.engine import images
+    from cachekit.engine import decode_pil, images
 
     bilinear = Image.Resampling.BILINEAR
     orientation = ExifTags.Base.Orientation
@@ -195,27 +198,27 @@ def phase_steps() -> list[tuple[str, Callable[[str], Any]]]:
     def oriented(path: str) -> None:
         with _fs.open_regular(path, follow_symlinks=True) as f, Image.open(f) as im:
             im.load()
-            images._TRANSPOSITIONS.get(im.getexif().get(orientation, 1))
+            decode_pil.TRANSPOSITIONS.get(im.getexif().get(orientation, 1))
 
     def converted(path: str) -> None:
         with _fs.open_regular(path, follow_symlinks=True) as f, Image.open(f) as im:
             im.load()
-            images._TRANSPOSITIONS.get(im.getexif().get(orientation, 1))
-            images._convert(im, "RGB")
+            decode_pil.TRANSPOSITIONS.get(im.getexif().get(orientation, 1))
+            decode_pil.convert(im, "RGB")
 
     def resized(path: str) -> None:
         with _fs.open_regular(path, follow_symlinks=True) as f, Image.open(f) as im:
             im.load()
-            images._TRANSPOSITIONS.get(im.getexif().get(orientation, 1))
-            images._convert(im, "RGB").resize(SIZE[::-1], bilinear)
+            decode_pil.TRANSPOSITIONS.get(im.getexif().get(orientation, 1))
+            decode_pil.convert(im, "RGB").resize(SIZE[::-1], bilinear)
 
     def array(path: str) -> None:
-        images.load_image(path, SIZE)
+        images.load_image(path, SIZE, backend="pil")
 
     row = np.zeros((3, *SIZE), np.uint8)
 
     def written(path: str) -> None:
-        row[...] = images.load_image(path, SIZE)
+        row[...] = images.load_image(path, SIZE, backend="pil")
 
     return [("open (file + Image.open header)", opened), ("decode (load)", decoded),
             ("EXIF orientation", oriented), ("convert to RGB", converted),
@@ -255,13 +258,15 @@ def profile(paths: list[str], rounds: int, builds: Builds) -> list[tuple[str, fl
 
 # --- the GIL fraction ----------------------------------------------------------------------
 
-def gil_fraction(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, float]:
-    """Fraction of one image's time (load_image) that holds the GIL; see the module doc."""
+def gil_fraction(paths: list[str], size: tuple[int, int], rounds: int,
+                 backend: str = "pil", draft: bool = False) -> dict[str, float]:
+    """Fraction of one image's time (load_image with ``backend``) that holds the GIL; see
+    the module doc (for "tensor", torch's ops in TORCH_RELEASING count as releasing it)."""
     from cachekit.engine import images
 
     def work() -> None:
         for path in paths:
-            images.load_image(path, size)
+            images.load_image(path, size, draft=draft, backend=backend)
 
     released: list[float] = []
     stack: list[tuple[Any, float]] = []
@@ -273,7 +278,8 @@ def gil_fraction(paths: list[str], size: tuple[int, int], rounds: int) -> dict[s
         elif event in ("c_return", "c_exception") and stack:
             fn, began = stack.pop()
             owner = type(getattr(fn, "__self__", None)).__name__
-            if (owner, getattr(fn, "__name__", "")) in RELEASING:
+            name = getattr(fn, "__name__", "")
+            if (owner, name) in RELEASING or name in TORCH_RELEASING:
                 released[-1] += clock() - began
 
     solo = []
@@ -419,13 +425,15 @@ def contestants_for(paths: list[str], builds: Builds, cores: int, stack: Any
 
 
 def exactness(paths: list[str], work: Path) -> dict[str, float]:
-    """Mean |difference| from the exact pixels, /255, of draft=True and the OpenCV proxy."""
+    """Mean |difference| from the exact pixels (the "pil" pipeline's), /255, of the default
+    draft=True and of the OpenCV proxy."""
     import numpy as np
 
     from cachekit.engine import images
 
     sample = paths[:200]
-    exact = np.stack([images.load_image(p, SIZE) for p in sample]).astype(np.int16)
+    exact = np.stack([images.load_image(p, SIZE, backend="pil") for p in sample]
+                     ).astype(np.int16)
     draft = np.stack([images.load_image(p, SIZE, draft=True) for p in sample]).astype(np.int16)
     out = {"draft": float(np.abs(draft - exact).mean())}
     try:
@@ -511,7 +519,7 @@ def table(n: int, runs: dict[str, list[tuple[float, float]]], gil: dict[str, dic
         fmt = "{:.3f}" if key.startswith("gil") else "{:,.1f}"
         lines.append(f"| {label} | {fmt.format(gil['covers'][key])} | "
                      f"{fmt.format(gil['small'][key])} |")
-    lines += ["", "| phase of one cover (exact path), CPU | adds us | cumulative us |",
+    lines += ["", "| phase of one cover (pil pipeline), CPU | adds us | cumulative us |",
               "|---|---:|---:|"]
     lines += [f"| {name} | {'' if name.startswith(('seed', 'bare')) else f'{add:,.0f}'} | "
               f"{total:,.0f} |" for name, add, total in phases]

@@ -18,6 +18,7 @@ import numpy as np
 from . import _fs, _wandb, keys, options, staleness
 from . import engine as build
 from .engine import executors
+from .engine.images import backend_for
 from .engine.rows import ArrayRow, ImageRow
 from .entry import Entry
 from .errors import ImageDecodeError
@@ -75,12 +76,21 @@ class Cache:
 
     def images(self, paths: Any, size: Union[int, Sequence[int]], *, mode: str = "RGB",
                fit: str = "stretch", resample: str = "bilinear", on_error: str = "raise",
-               validate: str = "path", draft: bool = False) -> Entry:
+               validate: str = "path", draft: bool = False,
+               backend: str = "tensor") -> Entry:
         """Decode, orient, convert and resize every image of ``paths`` into an (N, C, H, W)
         uint8 entry, built once whatever the number of processes asking at the same time.
 
+        ``backend="tensor"`` (the default) decodes JPEGs with torchvision and resizes with
+        torch's uint8 antialiased kernel: the pixels of ``torchvision.transforms.v2`` on the
+        decoded tensor, within one level of the ``"pil"`` pipeline's (``"crop"``: see
+        docs/usage.md). A file or setting it does not cover (other formats, CMYK, palette,
+        16-bit, ``resample`` nearest/lanczos/box, ...) goes through ``"pil"`` for that file.
+        ``backend="pil"``: Pillow throughout, bit-identical to torchvision ``Resize((h, w))`` on
+        the PIL image. docs/usage.md has the table of which pipeline covers what.
+
         ``draft=True`` lets JPEGs decode at a reduced DCT scale first: much faster, close to
-        but not identical with the exact pixels (see README); it is part of the key.
+        but not identical with the exact pixels (see README). Both are part of the key.
         """
         paths = _path_column(paths)
         height, width = _image_size(size)
@@ -89,11 +99,15 @@ class Cache:
         _choose("resample", resample, options.RESAMPLE_NAMES)
         _choose("on_error", on_error, options.ON_ERROR)
         _choose("validate", validate, options.VALIDATE)
+        _choose("backend", backend, options.BACKENDS)
         if not isinstance(draft, bool):
             raise TypeError(f"draft must be True or False, not {draft!r}")
         max_read = options.max_read_bytes()  # a bad $CACHEKIT_MAX_READ_BYTES fails here
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
+        backend = backend_for(backend, resample)  # "tensor" with nearest: "pil" throughout
+        if backend != "pil":  # absent means "pil": the keys of v1 entries stay as they were
+            params["backend"] = backend
         material: dict[str, Any] = {"column": keys.column_material(paths)}
         if validate == "stat":
             material["stat"] = keys.stat_signature(paths.to_numpy(dtype=object))
@@ -101,7 +115,7 @@ class Cache:
             material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
                                                          self.workers)
 
-        row = ImageRow((height, width), mode, fit, resample, draft, max_read)
+        row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend)
         channels = options.MODES[mode]
         return self._rows("images", paths, row, params, material,
                           template=((channels, height, width), np.dtype(np.uint8)),

@@ -124,3 +124,23 @@ def test_the_incremental_benchmark_prints_every_ratio(tmp_path: Path, monkeypatc
     assert result["shared"][0]["decoded"] == 1 and result["folds"][0]["decoded"] == 30
     assert all(r["reuse"] > 0 and r["fresh"] > 0 for r in result["shared"])
     assert (tmp_path / "i.json").exists()
+
+
+def test_the_backends_benchmark_prints_its_ratios(tmp_path: Path, monkeypatch) -> None:
+    # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    backends = importlib.import_module("bench_backends")
+    result = backends.main(["--quick", "--images", "8", "--json", str(tmp_path / "b.json"),
+                            "--only", "cachekit tensor, 1", "--only", "cachekit pil, 1",
+                            "--only", "OpenCV"])
+    text = result["table"]
+    for figure in ("default build per core / bare Pillow loop",
+                   "CPU per image, default build per core / bare loop",
+                   "tensor / pil, 1 worker"):
+        assert f"| {figure} |" in text
+    assert set(result["runs"]) == {"bare Pillow loop", "cachekit pil, 1 worker",
+                                   "cachekit tensor, 1 worker (the default per core)",
+                                   "OpenCV reduced decode, 2 processes"}
+    assert all(0 <= g["gil"] <= 1 for g in result["gil"].values())
+    assert result["diffs"]["tensor"][1] <= 1  # bilinear: within one level of pil
+    assert (tmp_path / "b.json").exists()

@@ -1,4 +1,9 @@
-"""Tests for cachekit.engine.images: pixels against torchvision / Pillow references, errors, draft."""
+"""Tests for cachekit.engine.images: pixels against torchvision / Pillow references, errors, draft.
+
+Pixel references here are the "pil" pipeline's (bit-identical to torchvision Resize on the PIL
+image): those tests pass ``backend="pil"``. What every backend must do alike (layout, errors,
+frames, threads) runs for both; the "tensor" backend's pixels are in test_tensor_backend.py.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import pytest
 from PIL import Image, ImageOps
 
 from cachekit import _fs
-from cachekit.engine.images import FITS, MODES, RESAMPLES, _draft_request, load_image
+from cachekit.engine.decode_pil import RESAMPLES, _draft_request
+from cachekit.engine.images import BACKENDS, FITS, MODES, load_image
 
 torchvision = pytest.importorskip("torchvision")
 from torchvision import transforms  # noqa: E402
@@ -124,7 +130,7 @@ def test_pixels_match_reference(
     sources: dict[str, Path], source: str, mode: str, fit: str, size: tuple[int, int]
 ) -> None:
     h, w = size
-    out = load_image(str(sources[source]), size, mode=mode, fit=fit)
+    out = load_image(str(sources[source]), size, mode=mode, fit=fit, backend="pil")
     _check_layout(out, mode, size)
     conv = _reference_converted(sources[source], mode)
     if fit == "stretch":
@@ -155,23 +161,25 @@ def test_crop_is_close_to_torchvision_resize_then_center_crop(
         [transforms.Resize((round(230 * scale), round(370 * scale))), transforms.CenterCrop(size)]
     )
     ref = _np_chw(tv(Image.fromarray(smooth))).astype(int)
-    diff = np.abs(load_image(str(path), size, fit="crop").astype(int) - ref)
+    diff = np.abs(load_image(str(path), size, fit="crop", backend="pil").astype(int) - ref)
     assert diff.mean() < 4 and diff.max() <= 16
 
 
-def test_pad_leaves_zero_borders(sources: dict[str, Path]) -> None:
-    out = load_image(str(sources["RGBA"]), (30, 30), mode="RGBA", fit="pad")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_leaves_zero_borders(sources: dict[str, Path], backend: str) -> None:
+    out = load_image(str(sources["RGBA"]), (30, 30), mode="RGBA", fit="pad", backend=backend)
     # 37x23 fit into 30x30 -> 30x19 (rounded), 11 free rows: 6 above, 5 below.
     assert not out[:, :6].any() and not out[:, 25:].any()
     assert out[3, 6:25].any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("source", ["1", "L", "LA", "I;16", "I", "F", "L-jpeg"])
 @pytest.mark.parametrize("fit", FITS)
 def test_grayscale_to_rgb_has_equal_channels(
-    sources: dict[str, Path], source: str, fit: str
+    sources: dict[str, Path], source: str, fit: str, backend: str
 ) -> None:
-    out = load_image(str(sources[source]), (16, 20), mode="RGB", fit=fit)
+    out = load_image(str(sources[source]), (16, 20), mode="RGB", fit=fit, backend=backend)
     np.testing.assert_array_equal(out[0], out[1])
     np.testing.assert_array_equal(out[0], out[2])
     assert out.std() > 0
@@ -183,7 +191,7 @@ def test_resample_filters_match_torchvision_and_differ(tmp_path: Path) -> None:
     Image.fromarray(noise).save(path)
     outs = {}
     for name in RESAMPLES:
-        outs[name] = load_image(str(path), (17, 23), resample=name)
+        outs[name] = load_image(str(path), (17, 23), resample=name, backend="pil")
         tv = transforms.Resize((17, 23), interpolation=InterpolationMode[name.upper()])
         np.testing.assert_array_equal(outs[name], _np_chw(tv(Image.fromarray(noise))))
     names = list(outs)
@@ -208,7 +216,7 @@ def test_exif_orientation_is_applied_before_resizing(
     with Image.open(tagged) as im:  # Pillow's own reading of the tag, the reference
         upright = ImageOps.exif_transpose(im)
     ref = _np_chw(upright.resize(size[::-1], Image.Resampling.BILINEAR)).astype(int)
-    out = load_image(str(tagged), size, draft=draft).astype(int)
+    out = load_image(str(tagged), size, draft=draft, backend="pil").astype(int)
     if draft:
         assert np.abs(out - ref).mean() < 3
     else:
@@ -225,8 +233,8 @@ def large_jpeg(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("fit", FITS)
 def test_draft_is_close_to_exact_and_exact_is_reference(large_jpeg: Path, fit: str) -> None:
     size = (48, 32)
-    exact = load_image(str(large_jpeg), size, fit=fit)
-    fast = load_image(str(large_jpeg), size, fit=fit, draft=True)
+    exact = load_image(str(large_jpeg), size, fit=fit, backend="pil")
+    fast = load_image(str(large_jpeg), size, fit=fit, draft=True, backend="pil")
     with Image.open(large_jpeg) as im:
         im.load()
         if fit == "stretch":
@@ -241,10 +249,12 @@ def test_draft_is_close_to_exact_and_exact_is_reference(large_jpeg: Path, fit: s
     assert np.abs(fast.astype(int) - exact.astype(int)).mean() < 2
 
 
-def test_draft_is_ignored_for_non_jpeg(sources: dict[str, Path]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draft_is_ignored_for_non_jpeg(sources: dict[str, Path], backend: str) -> None:
     path = str(sources["RGB"])
     np.testing.assert_array_equal(
-        load_image(path, (8, 8), draft=True), load_image(path, (8, 8), draft=False)
+        load_image(path, (8, 8), draft=True, backend=backend),
+        load_image(path, (8, 8), draft=False, backend=backend)
     )
 
 
@@ -269,14 +279,15 @@ def test_draft_request_covers_what_the_resize_samples(
     assert _draft_request(src, target, fit, orientation) == expected
 
 
-def test_animated_images_give_the_first_frame(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_animated_images_give_the_first_frame(tmp_path: Path, backend: str) -> None:
     frames = [Image.new("RGB", (20, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
     for ext in ("gif", "webp"):
         path = tmp_path / f"anim.{ext}"
         frames[0].save(path, save_all=True, append_images=frames[1:], duration=50, loop=0)
         with Image.open(path) as im:
             assert im.n_frames == 2
-        out = load_image(str(path), (5, 10))
+        out = load_image(str(path), (5, 10), backend=backend)
         assert (out[0] > 200).all() and (out[2] < 50).all(), ext
 
 
@@ -300,26 +311,29 @@ READS = {"read whole": None, "read from the file": 0}
 """``max_read_bytes`` of each way a file reaches Pillow: the default cap, and a cap of 0."""
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("read", list(READS))
 @pytest.mark.parametrize("kind", list(_BAD_FILES))
-def test_unreadable_files_raise(tmp_path: Path, kind: str, read: str) -> None:
+def test_unreadable_files_raise(tmp_path: Path, kind: str, read: str, backend: str) -> None:
     path = tmp_path / "bad.jpg"
     _BAD_FILES[kind](path)
     with pytest.raises(OSError) as info:  # FileNotFound, IsADirectory, UnidentifiedImage...
-        load_image(str(path), (8, 8), max_read_bytes=READS[read])
+        load_image(str(path), (8, 8), max_read_bytes=READS[read], backend=backend)
     assert str(info.value)
     if kind == "text-named-jpg":
         assert str(path) in str(info.value)  # the file, not a BytesIO or a file object
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ext", ["png", "jpg"])
 @pytest.mark.parametrize("read", list(READS))
 def test_decompression_bomb_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   read: str) -> None:
-    path = tmp_path / "bomb.png"
+                                   read: str, ext: str, backend: str) -> None:
+    path = tmp_path / f"bomb.{ext}"
     Image.new("L", (100, 100)).save(path)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 10,000 px > 2 x limit: an error
     with pytest.raises(Image.DecompressionBombError):
-        load_image(str(path), (8, 8), max_read_bytes=READS[read])
+        load_image(str(path), (8, 8), max_read_bytes=READS[read], backend=backend)
 
 
 @pytest.mark.parametrize("draft", [False, True])
@@ -328,21 +342,22 @@ def test_a_file_above_the_read_cap_gives_the_same_pixels(
         sources: dict[str, Path], large_jpeg: Path, fit: str, draft: bool) -> None:
     for path in [large_jpeg, *sources.values()]:
         size = path.stat().st_size
-        whole = load_image(str(path), (24, 12), fit=fit, draft=draft)
+        whole = load_image(str(path), (24, 12), fit=fit, draft=draft, backend="pil")
         for cap in (0, size - 1):
             streamed = load_image(str(path), (24, 12), fit=fit, draft=draft,
-                                  max_read_bytes=cap)
+                                  max_read_bytes=cap, backend="pil")
             np.testing.assert_array_equal(streamed, whole, err_msg=f"{path.name} cap {cap}")
 
 
 def test_the_read_cap_comes_from_the_environment(large_jpeg: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    whole = load_image(str(large_jpeg), (16, 16))
+    whole = load_image(str(large_jpeg), (16, 16), backend="pil")
     monkeypatch.setenv("CACHEKIT_MAX_READ_BYTES", "1K")  # far below the JPEG's size
-    np.testing.assert_array_equal(load_image(str(large_jpeg), (16, 16)), whole)
+    np.testing.assert_array_equal(load_image(str(large_jpeg), (16, 16), backend="pil"), whole)
     monkeypatch.setenv("CACHEKIT_MAX_READ_BYTES", "a lot")
-    with pytest.raises(ValueError, match="CACHEKIT_MAX_READ_BYTES='a lot'"):
-        load_image(str(large_jpeg), (16, 16))
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="CACHEKIT_MAX_READ_BYTES='a lot'"):
+            load_image(str(large_jpeg), (16, 16), backend=backend)
 
 
 @pytest.mark.parametrize("cap", [0, 10, 11, 1 << 20])
@@ -362,12 +377,15 @@ def test_read_capped_holds_a_file_in_memory_only_up_to_the_cap(tmp_path: Path,
         other.unlink() if planted == "fifo" else other.rmdir()
 
 
-def test_threads_give_the_same_pixels_as_serial_calls(sources: dict[str, Path]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threads_give_the_same_pixels_as_serial_calls(sources: dict[str, Path],
+                                                      backend: str) -> None:
     # The build calls load_image from a thread pool; warnings raised there fail it too.
     jobs = [(str(path), mode) for path in sources.values() for mode in MODES] * 2
 
     def run(job: tuple[str, str]) -> np.ndarray:
-        return load_image(job[0], (16, 20), mode=job[1], fit="crop", draft=True)
+        return load_image(job[0], (16, 20), mode=job[1], fit="crop", draft=True,
+                          backend=backend)
 
     with ThreadPoolExecutor(8) as pool:
         threaded = list(pool.map(run, jobs))

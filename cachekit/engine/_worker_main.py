@@ -18,6 +18,13 @@ import traceback
 from typing import Any, BinaryIO
 
 HEADER = struct.Struct("<Q")
+_serving = False
+
+
+def serving() -> bool:
+    """Whether this interpreter is a cachekit worker process (it runs one call at a time, in
+    one thread): what a row function may tune itself by, as the torch decoders do."""
+    return _serving
 
 
 def send(stream: BinaryIO, message: Any) -> None:
@@ -40,6 +47,8 @@ def receive_bytes(stream: BinaryIO) -> bytes:
 
 def serve() -> None:
     """The worker's loop: read a call, run it, send back (True, result) or (False, error)."""
+    global _serving
+    _serving = True
     channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints go to stderr, not the channel
     channel_in = sys.stdin.buffer

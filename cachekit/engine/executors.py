@@ -35,8 +35,9 @@ from ..errors import Failure
 from .compute import ChunkRunner, InlineRunner, RowTask
 from .pieces import CLUSTER_SIZES, PROCESS_SIZES, THREAD_SIZES, PieceRunner
 
-__all__ = ["ChunkRunner", "Failure", "RowTask", "check_executor", "check_workers",
-           "default_executor", "make_runner", "usable_cpus"]
+__all__ = ["ChunkRunner", "Failure", "PROCESSES_FROM_ROWS", "PROCESSES_FROM_ROWS_WITH_TORCH",
+           "RowTask", "check_executor", "check_workers", "default_executor", "make_runner",
+           "usable_cpus"]
 
 ExecutorSpec = Union[None, str, Executor]
 KINDS = ("threads", "processes")
@@ -44,6 +45,9 @@ KINDS = ("threads", "processes")
 PROCESSES_FROM_ROWS = 1024
 """The default rule's threshold: builds of at least this many rows, with 2 or more workers,
 run on processes. See :func:`default_executor`."""
+PROCESSES_FROM_ROWS_WITH_TORCH = 16384
+"""The threshold for a row function that imports torch (``imports_torch``: the ``"tensor"``
+decoding backend), whose worker interpreters each import torch first."""
 
 
 def usable_cpus() -> int:
@@ -58,17 +62,22 @@ def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) ->
     """The executor ``executor=None`` stands for: "threads" or "processes".
 
     Processes when all of: 2 or more workers; at least PROCESSES_FROM_ROWS rows to compute
-    (``rows`` None: unknown, so no); and a row function that cachekit's worker processes can
+    (PROCESSES_FROM_ROWS_WITH_TORCH for a row function whose ``imports_torch`` is true;
+    ``rows`` None: unknown, so no); and a row function that cachekit's worker processes can
     load (it pickles and needs nothing from the main script). Threads otherwise.
 
-    Why (benchmarks/bench_engine.py; the measurements are in docs/build-engine.md): part of
-    each image's decode holds the GIL (most of it for small images), so Amdahl's law caps
-    threads well below the core count, where processes scale with the cores; but a worker
-    process costs a fraction of a second of CPU to start (numpy, Pillow, cachekit's row
-    functions), which a build of fewer than about a thousand rows does not earn back on 2
-    cores (the two broke even near PROCESSES_FROM_ROWS): threads start at once.
+    Why (benchmarks/bench_engine.py and bench_backends.py; the measurements are in
+    docs/build-engine.md): part of each image's decode holds the GIL (most of it for small
+    images), so Amdahl's law caps threads well below the core count, where processes scale
+    with the cores; but a worker process costs CPU to start, which a small build does not
+    earn back: threads start at once. With a start cost of s seconds per worker, t seconds
+    per row and a GIL share g, processes catch up with threads after about s / (t * g) rows
+    whatever the number of cores: about a thousand for Pillow's rows (numpy and Pillow to
+    import), over ten thousand for the tensor backend's (torch to import, shorter rows).
     """
-    if workers < 2 or rows is None or rows < PROCESSES_FROM_ROWS:
+    threshold = (PROCESSES_FROM_ROWS_WITH_TORCH if getattr(task.row_fn, "imports_torch", False)
+                 else PROCESSES_FROM_ROWS)
+    if workers < 2 or rows is None or rows < threshold:
         return "threads"
     try:
         check_picklable(task, "processes")

@@ -1,39 +1,53 @@
-"""Decode, orient, convert and resize one image file: pure ``path -> ndarray`` functions.
+"""Decode, orient, convert and resize one image file: the decoding backends' one entry point.
 
-The build code calls :func:`load_image` once per row, in threads or worker processes, so
-everything here is stateless and thread-safe: no global Pillow settings are changed and no
-warning filters are touched.  Argument values are validated by the caller.
+:func:`load_image` turns a path into a (C, H, W) uint8 row with the backend asked for:
+
+- ``"pil"`` (:mod:`.decode_pil`): Pillow throughout, the v1 pipeline, bit-identical to
+  torchvision ``Resize((h, w))`` on the PIL image;
+- ``"tensor"`` (:mod:`.decode_tensor`): torchvision's JPEG decoder, then torch's uint8
+  antialiased resize, the pixels of ``torchvision.transforms.v2`` on the decoded tensor; a file
+  or setting it does not cover goes through ``"pil"`` for that file.
+
+A backend is a module with a ``load`` of :func:`load_image`'s signature (the
+:class:`Backend` protocol), imported on first use: a build with ``"pil"`` never imports
+torch. A device backend (batched nvJPEG decoding on a GPU) would be one more such module,
+with a second entry point that fills a whole piece of rows at once; see docs/usage.md.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+import importlib
+from typing import Optional, Protocol
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from .. import _fs, options
-from ..options import FITS, MODES, RESAMPLE_NAMES
+from ..options import BACKENDS, FITS, MODES, RESAMPLE_NAMES
 
-__all__ = ["FITS", "MODES", "RESAMPLES", "decoder_versions", "load_image"]
+__all__ = ["BACKENDS", "FITS", "MODES", "RESAMPLE_NAMES", "TENSOR_RESAMPLES", "Backend",
+           "backend_for", "decoder_versions", "load_image"]
 
-RESAMPLES: dict[str, Image.Resampling] = {
-    name: Image.Resampling[name.upper()] for name in RESAMPLE_NAMES
-}
+TENSOR_RESAMPLES: tuple[str, ...] = ("bilinear", "bicubic")
+"""The filters torch's uint8 antialiased resize has; with the others the ``"tensor"``
+backend is the ``"pil"`` pipeline for every file."""
 
-_ORIENTATION = ExifTags.Base.Orientation
-_TRANSPOSITIONS: dict[int, Image.Transpose] = {  # as in ImageOps.exif_transpose
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-# EXIF orientations 5-8 swap width and height (transpose, rotate 90/270, transverse).
-_SWAPS_AXES = frozenset({5, 6, 7, 8})
+_MODULES = {"pil": "decode_pil", "tensor": "decode_tensor"}
+_LOADED: dict[str, Backend] = {}
+
+
+class Backend(Protocol):
+    """What decodes a row: ``load(path, size, mode, fit, resample, draft, max_read_bytes)``
+    returns the (C, H, W) uint8 row, or raises for a file that cannot be decoded."""
+
+    def load(self, path: str, size: tuple[int, int], mode: str, fit: str, resample: str,
+             draft: bool, max_read_bytes: Optional[int]) -> np.ndarray: ...
+
+
+def backend_for(backend: str, resample: str) -> str:
+    """The backend that decodes every file of a call: ``backend``, or ``"pil"`` for a
+    ``"tensor"`` call with a filter torch's resize does not have."""
+    if backend == "tensor" and resample not in TENSOR_RESAMPLES:
+        return "pil"
+    return backend
 
 
 def load_image(
@@ -44,145 +58,29 @@ def load_image(
     resample: str = "bilinear",
     draft: bool = False,
     max_read_bytes: Optional[int] = None,
+    backend: str = "tensor",
 ) -> np.ndarray:
-    """Decode one image file into a (C, H, W) uint8 C-contiguous array. size is (height, width).
+    """Decode one image file into a (C, H, W) uint8 C-contiguous array; size is (height, width).
 
-    Steps: first frame only (animated GIF/WebP); EXIF orientation applied; pixels converted
-    like ``Image.convert(mode)`` (see :func:`_convert`); then resized by ``fit``:
-
-    - ``"stretch"``: ``im.resize((w, h), resample)``, the exact pixels of torchvision
-      ``Resize((h, w), interpolation=...)`` on the converted PIL image.
-    - ``"crop"``: ``ImageOps.fit(im, (w, h), resample)``: the largest centered box of the
-      target aspect ratio, in float coordinates (no rounding of the intermediate size or
-      offset), is resampled to (w, h) in one pass with ``resize(..., box=box)``.
-    - ``"pad"``: the pixels of ``ImageOps.pad(im, (w, h), resample, color=0)``: resized to
-      fit inside with ``ImageOps.contain`` (aspect kept, the free side rounded), placed at
-      offset ``round(free * 0.5)`` (Python's half-to-even) on zeros, i.e. transparent
-      black for RGBA.
-
-    ``draft=True`` lets libjpeg decode JPEGs at 1/2, 1/4 or 1/8 scale (``Image.draft``), the
-    smallest scale still at least as large as the resize needs; other formats ignore it.
-    Faster but not pixel-identical; ``draft=False`` is the exact path. Its speed and pixel
-    differences, as measured, are in docs/usage.md ("Fast decoding").
-
-    Any read or decode failure raises (``OSError``, ``UnidentifiedImageError``,
-    ``DecompressionBombError``, ...); truncated files raise because ``load()`` is forced
-    and ``ImageFile.LOAD_TRUNCATED_IMAGES`` is left False.  The returned array may be
-    read-only (for "L" it shares the buffer Pillow produced); copy it to modify it.
-
-    ``max_read_bytes`` (None: ``$CACHEKIT_MAX_READ_BYTES``, default 256 MiB, see
-    :func:`cachekit.options.max_read_bytes`) caps the file read whole into memory: a larger
-    file is parsed from the open file, with Pillow's own streaming reads and decompression
-    bomb checks, to the same pixels.
+    The steps and their pixels are each backend's (:func:`.decode_pil.load`,
+    :func:`.decode_tensor.load`). Any read or decode failure raises the error Pillow gives
+    for the file (``OSError``, ``UnidentifiedImageError``, ``DecompressionBombError``, ...),
+    whatever the backend. The array may be read-only; copy it to modify it.
     """
-    height, width = size
-    if max_read_bytes is None:
-        max_read_bytes = options.max_read_bytes()
-    # A FIFO or device path would block or never end: only regular files are opened. A file
-    # up to the cap is read whole first (the same pixels; less CPU per draft decode than
-    # Pillow's small reads from a file object, see docs/build-engine.md); a larger one is
-    # parsed from the file, so a huge non-image costs its header, not its size.
-    with _fs.read_capped(path, max_read_bytes, follow_symlinks=True) as data:
-        try:
-            opened = Image.open(data)
-        except UnidentifiedImageError:  # its message would name the BytesIO, not the file
-            raise UnidentifiedImageError(f"cannot identify image file {path!r}") from None
-        with opened as im:
-            return _decode(im, (height, width), mode, fit, resample, draft)
-
-
-def _decode(im: Image.Image, size: tuple[int, int], mode: str, fit: str, resample: str,
-            draft: bool) -> np.ndarray:
-    """:func:`load_image`'s steps on the opened image ``im``, called inside its ``with``:
-    _convert may return ``im`` itself, and a closed image is not guaranteed to keep its
-    pixels."""
-    height, width = size
-    if draft:
-        orientation = im.getexif().get(_ORIENTATION, 1)
-        im.draft(None, _draft_request(im.size, (width, height), fit, orientation))
-    im.load()
-    # After load(): some formats (PNG eXIf after the pixels) only then have their EXIF.
-    # The same transposition as ImageOps.exif_transpose, without its rewriting of the
-    # EXIF bytes, which nothing here reads again.
-    method = _TRANSPOSITIONS.get(im.getexif().get(_ORIENTATION, 1))
-    oriented = im if method is None else im.transpose(method)
-    converted = _convert(oriented, mode)
-    filt = RESAMPLES[resample]
-    if fit == "stretch":
-        return _chw(np.asarray(converted.resize((width, height), filt)))
-    if fit == "crop":
-        return _chw(np.asarray(ImageOps.fit(converted, (width, height), filt)))
-    return _pad(converted, (width, height), filt)
-
-
-def _convert(im: Image.Image, mode: str) -> Image.Image:
-    """Return ``im.convert(mode)`` pixels without the warnings Pillow emits on the way.
-
-    A "P" image whose transparency is per-palette-entry bytes (PNG tRNS) makes Pillow warn
-    "should be converted to RGBA images" on conversion to "L" or "RGB", then drop the
-    transparency.  Going through "RGBA" (the conversion that warning names) gives the same
-    pixels, because RGBA -> L/RGB ignores alpha, without the warning.  Every other source
-    mode Image.open produces (1, L, LA, P, RGB, RGBA, CMYK, YCbCr, I;16*, I, F, and LAB via
-    littlecms) converts directly in Pillow 13; "I", "I;16" and "F" are clipped to 0..255,
-    not rescaled.
-    """
-    if im.mode == mode:
-        return im
-    if im.mode == "P" and mode != "RGBA" and isinstance(im.info.get("transparency"), bytes):
-        im = im.convert("RGBA")
-    elif im.mode == "LAB" and mode == "L":
-        # Pillow converts LAB only to/from RGB(A) (through littlecms); LAB -> L raises
-        # "conversion from LAB to RGB not supported".  Go through RGB explicitly.
-        im = im.convert("RGB")
-    return im.convert(mode)
-
-
-def _pad(im: Image.Image, size: tuple[int, int], filt: Image.Resampling) -> np.ndarray:
-    """Resize to fit inside ``size`` (w, h) and center on zeros, as ImageOps.pad(color=0)."""
-    width, height = size
-    resized = np.asarray(ImageOps.contain(im, size, filt))
-    if resized.ndim == 2:
-        resized = resized[:, :, None]
-    h, w, channels = resized.shape
-    out = np.zeros((channels, height, width), dtype=np.uint8)
-    # Same offsets as ImageOps.pad, including Python's round-half-to-even.
-    top, left = round((height - h) * 0.5), round((width - w) * 0.5)
-    out[:, top : top + h, left : left + w] = resized.transpose(2, 0, 1)
-    return out
-
-
-def _chw(hwc: np.ndarray) -> np.ndarray:
-    """(H, W) or (H, W, C) -> C-contiguous (C, H, W); no copy for single-channel images."""
-    if hwc.ndim == 2:
-        return hwc[None]
-    return np.ascontiguousarray(hwc.transpose(2, 0, 1))
-
-
-def _draft_request(
-    src: tuple[int, int], target: tuple[int, int], fit: str, orientation: int
-) -> tuple[int, int]:
-    """The (w, h), in stored (pre-EXIF) orientation, that the resize step will sample.
-
-    ``JpegImageFile.draft`` picks the largest scale 1/s (s in 8, 4, 2, 1) with
-    ``s <= min(src_w // req_w, src_h // req_h)``, so the drafted image is never smaller
-    than this request: for "stretch" the target itself, for "crop" the image scaled until
-    its shorter side covers the target, for "pad" the image scaled to fit inside it.
-    """
-    src_w, src_h = src
-    tw, th = target
-    if orientation in _SWAPS_AXES:
-        tw, th = th, tw
-    if fit == "stretch":
-        return tw, th
-    pick = max if fit == "crop" else min
-    scale = pick(tw / src_w, th / src_h)
-    return math.ceil(src_w * scale), math.ceil(src_h * scale)
+    name = backend_for(backend, resample)
+    module = _LOADED.get(name)
+    if module is None:
+        module = _LOADED[name] = importlib.import_module(f".{_MODULES[name]}", __package__)
+    return module.load(path, size, mode, fit, resample, draft, max_read_bytes)
 
 
 def decoder_versions() -> dict[str, Optional[str]]:
     """The versions of what decodes the images: Pillow, its libjpeg (the libjpeg API level,
-    e.g. "6.2" or "8.0") and libjpeg-turbo when that is the implementation. Recorded in an
-    images entry's manifest (``builder.decoders``), not in its key: see docs/object-stores.md."""
+    e.g. "6.2" or "8.0") and libjpeg-turbo when that is the implementation, torch and
+    torchvision (None when not installed). Recorded in an images entry's manifest
+    (``builder.decoders``), not in its key: see docs/object-stores.md."""
+    from importlib import metadata
+
     import PIL
     from PIL import features
 
@@ -192,5 +90,12 @@ def decoder_versions() -> dict[str, Optional[str]]:
         except (ValueError, KeyError):  # a feature this Pillow does not know
             return None
 
+    def installed(package: str) -> Optional[str]:
+        try:  # from the package's metadata: importing torch would cost seconds
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
     return {"pillow": PIL.__version__, "libjpeg": version("jpg"),
-            "libjpeg_turbo": version("libjpeg_turbo")}
+            "libjpeg_turbo": version("libjpeg_turbo"), "torch": installed("torch"),
+            "torchvision": installed("torchvision")}

@@ -32,6 +32,7 @@ class ImageRow:
 
     ``max_read_bytes``: the caller's cap on whole-file reads, so that workers elsewhere (a
     cluster) read as the caller asked; None: each worker's ``$CACHEKIT_MAX_READ_BYTES``.
+    ``backend``: "tensor" or "pil" (cachekit.engine.images).
     """
 
     size: tuple[int, int]
@@ -40,6 +41,15 @@ class ImageRow:
     resample: str = "bilinear"
     draft: bool = False
     max_read_bytes: Optional[int] = None
+    backend: str = "tensor"
+
+    @property
+    def imports_torch(self) -> bool:
+        """Whether computing a row imports torch (seconds of CPU in a fresh process): the
+        executor rule counts it (cachekit.engine.executors.default_executor)."""
+        from .images import backend_for
+
+        return backend_for(self.backend, self.resample) == "tensor"
 
     def __call__(self, path: str) -> np.ndarray:
         from . import images
@@ -47,7 +57,7 @@ class ImageRow:
         # Looked up on the module at each call (not bound once), so a test that patches
         # cachekit.engine.images.load_image to count decodes sees every row.
         return images.load_image(path, self.size, self.mode, self.fit, self.resample,
-                                 self.draft, self.max_read_bytes)
+                                 self.draft, self.max_read_bytes, self.backend)
 
 
 class ArrayRow:

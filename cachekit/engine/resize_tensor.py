@@ -1,0 +1,219 @@
+"""torch's side of the ``"tensor"`` backend: torchvision's JPEG decoder and torch's uint8
+antialiased resize, for every fit.
+
+The resize is the kernel ``torchvision.transforms.v2.functional.resize`` runs on a uint8
+tensor (``torch.nn.functional.interpolate(..., antialias=True)``), called the way it calls
+it, so the pixels are v2's on the same tensor; the fits are defined with v2's functions:
+
+- ``"stretch"``: ``resize(img, [h, w])``;
+- ``"crop"``: ``crop(resized_crop(img, top, left, height, width, [h + m, w + n]), ...)``:
+  the box ``ImageOps.fit`` resamples (the largest centered box of the target's aspect
+  ratio, in float coordinates) grown on each side that has image there by a margin that
+  holds the kernel's reach, rounded to whole pixels, resized, and the margin cut off again.
+  The margin lets the kernel see the pixels beyond the box's edges, as Pillow's does; what
+  is left of the difference is the rounding of the box to whole pixels (at most half an
+  input pixel). Where the rounding changes nothing, the pixels are ``ImageOps.fit``'s
+  within one level;
+- ``"pad"``: ``resize`` to the size ``ImageOps.contain`` picks, then zeros around it at
+  ``ImageOps.pad``'s offsets: the same geometry as the ``"pil"`` pipeline.
+
+Importing this module imports torch (seconds, once per process) and loads torchvision's
+image extension without importing torchvision, whose own import costs about as much again.
+In a cachekit worker process torch is set to one intra-op thread: a worker computes one row
+at a time (the builder's threads never need it: nothing here runs torch's intra-op pool,
+see docs/build-engine.md).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import math
+import os
+import platform
+import sys
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+from torch.nn import functional
+
+from . import _worker_main
+
+__all__ = ["RADIUS", "Window", "crop_window", "decode_jpeg", "fit_size", "resize_fit"]
+
+RADIUS = {"bilinear": 1, "bicubic": 2}
+"""Each kernel's reach, in input pixels when enlarging, in output pixels when shrinking."""
+
+if _worker_main.serving():
+    torch.set_num_threads(1)
+
+
+def _image_ops() -> Any:
+    """``torch.ops.image``, torchvision's decoders, loaded without importing torchvision.
+
+    ``import torchvision`` imports its models and ops, and through them torch._dynamo: more
+    CPU than torch's own import, paid by every worker process. The extension library is
+    the one ``torchvision.io`` loads (``torch.ops.load_library`` on the same file, so a
+    later ``import torchvision`` finds it loaded); when it cannot be found that way,
+    torchvision.io loads it.
+    """
+    if "torchvision.io" not in sys.modules:
+        spec = importlib.util.find_spec("torchvision")  # a top-level package: not imported
+        folder = os.path.dirname(spec.origin) if spec is not None and spec.origin else None
+        finder = folder and importlib.machinery.FileFinder(
+            folder, (importlib.machinery.ExtensionFileLoader,
+                     importlib.machinery.EXTENSION_SUFFIXES))
+        library = finder and finder.find_spec("image_stable")
+        if library is not None and library.origin:
+            torch.ops.load_library(library.origin)
+        else:
+            import torchvision.io  # noqa: F401  (registers torch.ops.image)
+    return torch.ops.image
+
+
+# The op itself, not torchvision.io.decode_jpeg: that wrapper warns (DeprecationWarning,
+# torchvision 0.29) on every call, and a warning filter cannot be set per thread.
+_DECODE_JPEG: Callable[..., torch.Tensor] = _image_ops().decode_jpeg
+_UNCHANGED = 0  # torchvision.io.ImageReadMode.UNCHANGED: the file's own channels
+
+
+def decode_jpeg(data: bytes, channels: int, height: int, width: int) -> Optional[np.ndarray]:
+    """The (H, W, C) uint8 pixels libjpeg-turbo decodes from the JPEG ``data`` (writable, C
+    order), or None when torchvision refuses the file or gives another shape than the
+    header promised (the caller then lets Pillow decode it, and report its error)."""
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: no warning
+    try:
+        decoded = _DECODE_JPEG(encoded, _UNCHANGED, False)
+    except RuntimeError:
+        return None
+    if tuple(decoded.shape) != (channels, height, width):
+        return None
+    hwc = decoded.permute(1, 2, 0)  # torchvision's CHW is a view of libjpeg's HWC rows
+    return hwc.numpy() if hwc.is_contiguous() else np.ascontiguousarray(hwc.numpy())
+
+
+class Window(NamedTuple):
+    """One axis of a "crop": input pixels ``[start, start + length)`` are resized to
+    ``scaled`` pixels, of which ``scaled[skip:skip + out]`` are kept."""
+
+    start: int
+    length: int
+    scaled: int
+    skip: int
+
+
+def crop_window(src: tuple[int, int], target: tuple[int, int], resample: str
+                ) -> tuple[Window, Window]:
+    """The (rows, columns) windows of a "crop" of an image of size ``src`` (h, w) to
+    ``target`` (h, w): ``ImageOps.fit``'s box, its arithmetic included, grown by the margin
+    ``resample``'s kernel needs."""
+    (src_h, src_w), (h, w) = src, target
+    image_ratio, target_ratio = src_w / src_h, w / h
+    if image_ratio == target_ratio:
+        box_w, box_h = float(src_w), float(src_h)
+    elif image_ratio >= target_ratio:
+        box_w, box_h = target_ratio * src_h, float(src_h)
+    else:
+        box_w, box_h = float(src_w), src_w / target_ratio
+    radius = RADIUS[resample]
+    return (_window((src_h - box_h) * 0.5, box_h, src_h, h, radius),
+            _window((src_w - box_w) * 0.5, box_w, src_w, w, radius))
+
+
+def _window(start: float, length: float, total: int, out: int, radius: int) -> Window:
+    scale = length / out  # input pixels per output pixel
+    # Output pixels whose span covers the kernel's reach beyond the box, and the pixel the
+    # rounding of the window's ends may take away.
+    margin = math.ceil((radius * max(scale, 1.0) + 1) / scale)
+    before = max(0, min(margin, math.floor(start / scale)))
+    after = max(0, min(margin, math.floor((total - start - length) / scale)))
+    first = max(0, round(start - before * scale))
+    end = min(total, max(first + 1, round(start + length + after * scale)))
+    return Window(first, end - first, out + before + after, before)
+
+
+def fit_size(src: tuple[int, int], target: tuple[int, int], fit: str) -> tuple[int, int]:
+    """The (height, width) the image of size ``src`` (h, w) is resized to for "stretch" and
+    "pad" (for "pad", ``ImageOps.contain``'s arithmetic, its rounding included)."""
+    (src_h, src_w), (h, w) = src, target
+    if fit == "stretch":
+        return h, w
+    im_ratio, dest_ratio = src_w / src_h, w / h
+    if im_ratio > dest_ratio:
+        return round(src_h / src_w * w), w
+    if im_ratio < dest_ratio:
+        return h, round(src_w / src_h * h)
+    return h, w
+
+
+def resize_fit(hwc: np.ndarray, size: tuple[int, int], fit: str, resample: str,
+               channels: int) -> np.ndarray:
+    """``hwc`` ((H, W, C) uint8, C order) resized by ``fit`` to ``size`` (h, w): the
+    (channels, h, w) uint8 C-contiguous row.
+
+    When ``channels`` is more than C, the resized image is filled up before any padding: a
+    single channel copied into the first three, a fourth (alpha) set to 255. The pixels are
+    those of filling up first, on fewer pixels: torch's kernel resizes each channel alike
+    whatever their number, and keeps a constant channel constant.
+    """
+    h, w = size
+    if fit == "crop":
+        rows, columns = crop_window(hwc.shape[:2], size, resample)
+        box = hwc[rows.start:rows.start + rows.length, columns.start:columns.start + columns.length]
+        resized = _resize(np.ascontiguousarray(box), (rows.scaled, columns.scaled), resample)
+        resized = resized[:, rows.skip:rows.skip + h, columns.skip:columns.skip + w]
+        return _filled(resized, channels, np.empty((channels, h, w), dtype=np.uint8))
+    scaled = fit_size(hwc.shape[:2], size, fit)
+    if min(scaled) == 0:  # "pad" of a sliver: ImageOps.contain gives an empty image
+        return np.zeros((channels, h, w), dtype=np.uint8)
+    resized = _resize(hwc, scaled, resample)
+    if fit == "stretch":
+        if resized.shape[0] == channels and resized.flags.c_contiguous:
+            return resized  # torch's new output itself
+        return _filled(resized, channels, np.empty((channels, h, w), dtype=np.uint8))
+    rh, rw = scaled
+    out = np.zeros((channels, h, w), dtype=np.uint8)
+    top, left = round((h - rh) * 0.5), round((w - rw) * 0.5)  # as ImageOps.pad
+    _filled(resized, channels, out[:, top:top + rh, left:left + rw])
+    return out
+
+
+def _filled(chw: np.ndarray, channels: int, out: np.ndarray) -> np.ndarray:
+    """``chw`` copied into ``out`` ((channels, h, w)), filled up as resize_fit says."""
+    if chw.shape[0] == channels:
+        out[...] = chw
+        return out
+    out[:3] = chw[:3]  # one gray channel broadcasts into three
+    if channels == 4:
+        out[3] = chw[3] if chw.shape[0] == 4 else 255
+    return out
+
+
+def _resize(hwc: np.ndarray, size: tuple[int, int], resample: str) -> np.ndarray:
+    """``resize_image`` of torchvision.transforms.v2 on the CHW view of ``hwc``: the (C, h, w)
+    result, as an array over the tensor's memory."""
+    image = torch.from_numpy(hwc).permute(2, 0, 1).unsqueeze(0)  # channels_last 1CHW
+    if tuple(size) == hwc.shape[:2]:
+        return image[0].numpy()
+    if _NATIVE_UINT8[resample]:
+        out = functional.interpolate(image, size=list(size), mode=resample,
+                                     align_corners=False, antialias=True)
+    else:  # as v2 does where torch has no uint8 bilinear kernel: in float32, rounded (v2
+        # clamps first only for bicubic, which always has its uint8 kernel)
+        out = functional.interpolate(image.to(torch.float32), size=list(size), mode=resample,
+                                     align_corners=False, antialias=True)
+        out = out.round_().to(torch.uint8)
+    return out[0].numpy()
+
+
+def _native_uint8() -> dict[str, bool]:
+    """Where v2's resize runs torch's kernel on uint8 itself (``_do_native_uint8_resize_on_cpu``
+    in torchvision.transforms.v2.functional): bicubic always, bilinear on AVX2, AVX-512 and
+    ARM64 CPUs."""
+    vector = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+              or platform.machine() in ("aarch64", "arm64"))
+    return {"bilinear": vector, "bicubic": True}
+
+
+_NATIVE_UINT8 = _native_uint8()

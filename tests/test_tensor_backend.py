@@ -1,0 +1,627 @@
+"""The "tensor" backend: torchvision v2's pixels on the decoded tensor, within one level of the
+"pil" pipeline, the fallbacks to it, and the key that tells the two apart.
+
+References are built here from public APIs only: torchvision.io's decoders, the
+torchvision.transforms.v2 functionals, Pillow's own conversion formula written out in torch,
+and the "pil" pipeline. Image files are real ones, written into tmp_path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from PIL import Image, ImageOps, features
+
+import cachekit
+from cachekit.engine import decode_pil, decode_tensor, images, jpeg_header, resize_tensor
+from cachekit.engine.images import load_image
+
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+import torchvision.io as tvio  # noqa: E402
+import torchvision.transforms.v2.functional as VF  # noqa: E402
+from torchvision.transforms import InterpolationMode  # noqa: E402
+
+FITS = ("stretch", "crop", "pad")
+MODES = ("RGB", "L", "RGBA")
+MODES_CHANNELS = {"RGB": 3, "L": 1, "RGBA": 4}
+FILTERS = ("bilinear", "bicubic")
+INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
+
+
+def pixels(h: int, w: int, seed: int = 0, channels: int = 3) -> np.ndarray:
+    """Gradients, a block and noise: every kernel tap and offset leaves a trace."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    planes = [x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256,
+              255 - (x * y) % 256][:channels]
+    img = np.stack(planes, -1)
+    img[h // 4: h // 2, w // 3: w // 2] = (250, 10, 120, 200)[:channels]
+    return np.clip(img + rng.integers(-20, 21, img.shape), 0, 255).astype(np.uint8)
+
+
+def write(path: Path, image: Image.Image, **options) -> str:
+    image.save(path, **options)
+    return str(path)
+
+
+def sources(folder: Path, h: int = 40, w: int = 60, seed: int = 0) -> dict[str, str]:
+    """One file per kind the tensor path covers: (name -> path)."""
+    rgb = Image.fromarray(pixels(h, w, seed))
+    rgba = Image.fromarray(pixels(h, w, seed, 4), "RGBA")
+    gray = rgb.convert("L")
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "jpeg-rgb": write(folder / "rgb.jpg", rgb, quality=90),
+        "jpeg-rgb-444": write(folder / "rgb444.jpg", rgb, quality=95, subsampling=0),
+        "jpeg-progressive": write(folder / "progressive.jpg", rgb, progressive=True),
+        "jpeg-gray": write(folder / "gray.jpg", gray),
+        "png-rgb": write(folder / "rgb.png", rgb),
+        "png-gray": write(folder / "gray.png", gray),
+        "png-rgba": write(folder / "rgba.png", rgba),
+        "png-la": write(folder / "la.png", rgba.convert("LA")),
+    }
+
+
+@pytest.fixture(scope="module")
+def covered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return sources(tmp_path_factory.mktemp("covered"))
+
+
+# --- the reference: torchvision.io and v2 functionals on the decoded tensor ---------------
+
+def decoded_tensor(path: str) -> torch.Tensor:
+    """The upright uint8 CHW tensor torchvision.io decodes from the file."""
+    data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders, loudly
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return tvio.decode_image(data, apply_exif_orientation=True)
+
+
+def pillow_mode(t: torch.Tensor, mode: str) -> torch.Tensor:
+    """``Image.convert(mode)`` of a CHW tensor in L, LA, RGB or RGBA, written out in torch.
+
+    The result keeps the decoders' layout, a CHW view of HWC rows (torch 2.14's uint8 kernel
+    fails an internal assert on a plain CHW 3-channel tensor resized to 1 x 1).
+    """
+    hwc = t.permute(1, 2, 0)
+    channels = hwc.shape[2]
+    color = hwc[..., :3] if channels >= 3 else hwc[..., :1].expand(-1, -1, 3)
+    if mode == "L":
+        if channels < 3:
+            out = hwc[..., :1]
+        else:
+            r, g, b = color.to(torch.int32).unbind(2)
+            out = ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[..., None]
+    elif mode == "RGB":
+        out = color
+    else:
+        alpha = hwc[..., -1:] if channels in (2, 4) else torch.full_like(hwc[..., :1], 255)
+        out = torch.cat([color, alpha], 2)
+    return out.contiguous().permute(2, 0, 1)
+
+
+def crop_reference(t: torch.Tensor, size: tuple[int, int], resample: str) -> torch.Tensor:
+    rows, columns = resize_tensor.crop_window(tuple(t.shape[1:]), size, resample)
+    interpolation = INTERPOLATION[resample]
+    resized = VF.resized_crop(t, rows.start, columns.start, rows.length, columns.length,
+                              [rows.scaled, columns.scaled], interpolation, antialias=True)
+    return VF.crop(resized, rows.skip, columns.skip, *size)
+
+
+def reference(path: str, size: tuple[int, int], mode: str, fit: str, resample: str
+              ) -> np.ndarray:
+    """torchvision v2's pixels for cachekit's tensor path, on torchvision.io's tensor."""
+    t = pillow_mode(decoded_tensor(path), mode)
+    interpolation = INTERPOLATION[resample]
+    if fit == "stretch":
+        out = VF.resize(t, list(size), interpolation, antialias=True)
+    elif fit == "crop":
+        out = crop_reference(t, size, resample)
+    else:
+        h, w = size
+        scaled = resize_tensor.fit_size(tuple(t.shape[1:]), size, "pad")
+        if min(scaled) == 0:  # ImageOps.contain of a sliver: an empty image, all padding
+            return np.zeros((t.shape[0], h, w), dtype=np.uint8)
+        resized = VF.resize(t, list(scaled), interpolation, antialias=True)
+        top, left = round((h - scaled[0]) * 0.5), round((w - scaled[1]) * 0.5)
+        out = VF.pad(resized, [left, top, w - scaled[1] - left, h - scaled[0] - top], fill=0)
+    return out.numpy()
+
+
+def off_by(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def assert_close_to_pil(out: np.ndarray, pil: np.ndarray, resample: str, name: str = "") -> None:
+    """Bilinear: within one level. Bicubic: torch's kernel and Pillow's differ by more on a
+    few pixels where both axes are resized (Pillow's 2-D bicubic is not its two 1-D passes
+    one after the other, torch's is), so: close on average, one level on nearly all."""
+    diff = np.abs(out.astype(int) - pil.astype(int))
+    if resample == "bilinear":
+        assert diff.max() <= 1, name
+    else:
+        assert diff.mean() <= 0.1 and (diff > 1).mean() <= 0.02, name
+
+
+# --- pixels --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("resample", FILTERS)
+@pytest.mark.parametrize("fit", FITS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("size", [(10, 10), (16, 24), (20, 10), (80, 80)])
+def test_pixels_are_v2_on_the_decoded_tensor_and_within_one_level_of_pil(
+        covered: dict[str, str], size: tuple[int, int], mode: str, fit: str,
+        resample: str) -> None:
+    # 60 x 40 sources: every crop here samples whole pixels of its box at a whole or half
+    # pixel's spacing (the case where "crop" is held to one level of ImageOps.fit).
+    for name, path in covered.items():
+        out = load_image(path, size, mode, fit, resample)
+        assert out.dtype == np.uint8 and out.shape == (MODES_CHANNELS[mode], *size)
+        assert out.flags.c_contiguous
+        pil = load_image(path, size, mode, fit, resample, backend="pil")
+        if mode == "RGBA" and name in ALPHA:  # the "pil" pipeline's, see the test below
+            np.testing.assert_array_equal(out, pil, err_msg=name)
+            continue
+        np.testing.assert_array_equal(out, reference(path, size, mode, fit, resample),
+                                      err_msg=name)
+        assert_close_to_pil(out, pil, resample, name)
+
+
+ALPHA = ("png-rgba", "png-la")
+
+
+@pytest.mark.parametrize("fit", FITS)
+def test_an_alpha_channel_kept_is_resized_by_pillow(covered: dict[str, str], fit: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pillow resizes RGBA and LA premultiplied: colors under transparent pixels do not
+    # bleed. v2's kernel resizes each channel alone, which here differs by tens of levels.
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    for name in ALPHA:
+        path = covered[name]
+        out = load_image(path, (10, 10), "RGBA", fit)
+        np.testing.assert_array_equal(out, load_image(path, (10, 10), "RGBA", fit,
+                                                      backend="pil"))
+        assert off_by(out, reference(path, (10, 10), "RGBA", fit, "bilinear")) > 1
+    assert resized.count == 0
+
+
+def test_the_decoded_tensor_is_the_one_pillow_decodes(covered: dict[str, str]) -> None:
+    for name, path in covered.items():
+        with Image.open(path) as im:
+            ours = np.asarray(im)
+        theirs = decoded_tensor(path).permute(1, 2, 0).numpy()
+        np.testing.assert_array_equal(theirs, ours.reshape(theirs.shape), err_msg=name)
+
+
+FILE_PER_EXAMPLE = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+"""Each example writes its image into the test's tmp_path (overwriting the last one)."""
+
+
+@st.composite
+def geometry(draw) -> tuple[tuple[int, int], tuple[int, int]]:
+    h, w = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    src = (draw(st.integers(1, 120)), draw(st.integers(1, 120)))
+    return src, (h, w)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=FILE_PER_EXAMPLE)
+@given(geometry(), st.sampled_from(FITS), st.sampled_from(MODES), st.sampled_from(FILTERS),
+       st.sampled_from(["jpg", "png"]), st.integers(0, 2**16))
+def test_any_geometry_is_v2_on_the_decoded_tensor(tmp_path: Path, shapes, fit: str, mode: str,
+                                                  resample: str, ext: str, seed: int) -> None:
+    (src_h, src_w), size = shapes
+    path = write(tmp_path / f"any.{ext}", Image.fromarray(pixels(src_h, src_w, seed)))
+    out = load_image(path, size, mode, fit, resample)
+    np.testing.assert_array_equal(out, reference(path, size, mode, fit, resample))
+    if fit != "crop" and resample == "bilinear":  # Pillow's geometry: only rounding differs
+        assert off_by(out, load_image(path, size, mode, fit, resample, backend="pil")) <= 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=FILE_PER_EXAMPLE)
+@given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 4), st.integers(0, 4),
+       st.booleans(), st.integers(0, 2**16))
+def test_crop_is_within_one_level_of_imageops_fit_where_the_box_is_whole(
+        tmp_path: Path, h: int, w: int, scale: int, spare: int, wide: bool, seed: int) -> None:
+    resample = "bilinear"  # (bicubic: see assert_close_to_pil)
+    # The box ImageOps.fit resamples is `spare` whole output pixels (of `scale` input pixels
+    # each) in from each side of the cropped axis: a grid torch's kernel can sample too.
+    margin = spare * scale
+    src = (h * scale, w * scale + 2 * margin) if wide else (h * scale + 2 * margin, w * scale)
+    path = write(tmp_path / "box.png", Image.fromarray(pixels(*src, seed)))
+    out = load_image(path, (h, w), "RGB", "crop", resample)
+    assert off_by(out, load_image(path, (h, w), "RGB", "crop", resample, backend="pil")) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 300), st.integers(1, 64), st.integers(1, 64),
+       st.sampled_from(FILTERS))
+def test_a_crop_window_holds_the_fit_box_and_its_margin(src_h: int, src_w: int, h: int,
+                                                        w: int, resample: str) -> None:
+    windows = resize_tensor.crop_window((src_h, src_w), (h, w), resample)
+    for window, total, out, box in zip(windows, (src_h, src_w), (h, w),
+                                       _fit_box(src_h, src_w, h, w)):
+        start, length = box
+        scale = length / out
+        assert 0 <= window.start and window.start + window.length <= total
+        assert 0 <= window.skip <= window.scaled - out
+        # the margin, whole output pixels, reaches as far as the kernel does, or as near
+        # the image's edge as whole output pixels go (then less than one is left outside)
+        reach, end = resize_tensor.RADIUS[resample] * max(scale, 1.0), start + length
+        assert window.start <= start - reach + 0.5 or window.start < scale + 0.5
+        assert (window.start + window.length >= end + reach - 0.5
+                or total - (window.start + window.length) < scale + 0.5)
+        # the kept pixels sample the box: their first center is the box's but for rounding
+        # the window to whole pixels (half a pixel at its start, one over its length)
+        spacing = window.length / window.scaled
+        first = window.start + (window.skip + 0.5) * spacing
+        assert abs(first - (start + 0.5 * scale)) <= 0.5 + (window.skip + 0.5) / window.scaled \
+            + 1e-9
+        assert abs(spacing - scale) <= 1 / window.scaled + 1e-9
+
+
+def _fit_box(src_h: int, src_w: int, h: int, w: int) -> tuple[tuple[float, float], ...]:
+    """ImageOps.fit's box as ((top, height), (left, width))."""
+    if src_w / src_h >= w / h:
+        bw, bh = w / h * src_h, src_h
+    else:
+        bw, bh = src_w, src_w / (w / h)
+    return ((src_h - bh) / 2, bh), ((src_w - bw) / 2, bw)
+
+
+@pytest.mark.parametrize("ext", ["jpg", "png"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_as_pillow_does(tmp_path: Path, orientation: int,
+                                                    ext: str) -> None:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = write(tmp_path / f"tagged.{ext}", Image.fromarray(pixels(40, 64, seed=2)),
+                 exif=exif, **({"quality": 95} if ext == "jpg" else {}))
+    size = (20, 12)
+    with Image.open(path) as im:
+        upright = np.asarray(ImageOps.exif_transpose(im))
+    for fit in FITS:
+        out = load_image(path, size, "RGB", fit)
+        np.testing.assert_array_equal(out, reference(path, size, "RGB", fit, "bilinear"))
+        if fit != "crop":  # (64 x 40 to 20 x 12: a box of 66.7 pixels, not whole)
+            assert off_by(out, load_image(path, size, "RGB", fit, backend="pil")) <= 1
+    # the upright image itself, through a resize that changes nothing
+    same = load_image(path, upright.shape[:2], "RGB", "stretch")
+    np.testing.assert_array_equal(same, upright.transpose(2, 0, 1))
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_upright_views_are_pillows_transpositions(orientation: int) -> None:
+    a = pixels(5, 7, seed=orientation)
+    method = decode_pil.TRANSPOSITIONS.get(orientation)
+    ref = a if method is None else np.asarray(Image.fromarray(a).transpose(method))
+    np.testing.assert_array_equal(decode_tensor._oriented(a, orientation), ref)
+
+
+@pytest.mark.parametrize("source", ["RGB", "L"])
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_conversion_is_pillows(tmp_path: Path, source: str, mode: str) -> None:
+    image = Image.fromarray(pixels(30, 50, seed=5))
+    if source == "L":
+        image = image.convert("L")
+    path = write(tmp_path / "m.jpg", image, quality=95)
+    with Image.open(path) as im:
+        ref = np.asarray(im.convert(mode))
+    out = load_image(path, (30, 50), mode)  # no resize: the converted pixels themselves
+    np.testing.assert_array_equal(out, ref.reshape(30, 50, -1).transpose(2, 0, 1))
+
+
+def test_rgba_padding_is_transparent(covered: dict[str, str]) -> None:
+    for name in ("jpeg-rgb", "png-rgba", "png-la"):
+        out = load_image(covered[name], (30, 30), "RGBA", "pad")
+        # 60 x 40 fit into 30 x 30: 30 x 20, 10 free rows, 5 above and 5 below
+        assert not out[:, :5].any() and not out[:, 25:].any(), name
+        if name == "jpeg-rgb":
+            assert (out[3, 5:25] == 255).all()
+
+
+def test_draft_decodes_dct_scaled_then_resizes_with_torch(tmp_path: Path) -> None:
+    path = write(tmp_path / "large.jpg", Image.fromarray(pixels(800, 1200, seed=3)),
+                 quality=90)
+    size = (40, 60)
+    with Image.open(path) as im:
+        im.draft(None, (60, 40))  # 1/8: what the resize needs
+        small = np.asarray(im.convert("RGB"))
+        assert small.shape == (100, 150, 3)
+    t = torch.from_numpy(small.copy()).permute(2, 0, 1)
+    expected = VF.resize(t, list(size), antialias=True).numpy()
+    np.testing.assert_array_equal(load_image(path, size, draft=True), expected)
+    exact = load_image(path, size)
+    assert np.abs(load_image(path, size, draft=True).astype(int) - exact).mean() < 2
+
+
+def test_a_small_dct_scaled_image_is_resized_by_pillow(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path / "small.jpg", Image.fromarray(pixels(320, 400, seed=4)), quality=90)
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    out = load_image(path, (20, 25), draft=True)  # decoded at 1/8: 50 x 40 pixels
+    assert 50 * 40 < decode_tensor.TORCH_RESIZES_FROM and resized.count == 0
+    np.testing.assert_array_equal(out, load_image(path, (20, 25), draft=True, backend="pil"))
+
+
+def test_draft_with_no_scale_to_gain_is_the_exact_tensor_path(covered: dict[str, str]) -> None:
+    path = covered["jpeg-rgb"]  # 60 x 40 to 40 x 30: libjpeg has nothing to scale down
+    np.testing.assert_array_equal(load_image(path, (30, 40), draft=True),
+                                  load_image(path, (30, 40)))
+
+
+# --- what falls back to the "pil" pipeline ---------------------------------------------------
+
+def fallback_files(folder: Path) -> dict[str, str]:
+    rgb = Image.fromarray(pixels(40, 60, seed=9))
+    folder.mkdir(parents=True, exist_ok=True)
+    frames = [rgb, Image.fromarray(pixels(40, 60, seed=10))]
+    files = {
+        "CMYK JPEG": write(folder / "cmyk.jpg", rgb.convert("CMYK")),
+        "palette PNG": write(folder / "p.png", rgb.quantize(64)),
+        "RGB PNG with tRNS": write(folder / "trns.png", rgb, transparency=(1, 2, 3)),
+        "grayscale PNG with tRNS": write(folder / "trnsl.png", rgb.convert("L"),
+                                         transparency=7),
+        "16-bit PNG": write(folder / "i16.png",
+                            Image.fromarray(pixels(40, 60, seed=9)[..., 0].astype(np.uint16)
+                                            * 200)),
+        "1-bit PNG": write(folder / "bit.png", rgb.convert("1")),
+        "GIF": write(folder / "g.gif", rgb),
+        "BMP": write(folder / "b.bmp", rgb),
+        "TIFF": write(folder / "t.tif", rgb),
+        "animated PNG": write(folder / "anim.png", frames[0], save_all=True,
+                              append_images=frames[1:]),
+    }
+    if features.check("webp"):
+        files["WebP"] = write(folder / "w.webp", rgb, lossless=True)
+    return files
+
+
+@pytest.fixture(scope="module")
+def fallbacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return fallback_files(tmp_path_factory.mktemp("fallbacks"))
+
+
+class Calls:
+    """Counts the calls of a function of a module, calling it through."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module, name: str) -> None:
+        self.count = 0
+        real: Callable = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize("fit", FITS)
+@pytest.mark.parametrize("mode", MODES)
+def test_what_the_tensor_path_does_not_cover_gets_the_pil_pixels(
+        fallbacks: dict[str, str], monkeypatch: pytest.MonkeyPatch, mode: str,
+        fit: str) -> None:
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    for name, path in fallbacks.items():
+        np.testing.assert_array_equal(load_image(path, (16, 24), mode, fit),
+                                      load_image(path, (16, 24), mode, fit, backend="pil"),
+                                      err_msg=name)
+    assert resized.count == 0
+
+
+@pytest.mark.parametrize("resample", ["nearest", "lanczos", "box"])
+def test_filters_torch_lacks_are_the_pil_pipeline(covered: dict[str, str], resample: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    for path in covered.values():
+        np.testing.assert_array_equal(load_image(path, (16, 24), resample=resample),
+                                      load_image(path, (16, 24), resample=resample,
+                                                 backend="pil"))
+    assert resized.count == 0
+    assert images.backend_for("tensor", resample) == "pil"
+
+
+def test_the_covered_files_take_the_tensor_path(covered: dict[str, str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded = Calls(monkeypatch, resize_tensor, "decode_jpeg")
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    for path in covered.values():
+        load_image(path, (16, 24))
+    jpegs = sum(path.endswith(".jpg") for path in covered.values())
+    assert decoded.count == jpegs and resized.count == len(covered)
+
+
+def test_a_file_above_the_read_cap_gets_the_pil_pixels(covered: dict[str, str]) -> None:
+    for path in covered.values():
+        cap = os.path.getsize(path) - 1
+        np.testing.assert_array_equal(load_image(path, (16, 24), max_read_bytes=cap),
+                                      load_image(path, (16, 24), backend="pil"))
+
+
+def test_a_file_torchvision_refuses_fails_with_pillows_error(tmp_path: Path) -> None:
+    whole = io.BytesIO()
+    Image.fromarray(pixels(64, 64, seed=4)).save(whole, format="JPEG")
+    path = tmp_path / "truncated.jpg"
+    path.write_bytes(whole.getvalue()[: len(whole.getvalue()) * 3 // 5])
+    errors = []
+    for backend in images.BACKENDS:
+        with pytest.raises(OSError) as caught:
+            load_image(str(path), (8, 8), backend=backend)
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1] and "truncated" in errors[0][1]
+
+
+# --- the cache: the default, the key, the manifest ------------------------------------------
+
+def test_the_default_backend_is_tensor_and_every_format_decodes(
+        tmp_path: Path, covered: dict[str, str], fallbacks: dict[str, str]) -> None:
+    paths = [*covered.values(), *fallbacks.values()]
+    entry = cachekit.Cache(tmp_path / "cache", workers=2, progress=False).images(
+        pd.Series(paths), (16, 24))
+    assert entry.manifest["params"]["backend"] == "tensor" and entry.valid.all()
+    for row, path in enumerate(paths):
+        np.testing.assert_array_equal(entry.array[row], load_image(path, (16, 24)))
+
+
+def test_the_backend_is_in_the_key_and_pil_keys_are_v1s(tmp_path: Path,
+                                                       covered: dict[str, str]) -> None:
+    cache = cachekit.Cache(tmp_path / "cache", progress=False)
+    column = pd.Series(list(covered.values()))
+    tensor = cache.images(column, 8)
+    pil = cache.images(column, 8, backend="pil")
+    assert tensor.key != pil.key and not pil.hit
+    assert "backend" not in pil.manifest["params"]  # as a v1 entry's params
+    assert cache.images(column, 8, backend="tensor").hit
+    # "tensor" with a filter torch lacks is "pil" throughout: one entry, one key
+    assert cache.images(column, 8, resample="nearest").key == cache.images(
+        column, 8, resample="nearest", backend="pil").key
+
+
+MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], name="img_path")
+
+
+def test_pinned_keys_of_both_backends(tmp_path: Path) -> None:
+    # test_cache pins the same call with backend="pil": the key v1 gave it
+    cache = cachekit.Cache(tmp_path / "cache")
+    assert cache.images(MISSING, (8, 6), on_error="zero").key == \
+        "3eb447fb901d222d30654188789e7415"
+    assert cache.images(MISSING, (8, 6), on_error="zero", backend="pil").key == \
+        "a55eb134283bb059ee69bbef836c0787"
+
+
+def test_an_unknown_backend_is_refused(tmp_path: Path, covered: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="backend must be one of 'tensor', 'pil'"):
+        cachekit.Cache(tmp_path / "cache").images(pd.Series(list(covered.values())), 8,
+                                                  backend="cuda")
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+def torch_threads_row(value: int) -> np.ndarray:
+    """(process id, torch's intra-op threads once the tensor backend is loaded)."""
+    import torch as loaded_torch
+
+    from cachekit.engine import resize_tensor as loaded  # noqa: F401
+
+    return np.array([os.getpid(), loaded_torch.get_num_threads()], dtype=np.int64)
+
+
+def test_a_worker_process_runs_torch_on_one_thread(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch reads both at start
+        monkeypatch.setenv(variable, "2")  # the user's own settings reach the workers
+    entry = cachekit.Cache(tmp_path / "cache", executor="processes", workers=2,
+                           progress=False).map(torch_threads_row, pd.Series(range(2000)))
+    in_workers = entry.array[entry.array[:, 0] != os.getpid()]
+    assert len(in_workers) and set(in_workers[:, 1].tolist()) == {1}
+
+
+# --- the JPEG header reader -------------------------------------------------------------------
+
+def jpeg_bytes(image: Image.Image, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", **options)
+    return buffer.getvalue()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 90), st.integers(1, 90), st.booleans(), st.booleans(),
+       st.sampled_from([None, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 300]), st.booleans(),
+       st.sampled_from([None, "II", "MM"]))
+def test_the_header_reader_answers_as_pillow_does(h: int, w: int, gray: bool,
+                                                  progressive: bool, orientation,
+                                                  comment: bool, order) -> None:
+    image = Image.fromarray(pixels(h, w, seed=h * w))
+    if gray:
+        image = image.convert("L")
+    options: dict = {"progressive": progressive}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        if order == "MM":
+            exif.endian = ">"  # (Pillow writes little-endian unless told)
+        options["exif"] = exif.tobytes()
+    if comment:
+        options["comment"] = b"made by a test"
+    data = jpeg_bytes(image, **options)
+    header = jpeg_header.read(data)
+    assert header is not None
+    with Image.open(io.BytesIO(data)) as im:
+        assert header == (im.width, im.height, len(im.getbands()),
+                          im.getexif().get(0x0112, 1))
+
+
+def test_the_header_reader_leaves_the_unusual_to_pillow() -> None:
+    rgb = Image.fromarray(pixels(20, 30, seed=1))
+    xmp = b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>'
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    exif[0x0110] = "camera"  # a second tag: the orientation is found among several
+    unusual = {
+        "CMYK (Adobe segment)": jpeg_bytes(rgb.convert("CMYK")),
+        "XMP": jpeg_bytes(rgb, xmp=xmp),
+        "MPO": _mpo(rgb),
+        "not a JPEG": b"\x89PNG\r\n\x1a\n" + b"\x00" * 40,
+        "truncated header": jpeg_bytes(rgb)[:30],
+        "empty": b"",
+    }
+    for name, data in unusual.items():
+        assert jpeg_header.read(data) is None, name
+    assert jpeg_header.read(jpeg_bytes(rgb, exif=exif)).orientation == 3
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        Image.MAX_IMAGE_PIXELS = 20 * 30 - 1  # Pillow would warn: let it
+        assert jpeg_header.read(jpeg_bytes(rgb)) is None
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def _mpo(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="MPO", save_all=True, append_images=[image])
+    return buffer.getvalue()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_header_reader_never_raises_on_damaged_bytes(data) -> None:
+    original = bytearray(jpeg_bytes(Image.fromarray(pixels(16, 24, seed=3)),
+                                    exif=_exif_with_orientation(6)))
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(original) - 1))
+        original[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(original)))
+    header = jpeg_header.read(bytes(original[:cut]))
+    assert header is None or (header.width >= 1 and header.height >= 1
+                              and header.channels in (1, 3))
+
+
+def _exif_with_orientation(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()
+
+
+def test_the_default_rule_counts_torchs_start_in_a_worker() -> None:
+    from cachekit.engine import executors
+    from cachekit.engine.rows import ImageRow
+
+    tensor = executors.RowTask(ImageRow((8, 8)), True)
+    pil = executors.RowTask(ImageRow((8, 8), backend="pil"), True)
+    nearest = executors.RowTask(ImageRow((8, 8), resample="nearest"), True)  # Pillow's rows
+    rows = executors.PROCESSES_FROM_ROWS * 4
+    assert ImageRow((8, 8)).imports_torch and not ImageRow((8, 8), backend="pil").imports_torch
+    assert executors.default_executor(2, pil, rows) == "processes"
+    assert executors.default_executor(2, nearest, rows) == "processes"
+    assert executors.default_executor(2, tensor, rows) == "threads"
+    big = executors.PROCESSES_FROM_ROWS_WITH_TORCH
+    assert executors.default_executor(2, tensor, big) == "processes"
+    assert executors.default_executor(16, tensor, big - 1) == "threads"
