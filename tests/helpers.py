@@ -140,3 +140,20 @@ def rewrite_entry(entry_dir: Path, array, structure=None) -> None:
     manifest = manifests.Manifest.from_json(raw, path)
     (entry_dir / "replacement.json").write_bytes(manifests.dumps(manifest))
     os.replace(entry_dir / "replacement.json", path)
+
+
+def rows_by(work: Path) -> dict[str, list[int]]:
+    """Who computed which rows (in order), from the ``rows.txt`` counter that the joining
+    tests' agents append ``NAME ROW`` lines to."""
+    out: dict[str, list[int]] = {}
+    for line in (work / "rows.txt").read_text().splitlines():
+        me, value = line.split()
+        out.setdefault(me, []).append(int(value))
+    return out
+
+
+def build_journal(root: Path) -> Path:
+    """The chunk journal of the one build under way in the cache ``root``."""
+    journals = list(root.glob("tmp/*/data.npy.chunks"))
+    assert len(journals) == 1, journals
+    return journals[0]

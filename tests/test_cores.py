@@ -23,6 +23,7 @@ from cachekit.engine.cores import Seats, Spare, spare_cores
 from cachekit.obtain.local_wait import JOIN_POLL_SECONDS, LocalWait
 from cachekit.obtain.wait import POLL_SECONDS, Wait
 from cachekit.store import LocalStore, locks
+from helpers import build_journal, rows_by
 from hosts import HostProcess, finish, wait_for
 
 TIMEOUT = 180.0
@@ -150,20 +151,6 @@ def said(work: Path, me: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def rows_by(work: Path) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for line in (work / "rows.txt").read_text().splitlines():
-        me, value = line.split()
-        out.setdefault(me, []).append(int(value))
-    return out
-
-
-def journal(root: Path) -> Path:
-    found = list(root.glob("tmp/*/data.npy.chunks"))
-    assert len(found) == 1, found
-    return found[0]
-
-
 def test_a_joiner_on_the_cpus_the_builder_fills_computes_nothing_and_gets_the_entry(tmp_path):
     work, root = tmp_path / "work", tmp_path / "cache"
     builder = start(work, root, "builder", "builder", "all")  # a worker per usable CPU
@@ -172,7 +159,7 @@ def test_a_joiner_on_the_cpus_the_builder_fills_computes_nothing_and_gets_the_en
     joiner = start(work, root, "joiner", "plain", "all")
     wait_for(lambda: "without joining it" in said(work, "joiner"), timeout=TIMEOUT,
              what="the joiner deciding", watch=[joiner, builder])
-    names = [p.name for p in journal(root).iterdir()]
+    names = [p.name for p in build_journal(root).iterdir()]
     (work / "go").touch()
     reports = [finish(p, TIMEOUT).report() for p in (builder, joiner)]
 
@@ -193,7 +180,7 @@ def test_a_joiner_on_a_cpu_outside_the_builders_joins_with_it(tmp_path):
     joiner = start(work, root, "joiner", "holder", "all", cpus=theirs)
     wait_for((work / "joiner-mid").exists, timeout=TIMEOUT, what="the joiner in a chunk",
              watch=[joiner, builder])
-    folder = journal(root)
+    folder = build_journal(root)
     seat = json.loads((folder / f"seat.cpu.{theirs}").read_text())
     assert seat["pid"] == joiner.pid
     assert not list(folder.glob("seat.idle.*"))  # one worker on its one CPU: none idle
@@ -243,7 +230,7 @@ def test_a_joiner_on_another_host_joins_a_builder_that_uses_every_core(two_hosts
     joiner = b.python(AGENT, b.root, b.work, "host-b", "plain", "all", "any")
     wait_for(lambda: "host-b" in rows_by(a.work), timeout=TIMEOUT,
              what="host-b filling chunks", watch=[builder, joiner])
-    assert not list(journal(a.root).glob("seat.*"))  # another host's cores: no seat
+    assert not list(build_journal(a.root).glob("seat.*"))  # another host's cores: no seat
     (a.work / "go").touch()
     reports = [finish(p, TIMEOUT).report() for p in (builder, joiner)]
 

@@ -20,6 +20,7 @@ import pytest
 
 import cachekit
 import hosts
+from helpers import build_journal, rows_by
 from hosts import HostProcess, StartBarrier, finish, wait_for
 
 TIMEOUT = 180.0
@@ -111,20 +112,6 @@ def leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "tmp").iterdir()) if (root / "tmp").exists() else []
 
 
-def rows_by(work: Path) -> dict[str, list[int]]:
-    """Who computed which rows (in order), from the row counter of MAP_AGENT."""
-    out: dict[str, list[int]] = {}
-    for line in (work / "rows.txt").read_text().splitlines():
-        me, value = line.split()
-        out.setdefault(me, []).append(int(value))
-    return out
-
-
-def build_journal(root: Path) -> Path:
-    """The chunk journal of the one build under way."""
-    journals = list(root.glob("tmp/*/data.npy.chunks"))
-    assert len(journals) == 1, journals
-    return journals[0]
 
 
 @pytest.mark.parametrize("agents", [2, 3])
