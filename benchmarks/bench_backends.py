@@ -182,9 +182,15 @@ def exactness(paths: list[str], size: tuple[int, int]
     exact = pil()
     variants = {  # name: (rows, the pil rows they are set against)
         "tensor": ([load_image(p, size) for p in sample], exact),
-        "tensor, bicubic": ([load_image(p, size, resample="bicubic") for p in sample],
-                            pil(resample="bicubic")),
-        "tensor, crop": ([load_image(p, size, fit="crop") for p in sample], pil(fit="crop")),
+        "tensor, bicubic (the pil pipeline)": (
+            [load_image(p, size, resample="bicubic") for p in sample], pil(resample="bicubic")),
+        "tensor, crop (the pil pipeline)": ([load_image(p, size, fit="crop") for p in sample],
+                                            pil(fit="crop")),
+        "torch's kernel were it used: bicubic": (
+            [v2_pixels(p, size, "bicubic", crop=False) for p in sample],
+            pil(resample="bicubic")),
+        "torch's kernel were it used: crop, box rounded to whole pixels": (
+            [v2_pixels(p, size, "bilinear", crop=True) for p in sample], pil(fit="crop")),
         "tensor, pad": ([load_image(p, size, fit="pad") for p in sample], pil(fit="pad")),
         "draft (tensor)": ([load_image(p, size, draft=True) for p in sample], exact),
         "draft pil": (list(pil(draft=True)), exact),
@@ -195,6 +201,31 @@ def exactness(paths: list[str], size: tuple[int, int]
         diff = np.abs(np.stack(rows).astype(np.int16) - reference.astype(np.int16))
         out[name] = (float(diff.mean()), int(diff.max()), float((diff > 1).mean()))
     return out
+
+
+def v2_pixels(path: str, size: tuple[int, int], resample: str, crop: bool) -> Any:
+    """torchvision v2's resize (or resized crop of ``ImageOps.fit``'s box rounded to whole
+    pixels) on the decoded RGB image: what the tensor backend would give where it leaves
+    the call to the pil pipeline."""
+    import numpy as np
+    import torch
+    import torchvision.transforms.v2.functional as VF
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+
+    with Image.open(path) as im:
+        t = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
+    interpolation = InterpolationMode[resample.upper()]
+    if not crop:
+        return VF.resize(t, list(size), interpolation, antialias=True).numpy()
+    (src_h, src_w), (h, w) = t.shape[1:], size
+    if src_w / src_h >= w / h:
+        box_w, box_h = w / h * src_h, float(src_h)
+    else:
+        box_w, box_h = float(src_w), src_w / (w / h)
+    top, left = round((src_h - box_h) / 2), round((src_w - box_w) / 2)
+    return VF.resized_crop(t, top, left, max(1, round(box_h)), max(1, round(box_w)),
+                           list(size), interpolation, antialias=True).numpy()
 
 
 def decoders(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, float]:

@@ -81,11 +81,13 @@ class Cache:
         """Decode, orient, convert and resize every image of ``paths`` into an (N, C, H, W)
         uint8 entry, built once whatever the number of processes asking at the same time.
 
-        ``backend="tensor"`` (the default) decodes JPEGs with torchvision and resizes with
-        torch's uint8 antialiased kernel: the pixels of ``torchvision.transforms.v2`` on the
-        decoded tensor, within one level of the ``"pil"`` pipeline's (``"crop"``: see
-        docs/usage.md). A file or setting it does not cover (other formats, CMYK, palette,
-        16-bit, ``resample`` nearest/lanczos/box, ...) goes through ``"pil"`` for that file.
+        ``backend="tensor"`` (the default) decodes JPEGs with torchvision and resizes bilinear
+        "stretch" and "pad" with torch's uint8 antialiased kernel: the pixels of
+        ``torchvision.transforms.v2`` on the decoded tensor, within one level of the
+        ``"pil"`` pipeline's. A "crop", or a filter other than bilinear, is ``"pil"`` for the
+        whole call, its key included: torch's kernel would be more than a level off there.
+        A file it does not cover (other formats, CMYK, palette, 16-bit, ...) goes through
+        ``"pil"`` for that file.
         ``backend="pil"``: Pillow throughout, bit-identical to torchvision ``Resize((h, w))`` on
         the PIL image. docs/usage.md has the table of which pipeline covers what.
 
@@ -105,7 +107,7 @@ class Cache:
         max_read = options.max_read_bytes()  # a bad $CACHEKIT_MAX_READ_BYTES fails here
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
-        backend = backend_for(backend, resample)  # "tensor" with nearest: "pil" throughout
+        backend = backend_for(backend, fit, resample)  # "tensor" with crop: "pil" throughout
         if backend != "pil":  # absent means "pil": the keys of v1 entries stay as they were
             params["backend"] = backend
         material: dict[str, Any] = {"column": keys.column_material(paths)}

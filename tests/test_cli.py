@@ -614,6 +614,23 @@ def test_build_passes_every_option(tmp_path, cache_root, cover_paths):
     assert entry.array.shape == (3, 1, 9, 9)
 
 
+def test_build_takes_the_backend(tmp_path, cache_root, cover_paths):
+    csv = write_csv(tmp_path / "train.csv", cover_paths[:3])
+    keys = {}
+    for backend in ("pil", "tensor"):
+        result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "9",
+                              "--backend", backend, root=cache_root)
+        assert result.returncode == 0, result.stderr
+        entry = cachekit.Cache(cache_root).images(pd.read_csv(csv)["img_path"], 9,
+                                                  backend=backend)
+        assert entry.hit and entry.key == result.stdout.strip()
+        keys[backend] = entry.key
+    assert keys["pil"] != keys["tensor"]
+    refused = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "9",
+                           "--backend", "cuda", root=cache_root)
+    assert refused.returncode == 2 and "invalid choice: 'cuda'" in refused.stderr
+
+
 def test_a_failed_build_lists_the_bad_rows_and_publishes_nothing(tmp_path, cache_root,
                                                                   cover_paths):
     broken = tmp_path / "broken.jpg"

@@ -182,7 +182,8 @@ def build(args: argparse.Namespace) -> int:
     try:
         entry = cache.images(frame[args.column], args.size, mode=args.mode, fit=args.fit,
                              resample=args.resample, on_error=args.on_error,
-                             validate=args.validate, draft=args.draft)
+                             validate=args.validate, draft=args.draft,
+                             backend=args.backend)
     except ImageDecodeError as e:
         say(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
             "row(s) could not be decoded:", file=sys.stderr)

@@ -141,6 +141,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
     p.add_argument("--validate", choices=options.VALIDATE, default="path")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
+    p.add_argument("--backend", choices=options.BACKENDS, default=options.BACKENDS[0],
+                   help="what decodes and resizes: torchvision and torch (default) or Pillow "
+                        "throughout (v1's pixels); its own key")
     p = command("push", remote.push, "upload local entries to the remote (manifest last)")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
     p.add_argument("--all", action="store_true", help="upload every local entry")

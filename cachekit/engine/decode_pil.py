@@ -18,8 +18,8 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from .. import _fs, options
 from ..options import FITS, MODES, RESAMPLE_NAMES
 
-__all__ = ["FITS", "MODES", "RESAMPLES", "convert", "decode", "load", "open_image", "orient",
-           "orientation", "request_draft", "TRANSPOSITIONS"]
+__all__ = ["FITS", "MODES", "RESAMPLES", "convert", "decode", "draft_scale", "load", "open_image",
+           "orient", "orientation", "request_draft", "resized", "TRANSPOSITIONS"]
 
 RESAMPLES: dict[str, Image.Resampling] = {
     name: Image.Resampling[name.upper()] for name in RESAMPLE_NAMES
@@ -103,17 +103,24 @@ def decode(im: Image.Image, size: tuple[int, int], mode: str, fit: str, resample
     """:func:`load`'s steps on the opened image ``im``, called inside its ``with``:
     _convert may return ``im`` itself, and a closed image is not guaranteed to keep its
     pixels."""
-    height, width = size
     if draft:
-        request_draft(im, (width, height), fit)
+        request_draft(im, size[::-1], fit)
     im.load()
-    converted = convert(orient(im), mode)
+    return resized(convert(orient(im), mode), size, fit, resample)
+
+
+def resized(im: Image.Image, size: tuple[int, int], fit: str, resample: str) -> np.ndarray:
+    """The pipeline's last step: ``im``, upright and in its final mode, resized by ``fit`` to
+    ``size`` (h, w) with the filter ``resample``, as a (C, H, W) uint8 array (see
+    :func:`load`). The ``"tensor"`` backend ends here too where torch's kernel would not give
+    Pillow's pixels."""
+    height, width = size
     filt = RESAMPLES[resample]
     if fit == "stretch":
-        return _chw(np.asarray(converted.resize((width, height), filt)))
+        return _chw(np.asarray(im.resize((width, height), filt)))
     if fit == "crop":
-        return _chw(np.asarray(ImageOps.fit(converted, (width, height), filt)))
-    return _pad(converted, (width, height), filt)
+        return _chw(np.asarray(ImageOps.fit(im, (width, height), filt)))
+    return _pad(im, (width, height), filt)
 
 
 def request_draft(im: Image.Image, target: tuple[int, int], fit: str) -> None:
@@ -178,6 +185,15 @@ def _chw(hwc: np.ndarray) -> np.ndarray:
     if hwc.ndim == 2:
         return hwc[None]
     return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+
+
+def draft_scale(src: tuple[int, int], target: tuple[int, int], fit: str, orientation: int
+                ) -> int:
+    """The s of the 1/s DCT scale that :func:`request_draft` makes libjpeg decode a JPEG of
+    size ``src`` (w, h) at for ``target`` (w, h): what ``JpegImageFile.draft`` picks."""
+    request_w, request_h = _draft_request(src, target, fit, orientation)
+    room = min(src[0] // request_w, src[1] // request_h)
+    return next((s for s in (8, 4, 2) if room >= s), 1)
 
 
 def _draft_request(

@@ -10,14 +10,15 @@ One file, step by step:
    the pixels Pillow's libjpeg-turbo gives); an 8-bit L, LA, RGB or RGBA PNG, neither
    animated nor with a transparency chunk, by Pillow (torchvision 0.29's PNG decoder crashed
    the process on a PNG with a damaged data stream, so it is not used). With ``draft=True``
-   a JPEG that libjpeg can decode at 1/2, 1/4 or 1/8 scale is decoded so by Pillow
-   (``Image.draft``), otherwise as without it; a DCT-scaled image of fewer than
-   :data:`TORCH_RESIZES_FROM` pixels is then the ``"pil"`` pipeline's to resize.
+   a JPEG that libjpeg can decode at 1/2, 1/4 or 1/8 scale is decoded so, by Pillow's
+   decoder at the scale ``Image.draft`` picks, otherwise as without it.
 3. Turned upright by its EXIF orientation and converted to the mode with Pillow's formulas
    (``L = (19595 R + 38470 G + 7471 B + 32768) >> 16``, gray copied into each channel,
    alpha 255 added).
-4. Resized with torch's uint8 antialiased kernel (:mod:`.resize_tensor`): the pixels of
-   ``torchvision.transforms.v2`` on the upright, converted tensor.
+4. Resized by torch's uint8 antialiased kernel (:mod:`.resize_tensor`): the pixels of
+   ``torchvision.transforms.v2`` on the upright, converted tensor, within a level of
+   Pillow's; a DCT-scaled image of fewer than :data:`TORCH_RESIZES_FROM` pixels is resized
+   by Pillow, which is faster there.
 
 Everything else goes through the ``"pil"`` pipeline (:func:`.decode_pil.decode`, on the
 image already opened), for that file alone: other formats (GIF, WebP, BMP, TIFF, ...), CMYK
@@ -25,15 +26,15 @@ and YCCK JPEGs, palette, 16-bit and low-bit PNGs, PNGs with transparency or fram
 with an alpha channel asked for in mode RGBA (Pillow resizes it with premultiplied alpha,
 where torch's kernel, as v2, resizes each channel alone: they differ by far more than a
 level at the edges of transparent parts), a file above the read cap, and a file torchvision
-cannot decode (there Pillow raises the error reported for the row). The ``nearest``,
-``lanczos`` and ``box`` filters are the ``"pil"`` pipeline for every file
-(:func:`.images.backend_for`).
+cannot decode (there Pillow raises the error reported for the row). A "crop", and every
+filter but bilinear, are the ``"pil"`` pipeline for every file: torch's kernel would be
+more than a level off there (:func:`.images.backend_for`).
 """
 
 from __future__ import annotations
 
 import io
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 from PIL import Image
@@ -75,74 +76,101 @@ def load(
 ) -> np.ndarray:
     """Decode one image file into a (C, H, W) uint8 C-contiguous array; size is (height, width).
 
-    The steps are the module's. ``fit`` and ``resample`` as in :func:`.decode_pil.load`, with
-    the geometry of :mod:`.resize_tensor`; ``resample`` must be "bilinear" or "bicubic".
-    Raises what the ``"pil"`` pipeline raises for a file that cannot be decoded.
+    The steps are the module's. ``fit`` and ``resample`` as in :func:`.decode_pil.load`, but
+    only "stretch" or "pad" and "bilinear" (:func:`.images.backend_for`). Raises what the
+    ``"pil"`` pipeline raises for a file that cannot be decoded.
     """
-    height, width = size
     if max_read_bytes is None:
         max_read_bytes = options.max_read_bytes()
+    step = _Resize(size, mode, fit, resample)
     with _fs.read_capped(path, max_read_bytes, follow_symlinks=True) as data:
-        header = None
-        if isinstance(data, io.BytesIO) and not draft:
-            header = jpeg_header.read(data.getvalue())
+        header = jpeg_header.read(data.getvalue()) if isinstance(data, io.BytesIO) else None
         if header is not None:  # a plain JPEG: Pillow need not parse it
-            pixels = _plain_jpeg(data.getvalue(), header, mode)
-        else:
-            with decode_pil.open_image(data, path) as im:
-                pixels = _upright(im, data, mode, (width, height), fit, draft)
-                if pixels is None:  # not covered: the "pil" pipeline, for this file
-                    return decode_pil.decode(im, (height, width), mode, fit, resample, draft)
-        if pixels is None:  # torchvision refused it: Pillow decodes it, or says why not
-            with decode_pil.open_image(data, path) as im:
-                return decode_pil.decode(im, (height, width), mode, fit, resample, draft)
-    return resize_tensor.resize_fit(pixels, (height, width), fit, resample, options.MODES[mode])
+            row = _plain_jpeg(data.getvalue(), header, step, draft)
+            if row is not None:
+                return row
+            with decode_pil.open_image(data, path) as im:  # refused: Pillow says why
+                return decode_pil.decode(im, size, mode, fit, resample, draft)
+        with decode_pil.open_image(data, path) as im:
+            row = _opened(im, data, step, draft)
+            if row is None:  # not covered: the "pil" pipeline, for this file
+                return decode_pil.decode(im, size, mode, fit, resample, draft)
+            return row
 
 
-def _plain_jpeg(data: bytes, header: jpeg_header.Header, mode: str) -> Optional[np.ndarray]:
-    """:func:`_upright` for a JPEG whose header :mod:`.jpeg_header` read, or None when
-    torchvision refuses it."""
+class _Resize(NamedTuple):
+    """The last step of a call: the upright, decoded pixels to the row."""
+
+    size: tuple[int, int]
+    mode: str
+    fit: str
+    resample: str
+
+    def of_array(self, hwc: np.ndarray, source: str) -> np.ndarray:
+        """The row of ``hwc`` ((H, W, C) uint8, upright) of mode ``source`` (RGB or L)."""
+        return resize_tensor.resize_fit(_converted(hwc, source, self.mode), self.size,
+                                        self.fit, self.resample, options.MODES[self.mode])
+
+    def of_image(self, im: Image.Image, drafted: bool = False) -> np.ndarray:
+        """The row of ``im`` (decoded by Pillow, upright), resized by torch's kernel; a
+        DCT-scaled (``drafted``) image of fewer than :data:`TORCH_RESIZES_FROM` pixels as
+        the ``"pil"`` pipeline resizes it, which is faster there."""
+        converted = decode_pil.convert(im, self.mode)
+        if drafted and im.width * im.height < TORCH_RESIZES_FROM:
+            return decode_pil.resized(converted, self.size, self.fit, self.resample)
+        hwc = np.array(converted)  # a copy: Pillow's array view is read-only, torch wants it not
+        return resize_tensor.resize_fit(hwc[:, :, None] if hwc.ndim == 2 else hwc, self.size,
+                                        self.fit, self.resample, options.MODES[self.mode])
+
+
+def _plain_jpeg(data: bytes, header: jpeg_header.Header, step: _Resize, draft: bool
+                ) -> Optional[np.ndarray]:
+    """The row of a JPEG whose header :mod:`.jpeg_header` read, or None when the decoder
+    refuses it. With ``draft``, decoded at the DCT scale Pillow's ``Image.draft`` picks, by
+    the decoder Pillow's ``load`` runs, on the whole file in one call (its own header parse
+    and file reads are a third of a small draft decode's CPU)."""
+    if draft:
+        size = (header.width, header.height)
+        scale = decode_pil.draft_scale(size, step.size[::-1], step.fit, header.orientation)
+        if scale > 1:
+            source = _JPEG_SOURCES[header.channels]
+            scaled = ((header.width + scale - 1) // scale, (header.height + scale - 1) // scale)
+            try:
+                im = Image.frombytes(source, scaled, data, "jpeg", source, "", scale, 0)
+            except (ValueError, OSError):  # damaged or truncated
+                return None
+            method = decode_pil.TRANSPOSITIONS.get(header.orientation)
+            return step.of_image(im if method is None else im.transpose(method), drafted=True)
     hwc = resize_tensor.decode_jpeg(data, header.channels, header.height, header.width)
     if hwc is None:
         return None
-    return _converted(_oriented(hwc, header.orientation), _JPEG_SOURCES[header.channels], mode)
+    return step.of_array(_oriented(hwc, header.orientation), _JPEG_SOURCES[header.channels])
 
 
-def _upright(im: Image.Image, data: Any, mode: str, target: tuple[int, int], fit: str,
-             draft: bool) -> Optional[np.ndarray]:
-    """The decoded pixels of ``im`` (the file's bytes in ``data``), upright, as (H, W, C) uint8
-    in C order, in ``mode`` but for what the resize fills up (gray copied into three
-    channels, alpha 255 added: :func:`.resize_tensor.resize_fit`). None when this backend
-    does not cover the file."""
+def _opened(im: Image.Image, data: Any, step: _Resize, draft: bool) -> Optional[np.ndarray]:
+    """The row of ``im``, opened by Pillow from the file's bytes in ``data``; None when this
+    backend does not cover the file."""
     if not isinstance(data, io.BytesIO):  # above the read cap: parsed from the open file
         return None
     if im.format == "JPEG" and im.mode in _JPEG_MODES:
         if draft:
             full = im.size
-            decode_pil.request_draft(im, target, fit)
+            decode_pil.request_draft(im, step.size[::-1], step.fit)
             if im.size != full:  # libjpeg decodes it at a reduced scale: Pillow does that
-                if im.width * im.height < TORCH_RESIZES_FROM:
-                    return None  # and resizes it faster than torch: the "pil" pipeline
-                return _from_pillow(im, mode)
+                im.load()
+                return step.of_image(decode_pil.orient(im), drafted=True)
         hwc = resize_tensor.decode_jpeg(data.getvalue(), _JPEG_MODES[im.mode], im.height,
                                         im.width)
         if hwc is None:
             return None
-        return _converted(_oriented(hwc, decode_pil.orientation(im)), im.mode, mode)
+        return step.of_array(_oriented(hwc, decode_pil.orientation(im)), im.mode)
     if (im.format == "PNG" and im.mode in _PNG_MODES and "transparency" not in im.info
-            and not (mode == "RGBA" and im.mode in _ALPHA)
+            and not (step.mode == "RGBA" and im.mode in _ALPHA)
             and not getattr(im, "is_animated", False)
             and data.getvalue()[_PNG_DEPTH_AT:_PNG_DEPTH_AT + 1] == b"\x08"):
-        return _from_pillow(im, mode)
+        im.load()
+        return step.of_image(decode_pil.orient(im))
     return None
-
-
-def _from_pillow(im: Image.Image, mode: str) -> np.ndarray:
-    """``im`` decoded, oriented and converted by Pillow, as the ``"pil"`` pipeline does."""
-    im.load()
-    converted = decode_pil.convert(decode_pil.orient(im), mode)
-    hwc = np.array(converted)  # a copy: Pillow's array view is read-only, torch wants it not
-    return hwc[:, :, None] if hwc.ndim == 2 else hwc
 
 
 def _oriented(hwc: np.ndarray, orientation: Any) -> np.ndarray:

@@ -24,11 +24,12 @@ import numpy as np
 from ..options import BACKENDS, FITS, MODES, RESAMPLE_NAMES
 
 __all__ = ["BACKENDS", "FITS", "MODES", "RESAMPLE_NAMES", "TENSOR_RESAMPLES", "Backend",
-           "backend_for", "decoder_versions", "load_image"]
+           "TENSOR_FITS", "backend_for", "decoder_versions", "load_image"]
 
-TENSOR_RESAMPLES: tuple[str, ...] = ("bilinear", "bicubic")
-"""The filters torch's uint8 antialiased resize has; with the others the ``"tensor"``
-backend is the ``"pil"`` pipeline for every file."""
+TENSOR_FITS: tuple[str, ...] = ("stretch", "pad")
+TENSOR_RESAMPLES: tuple[str, ...] = ("bilinear",)
+"""Where the ``"tensor"`` backend runs: where torch's uint8 antialiased resize stays within a
+level of the ``"pil"`` pipeline's pixels (:func:`backend_for`)."""
 
 _MODULES = {"pil": "decode_pil", "tensor": "decode_tensor"}
 _LOADED: dict[str, Backend] = {}
@@ -42,10 +43,20 @@ class Backend(Protocol):
              draft: bool, max_read_bytes: Optional[int]) -> np.ndarray: ...
 
 
-def backend_for(backend: str, resample: str) -> str:
+def backend_for(backend: str, fit: str, resample: str) -> str:
     """The backend that decodes every file of a call: ``backend``, or ``"pil"`` for a
-    ``"tensor"`` call with a filter torch's resize does not have."""
-    if backend == "tensor" and resample not in TENSOR_RESAMPLES:
+    ``"tensor"`` call that torch's kernel cannot resize within a level of Pillow's pixels.
+
+    Bilinear "stretch" and "pad" it can. A "crop" it cannot: ``ImageOps.fit`` samples its
+    box in float coordinates, torch's kernel from whole pixels, up to half a pixel apart
+    (19 levels off, measured). Nor bicubic: each of torch's 1-D passes is within a level of
+    Pillow's, but Pillow's 2-D result is not its own 1-D passes one after the other (24
+    levels off). Nor nearest, lanczos and box, which torch's kernel does not have. There,
+    resizing decoded pixels with Pillow would cost more than Pillow decoding them itself
+    (handing them over copies them), so the whole call is the ``"pil"`` pipeline, with its
+    key.
+    """
+    if backend == "tensor" and (fit not in TENSOR_FITS or resample not in TENSOR_RESAMPLES):
         return "pil"
     return backend
 
@@ -67,7 +78,7 @@ def load_image(
     for the file (``OSError``, ``UnidentifiedImageError``, ``DecompressionBombError``, ...),
     whatever the backend. The array may be read-only; copy it to modify it.
     """
-    name = backend_for(backend, resample)
+    name = backend_for(backend, fit, resample)
     module = _LOADED.get(name)
     if module is None:
         module = _LOADED[name] = importlib.import_module(f".{_MODULES[name]}", __package__)

@@ -1,21 +1,17 @@
 """torch's side of the ``"tensor"`` backend: torchvision's JPEG decoder and torch's uint8
-antialiased resize, for every fit.
+antialiased resize.
 
 The resize is the kernel ``torchvision.transforms.v2.functional.resize`` runs on a uint8
 tensor (``torch.nn.functional.interpolate(..., antialias=True)``), called the way it calls
-it, so the pixels are v2's on the same tensor; the fits are defined with v2's functions:
+it, so the pixels are v2's on the same tensor. It serves the fits whose geometry torch's
+kernel can give as Pillow's, in Pillow's arithmetic:
 
 - ``"stretch"``: ``resize(img, [h, w])``;
-- ``"crop"``: ``crop(resized_crop(img, top, left, height, width, [h + m, w + n]), ...)``:
-  the box ``ImageOps.fit`` resamples (the largest centered box of the target's aspect
-  ratio, in float coordinates) grown on each side that has image there by a margin that
-  holds the kernel's reach, rounded to whole pixels, resized, and the margin cut off again.
-  The margin lets the kernel see the pixels beyond the box's edges, as Pillow's does; what
-  is left of the difference is the rounding of the box to whole pixels (at most half an
-  input pixel). Where the rounding changes nothing, the pixels are ``ImageOps.fit``'s
-  within one level;
 - ``"pad"``: ``resize`` to the size ``ImageOps.contain`` picks, then zeros around it at
-  ``ImageOps.pad``'s offsets: the same geometry as the ``"pil"`` pipeline.
+  ``ImageOps.pad``'s offsets.
+
+(A ``"crop"`` resamples ``ImageOps.fit``'s box in float coordinates, which torch's kernel,
+sampling from whole pixels, cannot: :func:`.images.backend_for` leaves it to Pillow.)
 
 Importing this module imports torch (seconds, once per process) and loads torchvision's
 image extension without importing torchvision, whose own import costs about as much again.
@@ -28,11 +24,10 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import math
 import os
 import platform
 import sys
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -40,10 +35,7 @@ from torch.nn import functional
 
 from . import _worker_main
 
-__all__ = ["RADIUS", "Window", "crop_window", "decode_jpeg", "fit_size", "resize_fit"]
-
-RADIUS = {"bilinear": 1, "bicubic": 2}
-"""Each kernel's reach, in input pixels when enlarging, in output pixels when shrinking."""
+__all__ = ["decode_jpeg", "fit_size", "resize_fit"]
 
 if _worker_main.serving():
     torch.set_num_threads(1)
@@ -93,46 +85,6 @@ def decode_jpeg(data: bytes, channels: int, height: int, width: int) -> Optional
     return hwc.numpy() if hwc.is_contiguous() else np.ascontiguousarray(hwc.numpy())
 
 
-class Window(NamedTuple):
-    """One axis of a "crop": input pixels ``[start, start + length)`` are resized to
-    ``scaled`` pixels, of which ``scaled[skip:skip + out]`` are kept."""
-
-    start: int
-    length: int
-    scaled: int
-    skip: int
-
-
-def crop_window(src: tuple[int, int], target: tuple[int, int], resample: str
-                ) -> tuple[Window, Window]:
-    """The (rows, columns) windows of a "crop" of an image of size ``src`` (h, w) to
-    ``target`` (h, w): ``ImageOps.fit``'s box, its arithmetic included, grown by the margin
-    ``resample``'s kernel needs."""
-    (src_h, src_w), (h, w) = src, target
-    image_ratio, target_ratio = src_w / src_h, w / h
-    if image_ratio == target_ratio:
-        box_w, box_h = float(src_w), float(src_h)
-    elif image_ratio >= target_ratio:
-        box_w, box_h = target_ratio * src_h, float(src_h)
-    else:
-        box_w, box_h = float(src_w), src_w / target_ratio
-    radius = RADIUS[resample]
-    return (_window((src_h - box_h) * 0.5, box_h, src_h, h, radius),
-            _window((src_w - box_w) * 0.5, box_w, src_w, w, radius))
-
-
-def _window(start: float, length: float, total: int, out: int, radius: int) -> Window:
-    scale = length / out  # input pixels per output pixel
-    # Output pixels whose span covers the kernel's reach beyond the box, and the pixel the
-    # rounding of the window's ends may take away.
-    margin = math.ceil((radius * max(scale, 1.0) + 1) / scale)
-    before = max(0, min(margin, math.floor(start / scale)))
-    after = max(0, min(margin, math.floor((total - start - length) / scale)))
-    first = max(0, round(start - before * scale))
-    end = min(total, max(first + 1, round(start + length + after * scale)))
-    return Window(first, end - first, out + before + after, before)
-
-
 def fit_size(src: tuple[int, int], target: tuple[int, int], fit: str) -> tuple[int, int]:
     """The (height, width) the image of size ``src`` (h, w) is resized to for "stretch" and
     "pad" (for "pad", ``ImageOps.contain``'s arithmetic, its rounding included)."""
@@ -149,8 +101,8 @@ def fit_size(src: tuple[int, int], target: tuple[int, int], fit: str) -> tuple[i
 
 def resize_fit(hwc: np.ndarray, size: tuple[int, int], fit: str, resample: str,
                channels: int) -> np.ndarray:
-    """``hwc`` ((H, W, C) uint8, C order) resized by ``fit`` to ``size`` (h, w): the
-    (channels, h, w) uint8 C-contiguous row.
+    """``hwc`` ((H, W, C) uint8, C order) resized by ``fit`` ("stretch" or "pad") to
+    ``size`` (h, w): the (channels, h, w) uint8 C-contiguous row.
 
     When ``channels`` is more than C, the resized image is filled up before any padding: a
     single channel copied into the first three, a fourth (alpha) set to 255. The pixels are
@@ -158,12 +110,6 @@ def resize_fit(hwc: np.ndarray, size: tuple[int, int], fit: str, resample: str,
     whatever their number, and keeps a constant channel constant.
     """
     h, w = size
-    if fit == "crop":
-        rows, columns = crop_window(hwc.shape[:2], size, resample)
-        box = hwc[rows.start:rows.start + rows.length, columns.start:columns.start + columns.length]
-        resized = _resize(np.ascontiguousarray(box), (rows.scaled, columns.scaled), resample)
-        resized = resized[:, rows.skip:rows.skip + h, columns.skip:columns.skip + w]
-        return _filled(resized, channels, np.empty((channels, h, w), dtype=np.uint8))
     scaled = fit_size(hwc.shape[:2], size, fit)
     if min(scaled) == 0:  # "pad" of a sliver: ImageOps.contain gives an empty image
         return np.zeros((channels, h, w), dtype=np.uint8)

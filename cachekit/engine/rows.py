@@ -49,7 +49,7 @@ class ImageRow:
         executor rule counts it (cachekit.engine.executors.default_executor)."""
         from .images import backend_for
 
-        return backend_for(self.backend, self.resample) == "tensor"
+        return backend_for(self.backend, self.fit, self.resample) == "tensor"
 
     def __call__(self, path: str) -> np.ndarray:
         from . import images
