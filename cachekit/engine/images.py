@@ -49,9 +49,11 @@ def backend_for(backend: str, fit: str, resample: str) -> str:
 
     Bilinear "stretch" and "pad" it can. A "crop" it cannot: ``ImageOps.fit`` samples its
     box in float coordinates, torch's kernel from whole pixels, up to half a pixel apart
-    (19 levels off, measured). Nor bicubic: each of torch's 1-D passes is within a level of
-    Pillow's, but Pillow's 2-D result is not its own 1-D passes one after the other (24
-    levels off). Nor nearest, lanczos and box, which torch's kernel does not have. There,
+    (up to 30 levels off on generated covers, ``benchmarks/bench_backends.py``). Nor
+    bicubic: each of torch's 1-D passes is within a level of Pillow's, but Pillow picks the
+    order of its two passes per image and clips in between, torch does not (8 levels off at
+    32x32, 24 at 224x224). Nor nearest, lanczos and box, which torch's kernel does not
+    have. There,
     resizing decoded pixels with Pillow would cost more than Pillow decoding them itself
     (handing them over copies them), so the whole call is the ``"pil"`` pipeline, with its
     key.
