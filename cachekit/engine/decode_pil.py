@@ -112,8 +112,7 @@ def decode(im: Image.Image, size: tuple[int, int], mode: str, fit: str, resample
 def resized(im: Image.Image, size: tuple[int, int], fit: str, resample: str) -> np.ndarray:
     """The pipeline's last step: ``im``, upright and in its final mode, resized by ``fit`` to
     ``size`` (h, w) with the filter ``resample``, as a (C, H, W) uint8 array (see
-    :func:`load`). The ``"tensor"`` backend ends here too where torch's kernel would not give
-    Pillow's pixels."""
+    :func:`load`). The ``"tensor"`` backend ends here too for a small DCT-scaled image."""
     height, width = size
     filt = RESAMPLES[resample]
     if fit == "stretch":

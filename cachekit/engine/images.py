@@ -53,10 +53,9 @@ def backend_for(backend: str, fit: str, resample: str) -> str:
     bicubic: each of torch's 1-D passes is within a level of Pillow's, but Pillow picks the
     order of its two passes per image and clips in between, torch does not (8 levels off at
     32x32, 24 at 224x224). Nor nearest, lanczos and box, which torch's kernel does not
-    have. There,
-    resizing decoded pixels with Pillow would cost more than Pillow decoding them itself
-    (handing them over copies them), so the whole call is the ``"pil"`` pipeline, with its
-    key.
+    have. There, resizing torchvision's pixels with Pillow would cost more than Pillow
+    decoding them itself (handing them over copies them), so the whole call is the
+    ``"pil"`` pipeline, with its key.
     """
     if backend == "tensor" and (fit not in TENSOR_FITS or resample not in TENSOR_RESAMPLES):
         return "pil"
