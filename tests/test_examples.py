@@ -585,7 +585,7 @@ def test_a_failing_command_stops_its_block(tmp_path) -> None:
 def test_the_readme_commands_are_those_ci_runs() -> None:
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for command in ('pip install -e ".[dev]"', "python -m pytest -q"):
+    for command in ('pip install -e ".[dev]"', "python -m pytest -q -n 4 --dist worksteal"):
         assert command in ci.splitlines(), command
         assert command in readme, command
     assert 'pip install -e ".[dev]" && cachekit demo' in readme
