@@ -51,8 +51,8 @@ def backend_for(backend: str, fit: str, resample: str) -> str:
     box in float coordinates, torch's kernel from whole pixels, up to half a pixel apart
     (up to 30 levels off on generated covers, ``benchmarks/bench_backends.py``). Nor
     bicubic: each of torch's 1-D passes is within a level of Pillow's, but Pillow picks the
-    order of its two passes per image and clips in between, torch does not (8 levels off at
-    32x32, 24 at 224x224). Nor nearest, lanczos and box, which torch's kernel does not
+    order of its two passes per image and clips in between, torch does not (up to 8 levels off
+    at 32x32, 24 at larger sizes). Nor nearest, lanczos and box, which torch's kernel does not
     have. There, resizing torchvision's pixels with Pillow would cost more than Pillow
     decoding them itself (handing them over copies them), so the whole call is the
     ``"pil"`` pipeline, with its key.
