@@ -39,15 +39,8 @@ TRANSPOSITIONS: dict[int, Image.Transpose] = {  # as in ImageOps.exif_transpose
 _SWAPS_AXES = frozenset({5, 6, 7, 8})
 
 
-def load(
-    path: str,
-    size: tuple[int, int],
-    mode: str = "RGB",
-    fit: str = "stretch",
-    resample: str = "bilinear",
-    draft: bool = False,
-    max_read_bytes: Optional[int] = None,
-) -> np.ndarray:
+def load(path: str, size: tuple[int, int], mode: str, fit: str, resample: str, draft: bool,
+         max_read_bytes: Optional[int]) -> np.ndarray:
     """Decode one image file into a (C, H, W) uint8 C-contiguous array. size is (height, width).
 
     Steps: first frame only (animated GIF/WebP); EXIF orientation applied; pixels converted

@@ -65,15 +65,8 @@ _UPRIGHT: dict[int, Callable[[np.ndarray], np.ndarray]] = {  # views, as decode_
 }
 
 
-def load(
-    path: str,
-    size: tuple[int, int],
-    mode: str = "RGB",
-    fit: str = "stretch",
-    resample: str = "bilinear",
-    draft: bool = False,
-    max_read_bytes: Optional[int] = None,
-) -> np.ndarray:
+def load(path: str, size: tuple[int, int], mode: str, fit: str, resample: str, draft: bool,
+         max_read_bytes: Optional[int]) -> np.ndarray:
     """Decode one image file into a (C, H, W) uint8 C-contiguous array; size is (height, width).
 
     The steps are the module's. ``fit`` and ``resample`` as in :func:`.decode_pil.load`, but
