@@ -195,10 +195,12 @@ def row(v):
 
 def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
-    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-answer", delay=3.0)
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-answer", delay=8.0)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "1.5")
+        # Long enough for every other call on a loaded machine (1.5 s timed out plain reads
+        # under four test workers), shorter than the held answer.
+        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "4")
         # The create lands, its answer comes too late, and the uploader reads the manifest
         # before it removes anything: it finds its own and calls it a win (no warning).
         built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
@@ -224,7 +226,7 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
     remote.lookup(32 * "0")  # connected now: straight to the server, not through the proxy
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "1.5")
+        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "4")  # (see the test above)
         # No answer, and no manifest yet when the uploader looks: it cannot tell, so it
         # leaves its data in place and says so; the call has its local entry.
         built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
