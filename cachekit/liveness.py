@@ -8,8 +8,10 @@ lease, or a ``memoize`` build that reports no progress at all, keeps beating. A 
 
 - dead when it said it gave up (an interrupted build marks itself abandoned), when it is a
   gone process on this host (its pid is gone or was reused), when it is this very process
-  but none of its heartbeats beats for that directory, or when its heartbeat is older than
-  the lease;
+  but none of its heartbeats beats for that directory, when its heartbeat is older than
+  the lease, or when its heartbeat is dated in the future by more than the clock skew
+  allowance (lease / 4): a date in 2100 planted by a group member, or a clock that far
+  ahead, is a fault, never a builder that stays alive for good;
 - alive otherwise.
 
 The lease is ``$CACHEKIT_LOCK_LEASE`` seconds (default 60). Hosts that share a cache root
@@ -30,6 +32,9 @@ from . import _fs, units
 LEASE_ENV = "CACHEKIT_LOCK_LEASE"
 DEFAULT_LEASE_SECONDS = 60.0
 BEATS_PER_LEASE = 4
+SKEW_FRACTION = 1 / BEATS_PER_LEASE
+"""How far in the future (as a fraction of the lease) a heartbeat may be dated and still
+count: the clocks of hosts that share a root agree to well within it."""
 
 
 def lease_from_env() -> float:
@@ -56,8 +61,9 @@ def is_alive(owner: Optional[Mapping[str, Any]], heartbeat: float, *,
         if (where is not None and state == "alive" and owner.get("pid") == os.getpid()
                 and str(where) not in _BEATING_HERE):
             return False  # ours, and no thread of ours is building there
-    return (time.time() if now is None else now) - heartbeat <= (
-        lease_from_env() if lease is None else lease)
+    lease = lease_from_env() if lease is None else lease
+    age = (time.time() if now is None else now) - heartbeat
+    return -lease * SKEW_FRACTION <= age <= lease
 
 
 def touch(fd: int) -> Callable[[], None]:

@@ -34,6 +34,12 @@ JOIN_POLL_SECONDS = 0.05
 """How often a process that may join looks for a build to join: a joiner that starts late
 fills fewer chunks."""
 
+FOREIGN_WAIT_LEASES = 10
+"""How many leases a call waits at most for builders and lock holders it cannot verify as
+live processes of its own user on this host (another user's, another host's), even with
+``lock_timeout=None``: then it builds in a directory of its own and publishes atomically.
+A live-looking record that another member planted cannot hold a victim for longer."""
+
 JoinFunction = Callable[[_fs.DirHandle, Optional[engine.Spare]], Optional[engine.Joined]]
 """Fills free chunks of another process's live build, given its directory by handle and,
 for a build of this host, the cores we may add to it (None: a build of another host)."""
@@ -53,6 +59,7 @@ class LocalWait:
         self.join_seconds = 0.0  # spent filling chunks: working, not waiting
         self.said_no_core: set[str] = set()
         self.locked = False
+        self.said_foreign_bound = False
         self.lease = liveness.lease_from_env()
         self.last_sign_of_life = time.monotonic()
         self.awaited = Awaited(str(lock.path), self._builder, lock.release_hint())
@@ -75,6 +82,8 @@ class LocalWait:
             return found
         states = self.store.builds(self.key)
         self._join_live_builds(states)
+        if self._past_foreign_bound(states):
+            return None
         if self._holder_shows_no_life(states):
             if self.wait.announce:
                 say(f"the build lock of entry {self.key[:12]} has been held for "
@@ -97,6 +106,24 @@ class LocalWait:
             return False
         return True
 
+    def _past_foreign_bound(self, states: list[BuildState]) -> bool:
+        """Whether this call has waited FOREIGN_WAIT_LEASES leases and nothing it waits for
+        is verified as a live process of this user on this host: then it stops waiting
+        (said once) and builds."""
+        if self.wait.seconds <= FOREIGN_WAIT_LEASES * self.lease:
+            return False
+        if self.lock.holder_verified() or any(
+                s.alive and s.uid == os.geteuid() and _fs.owner_state(s.owner) == "alive"
+                for s in states):
+            return False
+        if self.wait.announce and not self.said_foreign_bound:
+            say(f"waited {self.wait.seconds:.0f} s ({FOREIGN_WAIT_LEASES} leases) for "
+                f"{describe_builder(states)} to build entry {self.key[:12]}, which is not a "
+                "process of this user on this host; this process builds in a directory of "
+                "its own and publishes atomically (the first to publish wins)")
+        self.said_foreign_bound = True
+        return True
+
     def for_live_builders(self) -> Optional[Published]:
         """Holding the lock, wait while a builder of the key is alive (on another host, or
         with ``CACHEKIT_LOCK=none``); the entry if one publishes it, else None."""
@@ -107,7 +134,7 @@ class LocalWait:
         if found is not None:
             return found
         states = self.store.builds(self.key)
-        if not any(state.alive for state in states):
+        if not any(state.alive for state in states) or self._past_foreign_bound(states):
             return None
         if not self._join_live_builds(states):
             time.sleep(seconds)  # after a join, look at once: we may have filled the last chunk

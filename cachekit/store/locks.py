@@ -78,6 +78,11 @@ class BuildLock:
         A waiter stops waiting for a holder that shows none for a lease."""
         return False
 
+    def holder_verified(self) -> bool:
+        """Whether the holder is a live process of this user on this host, checked by its
+        pid and start time: the only holder a waiter waits for without a bound."""
+        return False
+
 
 class OsLock(BuildLock):
     """flock(2) through filelock; the lock file respects the umask (for shared caches).
@@ -130,6 +135,16 @@ class OsLock(BuildLock):
         except (OSError, ValueError):
             return False
         return liveness.is_alive(record if isinstance(record, dict) else None, beat)
+
+    def holder_verified(self) -> bool:
+        try:
+            with _fs.DirHandle.open(self.path.parent) as folder:
+                with folder.open_file(self.holder_path.name) as f:
+                    uid = os.fstat(f.fileno()).st_uid
+                    record = json.loads(f.read(_RECORD_LIMIT))
+        except (OSError, ValueError):
+            return False
+        return _verified(uid, record)
 
     def release_hint(self) -> str:
         return ("the kernel releases this lock when its holder exits: wait for that process "
@@ -205,6 +220,13 @@ class SoftLock(BuildLock):
         except FileNotFoundError:
             return False
         return liveness.is_alive(self.owner(), beat, lease=self.lease)
+
+    def holder_verified(self) -> bool:
+        try:
+            uid = os.lstat(self.path).st_uid
+        except OSError:
+            return False
+        return _verified(uid, self.owner())
 
     def owner(self) -> Optional[dict[str, Any]]:
         """The record of the current holder, or None when free or unreadable."""
@@ -311,3 +333,10 @@ def make_lock(path: Path, kind: Optional[str] = None) -> BuildLock:
     if kind == "none":
         return NoLock(path)
     raise ValueError(f"lock kind must be one of {', '.join(KINDS)}, not {kind!r}")
+
+
+def _verified(uid: int, record: Any) -> bool:
+    """Whether a holder record in a file owned by ``uid`` names a live process of this user
+    on this host (pid and start time checked)."""
+    return (uid == os.geteuid() and isinstance(record, dict)
+            and _fs.owner_state(record) == "alive")
