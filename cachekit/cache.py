@@ -158,14 +158,14 @@ class Cache:
     def _obtain(self, key: str, build_fn: BuildFunction,
                 open_entry: Callable[[Outcome], Any],
                 join_fn: Optional[JoinFunction] = None, *,
-                expect: Expected) -> Any:
+                expect: Expected, raise_failures: bool = True) -> Any:
         """The one path every entry takes: obtain it (building on a miss, or joining the
         build under way with ``join_fn``), check it against the call (``expect``), open it,
         and report the use to an active W&B run."""
         outcome, opened = obtain_and_open(
             self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
             announce=self.progress is not False, join=join_fn if self.join else None,
-            remote=self._remote_tier(), expect=expect)
+            remote=self._remote_tier(), expect=expect, raise_failures=raise_failures)
         _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
         return opened
 
@@ -241,7 +241,8 @@ class Cache:
         row_shape, dtype = template if template is not None else (None, None)
         expect = Expected(kind, rows=len(column), row_shape=row_shape,
                           dtype=None if dtype is None else np.dtype(dtype).str)
-        entry = self._obtain(key, build_entry, open_entry, join_entry, expect=expect)
+        entry = self._obtain(key, build_entry, open_entry, join_entry, expect=expect,
+                             raise_failures=on_error == "raise")
         if entry.source == "local" and params.get("validate") == "path" and kind == "images":
             staleness.check(entry.path, entry._manifest, column, stacklevel=3)
         return entry

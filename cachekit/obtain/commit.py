@@ -99,7 +99,12 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         current.abandon()  # keep the finished chunks for the next run
         raise
     except BaseException as e:
-        current.discard()
+        taken_over = isinstance(e, Exception) and _taken_over(current)
+        current.discard()  # (only while the directory is still ours)
+        if taken_over and not isinstance(e, BuildGone):
+            # Taken over while paused: whatever failed (a file of the build directory gone,
+            # a row read from it) is the takeover's doing. Wait for the new owner's entry.
+            raise BuildGone(str(current.path)) from e
         if isinstance(e, ImageDecodeError):
             _record_failure(store, key, e)
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
@@ -112,6 +117,17 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         if made.committed is not None:
             made.committed(published)
     return published
+
+
+def _taken_over(current: BuildDir) -> bool:
+    """Whether another process took ``current`` over (False once it is closed: committed,
+    abandoned or discarded, it was ours to the end)."""
+    if current.dir.fd < 0:
+        return False
+    try:
+        return not current.still_ours()
+    except OSError:
+        return False
 
 
 def _say_who_joined(manifest: Manifest) -> None:
@@ -129,8 +145,14 @@ def _say_who_joined(manifest: Manifest) -> None:
 
 def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) -> None:
     """Re-raise a build failure recorded while this call waited (not before it asked, and
-    never one dated in the future). A later call builds again: the files may be fixed."""
-    record = store.read_failure(key)
+    never one dated in the future). A later call builds again: the files may be fixed. A
+    record this user did not write (or, with signing on, one not validly signed) is
+    ignored, and said once."""
+    record, refused = store.read_failure(key)
+    if refused is not None:
+        say(f"ignored the failure record of entry {key[:12]}: {refused}; this process "
+            "builds the entry itself")
+        return
     try:
         failed_at, failures = record["time"], record["failures"]
         if not isinstance(failed_at, (int, float)) or not asked <= failed_at <= time.time():

@@ -84,7 +84,7 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
            lock_timeout: Optional[float], announce: bool = True,
            join: Optional[JoinFunction] = None,
            remote: Optional["remote_tier.Tier"] = None,
-           expect: Optional[Expected] = None) -> Outcome:
+           expect: Optional[Expected] = None, raise_failures: bool = True) -> Outcome:
     """Return the entry for ``key``, building it with ``build_fn`` if no process has yet.
 
     With ``join``, fill chunks of a live build of the key while waiting for it. With
@@ -93,6 +93,9 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
     local hit never touches the remote (it only warns of this process's background uploads
     to it that failed). A remote entry that disagrees with ``expect`` is refused before
     its download (a miss); the local entry returned is checked by :func:`obtain_and_open`.
+    ``raise_failures``: whether a failure of the build this call waited for, recorded by
+    this user, is raised here (False for builds that store failed rows as zeros, which
+    never record one).
 
     A build of ours that another process took over (we were paused past the lease, and it
     claimed our directory) stops writing at once: we then wait for, or join, the build that
@@ -102,7 +105,7 @@ def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
         try:
             return _obtain_once(store, key, build_fn, lock_timeout=lock_timeout,
                                 announce=announce, join=join, remote=remote, expect=expect,
-                                work=work)
+                                work=work, raise_failures=raise_failures)
         except BuildGone:
             if attempt == _TAKEOVERS - 1:
                 raise
@@ -118,7 +121,8 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
                  lock_timeout: Optional[float], announce: bool,
                  join: Optional[JoinFunction],
                  remote: Optional["remote_tier.Tier"],
-                 expect: Optional[Expected], work: OwnWork) -> Outcome:
+                 expect: Optional[Expected], work: OwnWork,
+                 raise_failures: bool) -> Outcome:
     asked = time.time()
     if remote is not None:
         background.warn_failed(remote.store)
@@ -136,7 +140,8 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
         work.joined(local.join_seconds)
         if found is not None:
             return _outcome(found, local.source(found), wait.seconds, work, local.rows_filled)
-        raise_failure_seen_while_waiting(store, key, asked)
+        if raise_failures:
+            raise_failure_seen_while_waiting(store, key, asked)
         waited = wait.seconds  # before the build: waiting, not building
         commit = work.timed(lambda fn: build_and_commit(store, key, fn, announce))
         if remote is not None:

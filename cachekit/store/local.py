@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from .. import _fs, liveness
 from . import commit as commits
+from . import failures
 from . import manifest as manifests
 from . import row_index
 from .._version import __version__
@@ -33,8 +34,6 @@ from .manifest import FileRecord, Manifest
 from .temp_names import build_dir_name, parse_build_dir_name, trash_name
 
 __all__ = ["LocalStore"]
-
-_FAILURE_LIMIT = 64 << 20
 
 
 class LocalStore:
@@ -316,17 +315,18 @@ class LocalStore:
     # Failure records ---------------------------------------------------------------------
 
     def record_failure(self, key: str, record: dict[str, Any]) -> None:
+        """Record that the build of ``key`` failed (:mod:`cachekit.store.failures`)."""
         with self._open("locks", create=True) as locks:
-            locks.replace_json(self.layout.failure_path(key).name, record)
+            failures.write(locks, self.layout.failure_path(key).name, key, record)
 
-    def read_failure(self, key: str) -> Optional[Any]:
-        """The failure record of ``key`` as parsed JSON, or None when absent or unreadable."""
+    def read_failure(self, key: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """The failure record of ``key`` when it may be honoured, else why not (see
+        :func:`cachekit.store.failures.read`)."""
         try:
-            with self._open("locks") as locks, \
-                    locks.open_file(self.layout.failure_path(key).name) as f:
-                return json.loads(f.read(_FAILURE_LIMIT))
-        except (OSError, ValueError, RecursionError):
-            return None
+            with self._open("locks") as locks:
+                return failures.read(locks, self.layout.failure_path(key).name, key)
+        except OSError:
+            return None, None
 
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""
