@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 from .. import _fs, arrays
 from ..errors import CacheCorruptError
 from ..keys import is_key
+from ..messages import say
+from . import signing
 
 if TYPE_CHECKING:
     from .local import LocalStore
@@ -90,23 +92,33 @@ class RowIndex:
         ``remaining`` whose hash it holds; the caller clears in ``remaining`` the rows it
         takes before it asks for the next entry. Entries with the most rows come first."""
         needles = _Needles(hashes)
+        skipped: list[str] = []
         try:
             with self.store._open(INDEX_FOLDER) as index, index.child(recipe) as folder, \
                     self.store._open("entries") as entries:
-                for key in self._keys_by_size(folder, exclude):
+                for key in self._keys_by_size(folder, exclude, skipped):
                     live = remaining[needles.order]
                     if not live.any():
                         return
-                    found = self._match(folder, entries, key, needles, live)
+                    found = self._match(folder, entries, key, needles, live, skipped)
                     if found is not None and len(found.dst):
                         yield found
         except (FileNotFoundError, NotADirectoryError, CacheCorruptError):
             return
         except OSError:
             return  # a symlink planted in place of the folder (ELOOP), an unreadable one
+        finally:
+            if skipped:
+                say(f"skipped {len(skipped)} row index file{'s' if len(skipped) > 1 else ''} "
+                    f"of recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those "
+                    "entries lend no rows to this build")
 
-    def _keys_by_size(self, folder: _fs.DirHandle, exclude: str) -> list[str]:
+    def _keys_by_size(self, folder: _fs.DirHandle, exclude: str,
+                      skipped: list[str]) -> list[str]:
+        """The entries indexed in ``folder``, most rows first; with signing on, only the
+        files of this user (another member's index is not signed, so not trusted)."""
         sized = []
+        trusted_uid = os.geteuid() if signing.enabled() else None
         for name in folder.names():
             if name.startswith(".") and name.endswith(".tmp"):
                 _drop_if_stale(folder, name)
@@ -118,25 +130,38 @@ class RowIndex:
                 st = folder.lstat(name)
             except FileNotFoundError:
                 continue
+            if trusted_uid is not None and st.st_uid != trusted_uid:
+                skipped.append(f"{name} belongs to uid {st.st_uid}")
+                continue
             sized.append((-st.st_size, -st.st_mtime, key))
         return [key for _, _, key in sorted(sized)]
 
     def _match(self, folder: _fs.DirHandle, entries: _fs.DirHandle, key: str,
-               needles: "_Needles", live: np.ndarray) -> Optional[Match]:
-        """The rows still ``live`` of ``needles`` whose hashes the entry ``key`` holds."""
+               needles: "_Needles", live: np.ndarray, skipped: list[str]) -> Optional[Match]:
+        """The rows still ``live`` of ``needles`` whose hashes the entry ``key`` holds.
+
+        The file is mapped, never read whole: its bitmap's bits are tested in place and its
+        hashes binary-searched, so a lookup's memory is bounded by the column looked up
+        whatever a planted file claims; a file whose size or bitmap disagrees with the row
+        count in its header is skipped (``skipped`` says why)."""
         if not _published(entries, key):
             folder.unlink(f"{key}.npy")  # its entry was removed: the file names nothing
             return None
         try:
             flat = arrays.open_readonly(folder, f"{key}.npy")
-        except (OSError, CacheCorruptError):
+        except OSError:
+            return None
+        except CacheCorruptError:
+            skipped.append(f"{key}.npy is malformed")
             return None
         parsed = _parse(flat)
         if parsed is None:
+            skipped.append(f"{key}.npy is not an index of its row count")
             return None
         sorted_hashes, positions, bitmap, log2_bits = parsed
-        bits = np.unpackbits(np.asarray(bitmap).view(np.uint8), bitorder="little").view(bool)
-        passed = bits[needles.top(log2_bits)] & live
+        tops = needles.top(log2_bits)
+        words = np.asarray(bitmap[tops >> 6])  # only the needles' words are read
+        passed = ((words >> (tops & 63).astype(np.uint64)) & np.uint64(1)).astype(bool) & live
         dst, wanted = needles.order[passed], needles.sorted[passed]
         at = np.searchsorted(sorted_hashes, wanted)
         at[at == len(sorted_hashes)] = 0
@@ -204,13 +229,19 @@ def _index_array(hashes: np.ndarray, skip: Optional[np.ndarray]) -> np.ndarray:
         hashes, rows = hashes[keep], rows[keep]
     order = np.argsort(hashes, kind="stable")
     count = len(hashes)
-    log2_bits = min(_MAX_LOG2_BITS, max(_MIN_LOG2_BITS,
-                                        math.ceil(math.log2(max(1, _BITS_PER_ROW * count)))))
+    log2_bits = _log2_bits(count)
     bitmap = np.zeros((1 << log2_bits) // 64, dtype="<u8")
     top = (hashes >> np.uint64(64 - log2_bits)).astype(np.intp)
     np.bitwise_or.at(bitmap, top >> 6, np.uint64(1) << (top & 63).astype(np.uint64))
     head = np.array([INDEX_FORMAT, count, log2_bits], dtype="<u8")
     return np.concatenate([head, hashes[order], rows[order], bitmap])
+
+
+def _log2_bits(count: int) -> int:
+    """The bitmap size (log2 of its bits) of an index of ``count`` rows: the only one a
+    reader accepts, so a file's bitmap is never larger than its rows call for."""
+    return min(_MAX_LOG2_BITS, max(_MIN_LOG2_BITS,
+                                   math.ceil(math.log2(max(1, _BITS_PER_ROW * count)))))
 
 
 def _parse(flat: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
@@ -219,7 +250,7 @@ def _parse(flat: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarra
     if flat.ndim != 1 or flat.dtype != np.dtype("<u8") or len(flat) < _HEAD:
         return None
     version, count, log2_bits = (int(v) for v in flat[:_HEAD])
-    if version != INDEX_FORMAT or not _MIN_LOG2_BITS <= log2_bits <= _MAX_LOG2_BITS:
+    if version != INDEX_FORMAT or log2_bits != _log2_bits(count):
         return None
     words = (1 << log2_bits) // 64
     if len(flat) != _HEAD + 2 * count + words:
