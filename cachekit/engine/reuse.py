@@ -8,6 +8,10 @@ used only if the block's bytes match its digest: a donor that is truncated, rewr
 removed while it is read gives no row at all, and those rows are computed instead. The
 bytes are checked and written from the one copy in memory, so no change of the file after
 the check can reach the new entry.
+
+A donor's blocks are read only when their size is in proportion to the rows they serve
+(:func:`read_allowed`): a planted donor whose whole data file is one block costs no more
+than a decode of the rows it offered.
 """
 
 from __future__ import annotations
@@ -20,6 +24,21 @@ from typing import BinaryIO, Sequence
 import numpy as np
 
 from .. import arrays
+
+READ_FLOOR_BYTES = 2 << 20
+"""A block of at most this many bytes may always be read: twice the blocks cachekit
+writes (1 MiB of rows), so a build that wants one row of a block reads it."""
+READ_FACTOR = 4
+"""A larger block is read only when it is at most this many times the bytes of the rows
+it serves."""
+MAX_BLOCK_BYTES = 64 << 20
+"""No block larger than this is ever read, whatever it serves."""
+
+
+def read_allowed(block_bytes: int, served_bytes: int) -> bool:
+    """Whether a donor block of ``block_bytes`` may be read for rows of ``served_bytes``."""
+    return block_bytes <= MAX_BLOCK_BYTES and (
+        block_bytes <= READ_FLOOR_BYTES or block_bytes <= READ_FACTOR * served_bytes)
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,9 @@ def _copy(donor: Donor, out: np.ndarray, src: np.ndarray, dst: np.ndarray
         first = block * donor.block_rows
         last = min(donor.rows, first + donor.block_rows)
         size = (last - first) * row_bytes
+        if not read_allowed(size, (end - start) * row_bytes):
+            refused += end - start  # decoded instead
+            continue
         try:
             data = os.pread(donor.file.fileno(), size, donor.offset + first * row_bytes)
         except OSError:
