@@ -5,12 +5,19 @@ Several sweep agents or torchrun ranks share one terminal or log, so a line such
 pid always, and the rank, world size and local rank that torch.distributed's launchers put
 in ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` when they are set. The command line's own
 results and errors (``cachekit: error: ...``) are not library messages and keep their form.
+Every line has its control characters escaped (:func:`printable`), the command line's too.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
+
+# C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
+# lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({c: f"\\u{c:04x}" for c in range(0xD800, 0xE000)})
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 """The environment variables torchrun (and torch.distributed.launch) set for each rank."""
@@ -28,9 +35,17 @@ def prefix() -> str:
     return f"cachekit[{' '.join(parts)}]"
 
 
+def printable(text: Any) -> str:
+    """``text`` with its control characters escaped: host names, paths and reasons read
+    from files under a shared root or from a bucket are written by whoever else uses it,
+    so none of their text may reach a terminal raw."""
+    return str(text).translate(_ESCAPES)
+
+
 def say(text: str) -> None:
-    """Write ``text`` as one line on stderr, after this process's :func:`prefix`."""
-    print(f"{prefix()}: {text}", file=sys.stderr, flush=True)
+    """Write ``text`` as one line on stderr, after this process's :func:`prefix`, with its
+    control characters escaped."""
+    print(f"{prefix()}: {printable(text)}", file=sys.stderr, flush=True)
 
 
 def _number(name: str) -> str | None:

@@ -11,20 +11,10 @@ from typing import Any, Optional, Sequence
 
 from .. import units
 from ..admin.inspect import SHORT_KEY, ago, local_time
+from ..messages import printable
 
 __all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
            "printable", "say", "shape", "table", "when"]
-
-# C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
-# lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
-_ESCAPES.update({c: f"\\u{c:04x}" for c in range(0xD800, 0xE000)})
-
-
-def printable(text: Any) -> str:
-    """``text`` with its control characters escaped."""
-    return str(text).translate(_ESCAPES)
-
 
 def say(text: Any = "", **kwargs: Any) -> None:
     """``print`` one line (``kwargs`` as for print) with control characters escaped."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import _fs, liveness
+from ..messages import printable
 from . import manifest as manifests
 from .._version import __version__
 from ..errors import BuildGone
@@ -84,7 +85,8 @@ class BuildState:
             progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
         else:
             progress = "starting"
-        return f"pid {self.owner.get('pid')} on {self.owner.get('host')} ({progress})"
+        return printable(f"pid {self.owner.get('pid')} on {self.owner.get('host')} "
+                         f"({progress})")  # from a file another member may write
 
 
 class BuildDir:

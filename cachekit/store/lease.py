@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .. import _fs, liveness
+from ..messages import printable
 from ..errors import RemoteUnavailableError
 from ..keys import is_key
 from .remote import RemoteStore
@@ -163,7 +164,8 @@ class Watch:
             progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
         else:
             progress = "starting"
-        return f"pid {holder.get('pid')} on {holder.get('host')} ({progress})"
+        return printable(f"pid {holder.get('pid')} on {holder.get('host')} "
+                         f"({progress})")  # from a bucket object
 
     def _alive(self, generation: int) -> bool:
         now = time.monotonic()
