@@ -310,12 +310,14 @@ def column_dtype(column: Any) -> Any:
 
 
 def stat_signature(paths: Sequence[str]) -> np.ndarray:
-    """(size, mtime_ns) of each file as an int64 (N, 2) array; (-1, -1) where stat fails."""
+    """(size, mtime_ns) of each file as an int64 (N, 2) array; (-1, -1) where stat fails,
+    or where the path is no file name at all (a NUL byte): that row fails alone when it is
+    decoded, never the whole call."""
     out = np.full((len(paths), 2), -1, dtype="<i8")
     for row, path in enumerate(paths):
         try:
             st = os.stat(path)
-        except OSError:
+        except (OSError, ValueError):
             continue
         out[row] = (st.st_size, st.st_mtime_ns)
     return out
@@ -334,7 +336,7 @@ def _file_digest(path: str) -> bytes:
         with _fs.open_regular(path, follow_symlinks=True) as f:  # a FIFO would block
             for block in iter(lambda: f.read(_READ_BLOCK), b""):
                 hasher.update(block)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
         return bytes(16)
     return hasher.digest()
 
