@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import cachekit
 from cachekit import arrays
@@ -445,3 +446,21 @@ def test_waiters_share_a_failed_build_instead_of_repeating_it(cache_root, cover_
     with pytest.raises(cachekit.ImageDecodeError):  # a later call tries again
         cachekit.Cache(cache_root, progress=False).images(paths, 8)
     assert len(decoded) == 2 * len(paths)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(st.characters(exclude_categories=()), min_size=1, max_size=12),
+       validate=st.sampled_from(["path", "stat", "content"]))
+@example(name="nul\0byte.png", validate="path")
+@example(name="\ud800.png", validate="stat")
+def test_no_path_string_fails_the_whole_call_under_on_error_zero(tmp_path, cover_paths, name,
+                                                                 validate):
+    """Any str at all as a path (a NUL byte, a lone surrogate, a directory name, "."):
+    under on_error="zero" that row alone fails, and the good row decodes."""
+    root = tmp_path / f"cache-{len(os.listdir(tmp_path))}"
+    entry = cachekit.Cache(root, workers=1, progress=False).images(
+        [cover_paths[0], name], 8, on_error="zero", validate=validate)
+    assert entry.valid[0] and entry.array[0].any()
+    if not entry.valid[1]:
+        assert not entry.array[1].any()

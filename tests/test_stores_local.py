@@ -132,3 +132,32 @@ def test_an_older_versions_build_directory_is_never_resumed_and_is_listed_and_cl
     assert temp.state == inspect.ORPHANED and temp.owner == "pid 4242 on elsewhere (starting)"
     report = removal.removal_for_clear(store).execute()
     assert [t.path for t in report.removed_temp_dirs] == [old] and not old.exists()
+
+
+def test_a_builder_taken_over_mid_build_returns_the_entry_its_successor_published(
+        cache_root):
+    """What a builder paused past its lease meets when it wakes: another build claimed its
+    directory (renamed it into its own), published the entry and removed what it claimed.
+    Whichever file of its directory the woken build then fails on, the call returns the
+    published entry (source "local"), it does not raise FileNotFoundError."""
+    from cachekit.obtain import obtain
+
+    store = LocalStore(cache_root)
+    calls = []
+
+    def build_fn(current, progress):
+        calls.append(current.path)
+        if len(calls) == 1:  # the successor: claims our directory, publishes, drops it
+            successor = started(store)
+            assert store.claim_dead(successor, next(
+                s for s in store.builds(KEY) if s.path == current.path)) is not None
+            files = store.seal(successor, [(manifests.DATA_FILE, "numpy")])
+            store.commit(successor, manifest_for(successor, files))
+            with current.dir.open_file("data.npy.rest"):  # gone with the claimed directory
+                pass
+        raise AssertionError("a woken builder built again")
+
+    outcome = obtain(store, KEY, build_fn, lock_timeout=5, announce=False)
+    assert outcome.source == "local" and len(calls) == 1
+    assert np.load(outcome.entry.path / manifests.DATA_FILE).tolist() == [[0, 1], [2, 3],
+                                                                         [4, 5]]

@@ -35,10 +35,10 @@ JOIN_POLL_SECONDS = 0.05
 fills fewer chunks."""
 
 FOREIGN_WAIT_LEASES = 10
-"""How many leases a call waits at most for builders and lock holders it cannot verify as
-live processes of its own user on this host (another user's, another host's), even with
-``lock_timeout=None``: then it builds in a directory of its own and publishes atomically.
-A live-looking record that another member planted cannot hold a victim for longer."""
+"""How many leases a call waits at most, even with ``lock_timeout=None``, while everything
+it waits for belongs to another user (a teammate's build, or what a group member planted):
+then it builds in a directory of its own and publishes atomically (a duplicate build at
+worst). Builds and lock holders of its own user are waited for as long as they beat."""
 
 JoinFunction = Callable[[_fs.DirHandle, Optional[engine.Spare]], Optional[engine.Joined]]
 """Fills free chunks of another process's live build, given its directory by handle and,
@@ -108,19 +108,19 @@ class LocalWait:
 
     def _past_foreign_bound(self, states: list[BuildState]) -> bool:
         """Whether this call has waited FOREIGN_WAIT_LEASES leases and nothing it waits for
-        is verified as a live process of this user on this host: then it stops waiting
-        (said once) and builds."""
+        belongs to this user: then it stops waiting (said once) and builds."""
         if self.wait.seconds <= FOREIGN_WAIT_LEASES * self.lease:
             return False
-        if self.lock.holder_verified() or any(
-                s.alive and s.uid == os.geteuid() and _fs.owner_state(s.owner) == "alive"
-                for s in states):
+        holder_ours = (not self.locked and self.lock.holder_is_ours()
+                       and self.lock.holder_alive())
+        if holder_ours or any(
+                s.alive and s.uid == os.geteuid() for s in states):
             return False
         if self.wait.announce and not self.said_foreign_bound:
             say(f"waited {self.wait.seconds:.0f} s ({FOREIGN_WAIT_LEASES} leases) for "
-                f"{describe_builder(states)} to build entry {self.key[:12]}, which is not a "
-                "process of this user on this host; this process builds in a directory of "
-                "its own and publishes atomically (the first to publish wins)")
+                f"{describe_builder(states)} to build entry {self.key[:12]}, a build of "
+                "another user; this process builds in a directory of its own and publishes "
+                "atomically (the first to publish wins)")
         self.said_foreign_bound = True
         return True
 
