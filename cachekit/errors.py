@@ -16,6 +16,8 @@
     +-- CacheRootError (NotADirectoryError)   the cache root (or a parent) is not a directory
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
+    +-- InvalidArgument (ValueError)    an argument has the right type but a wrong value
+    +-- InvalidArgumentType (TypeError) an argument has the wrong type
 
 ``RemoteWarning`` (a CachekitError and a ``UserWarning``) is the category of the one warning
 a process gives when its remote tier fails and it carries on with the local root;
@@ -215,6 +217,16 @@ class CacheRootError(CachekitError, NotADirectoryError):
 
 class UsageError(CachekitError):
     """Bad command-line input: reported in one line, and ``cachekit`` exits with status 2."""
+
+
+class InvalidArgument(CachekitError, ValueError):
+    """An argument of a public call has a value cachekit cannot use; the message says what
+    to pass instead. Also a ``ValueError``, so code that caught that keeps working."""
+
+
+class InvalidArgumentType(CachekitError, TypeError):
+    """An argument of a public call has a type cachekit cannot use; the message says what
+    to pass instead. Also a ``TypeError``, so code that caught that keeps working."""
 
 
 def failure_reason(exc: BaseException) -> str:
