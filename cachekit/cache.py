@@ -298,7 +298,7 @@ def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
         remote = url_from_env()
     elif not isinstance(remote, str):
         raise InvalidArgumentType(f"remote must be an fsspec URL (str) or None, not "
-                        f"{type(remote).__qualname__}")
+                                  f"{type(remote).__qualname__}")
     if not remote:
         return None, None
     return remote, RemoteStore(remote)
@@ -344,7 +344,7 @@ def _value_column(values: Any):
         if (isinstance(values, (str, bytes, pd.DataFrame)) or not hasattr(values, "__len__")
                 or getattr(values, "ndim", 1) != 1):
             raise InvalidArgumentType("values must be a pandas Series (or a list), one value per row; "
-                            f"got {type(values).__qualname__} (pick a column: df['img_path'])")
+                                      f"got {type(values).__qualname__} (pick a column: df['img_path'])")
         values = list(values)
         try:
             values = pd.Series(values)
@@ -369,7 +369,7 @@ def _path_column(paths: Any):
     missing = np.flatnonzero(column.isna().to_numpy())
     if len(missing):
         raise InvalidArgument(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
-                         "drop them first" + (", e.g. df.dropna(subset=[column])"
+                              "drop them first" + (", e.g. df.dropna(subset=[column])"
                                               if isinstance(paths, pd.Series) else ""))
     if column.dtype == object and any(isinstance(p, os.PathLike) for p in column):
         column = pd.Series([os.fspath(p) if isinstance(p, os.PathLike) else p for p in column],
@@ -379,5 +379,5 @@ def _path_column(paths: Any):
         value = column.iloc[bad]
         hint = " (convert with .astype(str))" if isinstance(paths, pd.Series) else ""
         raise InvalidArgumentType(f"paths must hold str or os.PathLike; row {bad} is "
-                        f"{type(value).__name__} {value!r}{hint}")
+                                  f"{type(value).__name__} {value!r}{hint}")
     return column

@@ -128,12 +128,12 @@ def _as_targets(targets: Any, rows: int) -> Any:
         found = targets.to_numpy()
     elif isinstance(targets, (str, bytes)) or not hasattr(targets, "__len__"):
         raise InvalidArgumentType("targets must be an array, list, pandas Series or tensor, "
-                        f"not {type(targets).__name__}")
+                                  f"not {type(targets).__name__}")
     else:
         found = _as_array(targets)
     if len(found) != rows:
         raise InvalidArgument(f"targets has {len(found)} items but the entry has {rows} rows; "
-                         "pass one target per row, in row order")
+                              "pass one target per row, in row order")
     return found
 
 
@@ -160,4 +160,4 @@ def _check_torch_dtype(dtype: np.dtype) -> None:
         torch.from_numpy(np.zeros(0, dtype))
     except TypeError:
         raise InvalidArgumentType(f"entries of dtype {dtype} cannot be torch tensors; read entry.array "
-                        "with numpy instead") from None
+                                  "with numpy instead") from None

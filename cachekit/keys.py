@@ -237,7 +237,7 @@ def _as_bytes(column: Any, passing: bool) -> Any:
                for v in values):
         # pandas would hash such a column through str(): b"x" as "b'x'", like a str.
         raise InvalidArgumentType("cannot key a column that mixes other values with strings UTF-8 "
-                        "cannot encode (lone surrogates); convert it, e.g. .astype(str)")
+                                  "cannot encode (lone surrogates); convert it, e.g. .astype(str)")
     errors = "surrogatepass" if passing else "surrogateescape"
     for i in unencodable:
         values[i] = values[i].encode("utf-8", errors)

@@ -49,7 +49,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
         return lambda f: memoize(obtain, f, version=version, ignore=ignore)
     if not callable(fn):
         raise InvalidArgumentType(f"memoize decorates a function, not {type(fn).__qualname__} "
-                        f"{fn!r}; pass a version as memoize(version=...)")
+                                  f"{fn!r}; pass a version as memoize(version=...)")
     signature = inspect.signature(fn)
     ignored = _ignored_names(ignore, signature, fn)
     identity = keys.function_identity(fn, version)  # now: a bad closure fails at decoration
@@ -105,7 +105,7 @@ def _ignored_names(ignore: Union[str, Iterable[str]], signature: inspect.Signatu
     unknown = [n for n in names if n not in signature.parameters]
     if unknown:
         raise InvalidArgument(f"ignore names {unknown} that are not parameters of "
-                         f"{getattr(fn, '__qualname__', fn)}{signature}")
+                              f"{getattr(fn, '__qualname__', fn)}{signature}")
     return frozenset(names)
 
 
@@ -128,7 +128,7 @@ def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, st
             bad = [k for k in item if not isinstance(k, str)]
             if bad:
                 raise InvalidArgumentType(f"{qualname} returned a dict with key {bad[0]!r} at {where}; "
-                                "only str keys can be stored")
+                                          "only str keys can be stored")
             return {"dict": [[k, walk(v, f"{where}[{k!r}]")] for k, v in item.items()]}
         raise InvalidArgumentType(
             f"{qualname} returned {kind.__qualname__} at {where}; memoize stores a numpy "
@@ -145,7 +145,7 @@ def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, st
 def _storable(array: np.ndarray, where: str) -> np.ndarray:
     if array.dtype.hasobject:
         raise InvalidArgumentType(f"the array at {where} holds Python objects; only plain dtypes can "
-                        "be memory-mapped")
+                                  "be memory-mapped")
     return array
 
 
@@ -159,7 +159,7 @@ def _tensor_array(tensor: Any, where: str) -> np.ndarray:
         return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
     except (TypeError, RuntimeError) as e:
         raise InvalidArgumentType(f"the tensor at {where} has no numpy equivalent ({e}); convert it, "
-                        "e.g. .float()") from None
+                                  "e.g. .float()") from None
 
 
 def _write_leaves(directory: _fs.DirHandle, leaves: list[tuple[np.ndarray, str]]

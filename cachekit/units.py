@@ -67,7 +67,7 @@ def parse_image_size(text: str) -> tuple[int, int]:
     height, width = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
     if height < 1 or width < 1:
         raise InvalidArgument(f"not an image size: {text!r}; use HxW with positive numbers, "
-                         "e.g. 32x32 (or 32 for a square)")
+                              "e.g. 32x32 (or 32 for a square)")
     return height, width
 
 
@@ -135,4 +135,4 @@ def size_from_env(name: str, default: int) -> int:
         return parse_size(text)
     except ValueError:
         raise InvalidArgument(f"{name}={text!r} must be a size in bytes, e.g. 256M, 1G or "
-                         "268435456") from None
+                              "268435456") from None

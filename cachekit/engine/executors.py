@@ -140,11 +140,11 @@ def check_executor(executor: Any) -> None:
     if isinstance(executor, str):
         if executor not in KINDS:
             raise InvalidArgument(f"executor must be None, 'threads', 'processes' or a "
-                             f"concurrent.futures.Executor; got {executor!r}")
+                                  f"concurrent.futures.Executor; got {executor!r}")
         return
     raise InvalidArgumentType(f"executor must be None, 'threads', 'processes' or a "
-                    f"concurrent.futures.Executor (a ProcessPoolExecutor, loky, dask's "
-                    f"client.get_executor()); got {type(executor).__qualname__}")
+                              f"concurrent.futures.Executor (a ProcessPoolExecutor, loky, dask's "
+                              f"client.get_executor()); got {type(executor).__qualname__}")
 
 
 def check_picklable(task: RowTask, executor: Any) -> None:
