@@ -38,6 +38,11 @@ def parse_size(text: str) -> int:
     return int(float(number) * base ** (_PREFIXES.index(prefix.upper()) + 1))
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 failed row", "2 failed rows"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_size(n: int) -> str:
     """``n`` bytes for people: ``512 B``, ``1.2 GB``, ``345 MB`` (powers of 1000)."""
     if n < 1000:
