@@ -80,3 +80,12 @@ def test_the_cli_exits_with_2_for_a_bad_argument(tmp_path: Path) -> None:
                           root=tmp_path / "root")
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "HxW" in result.stderr or "size" in result.stderr
+
+
+def test_build_help_explains_each_choice() -> None:
+    result = cachekit_cmd("build", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for words in ("channels stored", "crop the centre", "resampling filter",
+                  "store it as zeros", "what the key covers"):
+        assert words in text, words
