@@ -185,17 +185,20 @@ class BuildGone(CachekitError):
 class ReadOnlyCacheError(CachekitError, PermissionError):
     """A miss needed a build, but the cache root cannot be written."""
 
-    def __init__(self, root: str | Path, key: str) -> None:
+    def __init__(self, root: str | Path, key: str, exists: Optional[bool] = None) -> None:
         self.root = str(root)
         self.key = key
+        self.exists = os.path.isdir(self.root) if exists is None else exists
+        state = ("is read-only" if self.exists else
+                 "does not exist and cannot be created (its parent is read-only)")
         super().__init__(
-            f"cache root {self.root} is read-only, and entry {key} is not in it; "
+            f"cache root {self.root} {state}, and entry {key} is not in it; "
             "build it where the root is writable (`cachekit build`), or point CACHEKIT_DIR "
             "at a writable directory"
         )
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.root, self.key))
+        return (type(self), (self.root, self.key, self.exists))
 
 
 class CacheRootError(CachekitError, NotADirectoryError):
