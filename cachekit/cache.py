@@ -21,7 +21,7 @@ from .engine import executors
 from .engine.images import backend_for
 from .engine.rows import ArrayRow, ImageRow
 from .entry import Entry
-from .errors import ImageDecodeError
+from .errors import ImageDecodeError, InvalidArgument, InvalidArgumentType
 from .obtain import (BuildFunction, Built, ChunkCallback, Expected, JoinFunction, Outcome,
                      check_lock_timeout, obtain_and_open)
 from .obtain import reuse
@@ -53,10 +53,10 @@ class Cache:
         check_lock_timeout(lock_timeout)
         workers = executors.check_workers(workers)
         if not isinstance(join, bool):
-            raise TypeError(f"join must be True or False, not {join!r}")
+            raise InvalidArgumentType(f"join must be True or False, not {join!r}")
         executors.check_executor(executor)
         if progress not in (True, False, None):
-            raise ValueError(f"progress must be True, False or None, not {progress!r}")
+            raise InvalidArgument(f"progress must be True, False or None, not {progress!r}")
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.lock_timeout = lock_timeout
         self.join = join
@@ -103,7 +103,7 @@ class Cache:
         _choose("validate", validate, options.VALIDATE)
         _choose("backend", backend, options.BACKENDS)
         if not isinstance(draft, bool):
-            raise TypeError(f"draft must be True or False, not {draft!r}")
+            raise InvalidArgumentType(f"draft must be True or False, not {draft!r}")
         max_read = options.max_read_bytes()  # a bad $CACHEKIT_MAX_READ_BYTES fails here
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
@@ -298,8 +298,8 @@ def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
     if remote is None:
         remote = url_from_env()
     elif not isinstance(remote, str):
-        raise TypeError(f"remote must be an fsspec URL (str) or None, not "
-                        f"{type(remote).__qualname__}")
+        raise InvalidArgumentType(f"remote must be an fsspec URL (str) or None, not "
+                                  f"{type(remote).__qualname__}")
     if not remote:
         return None, None
     return remote, RemoteStore(remote)
@@ -322,7 +322,7 @@ def _joiners(rows: dict[tuple[str, int], int]) -> dict[str, Any]:
 
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        raise InvalidArgument(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
 def _image_size(size: Any) -> tuple[int, int]:
@@ -331,10 +331,10 @@ def _image_size(size: Any) -> tuple[int, int]:
     elif isinstance(size, (tuple, list)) and len(size) == 2:
         pair = size
     else:
-        raise TypeError(f"size must be an int or a (height, width) pair, not {size!r}")
+        raise InvalidArgumentType(f"size must be an int or a (height, width) pair, not {size!r}")
     if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0
                for n in pair):
-        raise ValueError(f"size must be positive ints (height, width); got {size!r}")
+        raise InvalidArgument(f"size must be positive ints (height, width); got {size!r}")
     return int(pair[0]), int(pair[1])
 
 
@@ -344,15 +344,16 @@ def _value_column(values: Any):
     if not isinstance(values, pd.Series):
         if (isinstance(values, (str, bytes, pd.DataFrame)) or not hasattr(values, "__len__")
                 or getattr(values, "ndim", 1) != 1):
-            raise TypeError("values must be a pandas Series (or a list), one value per row; "
-                            f"got {type(values).__qualname__} (pick a column: df['img_path'])")
+            raise InvalidArgumentType("values must be a pandas Series (or a list), one value per row; "
+                                      f"got {type(values).__qualname__} (pick a column: df['img_path'])")
         values = list(values)
         try:
             values = pd.Series(values)
         except UnicodeEncodeError:  # pandas' str dtype holds UTF-8 only: a path that is
             values = pd.Series(values, dtype=object)  # not (see keys._row_hashes) stays str
     if len(values) == 0:
-        raise ValueError("values is empty; there is nothing to cache")
+        raise InvalidArgument("values is empty; there is nothing to cache: pass a column "
+                              "with at least one row")
     return values
 
 
@@ -368,8 +369,8 @@ def _path_column(paths: Any):
         return column  # an object column of only str has no NaN/None: skip the isna pass
     missing = np.flatnonzero(column.isna().to_numpy())
     if len(missing):
-        raise ValueError(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
-                         "drop them first" + (", e.g. df.dropna(subset=[column])"
+        raise InvalidArgument(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
+                              "drop them first" + (", e.g. df.dropna(subset=[column])"
                                               if isinstance(paths, pd.Series) else ""))
     if column.dtype == object and any(isinstance(p, os.PathLike) for p in column):
         column = pd.Series([os.fspath(p) if isinstance(p, os.PathLike) else p for p in column],
@@ -378,6 +379,6 @@ def _path_column(paths: Any):
     if bad is not None:  # (a categorical column of str is fine: it hashes like str)
         value = column.iloc[bad]
         hint = " (convert with .astype(str))" if isinstance(paths, pd.Series) else ""
-        raise TypeError(f"paths must hold str or os.PathLike; row {bad} is "
-                        f"{type(value).__name__} {value!r}{hint}")
+        raise InvalidArgumentType(f"paths must hold str or os.PathLike; row {bad} is "
+                                  f"{type(value).__name__} {value!r}{hint}")
     return column

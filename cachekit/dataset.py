@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .errors import CacheCorruptError, DatasetCorruptError
+from .errors import CacheCorruptError, DatasetCorruptError, InvalidArgument, InvalidArgumentType
 
 if TYPE_CHECKING:
     from .cache import Entry
@@ -38,7 +38,7 @@ class EntryDataset(Dataset):
                  transform: Optional[Callable[[torch.Tensor], Any]] = None) -> None:
         _check_torch_dtype(np.dtype(entry.manifest["dtype"]))
         if transform is not None and not callable(transform):
-            raise TypeError(f"transform must be callable, not {type(transform).__name__}")
+            raise InvalidArgumentType(f"transform must be callable, not {type(transform).__name__}")
         self.entry = entry
         self.targets = _as_targets(targets, len(entry))
         self.transform = transform
@@ -122,18 +122,18 @@ def _as_targets(targets: Any, rows: int) -> Any:
         return None
     if isinstance(targets, torch.Tensor):
         if targets.dim() == 0:
-            raise ValueError("targets is a 0-d tensor; pass one target per row")
+            raise InvalidArgument("targets is a 0-d tensor; pass one target per row")
         found = targets
     elif hasattr(targets, "to_numpy") and hasattr(targets, "iloc"):  # pandas, by position
         found = targets.to_numpy()
     elif isinstance(targets, (str, bytes)) or not hasattr(targets, "__len__"):
-        raise TypeError("targets must be an array, list, pandas Series or tensor, "
-                        f"not {type(targets).__name__}")
+        raise InvalidArgumentType("targets must be an array, list, pandas Series or tensor, "
+                                  f"not {type(targets).__name__}")
     else:
         found = _as_array(targets)
     if len(found) != rows:
-        raise ValueError(f"targets has {len(found)} items but the entry has {rows} rows; "
-                         "pass one target per row, in row order")
+        raise InvalidArgument(f"targets has {len(found)} items but the entry has {rows} rows; "
+                              "pass one target per row, in row order")
     return found
 
 
@@ -145,7 +145,7 @@ def _as_array(values: Any) -> np.ndarray:
         for i, value in enumerate(values):
             array[i] = value
     if array.ndim == 0:
-        raise ValueError("targets is a scalar; pass one target per row")
+        raise InvalidArgument("targets is a scalar; pass one target per row")
     return array
 
 
@@ -159,5 +159,5 @@ def _check_torch_dtype(dtype: np.dtype) -> None:
     try:
         torch.from_numpy(np.zeros(0, dtype))
     except TypeError:
-        raise TypeError(f"entries of dtype {dtype} cannot be torch tensors; read entry.array "
-                        "with numpy instead") from None
+        raise InvalidArgumentType(f"entries of dtype {dtype} cannot be torch tensors; read entry.array "
+                                  "with numpy instead") from None

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import arrays
+from .errors import InvalidArgument
 from .store.manifest import Manifest
 
 SOURCES = ("local", "remote", "built", "joined")
@@ -40,7 +41,7 @@ class Entry:
                  decode_seconds: float = 0.0,
                  row_counts: tuple[int, int, int] = (0, 0, 0)) -> None:
         if source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, not {source!r}")
+            raise InvalidArgument(f"source must be one of {SOURCES}, not {source!r}")
         self.path = Path(path)
         self.key: str = manifest.key
         self.source = source

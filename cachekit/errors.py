@@ -16,6 +16,8 @@
     +-- CacheRootError (NotADirectoryError)   the cache root (or a parent) is not a directory
     +-- RemoteUnavailableError (OSError)      the remote tier did not answer in time or failed
     +-- UsageError                      bad command-line input (``cachekit`` exits with 2)
+    +-- InvalidArgument (ValueError)    an argument has the right type but a wrong value
+    +-- InvalidArgumentType (TypeError) an argument has the wrong type
 
 ``RemoteWarning`` (a CachekitError and a ``UserWarning``) is the category of the one warning
 a process gives when its remote tier fails and it carries on with the local root;
@@ -183,17 +185,20 @@ class BuildGone(CachekitError):
 class ReadOnlyCacheError(CachekitError, PermissionError):
     """A miss needed a build, but the cache root cannot be written."""
 
-    def __init__(self, root: str | Path, key: str) -> None:
+    def __init__(self, root: str | Path, key: str, exists: Optional[bool] = None) -> None:
         self.root = str(root)
         self.key = key
+        self.exists = os.path.isdir(self.root) if exists is None else exists
+        state = ("is read-only" if self.exists else
+                 "does not exist and cannot be created (its parent is read-only)")
         super().__init__(
-            f"cache root {self.root} is read-only, and entry {key} is not in it; "
+            f"cache root {self.root} {state}, and entry {key} is not in it; "
             "build it where the root is writable (`cachekit build`), or point CACHEKIT_DIR "
             "at a writable directory"
         )
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.root, self.key))
+        return (type(self), (self.root, self.key, self.exists))
 
 
 class CacheRootError(CachekitError, NotADirectoryError):
@@ -215,6 +220,16 @@ class CacheRootError(CachekitError, NotADirectoryError):
 
 class UsageError(CachekitError):
     """Bad command-line input: reported in one line, and ``cachekit`` exits with status 2."""
+
+
+class InvalidArgument(CachekitError, ValueError):
+    """An argument of a public call has a value cachekit cannot use; the message says what
+    to pass instead. Also a ``ValueError``, so code that caught that keeps working."""
+
+
+class InvalidArgumentType(CachekitError, TypeError):
+    """An argument of a public call has a type cachekit cannot use; the message says what
+    to pass instead. Also a ``TypeError``, so code that caught that keeps working."""
 
 
 def failure_reason(exc: BaseException) -> str:

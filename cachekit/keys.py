@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _fs
+from .errors import InvalidArgument, InvalidArgumentType
 
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
 KEY_HEX_LENGTH = 32
@@ -113,12 +114,12 @@ def _feed(write: Write, value: Any) -> None:
         write(b"X")
         _feed_array(write, value.detach().cpu().contiguous().numpy())
     else:
-        raise TypeError(f"cannot encode a {type(value).__qualname__} into a cache key")
+        raise InvalidArgumentType(f"cannot encode a {type(value).__qualname__} into a cache key")
 
 
 def _feed_array(write: Write, array: np.ndarray) -> None:
     if array.dtype.hasobject:
-        raise TypeError("cannot encode a numpy array of Python objects into a cache key")
+        raise InvalidArgumentType("cannot encode a numpy array of Python objects into a cache key")
     array = np.ascontiguousarray(array)
     write(b"a")
     _feed(write, array.dtype.str)
@@ -235,8 +236,8 @@ def _as_bytes(column: Any, passing: bool) -> Any:
     if not all(isinstance(v, str) or v is None or (isinstance(v, float) and v != v)
                for v in values):
         # pandas would hash such a column through str(): b"x" as "b'x'", like a str.
-        raise TypeError("cannot key a column that mixes other values with strings UTF-8 "
-                        "cannot encode (lone surrogates); convert it, e.g. .astype(str)")
+        raise InvalidArgumentType("cannot key a column that mixes other values with strings UTF-8 "
+                                  "cannot encode (lone surrogates); convert it, e.g. .astype(str)")
     errors = "surrogatepass" if passing else "surrogateescape"
     for i in unencodable:
         values[i] = values[i].encode("utf-8", errors)
@@ -266,7 +267,7 @@ def row_identities(column: Any, extra: Sequence[np.ndarray] = ()) -> tuple[np.nd
     for part in extra:
         part = np.ascontiguousarray(part).reshape(len(column), -1)
         if part.dtype.hasobject or part.nbytes % (8 * max(1, len(column))):
-            raise ValueError("each row of an extra identity part must be whole 8-byte words")
+            raise InvalidArgument("each row of an extra identity part must be whole 8-byte words")
         words.append(part.view("<u8").reshape(len(column), -1))
     halves, passed = [], False
     for hash_key in ROW_HASH_KEYS:
@@ -362,9 +363,9 @@ def function_identity(fn: Callable[..., Any], version: Any = None) -> dict[str, 
     ``version`` is required and names the behaviour.
     """
     if not callable(fn):
-        raise TypeError(f"expected a function, got {type(fn).__qualname__}")
+        raise InvalidArgumentType(f"expected a function, got {type(fn).__qualname__}")
     if version is not None and not isinstance(version, (str, int)):
-        raise TypeError(f"version must be a str or int, not {type(version).__qualname__}")
+        raise InvalidArgumentType(f"version must be a str or int, not {type(version).__qualname__}")
     if isinstance(fn, functools.partial):
         identity: dict[str, Any] = {"partial": function_identity(fn.func, version)}
     else:
@@ -376,7 +377,7 @@ def function_identity(fn: Callable[..., Any], version: Any = None) -> dict[str, 
             identity.update(_behaviour(fn, frozenset()))
     except (OSError, TypeError, ValueError, SyntaxError) as e:
         if version is None:
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"cannot key function {_names(fn)['qualname']}: {e}; pass version='...' to "
                 "name its behaviour yourself (and change it whenever the function changes)"
             ) from None
@@ -434,7 +435,7 @@ def _code_hashes(fn: Any) -> tuple[str, str]:
     a lambda's source parses its whole file, which a hit must not pay for every call."""
     code = getattr(fn, "__code__", None)
     if code is None:  # a builtin, ufunc or callable object: nothing to read
-        raise TypeError(f"{type(fn).__qualname__} {fn!r} has no Python source to key")
+        raise InvalidArgumentType(f"{type(fn).__qualname__} {fn!r} has no Python source to key")
     known = _CODE_HASHES.get(code)
     if known is None:
         source = _source_text(fn)
@@ -478,10 +479,10 @@ def _source_text(fn: Any) -> str:
     if len(found) > 1:
         found = _lambdas_holding(found, code)
     if len(found) != 1:
-        raise ValueError(f"{len(found)} lambdas on line {code.co_firstlineno} cannot be told apart")
+        raise InvalidArgument(f"{len(found)} lambdas on line {code.co_firstlineno} cannot be told apart")
     segment = ast.get_source_segment(text, found[0])
     if segment is None:
-        raise ValueError("the lambda's source cannot be located")
+        raise InvalidArgument("the lambda's source cannot be located")
     return segment
 
 

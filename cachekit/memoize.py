@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _fs, arrays, keys
 from .obtain import Built, ChunkCallback, Expected
-from .errors import CacheCorruptError
+from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .store.manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir
 
@@ -48,8 +48,8 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
     if fn is None:
         return lambda f: memoize(obtain, f, version=version, ignore=ignore)
     if not callable(fn):
-        raise TypeError(f"memoize decorates a function, not {type(fn).__qualname__} "
-                        f"{fn!r}; pass a version as memoize(version=...)")
+        raise InvalidArgumentType(f"memoize decorates a function, not {type(fn).__qualname__} "
+                                  f"{fn!r}; pass a version as memoize(version=...)")
     signature = inspect.signature(fn)
     ignored = _ignored_names(ignore, signature, fn)
     identity = keys.function_identity(fn, version)  # now: a bad closure fails at decoration
@@ -65,7 +65,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
             try:
                 arguments[name] = keys.digest(value)
             except (TypeError, ValueError, RuntimeError) as e:
-                raise TypeError(
+                raise InvalidArgumentType(
                     f"cannot key argument {name!r} of {qualname}: {e}; pass "
                     f"ignore=({name!r},) to memoize if it does not change the result"
                 ) from None
@@ -104,8 +104,8 @@ def _ignored_names(ignore: Union[str, Iterable[str]], signature: inspect.Signatu
     names = (ignore,) if isinstance(ignore, str) else tuple(ignore)
     unknown = [n for n in names if n not in signature.parameters]
     if unknown:
-        raise ValueError(f"ignore names {unknown} that are not parameters of "
-                         f"{getattr(fn, '__qualname__', fn)}{signature}")
+        raise InvalidArgument(f"ignore names {unknown} that are not parameters of "
+                              f"{getattr(fn, '__qualname__', fn)}{signature}")
     return frozenset(names)
 
 
@@ -127,10 +127,10 @@ def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, st
         if kind is dict:
             bad = [k for k in item if not isinstance(k, str)]
             if bad:
-                raise TypeError(f"{qualname} returned a dict with key {bad[0]!r} at {where}; "
-                                "only str keys can be stored")
+                raise InvalidArgumentType(f"{qualname} returned a dict with key {bad[0]!r} at {where}; "
+                                          "only str keys can be stored")
             return {"dict": [[k, walk(v, f"{where}[{k!r}]")] for k, v in item.items()]}
-        raise TypeError(
+        raise InvalidArgumentType(
             f"{qualname} returned {kind.__qualname__} at {where}; memoize stores a numpy "
             "array, a torch tensor, or a tuple/list/dict of them (convert it, e.g. "
             "np.asarray(...), or cache only the arrays)"
@@ -138,14 +138,14 @@ def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, st
 
     structure = walk(value, "result")
     if not leaves:
-        raise TypeError(f"{qualname} returned no arrays at all; there is nothing to store")
+        raise InvalidArgumentType(f"{qualname} returned no arrays at all; there is nothing to store")
     return structure, leaves
 
 
 def _storable(array: np.ndarray, where: str) -> np.ndarray:
     if array.dtype.hasobject:
-        raise TypeError(f"the array at {where} holds Python objects; only plain dtypes can "
-                        "be memory-mapped")
+        raise InvalidArgumentType(f"the array at {where} holds Python objects; only plain dtypes can "
+                                  "be memory-mapped")
     return array
 
 
@@ -158,8 +158,8 @@ def _tensor_array(tensor: Any, where: str) -> np.ndarray:
     try:
         return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
     except (TypeError, RuntimeError) as e:
-        raise TypeError(f"the tensor at {where} has no numpy equivalent ({e}); convert it, "
-                        "e.g. .float()") from None
+        raise InvalidArgumentType(f"the tensor at {where} has no numpy equivalent ({e}); convert it, "
+                                  "e.g. .float()") from None
 
 
 def _write_leaves(directory: _fs.DirHandle, leaves: list[tuple[np.ndarray, str]]

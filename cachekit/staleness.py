@@ -12,6 +12,7 @@ bulk (a data set regenerated, a folder copied over), not one file among many: th
 
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 from pathlib import Path
@@ -73,4 +74,5 @@ def _first_changed(rows: np.ndarray, recorded: np.ndarray, paths: Any
 def _describe(stat: tuple[int, int]) -> str:
     if stat == (-1, -1):
         return "missing"
-    return f"{stat[0]} bytes, mtime {stat[1] / 1e9:.3f}"
+    when = datetime.datetime.fromtimestamp(stat[1] / 1e9, datetime.timezone.utc)
+    return f"{stat[0]} bytes, modified {when.isoformat(sep=' ', timespec='milliseconds')}"

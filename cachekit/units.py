@@ -13,6 +13,8 @@ import os
 import re
 from typing import Union
 
+from .errors import InvalidArgument, InvalidArgumentType
+
 _PREFIXES = "KMGTP"
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?b)?|(b))?\s*", re.IGNORECASE)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -26,7 +28,7 @@ def parse_size(text: str) -> int:
     """Bytes in ``text``: ``512``, ``512B``, ``10G``/``10GiB`` (1024-based), ``1.2 GB`` (1000-based)."""
     match = _SIZE.fullmatch(text)
     if match is None:
-        raise ValueError(
+        raise InvalidArgument(
             f"not a size: {text!r}; use a number with an optional unit, e.g. 500M, 10G, 1.5GB, 512KiB"
         )
     number, prefix, suffix, _ = match.groups()
@@ -34,6 +36,11 @@ def parse_size(text: str) -> int:
         return int(float(number))
     base = 1000 if suffix is not None and suffix.lower() == "b" else 1024
     return int(float(number) * base ** (_PREFIXES.index(prefix.upper()) + 1))
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 failed row", "2 failed rows"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def format_size(n: int) -> str:
@@ -52,7 +59,7 @@ def parse_duration(text: str) -> float:
     """Seconds in ``text``: a number with an s/m/h/d/w unit, or several (``1d12h``); bare = s."""
     parts = _DURATION_PART.findall(text)
     if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text):
-        raise ValueError(
+        raise InvalidArgument(
             f"not a duration: {text!r}; use a number with a unit s, m, h, d or w, e.g. 7d, 12h, 1d12h"
         )
     return float(sum(float(n) * _DURATION_UNITS[(u or "s").lower()] for n, u in parts))
@@ -64,8 +71,8 @@ def parse_image_size(text: str) -> tuple[int, int]:
     match = _IMAGE_SIZE.fullmatch(text)
     height, width = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
     if height < 1 or width < 1:
-        raise ValueError(f"not an image size: {text!r}; use HxW with positive numbers, "
-                         "e.g. 32x32 (or 32 for a square)")
+        raise InvalidArgument(f"not an image size: {text!r}; use HxW with positive numbers, "
+                              "e.g. 32x32 (or 32 for a square)")
     return height, width
 
 
@@ -78,9 +85,9 @@ def seconds(value: Duration) -> float:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         result = float(value)
     else:
-        raise TypeError(f"a duration must be seconds, a timedelta or a string like '7d', not {value!r}")
+        raise InvalidArgumentType(f"a duration must be seconds, a timedelta or a string like '7d', not {value!r}")
     if result < 0:
-        raise ValueError(f"a duration must not be negative: {value!r}")
+        raise InvalidArgument(f"a duration must not be negative: {value!r}")
     return result
 
 
@@ -91,9 +98,9 @@ def byte_count(value: Union[int, str]) -> int:
     elif isinstance(value, int) and not isinstance(value, bool):
         result = value
     else:
-        raise TypeError(f"a size must be an int of bytes or a string like '10G', not {value!r}")
+        raise InvalidArgumentType(f"a size must be an int of bytes or a string like '10G', not {value!r}")
     if result < 0:
-        raise ValueError(f"a size must not be negative: {value!r}")
+        raise InvalidArgument(f"a size must not be negative: {value!r}")
     return result
 
 
@@ -118,7 +125,7 @@ def seconds_from_env(name: str, default: float) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise ValueError(f"{name}={text!r} must be a positive number of seconds")
+        raise InvalidArgument(f"{name}={text!r} must be a positive number of seconds")
     return value
 
 
@@ -132,5 +139,5 @@ def size_from_env(name: str, default: int) -> int:
     try:
         return parse_size(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r} must be a size in bytes, e.g. 256M, 1G or "
-                         "268435456") from None
+        raise InvalidArgument(f"{name}={text!r} must be a size in bytes, e.g. 256M, 1G or "
+                              "268435456") from None

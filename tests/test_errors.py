@@ -56,3 +56,11 @@ def test_a_lock_timeout_gives_the_fix_for_the_lock_kind(tmp_path):
         tmp_path / "k.lock", "soft")
     assert "kernel releases" in os_lock.release_hint() and "delete" not in os_lock.release_hint()
     assert "taken over" in soft.release_hint() and str(soft.path) in soft.release_hint()
+
+
+def test_read_only_names_a_root_that_cannot_be_created(tmp_path):
+    missing = cachekit.ReadOnlyCacheError(tmp_path / "new" / "root", "0" * 32)
+    assert "cannot be created" in str(missing) and "is read-only," not in str(missing)
+    assert "cannot be created" in str(pickle.loads(pickle.dumps(missing)))
+    existing = cachekit.ReadOnlyCacheError(tmp_path, "0" * 32)
+    assert "is read-only, and entry" in str(existing)

@@ -178,6 +178,7 @@ def test_a_hit_warns_once_when_files_of_its_column_changed(cache, pictures, deco
         hit = cache.images(col, 8)
     assert hit.hit and len(caught) == 1
     assert str(caught[0].message).count(pictures[0][:-9]) == 1  # names the file's path
+    assert "modified 1970-01-01 00:00:00.000" in str(caught[0].message)  # a date, not epoch ns
     assert Path(caught[0].filename).resolve() == Path(__file__).resolve()  # the user's call
     again = cache.images(col, 8)  # warned once per process and entry: filterwarnings=error
     assert again.hit

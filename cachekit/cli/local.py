@@ -198,9 +198,9 @@ def build(args: argparse.Namespace) -> int:
     how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
     described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
     size = described.bytes if described is not None else entry.array.nbytes
-    say(f"{how}: {len(entry)} rows {shape(entry.array.shape)} {entry.array.dtype}, "
+    say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} {entry.array.dtype}, "
         f"{units.format_size(size)}"
-        + (f", {len(failed)} failed rows stored as zeros" if failed else ""), file=sys.stderr)
+        + (f", {units.count(len(failed), 'failed row')} stored as zeros" if failed else ""), file=sys.stderr)
     say(entry.key)
     return 0
 
@@ -230,7 +230,7 @@ def _note(e: inspect.EntryInfo) -> str:
         return f"PROBLEM: {e.problem}"
     parts = [f"column {e.column}"] if e.column else []
     if e.failed_rows:
-        parts.append(f"{e.failed_rows} failed rows")
+        parts.append(units.count(e.failed_rows, "failed row"))
     return ", ".join(parts)
 
 

@@ -130,16 +130,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--column", required=True, help="the image path column, e.g. img_path")
     p.add_argument("--size", required=True, type=arg(units.parse_image_size),
                    help="HxW, e.g. 32x32, or N")
-    p.add_argument("--mode", choices=tuple(options.MODES), default="RGB")
-    p.add_argument("--fit", choices=options.FITS, default="stretch")
-    p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear")
+    p.add_argument("--mode", choices=tuple(options.MODES), default="RGB",
+                   help="channels stored: RGB (3), L (1, grey) or RGBA (4) (default: RGB)")
+    p.add_argument("--fit", choices=options.FITS, default="stretch",
+                   help="stretch to the size, crop the centre, or pad to keep the aspect "
+                        "ratio (default: stretch)")
+    p.add_argument("--resample", choices=options.RESAMPLE_NAMES, default="bilinear",
+                   help="Pillow resampling filter of the resize (default: bilinear)")
     p.add_argument("--workers", type=positive, default=None,
                    help="parallel decode workers (default: CPUs)")
     p.add_argument("--executor", choices=executors.KINDS, default=None,
                    help="where rows are decoded (default: cachekit's rule, see "
                         "docs/build-engine.md)")
-    p.add_argument("--on-error", choices=options.ON_ERROR, default="raise")
-    p.add_argument("--validate", choices=options.VALIDATE, default="path")
+    p.add_argument("--on-error", choices=options.ON_ERROR, default="raise",
+                   help="raise: a row that cannot be decoded fails the build and lists every "
+                        "bad row; zero: store it as zeros (default: raise)")
+    p.add_argument("--validate", choices=options.VALIDATE, default="path",
+                   help="what the key covers: the paths, also each file's size and mtime "
+                        "(stat), or every byte (content) (default: path)")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
     p.add_argument("--backend", choices=options.BACKENDS, default=options.BACKENDS[0],
                    help="what decodes and resizes: torchvision and torch (default) or Pillow "

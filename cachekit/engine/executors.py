@@ -31,7 +31,7 @@ import pickle
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Union
 
-from ..errors import Failure
+from ..errors import Failure, InvalidArgument, InvalidArgumentType
 from .compute import ChunkRunner, InlineRunner, RowTask
 from .pieces import CLUSTER_SIZES, PROCESS_SIZES, THREAD_SIZES, PieceRunner
 
@@ -129,7 +129,7 @@ def check_workers(workers: Any) -> int:
     if workers is None:
         return usable_cpus()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be None or an int >= 1, not {workers!r}")
+        raise InvalidArgument(f"workers must be None or an int >= 1, not {workers!r}")
     return workers
 
 
@@ -139,12 +139,12 @@ def check_executor(executor: Any) -> None:
         return
     if isinstance(executor, str):
         if executor not in KINDS:
-            raise ValueError(f"executor must be None, 'threads', 'processes' or a "
-                             f"concurrent.futures.Executor; got {executor!r}")
+            raise InvalidArgument(f"executor must be None, 'threads', 'processes' or a "
+                                  f"concurrent.futures.Executor; got {executor!r}")
         return
-    raise TypeError(f"executor must be None, 'threads', 'processes' or a "
-                    f"concurrent.futures.Executor (a ProcessPoolExecutor, loky, dask's "
-                    f"client.get_executor()); got {type(executor).__qualname__}")
+    raise InvalidArgumentType(f"executor must be None, 'threads', 'processes' or a "
+                              f"concurrent.futures.Executor (a ProcessPoolExecutor, loky, dask's "
+                              f"client.get_executor()); got {type(executor).__qualname__}")
 
 
 def check_picklable(task: RowTask, executor: Any) -> None:
@@ -155,7 +155,7 @@ def check_picklable(task: RowTask, executor: Any) -> None:
     try:
         pickle.dumps(task)
     except Exception as exc:  # PicklingError, AttributeError ("local object"), TypeError
-        raise TypeError(
+        raise InvalidArgumentType(
             f"the row function {describe(task.row_fn)} cannot be pickled, so it cannot run "
             f"on the {where} executor ({type(exc).__name__}: {exc}); define it at the top "
             "level of a module (not a lambda, a local function or a closure), or use "
@@ -165,7 +165,7 @@ def check_picklable(task: RowTask, executor: Any) -> None:
 
         names = main_references(task)
         if names:
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"the row function {describe(task.row_fn)} needs {', '.join(names)}, defined "
                 "in the main script, which cachekit's worker processes do not run; move it "
                 "into an importable module, or pass executor='threads' or your own "

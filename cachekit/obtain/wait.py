@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from ..errors import LockTimeout
+from ..errors import InvalidArgument, LockTimeout
 from ..messages import say
 
 POLL_SECONDS = 0.25
@@ -46,7 +46,7 @@ def check_lock_timeout(lock_timeout: Any) -> None:
         isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
         or lock_timeout < 0
     ):
-        raise ValueError(f"lock_timeout must be None or seconds >= 0, not {lock_timeout!r}")
+        raise InvalidArgument(f"lock_timeout must be None or seconds >= 0, not {lock_timeout!r}")
 
 
 @dataclass(frozen=True)
