@@ -322,7 +322,8 @@ def _joiners(rows: dict[tuple[str, int], int]) -> dict[str, Any]:
 
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
-        raise InvalidArgument(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        raise InvalidArgument(f"{name} must be one of {', '.join(map(repr, allowed))}; "
+                              f"got {value!r}")
 
 
 def _image_size(size: Any) -> tuple[int, int]:
@@ -344,8 +345,9 @@ def _value_column(values: Any):
     if not isinstance(values, pd.Series):
         if (isinstance(values, (str, bytes, pd.DataFrame)) or not hasattr(values, "__len__")
                 or getattr(values, "ndim", 1) != 1):
-            raise InvalidArgumentType("values must be a pandas Series (or a list), one value per row; "
-                                      f"got {type(values).__qualname__} (pick a column: df['img_path'])")
+            raise InvalidArgumentType(
+                "values must be a pandas Series (or a list), one value per row; got "
+                f"{type(values).__qualname__} (pick a column: df['img_path'])")
         values = list(values)
         try:
             values = pd.Series(values)
@@ -369,9 +371,10 @@ def _path_column(paths: Any):
         return column  # an object column of only str has no NaN/None: skip the isna pass
     missing = np.flatnonzero(column.isna().to_numpy())
     if len(missing):
-        raise InvalidArgument(f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; "
-                              "drop them first" + (", e.g. df.dropna(subset=[column])"
-                                              if isinstance(paths, pd.Series) else ""))
+        raise InvalidArgument(
+            f"paths has missing values (NaN/None) at rows {missing[:10].tolist()}; drop them "
+            "first" + (", e.g. df.dropna(subset=[column])" if isinstance(paths, pd.Series)
+                       else ""))
     if column.dtype == object and any(isinstance(p, os.PathLike) for p in column):
         column = pd.Series([os.fspath(p) if isinstance(p, os.PathLike) else p for p in column],
                            name=column.name, dtype=object)

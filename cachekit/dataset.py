@@ -38,7 +38,8 @@ class EntryDataset(Dataset):
                  transform: Optional[Callable[[torch.Tensor], Any]] = None) -> None:
         _check_torch_dtype(np.dtype(entry.manifest["dtype"]))
         if transform is not None and not callable(transform):
-            raise InvalidArgumentType(f"transform must be callable, not {type(transform).__name__}")
+            raise InvalidArgumentType(
+                f"transform must be callable, not {type(transform).__name__}")
         self.entry = entry
         self.targets = _as_targets(targets, len(entry))
         self.transform = transform
@@ -159,5 +160,5 @@ def _check_torch_dtype(dtype: np.dtype) -> None:
     try:
         torch.from_numpy(np.zeros(0, dtype))
     except TypeError:
-        raise InvalidArgumentType(f"entries of dtype {dtype} cannot be torch tensors; read entry.array "
-                                  "with numpy instead") from None
+        raise InvalidArgumentType(f"entries of dtype {dtype} cannot be torch tensors; read "
+                                  "entry.array with numpy instead") from None

@@ -479,7 +479,8 @@ def _source_text(fn: Any) -> str:
     if len(found) > 1:
         found = _lambdas_holding(found, code)
     if len(found) != 1:
-        raise InvalidArgument(f"{len(found)} lambdas on line {code.co_firstlineno} cannot be told apart")
+        raise InvalidArgument(f"{len(found)} lambdas on line {code.co_firstlineno} cannot be "
+                              "told apart")
     segment = ast.get_source_segment(text, found[0])
     if segment is None:
         raise InvalidArgument("the lambda's source cannot be located")

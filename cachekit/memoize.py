@@ -127,8 +127,8 @@ def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, st
         if kind is dict:
             bad = [k for k in item if not isinstance(k, str)]
             if bad:
-                raise InvalidArgumentType(f"{qualname} returned a dict with key {bad[0]!r} at {where}; "
-                                          "only str keys can be stored")
+                raise InvalidArgumentType(f"{qualname} returned a dict with key {bad[0]!r} at "
+                                          f"{where}; only str keys can be stored")
             return {"dict": [[k, walk(v, f"{where}[{k!r}]")] for k, v in item.items()]}
         raise InvalidArgumentType(
             f"{qualname} returned {kind.__qualname__} at {where}; memoize stores a numpy "
@@ -138,14 +138,15 @@ def _flatten(value: Any, qualname: str) -> tuple[Node, list[tuple[np.ndarray, st
 
     structure = walk(value, "result")
     if not leaves:
-        raise InvalidArgumentType(f"{qualname} returned no arrays at all; there is nothing to store")
+        raise InvalidArgumentType(f"{qualname} returned no arrays at all; there is nothing to "
+                                  "store")
     return structure, leaves
 
 
 def _storable(array: np.ndarray, where: str) -> np.ndarray:
     if array.dtype.hasobject:
-        raise InvalidArgumentType(f"the array at {where} holds Python objects; only plain dtypes can "
-                                  "be memory-mapped")
+        raise InvalidArgumentType(f"the array at {where} holds Python objects; only plain "
+                                  "dtypes can be memory-mapped")
     return array
 
 
@@ -158,8 +159,8 @@ def _tensor_array(tensor: Any, where: str) -> np.ndarray:
     try:
         return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
     except (TypeError, RuntimeError) as e:
-        raise InvalidArgumentType(f"the tensor at {where} has no numpy equivalent ({e}); convert it, "
-                                  "e.g. .float()") from None
+        raise InvalidArgumentType(f"the tensor at {where} has no numpy equivalent ({e}); "
+                                  "convert it, e.g. .float()") from None
 
 
 def _write_leaves(directory: _fs.DirHandle, leaves: list[tuple[np.ndarray, str]]

@@ -85,7 +85,8 @@ def seconds(value: Duration) -> float:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         result = float(value)
     else:
-        raise InvalidArgumentType(f"a duration must be seconds, a timedelta or a string like '7d', not {value!r}")
+        raise InvalidArgumentType("a duration must be seconds, a timedelta or a string like "
+                                  f"'7d', not {value!r}")
     if result < 0:
         raise InvalidArgument(f"a duration must not be negative: {value!r}")
     return result
@@ -98,7 +99,8 @@ def byte_count(value: Union[int, str]) -> int:
     elif isinstance(value, int) and not isinstance(value, bool):
         result = value
     else:
-        raise InvalidArgumentType(f"a size must be an int of bytes or a string like '10G', not {value!r}")
+        raise InvalidArgumentType("a size must be an int of bytes or a string like '10G', not "
+                                  f"{value!r}")
     if result < 0:
         raise InvalidArgument(f"a size must not be negative: {value!r}")
     return result

@@ -198,9 +198,9 @@ def build(args: argparse.Namespace) -> int:
     how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
     described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
     size = described.bytes if described is not None else entry.array.nbytes
-    say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} {entry.array.dtype}, "
-        f"{units.format_size(size)}"
-        + (f", {units.count(len(failed), 'failed row')} stored as zeros" if failed else ""), file=sys.stderr)
+    zeros = f", {units.count(len(failed), 'failed row')} stored as zeros" if failed else ""
+    say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} "
+        f"{entry.array.dtype}, {units.format_size(size)}{zeros}", file=sys.stderr)
     say(entry.key)
     return 0
 
