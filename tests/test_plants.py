@@ -9,10 +9,8 @@ lease, and reports how its call ended.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +39,8 @@ if memory:  # bytes of address space on top of what the interpreter holds now
     with open("/proc/self/statm") as f:
         held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (held + memory, held + memory))
+if os.environ.get("PLANTS_CALLING"):  # tell the attacker that the call starts now
+    open(os.environ["PLANTS_CALLING"], "w").close()
 started = time.monotonic()
 try:
     entry = cachekit.Cache(root, workers=1, executor="threads").map(
@@ -85,17 +85,16 @@ def build_dir(beat):
          "started": time.time(), "done": 1, "total": 8}))
     (build / "heartbeat").write_bytes(b"")
     beat(build / "heartbeat")
+    return build
 
 
 if kind == "future-build":
     build_dir(lambda path: os.utime(path, (FAR_FUTURE, FAR_FUTURE)))
 elif kind == "beating-build":
-    build_dir(lambda path: None)
+    build = build_dir(lambda path: None)
     ready.write_text("planted")
-    while True:  # a live member's build that never ends
-        os.utime(root / "tmp")  # (cheap) and its heartbeat
-        for build in (root / "tmp").glob(key + ".*"):
-            os.utime(build / "heartbeat")
+    while True:  # a live member's build that never ends: its heartbeat beats
+        os.utime(build / "heartbeat")
         time.sleep(0.2)
 elif kind == "future-holder":
     fd = hold_lock()
@@ -111,9 +110,9 @@ elif kind == "future-soft":
 elif kind == "failure":
     fd = hold_lock()
     ready.write_text("planted")
-    while not Path(str(ready) + ".go").exists():
+    while not Path(str(ready) + ".calling").exists():
         time.sleep(0.05)
-    time.sleep(1.0)  # the victim waits for our lock meanwhile
+    time.sleep(1.0)  # the victim's call waits for our lock meanwhile
     (locks / f"{key}.failed.json").write_text(json.dumps(
         {"time": time.time(), **owner, "rows": 8, "key": key,
          "failures": [[0, "cover.jpg", "the attacker says this file is broken"]]}))
@@ -169,8 +168,8 @@ def ended(process) -> tuple[dict[str, Any], str]:
 def test_a_plant_dated_in_the_future_is_not_alive(shared_root, kind, env):
     """A fake build of another host whose heartbeat is dated 2100, a KEY.lock.holder dated
     2100 with the flock held, or a KEY.lock.soft dated 2100: the victim (lease 1 s,
-    lock_timeout=None) builds the right rows within a few leases instead of waiting for
-    ever, and the planted host name reaches its stderr escaped."""
+    lock_timeout=None) builds the right rows instead of waiting for ever (``finish`` gives
+    it TIMEOUT), and the planted host name reaches its stderr escaped."""
     shared = shared_root
     key = learn_key(shared)
     planter, ready = plant(shared, kind, key)
@@ -180,7 +179,6 @@ def test_a_plant_dated_in_the_future_is_not_alive(shared_root, kind, env):
         finish(planter, TIMEOUT).report()
     got, stderr = ended(victim(shared, env=env))
     assert got["outcome"] == "ok" and got["right"] and got["source"] == "built", (got, stderr)
-    assert got["seconds"] < 30, (got, stderr)  # a bound, not a speed: it waited for ever
     assert "\x1b" not in stderr and "\x07" not in stderr, stderr
 
 
@@ -213,9 +211,8 @@ def test_a_forged_failure_record_fails_no_call(shared_root, on_error, env):
     key = learn_key(shared) if on_error == "raise" else _zero_key(shared)
     planter, ready = plant(shared, "failure", key)
     wait_for(ready.exists, timeout=TIMEOUT, what="the attacker's lock", watch=[planter])
-    process = victim(shared, on_error=on_error, env=env)
-    Path(str(ready) + ".go").write_text("")
-    got, stderr = ended(process)
+    got, stderr = ended(victim(shared, on_error=on_error,
+                               env={**env, "PLANTS_CALLING": f"{ready}.calling"}))
     finish(planter, TIMEOUT)
     assert got["outcome"] == "ok" and got["right"], (got, stderr)
     if on_error == "raise":
