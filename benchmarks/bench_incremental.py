@@ -146,7 +146,8 @@ def staleness(paths: list[str], work: Path, rows: int, repeats: int) -> float:
     import numpy as np
     import pandas as pd
 
-    from cachekit import _fs, arrays, keys, staleness as stale
+    from cachekit import _fs, arrays, keys
+    from cachekit.obtain import staleness as stale
     from cachekit.store import manifest as manifests
 
     column = pd.Series([paths[i % len(paths)] for i in range(rows)])

@@ -1,9 +1,10 @@
 """``Cache``: the public face of cachekit.
 
-``Cache.images``, ``Cache.map`` and ``@Cache.memoize`` all come down to one path,
-:meth:`Cache._obtain`: make a key, then :func:`cachekit.obtain.obtain` the entry from the
-store, building it on a miss (per-row builds with :func:`cachekit.engine.fill`), and
-report the use to an active W&B run.
+``Cache.images``, ``Cache.map`` and ``@Cache.memoize`` check their arguments, make the
+key material and hand over to the coordinator on one path, :meth:`Cache._obtain`:
+:func:`cachekit.obtain.obtain_and_open` looks the key up, waits, joins or builds (a per-row
+call through its :class:`cachekit.obtain.RowBuild`), and opens the entry; the use is then
+reported to an active W&B run.
 """
 
 from __future__ import annotations
@@ -15,18 +16,16 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _fs, _wandb, keys, options, staleness
-from . import engine as build
+from . import _wandb, keys, options
+from .code_identity import function_identity
 from .engine import executors
 from .engine.images import backend_for
 from .engine.rows import ArrayRow, ImageRow
 from .entry import Entry
-from .errors import ImageDecodeError, InvalidArgument, InvalidArgumentType
-from .obtain import (BuildFunction, Built, ChunkCallback, Expected, JoinFunction, Outcome,
+from .errors import InvalidArgument, InvalidArgumentType
+from .obtain import (BuildFunction, Expected, JoinFunction, Outcome, RowBuild, RowCall, Runner,
                      check_lock_timeout, obtain_and_open)
-from .obtain import reuse
-from .store import BuildDir, LocalStore, default_root
-from .store.manifest import DATA_FILE, FORMAT_VERSION
+from .store import LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -116,12 +115,9 @@ class Cache:
         elif validate == "content":
             material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
                                                          self.workers)
-
         row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend)
-        channels = options.MODES[mode]
-        return self._rows("images", paths, row, params, material,
-                          template=((channels, height, width), np.dtype(np.uint8)),
-                          collect_errors=True, on_error=on_error, decoders=True)
+        template = ((options.MODES[mode], height, width), np.dtype(np.uint8))
+        return self._rows(RowCall("images", paths, row, params, material, template, on_error))
 
     def map(self, fn: Callable[[Any], Any], values: Any, *,
             version: Optional[Union[str, int]] = None, on_error: str = "raise") -> Entry:
@@ -137,10 +133,10 @@ class Cache:
         """
         column = _value_column(values)
         _choose("on_error", on_error, options.ON_ERROR)
-        params = {"function": keys.function_identity(fn, version), "on_error": on_error}
-        material: dict[str, Any] = {"column": keys.column_material(column)}
-        return self._rows("map", column, ArrayRow(fn), params, material, template=None,
-                          collect_errors=False, on_error=on_error)
+        params = {"function": function_identity(fn, version), "on_error": on_error}
+        material = {"column": keys.column_material(column)}
+        return self._rows(RowCall("map", column, ArrayRow(fn), params, material, None,
+                                  on_error))
 
     def memoize(self, fn: Optional[Callable[..., Any]] = None, *,
                 version: Optional[Union[str, int]] = None,
@@ -176,76 +172,14 @@ class Cache:
 
         return Tier(self._remote, progress=self._show_progress())
 
-    def _rows(self, kind: str, column: Any, row_fn: Callable[[Any], Any],
-              params: dict[str, Any], material: dict[str, Any], *,
-              template: Optional[tuple], collect_errors: bool, on_error: str,
-              decoders: bool = False) -> Entry:
-        """Key, then obtain: the one path every per-row entry takes. A build copies the rows
-        that committed entries of the same recipe hold and decodes only the others
-        (:mod:`cachekit.obtain.reuse`); a hit keyed by paths alone samples its files' stats
-        (:mod:`cachekit.staleness`)."""
-        key = keys.digest({"kind": kind, "format": FORMAT_VERSION, "params": params,
-                           "n": len(column), **material})
-        record = collect_errors or on_error == "zero"
-        announce = self.progress is not False
-
-        def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
-            values = column.to_numpy(dtype=object)  # only a build needs the values themselves
-            current.record_cpus(build.runs_at_once(self.executor, self.workers))
-            builder = _decoders() if decoders else None
-            rows = reuse.describe_rows(kind, params, column, material, builder=builder,
-                                       values=values)
-            with reuse.find_donors(self._store, key, rows, template) as found:
-                if announce:
-                    reuse.announce_donors(key, found, len(values))
-                filled = build.fill(current.dir, DATA_FILE, values, row_fn,
-                                    workers=self.workers, record=record, key=key,
-                                    executor=self.executor, template=template,
-                                    on_chunk=on_chunk, progress=self._show_progress(),
-                                    description=f"cachekit {kind}",
-                                    resume_from=current.resume_from,
-                                    done_with_sources=current.drop_resumed,
-                                    donors=found.donors)
-            if announce:
-                reuse.announce_refused(key, filled)
-            if filled.failures and on_error == "raise":
-                raise ImageDecodeError(filled.failures, len(values), os.getcwd())
-            extra = reuse.row_files(current.dir, rows, filled)
-            return Built(
-                kind=kind, rows=len(values), files=((DATA_FILE, "numpy"), *extra.files),
-                failed_rows=tuple(filled.failures), params=params,
-                column=column.name if isinstance(column.name, str) else None,
-                builder={**(builder or {}), **_joiners(filled.joined)},
-                decode_seconds=filled.decode_seconds, digests=extra.digests,
-                reuse=extra.reuse, origin=extra.origin,
-                committed=lambda published: reuse.index_entry(self._store, published,
-                                                              rows.ids))
-
-        values: list = []  # made once, on the first attempt to join
-
-        def join_entry(directory: _fs.DirHandle,
-                       spare: Optional[build.Spare]) -> Optional[build.Joined]:
-            if not values:
-                values.append(column.to_numpy(dtype=object))
-            return build.join(directory, DATA_FILE, values[0], row_fn, workers=self.workers,
-                              record=record, template=template, key=key,
-                              executor=self.executor, spare=spare)
-
-        def open_entry(outcome: Outcome) -> Entry:
-            if outcome.source == "remote":  # downloaded: its rows may serve later builds
-                reuse.index_entry(self._store, outcome.entry)
-            return Entry(outcome.entry.path, outcome.entry.manifest, source=outcome.source,
-                         wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
-                         decode_seconds=outcome.decode_seconds, row_counts=outcome.row_counts)
-
-        row_shape, dtype = template if template is not None else (None, None)
-        expect = Expected(kind, rows=len(column), row_shape=row_shape,
-                          dtype=None if dtype is None else np.dtype(dtype).str)
-        entry = self._obtain(key, build_entry, open_entry, join_entry, expect=expect,
-                             raise_failures=on_error == "raise")
-        if entry.source == "local" and params.get("validate") == "path" and kind == "images":
-            staleness.check(entry.path, entry._manifest, column, stacklevel=3)
-        return entry
+    def _rows(self, call: RowCall) -> Entry:
+        """Hand a per-row call to the coordinator: its :class:`RowBuild` builds, joins and
+        opens the entry (copying the rows committed entries of its recipe hold)."""
+        runner = Runner(self.workers, self.executor, progress=self._show_progress(),
+                        announce=self.progress is not False)
+        build = RowBuild(self._store, call, runner, Entry.from_outcome)
+        return self._obtain(build.key, build.build, build.open, build.join,
+                            expect=build.expected, raise_failures=call.on_error == "raise")
 
     # Inspection and maintenance: thin wrappers over cachekit.admin.inspect/removal/integrity.
 
@@ -303,21 +237,6 @@ def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
     if not remote:
         return None, None
     return remote, RemoteStore(remote)
-
-
-def _decoders() -> dict[str, Any]:
-    from .engine.images import decoder_versions
-
-    return {"decoders": decoder_versions()}
-
-
-def _joiners(rows: dict[tuple[str, int], int]) -> dict[str, Any]:
-    """The manifest's record of the processes that joined a build, and the rows each
-    computed: ``{"joined": [{"host", "pid", "rows"}, ...]}``; {} when none joined."""
-    if not rows:
-        return {}
-    return {"joined": [{"host": host, "pid": pid, "rows": n}
-                       for (host, pid), n in sorted(rows.items())]}
 
 
 def _choose(name: str, value: Any, allowed: Sequence[str]) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from . import arrays
 from .errors import InvalidArgument
 from .store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from .obtain import Outcome
 
 SOURCES = ("local", "remote", "built", "joined")
 """How a call obtained its entry: found in the local root (or published there by another
@@ -53,6 +56,13 @@ class Entry:
         self.manifest: dict[str, Any] = manifest.to_json()
         self.array: np.ndarray = self._map()  # before anything sized by the manifest
         self.valid = _valid_rows(manifest)
+
+    @classmethod
+    def from_outcome(cls, outcome: "Outcome") -> "Entry":
+        """The entry an obtain call came by, with what the call spent on it."""
+        return cls(outcome.entry.path, outcome.entry.manifest, source=outcome.source,
+                   wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
+                   decode_seconds=outcome.decode_seconds, row_counts=outcome.row_counts)
 
     @property
     def hit(self) -> bool:

@@ -1,6 +1,6 @@
 """``@cache.memoize``: cache a whole preprocessing function's arrays, keyed by its arguments.
 
-The key is the function's identity (:func:`cachekit.keys.function_identity`: module,
+The key is the function's identity (:func:`cachekit.code_identity.function_identity`: module,
 qualified name, source, ``version``) plus each argument, bound with ``inspect.signature``
 and defaults applied, so ``f(df)`` and ``f(df, size=32)`` share an entry. The entry is
 obtained through the cache's one path like every other entry, so concurrent callers share
@@ -27,9 +27,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 
 from . import _fs, arrays, keys
+from .code_identity import function_identity
 from .obtain import Built, ChunkCallback, Expected
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
-from .store.manifest import FORMAT_VERSION, MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
+from .store.manifest import MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir
 
 Node = dict  # a JSON structure node, see the module docstring
@@ -52,7 +53,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
                                   f"{fn!r}; pass a version as memoize(version=...)")
     signature = inspect.signature(fn)
     ignored = _ignored_names(ignore, signature, fn)
-    identity = keys.function_identity(fn, version)  # now: a bad closure fails at decoration
+    identity = function_identity(fn, version)  # now: a bad closure fails at decoration
     qualname = getattr(fn, "__qualname__", None) or repr(fn)
 
     def key_of(args: tuple, kwargs: dict) -> tuple[str, dict[str, str]]:
@@ -69,8 +70,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
                     f"cannot key argument {name!r} of {qualname}: {e}; pass "
                     f"ignore=({name!r},) to memoize if it does not change the result"
                 ) from None
-        key = keys.digest({"kind": MEMOIZE_KIND, "format": FORMAT_VERSION,
-                           "function": identity, "arguments": arguments})
+        key = keys.entry_key(MEMOIZE_KIND, {"function": identity, "arguments": arguments})
         return key, arguments
 
     @functools.wraps(fn)

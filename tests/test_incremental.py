@@ -331,7 +331,7 @@ def test_progress_says_how_many_rows_are_reused_and_info_where_they_came_from(
                                 column(pictures, range(400, 420))], ignore_index=True), 8)
     err = capsys.readouterr().err
     assert f"entry {b.key[:12]}: reusing 300 rows from 2 entries" in err
-    assert "decoding the other 20" in err
+    assert "decoding 20 new rows" in err
     assert counts(b) == (20, 0, 300)
     cache.clear([c.key])
     assert cli_main(["--root", str(cache_root), "info", b.key[:12]]) == 0
@@ -410,6 +410,21 @@ def test_a_failed_row_is_never_copied(cache, pictures, decodes, tmp_path):
     again = cache.images(pd.Series([missing, *pictures[:30]]), 8, on_error="zero")
     assert sorted(decodes.take()) == sorted([missing, *pictures[20:30]])
     assert counts(again) == (11, 0, 20) and not again.valid[0] and again.valid[1:].all()
+
+
+def test_the_build_says_which_rows_it_decodes_new_failed_before_or_changed(
+        cache_root, pictures, tmp_path, capsys):
+    missing = str(tmp_path / "missing.png")
+    quiet = cachekit.Cache(cache_root, workers=1, progress=False)
+    quiet.images(pd.Series([*pictures[:20], missing]), 8, on_error="zero")
+    os.utime(pictures[5], ns=(10**9, 10**9))  # its recorded stat no longer holds
+    shown = cachekit.Cache(cache_root, workers=1, progress=True)
+    grown = shown.images(pd.Series([*pictures[:30], missing]), 8, on_error="zero")
+    assert counts(grown) == (12, 0, 19)
+    err = capsys.readouterr().err
+    assert ("reusing 19 rows from 1 entry of the same recipe (each block checked as it is "
+            "copied); decoding 10 new rows and 1 that failed before and 1 whose files "
+            "changed") in " ".join(err.split())
 
 
 def test_an_entry_downloaded_from_a_remote_tier_lends_its_rows(tmp_path, pictures, decodes):

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from helpers import assert_cache_as_it_was, load_module
-from cachekit import keys
+from cachekit import code_identity, keys
 from cachekit.errors import NotAnArrayError as NotAnArray
 
 def square_row(value: int) -> np.ndarray:
@@ -137,19 +137,19 @@ def test_editing_the_function_body_changes_the_key(tmp_path, cache, monkeypatch)
 
 
 def test_identity_names_module_qualname_version_and_source():
-    identity = keys.function_identity(square_row, version="2")
+    identity = code_identity.function_identity(square_row, version="2")
     assert identity["module"] == __name__ and identity["qualname"] == "square_row"
     assert identity["version"] == "2" and len(identity["source"]) == 32
-    assert keys.function_identity(square_row, version="3") != identity
+    assert code_identity.function_identity(square_row, version="3") != identity
     with pytest.raises(TypeError, match="version must be"):
-        keys.function_identity(square_row, version=1.5)
+        code_identity.function_identity(square_row, version=1.5)
 
 
 def test_two_lambdas_on_one_line_are_told_apart():
     first, second = lambda v: v, lambda v: v + 1  # noqa: E731
-    assert keys.function_identity(first) != keys.function_identity(second)
+    assert code_identity.function_identity(first) != code_identity.function_identity(second)
     outer = lambda v: (lambda w: w * 3)(v)  # noqa: E731
-    assert keys._source_text(outer) == "lambda v: (lambda w: w * 3)(v)"
+    assert code_identity._source_text(outer) == "lambda v: (lambda w: w * 3)(v)"
 
 
 def test_a_lambda_body_on_a_later_line_is_in_the_key(tmp_path, monkeypatch):
@@ -157,10 +157,10 @@ def test_a_lambda_body_on_a_later_line_is_in_the_key(tmp_path, monkeypatch):
     path = tmp_path / "userlambda.py"
     body = "fn = (\n    lambda v:\n        v * {}\n)\n"
     two = load_module(path, "userlambda", body.format(2)).fn
-    assert keys._source_text(two) == "lambda v:\n        v * 2"
-    identity_two = keys.function_identity(two)
+    assert code_identity._source_text(two) == "lambda v:\n        v * 2"
+    identity_two = code_identity.function_identity(two)
     three = load_module(path, "userlambda", body.format(3)).fn
-    assert keys.function_identity(three) != identity_two
+    assert code_identity.function_identity(three) != identity_two
 
 
 def test_a_file_edited_after_import_does_not_lend_its_text_to_the_old_code(tmp_path,
@@ -169,50 +169,50 @@ def test_a_file_edited_after_import_does_not_lend_its_text_to_the_old_code(tmp_p
     path = tmp_path / "userstale.py"
     old = load_module(path, "userstale", V1).prep
     new = load_module(path, "userstale", V2).prep  # the file now holds V2 for both
-    assert keys._source_text(old) == keys._source_text(new)
-    assert keys.function_identity(old) != keys.function_identity(new)  # the code differs
+    assert code_identity._source_text(old) == code_identity._source_text(new)
+    assert code_identity.function_identity(old) != code_identity.function_identity(new)  # the code differs
 
 
 def test_closures_are_keyed_by_their_captured_values():
     def scaled(factor):
         return lambda v: v * factor
 
-    assert keys.function_identity(scaled(2)) != keys.function_identity(scaled(3))
-    assert keys.function_identity(scaled(2)) == keys.function_identity(scaled(2))
+    assert code_identity.function_identity(scaled(2)) != code_identity.function_identity(scaled(3))
+    assert code_identity.function_identity(scaled(2)) == code_identity.function_identity(scaled(2))
 
 
 def test_unencodable_captures_and_unreadable_source_ask_for_version():
     handle = object()
     closure = lambda v: (handle, v)  # noqa: E731
     with pytest.raises(TypeError, match="pass version="):
-        keys.function_identity(closure)
-    assert keys.function_identity(closure, version="1")["version"] == "1"
+        code_identity.function_identity(closure)
+    assert code_identity.function_identity(closure, version="1")["version"] == "1"
     typed_at_a_prompt = eval("lambda v: v")  # no source file
     with pytest.raises(TypeError, match="pass version="):
-        keys.function_identity(typed_at_a_prompt)
+        code_identity.function_identity(typed_at_a_prompt)
     with pytest.raises(TypeError, match="pass version="):
-        keys.function_identity(np.sqrt)
+        code_identity.function_identity(np.sqrt)
 
 
 def test_partials_and_bound_methods_key_their_bound_state():
     small, large = functools.partial(np.add, 2), functools.partial(np.add, 3)
     with pytest.raises(TypeError, match="pass version="):
-        keys.function_identity(small)  # np.add has no Python source
+        code_identity.function_identity(small)  # np.add has no Python source
     # With a version the partial's own arguments are still keyed.
-    assert keys.function_identity(small, version="1") != keys.function_identity(large, "1")
+    assert code_identity.function_identity(small, version="1") != code_identity.function_identity(large, "1")
 
     def resize(v, size):
         return np.full(size, v)
 
-    assert (keys.function_identity(functools.partial(resize, size=2))
-            != keys.function_identity(functools.partial(resize, size=3)))
+    assert (code_identity.function_identity(functools.partial(resize, size=2))
+            != code_identity.function_identity(functools.partial(resize, size=3)))
 
     class Scaler:
         def apply(self, v):
             return v
 
     with pytest.raises(TypeError, match="cannot encode a .*Scaler"):
-        keys.function_identity(Scaler().apply)  # its result may depend on the instance
+        code_identity.function_identity(Scaler().apply)  # its result may depend on the instance
 
 
 def test_map_with_an_unkeyable_function_writes_nothing(cache, cache_root):

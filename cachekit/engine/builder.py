@@ -42,7 +42,8 @@ from ..errors import Failure, NotAnArrayError, failure_reason
 from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
 from .plan import Chunk
 from .prefill import prefill, scatter, template_for
-from .rest import rest_key, rest_name, take, write_todo
+from ..keys import rest_key
+from .rest import rest_name, take, write_todo
 from .resume import has_rest, resume
 from .reuse import Donor
 from .rows import as_row

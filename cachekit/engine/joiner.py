@@ -21,7 +21,8 @@ from .builder import RowFunction, run_claimed
 from .cores import Seats, Spare
 from .journal import ROWS_PREFIX, Journal
 from .plan import Plan
-from .rest import read_todo, rest_key, rest_name, take
+from ..keys import rest_key
+from .rest import read_todo, rest_name, take
 from .resume import plan_fits
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .. import _fs, arrays, keys
+from .. import _fs, arrays
 from ..errors import CacheCorruptError
 
 REST_SUFFIX = ".rest"
@@ -30,11 +30,6 @@ def rest_name(name: str) -> str:
 
 def is_rest_name(name: str) -> bool:
     return name.endswith(REST_SUFFIX)
-
-
-def rest_key(key: str, todo: np.ndarray) -> str:
-    """The key of the rest of the build of ``key`` that computes rows ``todo``."""
-    return keys.digest(["rest", key, np.ascontiguousarray(todo, dtype="<i8")])
 
 
 def write_todo(journal_dir: _fs.DirHandle, todo: np.ndarray) -> None:

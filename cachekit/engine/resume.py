@@ -21,7 +21,8 @@ from ..errors import Failure
 from .copying import open_checked, read_chunk
 from .journal import Journal
 from .plan import Plan
-from .rest import read_todo, rest_key, rest_name
+from ..keys import rest_key
+from .rest import read_todo, rest_name
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from .commit import BuildFunction, Built, ChunkCallback
 from .expected import Expected
 from .flow import Outcome, obtain, obtain_and_open
 from .local_wait import JoinFunction
+from .row_build import RowBuild, RowCall, Runner
 from .wait import check_lock_timeout
 
 __all__ = ["BuildFunction", "Built", "ChunkCallback", "Expected", "JoinFunction", "Outcome",
-           "check_lock_timeout", "obtain", "obtain_and_open"]
+           "RowBuild", "RowCall", "Runner", "check_lock_timeout", "obtain", "obtain_and_open"]

@@ -34,10 +34,8 @@ import numpy as np
 from .. import _fs
 from . import signing
 from ..errors import CacheCorruptError, Failure, UnsignedEntryError
-from ..keys import is_key
+from ..keys import FORMAT_VERSION, is_key
 
-FORMAT_VERSION = 3
-"""3: a per-row entry's data start on a page boundary (cachekit.engine.plan); keys include it."""
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "data.npy"
 KINDS = ("images", "map", "memoize")

@@ -14,22 +14,23 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from . import arrays
-from .errors import CacheCorruptError, StaleEntryWarning
-from .messages import prefix
-from .store.manifest import ROW_STATS_FILE, Manifest
+from .. import arrays
+from ..errors import CacheCorruptError, StaleEntryWarning
+from ..messages import prefix
+from ..store.manifest import ROW_STATS_FILE, Manifest
 
 SAMPLE_ROWS = 16
 _warned: set[str] = set()
 
 
-def check(entry_path: Path, manifest: Manifest, paths: Any, *, stacklevel: int = 2) -> None:
+def check(entry_path: Path, manifest: Manifest, paths: Any) -> None:
     """Warn (:class:`StaleEntryWarning`, once per process and entry) when a sampled file of
     the column ``paths`` differs in size or mtime from when ``manifest``'s entry was built."""
     record = manifest.row_file(ROW_STATS_FILE)
@@ -53,7 +54,17 @@ def check(entry_path: Path, manifest: Manifest, paths: Any, *, stacklevel: int =
         "pixels decoded then, because validate=\"path\" keys the paths only. Pass "
         "validate=\"stat\" to key each file's size and mtime as well: then only the files "
         "that changed are decoded again, the other rows are copied from this entry"),
-        stacklevel=stacklevel + 1)
+        stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of a warning issued by this module's caller that names the first
+    frame outside cachekit: the user's call, however deep the library's path to here."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] \
+            == "cachekit":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _first_changed(rows: np.ndarray, recorded: np.ndarray, paths: Any

@@ -1,0 +1,163 @@
+"""The rows a per-row build copies from committed entries of its recipe (its donors).
+
+The row index (:mod:`cachekit.store.row_index`) names the entries that may hold rows of
+the column; each is opened and checked (:mod:`cachekit.store.row_source`), and only rows
+whose full identity matches, that did not fail, and (with ``validate="path"``) whose
+file's stat is the one recorded when that entry was built, are given to the engine to
+copy, block by checked block (:mod:`cachekit.engine.reuse`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import engine
+from ..engine.reuse import Donor
+from ..messages import say
+from ..store import LocalStore
+from ..store.row_index import RowIndex
+from ..store.row_source import RowSource, open_row_source
+from ..units import count
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A per-row build's rows as reuse sees them: the recipe, each row's identity, for
+    images each file's (size, mtime_ns) now, and whether a row is reused only where that
+    stat is the one its donor recorded (``validate="path"``, whose identity has no stat)."""
+
+    recipe: str
+    ids: np.ndarray
+    stats: Optional[np.ndarray] = None
+    same_stat: bool = False
+
+
+@dataclass
+class Donors:
+    """The entries opened to copy rows from (closed by :meth:`close`), as the engine's
+    donors, the entries that could not be used, and of the rows left to compute those
+    that a donor holds but failed (``failed_before``) or whose file changed since
+    (``changed``)."""
+
+    donors: list[Donor] = field(default_factory=list)
+    sources: list[RowSource] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed_before: int = 0
+    changed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(len(d.dst) for d in self.donors)
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        self.sources.clear()
+
+    def __enter__(self) -> "Donors":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def find(store: LocalStore, key: str, rows: Rows,
+         template: Optional[tuple[tuple[int, ...], Any]]) -> Donors:
+    """The committed entries of ``rows.recipe`` in ``store`` that hold rows of the column,
+    opened and checked, and which of their rows to copy: each row from one entry, the
+    entries with the most rows first. ``template``: the row shape and dtype the build
+    makes (None: the first donor's)."""
+    found = Donors()
+    remaining = np.ones(len(rows.ids), dtype=bool)
+    changed = np.zeros(len(rows.ids), dtype=bool)
+    failed_ids = []
+    wanted = None if template is None else (tuple(template[0]), np.dtype(template[1]))
+    try:
+        for match in RowIndex(store).matches(rows.recipe, rows.ids[:, 0], remaining,
+                                             exclude=key):
+            source = open_row_source(store, match.key, rows.recipe)
+            if source is None:
+                found.skipped.append(match.key)
+                continue
+            shape = (tuple(source.manifest.shape[1:]), source.manifest.dtype)
+            if wanted is not None and shape != wanted:
+                source.close()
+                continue
+            failed_ids.append(source.ids[source.failed])
+            src, dst = _usable(source, match.src, match.dst, rows, changed)
+            if not len(dst):
+                source.close()
+                continue
+            wanted = shape
+            found.sources.append(source)
+            found.donors.append(Donor(source.key, source.data, source.offset,
+                                      source.manifest.rows, shape[0], shape[1],
+                                      source.block_rows, source.blocks, src, dst))
+            remaining[dst] = False
+    except BaseException:
+        found.close()
+        raise
+    failed = _held(rows.ids, remaining, failed_ids)
+    found.failed_before = int(failed.sum())
+    found.changed = int((changed & remaining & ~failed).sum())
+    return found
+
+
+def _held(ids: np.ndarray, remaining: np.ndarray, held: list[np.ndarray]) -> np.ndarray:
+    """Which rows of ``remaining`` have their identity among ``held`` (the identities of
+    rows that failed in a donor: few, so the index, which skips them, has no part)."""
+    found = np.zeros(len(ids), dtype=bool)
+    held_ids = np.concatenate(held) if held else ids[:0]
+    if not len(held_ids):
+        return found
+    rows = np.flatnonzero(remaining & np.isin(ids[:, 0], held_ids[:, 0]))
+    for row in rows:
+        found[row] = bool((held_ids == ids[row]).all(axis=1).any())
+    return found
+
+
+def _usable(source: RowSource, src: np.ndarray, dst: np.ndarray, rows: Rows,
+            changed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a match that may be copied: the same full identity, not failed, and
+    for ``same_stat`` the same file stat as recorded. Marks in ``changed`` the rows of the
+    build that this source holds with another stat."""
+    inside = (src >= 0) & (src < source.manifest.rows)
+    src, dst = src[inside], dst[inside]
+    same = (source.ids[src] == rows.ids[dst]).all(axis=1) & ~source.failed[src]
+    if rows.same_stat:
+        if source.stats is None or rows.stats is None:
+            return src[:0], dst[:0]
+        unchanged = (source.stats[src] == rows.stats[dst]).all(axis=1) & (rows.stats[dst, 0] >= 0)
+        changed[dst[same & ~unchanged]] = True
+        same &= unchanged
+    return src[same], dst[same]
+
+
+def announce(key: str, found: Donors, rows: int) -> None:
+    """Say on stderr how many rows the build copies and from how many entries, and what
+    the rows it decodes are: new, failed in the entry that holds them, or changed."""
+    if found.donors:
+        entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
+        new = rows - found.rows - found.failed_before - found.changed
+        parts = [count(new, "new row")] if new or not (found.failed_before or found.changed) \
+            else []
+        if found.failed_before:
+            parts.append(f"{found.failed_before} that failed before")
+        if found.changed:
+            parts.append(f"{found.changed} whose files changed")
+        say(f"entry {key[:12]}: reusing {count(found.rows, 'row')} from {entries} of the "
+            "same recipe (each block checked as it is copied); decoding "
+            + " and ".join(parts))
+    for skipped in found.skipped:
+        say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
+            "are not reused")
+
+
+def announce_refused(key: str, filled: engine.Filled) -> None:
+    """Say on stderr which donors' rows failed their block checks (and were decoded)."""
+    for donor, n in filled.refused.items():
+        say(f"entry {key[:12]}: {count(n, 'row')} of entry {donor[:12]} failed their checks "
+            "as they were copied; decoded them instead")

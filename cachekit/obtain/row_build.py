@@ -1,0 +1,233 @@
+"""A per-row entry (``Cache.images``, ``Cache.map``) as the coordinator builds, joins and
+opens it: steps 5, 6 and 8 of docs/design.md for entries made row by row.
+
+:class:`RowBuild` holds what the call asked for (the kind, the column, the row function,
+the params and key material, the row template) and gives :func:`cachekit.obtain.obtain`
+the three things it needs: :meth:`RowBuild.build` (copy the rows that committed entries of
+the same recipe hold, fill the rest with the engine, write the row files), :meth:`join`
+(fill chunks of another process's build of the key) and :meth:`open` (index a downloaded
+entry's rows, check a hit's files for staleness, then open the entry). The donors, the rows
+copied from other entries, are found by :mod:`cachekit.obtain.donors`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .. import _fs, arrays, engine, keys
+from ..errors import ImageDecodeError
+from ..store import BuildDir, LocalStore, Published
+from ..store import manifest as manifests
+from ..store.manifest import Origin, RowReuse
+from ..store.row_index import RowIndex
+from ..store.row_source import open_row_source
+from . import donors, staleness
+from .commit import Built, ChunkCallback
+from .donors import Rows
+from .expected import Expected
+from .flow import Outcome
+
+BLOCK_BYTES = 1 << 20
+"""Bytes of rows per checked block of an entry: a copy reads and checks whole blocks."""
+
+Template = Optional[tuple[tuple[int, ...], Any]]
+"""The row shape and dtype a build makes (None: the first row's)."""
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Where and how a build's rows run, as the :class:`cachekit.Cache` was configured."""
+
+    workers: int
+    executor: Any
+    progress: bool
+    """Progress bars."""
+    announce: bool
+    """One-line notes on stderr (reuse, refused donors)."""
+
+
+@dataclass(frozen=True)
+class RowCall:
+    """What a per-row call asked for: the entry's ``kind``, its ``column`` (a pandas
+    Series), the ``row_fn`` computing one row, the ``params`` and column ``material`` of
+    its key (:func:`cachekit.keys.rows_key`), the row ``template``, and ``on_error``."""
+
+    kind: str
+    column: Any
+    row_fn: Callable[[Any], Any]
+    params: dict[str, Any]
+    material: dict[str, Any]
+    template: Template
+    on_error: str
+
+    @property
+    def key(self) -> str:
+        return keys.rows_key(self.kind, self.params, self.material, len(self.column))
+
+
+class RowBuild:
+    """The build, join and opening of the entry of one per-row call in ``store``.
+
+    ``opener`` makes the caller's value (an :class:`cachekit.Entry`) from an outcome.
+    """
+
+    def __init__(self, store: LocalStore, call: RowCall, runner: Runner,
+                 opener: Callable[[Outcome], Any]) -> None:
+        self.store, self.call, self.runner, self.opener = store, call, runner, opener
+        self.key = call.key
+        self.record = call.kind == "images" or call.on_error == "zero"
+        """Whether a row that raises is recorded as a failure (images always: they say
+        which files failed) rather than propagated."""
+        self._values: Optional[np.ndarray] = None
+
+    @property
+    def expected(self) -> Expected:
+        shape, dtype = self.call.template or (None, None)
+        return Expected(self.call.kind, rows=len(self.call.column), row_shape=shape,
+                        dtype=None if dtype is None else np.dtype(dtype).str)
+
+    def values(self) -> np.ndarray:
+        """The column's values: only a build or a join needs them, made once."""
+        if self._values is None:
+            self._values = self.call.column.to_numpy(dtype=object)
+        return self._values
+
+    def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
+        """Fill ``current`` (step 5): copy the rows of committed entries of the recipe,
+        compute the others, then write the row files the entry's later builds copy from."""
+        call, runner, values = self.call, self.runner, self.values()
+        current.record_cpus(engine.runs_at_once(runner.executor, runner.workers))
+        builder = _decoders() if call.kind == "images" else None
+        rows = self._rows(builder)
+        with donors.find(self.store, self.key, rows, call.template) as found:
+            if runner.announce:
+                donors.announce(self.key, found, len(values))
+            filled = engine.fill(current.dir, manifests.DATA_FILE, values, call.row_fn,
+                                 workers=runner.workers, record=self.record, key=self.key,
+                                 executor=runner.executor, template=call.template,
+                                 on_chunk=on_chunk, progress=runner.progress,
+                                 description=f"cachekit {call.kind}",
+                                 resume_from=current.resume_from,
+                                 done_with_sources=current.drop_resumed,
+                                 donors=found.donors)
+        if runner.announce:
+            donors.announce_refused(self.key, filled)
+        if filled.failures and call.on_error == "raise":
+            raise ImageDecodeError(filled.failures, len(values), os.getcwd())
+        extra = _row_files(current.dir, rows, filled)
+        return Built(
+            kind=call.kind, rows=len(values), files=((manifests.DATA_FILE, "numpy"), *extra.files),
+            failed_rows=tuple(filled.failures), params=call.params,
+            column=call.column.name if isinstance(call.column.name, str) else None,
+            builder={**(builder or {}), **_joiners(filled.joined)},
+            decode_seconds=filled.decode_seconds, digests=extra.digests,
+            reuse=extra.reuse, origin=extra.origin,
+            committed=lambda published: index_entry(self.store, published, rows.ids))
+
+    def join(self, directory: _fs.DirHandle, spare: Optional[engine.Spare]
+             ) -> Optional[engine.Joined]:
+        """Fill free chunks of another process's live build of the key (step 3)."""
+        call, runner = self.call, self.runner
+        return engine.join(directory, manifests.DATA_FILE, self.values(), call.row_fn,
+                           workers=runner.workers, record=self.record, template=call.template,
+                           key=self.key, executor=runner.executor, spare=spare)
+
+    def open(self, outcome: Outcome) -> Any:
+        """Open the entry (step 8). A downloaded one is indexed first, so that its rows may
+        serve later builds; a hit of images keyed by paths alone samples its files' stats
+        (:mod:`cachekit.obtain.staleness`)."""
+        if outcome.source == "remote":
+            index_entry(self.store, outcome.entry)
+        opened = self.opener(outcome)
+        call = self.call
+        if (outcome.source == "local" and call.kind == "images"
+                and call.params.get("validate") == "path"):
+            staleness.check(outcome.entry.path, outcome.entry.manifest, call.column)
+        return opened
+
+    def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
+        """The build's recipe (its key but for the rows, with the ``builder``'s decoder
+        versions) and each row's identity under it, plus for images each file's stat now
+        (unless the key already took it)."""
+        call = self.call
+        extra = [call.material[name] for name in ("stat", "content") if name in call.material]
+        ids, dtype = keys.row_identities(call.column, extra)
+        recipe = keys.reuse_recipe(call.kind, call.params, dtype, builder)
+        if call.kind != "images":
+            return Rows(recipe, ids)
+        stats = call.material.get("stat")
+        if stats is None:
+            stats = keys.stat_signature(self.values())
+        return Rows(recipe, ids, stats, call.params.get("validate") == "path")
+
+
+@dataclass(frozen=True)
+class _RowFiles:
+    """What a per-row build adds to its manifest: the row files (name, leaf kind), the data
+    file's checksum (computed with its block digests), how its rows may be reused, and
+    where they came from."""
+
+    files: tuple[tuple[str, str], ...]
+    digests: dict[str, str]
+    reuse: RowReuse
+    origin: Origin
+
+
+def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled) -> _RowFiles:
+    """Write the row identities, the data's block digests and (images) the file stats into
+    the build directory next to its filled data file."""
+    shape, dtype = filled.shape, np.dtype(filled.dtype)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
+    whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
+    arrays.write_small(directory, manifests.ROW_IDS_FILE, rows.ids)
+    arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
+    files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
+    if rows.stats is not None:
+        arrays.write_small(directory, manifests.ROW_STATS_FILE,
+                           np.ascontiguousarray(rows.stats, dtype="<i8"))
+        files.append((manifests.ROW_STATS_FILE, "numpy"))
+    reused = sorted(((k, n) for k, n in filled.reused.items() if n), key=lambda kn: -kn[1])
+    origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
+    return _RowFiles(tuple(files), {manifests.DATA_FILE: whole},
+                     RowReuse(rows.recipe, block_rows), origin)
+
+
+def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None
+                ) -> None:
+    """Put the committed entry ``published`` into the row index (step 6, best effort), with
+    its row identities ``ids`` (None: read from the entry, checked)."""
+    manifest = published.manifest
+    if manifest.reuse is None:
+        return
+    if ids is None:
+        source = open_row_source(store, manifest.key, manifest.reuse.recipe)
+        if source is None:
+            return
+        with source:
+            ids = source.ids
+            failed = source.failed
+    else:
+        failed = np.zeros(manifest.rows, dtype=bool)
+        failed[[row for row, _, _ in manifest.failed_rows]] = True
+    RowIndex(store).add(manifest.reuse.recipe, manifest.key, ids[:, 0], skip=failed)
+
+
+def _decoders() -> dict[str, Any]:
+    from ..engine.images import decoder_versions
+
+    return {"decoders": decoder_versions()}
+
+
+def _joiners(rows: dict[tuple[str, int], int]) -> dict[str, Any]:
+    """The manifest's record of the processes that joined a build, and the rows each
+    computed: ``{"joined": [{"host", "pid", "rows"}, ...]}``; {} when none joined."""
+    if not rows:
+        return {}
+    return {"joined": [{"host": host, "pid": pid, "rows": n}
+                       for (host, pid), n in sorted(rows.items())]}
