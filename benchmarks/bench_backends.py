@@ -172,7 +172,7 @@ def exactness(paths: list[str], size: tuple[int, int]
     pipeline's pixels for the same fit and filter (draft and OpenCV: from its exact ones)."""
     import numpy as np
 
-    from cachekit.engine.images import load_image
+    from cachekit.engine.decoding.images import load_image
 
     sample = paths[:200]
 
@@ -237,7 +237,7 @@ def decoders(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, 
     import numpy as np
     from PIL import Image
 
-    from cachekit.engine import jpeg_header, resize_tensor
+    from cachekit.engine.decoding import jpeg_header, resize_tensor
 
     datas = [Path(p).read_bytes() for p in paths]
     headers = [jpeg_header.read(data) for data in datas]
@@ -279,7 +279,7 @@ def resizers(paths: list[str], size: tuple[int, int], rounds: int) -> dict[str, 
     import numpy as np
     from PIL import Image
 
-    from cachekit.engine import resize_tensor
+    from cachekit.engine.decoding import resize_tensor
 
     datas = [Path(p).read_bytes() for p in paths]
     out: dict[str, float] = {}
@@ -385,7 +385,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     try:
         say(f"writing {n} covers under {work}")
         paths = make_covers(work, n)
-        from cachekit.engine.images import load_image
+        from cachekit.engine.decoding.images import load_image
 
         load_image(paths[0], size)  # torch imported, as in a training script
         say("GIL fractions")

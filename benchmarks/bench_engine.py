@@ -25,13 +25,13 @@ same images unprofiled). The hook slows only the Python parts, which are not rea
 profiled run. Small reads and numpy copies are counted as holding the GIL even where they
 release it, so the fraction errs high, never low.
 
-Contestants take turns round by round, so load from elsewhere falls on all alike. A rate
-is the median of the rounds; a ratio is the median of each round's own ratio (its two
-contestants ran minutes apart at most, where the machine's speed drifts over a run; see
-docs/build-engine.md), with every round's value shown beside it. Runs in one process (the processes
-executors, datasets, OpenCV and Dask start their own workers, and their start-up is timed except OpenCV's pool,
-started once before the rounds, and each Dask cluster, started afresh for each of its
-rounds and warmed with cachekit's imports, as a long-lived cluster's workers would be).
+Contestants take turns round by round, so load from elsewhere falls on all alike. A rate is the
+median of the rounds; a ratio is the median of each round's own ratio (its two contestants ran
+minutes apart at most, where the machine's speed drifts over a run; see docs/build-engine.md), with
+every round's value shown beside it. Runs in one process (the processes executors, datasets, OpenCV
+and Dask start their own workers, and their start-up is timed except OpenCV's pool, started once
+before the rounds, and each Dask cluster, started afresh for each of its rounds and warmed with
+cachekit's imports, as a long-lived cluster's workers would be).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def phase_steps() -> list[tuple[str, Callable[[str], Any]]]:
     from PIL import ExifTags, Image
 
     from cachekit import _fs
-    from cachekit.engine import decode_pil, images
+    from cachekit.engine.decoding import decode_pil, images
 
     bilinear = Image.Resampling.BILINEAR
     orientation = ExifTags.Base.Orientation
@@ -262,7 +262,7 @@ def gil_fraction(paths: list[str], size: tuple[int, int], rounds: int,
                  backend: str = "pil", draft: bool = False) -> dict[str, float]:
     """Fraction of one image's time (load_image with ``backend``) that holds the GIL; see
     the module doc (for "tensor", torch's ops in TORCH_RELEASING count as releasing it)."""
-    from cachekit.engine import images
+    from cachekit.engine.decoding import images
 
     def work() -> None:
         for path in paths:
@@ -359,9 +359,9 @@ def on_dask(paths: list[str], builds: Builds, workers: int) -> Callable[[], Any]
 
 
 def warm_worker() -> None:
-    import cachekit.engine.executors  # noqa: F401
-    import cachekit.engine.images  # noqa: F401
-    import cachekit.engine.rows  # noqa: F401
+    import cachekit.engine.running.executors  # noqa: F401
+    import cachekit.engine.decoding.images  # noqa: F401
+    import cachekit.engine.running.rows  # noqa: F401
 
 
 def contestants_for(paths: list[str], builds: Builds, cores: int, stack: Any
@@ -429,7 +429,7 @@ def exactness(paths: list[str], work: Path) -> dict[str, float]:
     draft=True and of the OpenCV proxy."""
     import numpy as np
 
-    from cachekit.engine import images
+    from cachekit.engine.decoding import images
 
     sample = paths[:200]
     exact = np.stack([images.load_image(p, SIZE, backend="pil") for p in sample]
@@ -542,7 +542,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     n = args.covers or (120 if args.quick else 2000)
     rounds = args.rounds or (2 if args.quick else 5)
-    from cachekit.engine.executors import usable_cpus
+    from cachekit.engine.running.executors import usable_cpus
 
     cores = usable_cpus()
     work = Path(tempfile.mkdtemp(prefix="cachekit-bench-engine-"))

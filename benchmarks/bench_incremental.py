@@ -183,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rounds = args.rounds or (1 if args.quick else 3)
     entries = args.lookup_entries or (5 if args.quick else 100)
     rows = args.lookup_rows or (20_000 if args.quick else 130_000)
-    from cachekit.engine.executors import usable_cpus
+    from cachekit.engine.running.executors import usable_cpus
     from cachekit.samples import write_sample_images
 
     work = Path(tempfile.mkdtemp(prefix="cachekit-bench-incremental-"))

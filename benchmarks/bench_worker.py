@@ -210,7 +210,7 @@ def role_fixture(a: dict[str, Any]) -> dict[str, Any]:
         bench_peers.datasets_map(store / "pixels.arrow", bench_peers.zeros_batch, columns[0])
     elif who == "cachekit":
         import numpy as np
-        from cachekit.engine import images
+        from cachekit.engine.decoding import images
 
         images.load_image = lambda *args, **kwargs: np.zeros((3, 32, 32), dtype=np.uint8)
         # threads: the patched load_image above lives in this process only

@@ -40,9 +40,9 @@ def create_array(directory: _fs.DirHandle, name: str, shape: tuple[int, ...],
     sparse for a caller that reserves the ranges it writes), and map it for writing: the
     map is made from the very file created, never reopened by name.
 
-    The header is padded with spaces so the data start at a multiple of ``align`` bytes
-    (numpy pads to 64; a build pads to a page, see :mod:`cachekit.engine.plan`); ``np.load`` reads
-    the file as usual."""
+    The header is padded with spaces so the data start at a multiple of ``align`` bytes (numpy pads
+    to 64; a build pads to a page, see :mod:`cachekit.engine.filling.plan`); ``np.load`` reads the
+    file as usual."""
     dtype = np.dtype(dtype)
     fd = directory.create(name)
     with os.fdopen(fd, "r+b") as f:

@@ -18,9 +18,9 @@ import numpy as np
 
 from . import _wandb, keys, options
 from .code_identity import function_identity
-from .engine import executors
-from .engine.images import backend_for
-from .engine.rows import ArrayRow, ImageRow
+from .engine.running import executors
+from .engine.decoding.images import backend_for
+from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
 from .errors import InvalidArgument, InvalidArgumentType
 from .obtain import (BuildFunction, Expected, JoinFunction, Outcome, RowBuild, RowCall, Runner,
@@ -63,7 +63,7 @@ class Cache:
         self.executor = executor
         self.progress = progress
         self._store = LocalStore(self.root)
-        self.remote, self._remote = _remote_tier(remote)
+        self.remote, self._remote_store = _remote_tier(remote)
 
     def __repr__(self) -> str:
         return f"cachekit.Cache({str(self.root)!r})"
@@ -107,7 +107,7 @@ class Cache:
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
         backend = backend_for(backend, fit, resample)  # "tensor" with crop: "pil" throughout
-        if backend != "pil":  # absent means "pil": the keys of v1 entries stay as they were
+        if backend != "pil":  # absent means "pil": the keys of "pil" entries never change
             params["backend"] = backend
         material: dict[str, Any] = {"column": keys.column_material(paths)}
         if validate == "stat":
@@ -166,11 +166,11 @@ class Cache:
         return opened
 
     def _remote_tier(self) -> Any:
-        if self._remote is None:
+        if self._remote_store is None:
             return None
         from .obtain.remote import Tier
 
-        return Tier(self._remote, progress=self._show_progress())
+        return Tier(self._remote_store, progress=self._show_progress())
 
     def _rows(self, call: RowCall) -> Entry:
         """Hand a per-row call to the coordinator: its :class:`RowBuild` builds, joins and

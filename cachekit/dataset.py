@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from .errors import CacheCorruptError, DatasetCorruptError, InvalidArgument, InvalidArgumentType
 
 if TYPE_CHECKING:
-    from .cache import Entry
+    from .entry import Entry
 
 __all__ = ["DatasetCorruptError", "EntryDataset"]
 

@@ -45,8 +45,8 @@ from .errors import InvalidArgument, InvalidArgumentType
 
 FORMAT_VERSION = 3
 """The entry format (3: a per-row entry's data start on a page boundary,
-:mod:`cachekit.engine.plan`): part of every key and recipe, so that entries of another format are
-never hits nor sources of rows (:mod:`cachekit.store.manifest` checks it on reading)."""
+:mod:`cachekit.engine.filling.plan`): part of every key and recipe, so that entries of another
+format are never hits nor sources of rows (:mod:`cachekit.store.manifest` checks it on reading)."""
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
 KEY_HEX_LENGTH = 32
 _READ_BLOCK = 1 << 20

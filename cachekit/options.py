@@ -14,7 +14,7 @@ MODES: dict[str, int] = {"RGB": 3, "L": 1, "RGBA": 4}
 FITS: tuple[str, ...] = ("stretch", "crop", "pad")
 RESAMPLE_NAMES: tuple[str, ...] = ("nearest", "bilinear", "bicubic", "lanczos", "box")
 BACKENDS: tuple[str, ...] = ("tensor", "pil")
-"""Decoding backends of ``Cache.images``, the default first (cachekit.engine.images)."""
+"""Decoding backends of ``Cache.images``, the default first (cachekit.engine.decoding.images)."""
 ON_ERROR: tuple[str, ...] = ("raise", "zero")
 VALIDATE: tuple[str, ...] = ("path", "stat", "content")
 

@@ -80,7 +80,7 @@ def start_gated_builder(work: Path, root: Path, *, crash: bool = False
 def small_chunks(monkeypatch, rows: int) -> None:
     """Make every build's chunks ``rows`` rows long (while the row count allows): no page
     alignment, at most ``rows`` rows, one chunk per worker at least."""
-    from cachekit.engine import plan
+    from cachekit.engine.filling import plan
 
     monkeypatch.setattr(plan, "PAGE_BYTES", 1)
     monkeypatch.setattr(plan, "MAX_CHUNK_ROWS", rows)

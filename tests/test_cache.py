@@ -18,7 +18,7 @@ import cachekit
 from cachekit import arrays
 from cachekit.store import manifest as manifests
 from cachekit.store import Layout, LocalStore
-from cachekit.engine.images import load_image
+from cachekit.engine.decoding.images import load_image
 
 MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], name="img_path")
 
@@ -175,7 +175,7 @@ def test_hit_takes_no_lock_and_decodes_nothing(cache_root, cover_paths, monkeypa
 
     monkeypatch.setattr("cachekit.obtain.flow.locks.make_lock", forbidden)
     monkeypatch.setattr("filelock.FileLock", forbidden)
-    monkeypatch.setattr("cachekit.engine.images.load_image", forbidden)
+    monkeypatch.setattr("cachekit.engine.decoding.images.load_image", forbidden)
     hit = cache.images(pd.Series(cover_paths), 8)
     assert hit.hit and hit.key == built.key
 
@@ -414,7 +414,7 @@ def test_waiters_share_a_failed_build_instead_of_repeating_it(cache_root, cover_
     import threading
     import time
 
-    from cachekit.engine import images
+    from cachekit.engine.decoding import images
 
     decoded, real = [], images.load_image
 
@@ -423,7 +423,7 @@ def test_waiters_share_a_failed_build_instead_of_repeating_it(cache_root, cover_
         time.sleep(0.05)  # keeps the build open while every caller asks
         return real(path, *args)
 
-    monkeypatch.setattr("cachekit.engine.images.load_image", slow)
+    monkeypatch.setattr("cachekit.engine.decoding.images.load_image", slow)
     paths = pd.Series([*cover_paths[:6], bad_files["text"]])
     barrier, errors = threading.Barrier(3), []
 

@@ -12,10 +12,10 @@ AGENT = textwrap.dedent("""
     import hashlib, json, os, sys, time
     from pathlib import Path
     import numpy as np, pandas as pd
-    import cachekit, cachekit.engine.images
+    import cachekit, cachekit.engine.decoding.images
 
     root, paths_file, counter, start = sys.argv[1:5]
-    decode = cachekit.engine.images.load_image
+    decode = cachekit.engine.decoding.images.load_image
 
     def counted(path, *args, **kwargs):
         with open(counter, "a") as f:  # one line per decoded image, from any process
@@ -23,7 +23,7 @@ AGENT = textwrap.dedent("""
         time.sleep(0.02)  # keep the build open long enough for every agent to miss
         return decode(path, *args, **kwargs)
 
-    cachekit.engine.images.load_image = counted
+    cachekit.engine.decoding.images.load_image = counted
     paths = pd.Series(Path(paths_file).read_text().splitlines())
     while not os.path.exists(start):  # start barrier: all agents ask at the same moment
         time.sleep(0.005)

@@ -1,5 +1,5 @@
 """A joiner helps only with the cores it brings: the builder and its same-host joiners share
-one budget of CPUs (cachekit.engine.cores), and a joiner with no core left only waits.
+one budget of CPUs (cachekit.engine.filling.cores), and a joiner with no core left only waits.
 
 The rules and the seats are checked in this process; the decisions of real joiners with
 real interpreters (pinned with sched_setaffinity where the test needs it), whose decodes
@@ -19,7 +19,7 @@ import pytest
 
 import hosts
 from cachekit import _fs, keys
-from cachekit.engine.cores import Seats, Spare, spare_cores
+from cachekit.engine.filling.cores import Seats, Spare, spare_cores
 from cachekit.obtain.local_wait import JOIN_POLL_SECONDS, LocalWait
 from cachekit.obtain.wait import POLL_SECONDS, Wait
 from cachekit.store import LocalStore, locks

@@ -1,4 +1,5 @@
-"""cachekit.engine.executors: every executor gives the same bytes and key, errors cross processes.
+"""cachekit.engine.running.executors: every executor gives the same bytes and key, errors cross
+processes.
 
 Processes are real: cachekit's own worker interpreters, a ProcessPoolExecutor, and a Dask
 LocalCluster with worker processes on loopback. The row functions used with processes are
@@ -25,9 +26,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import cachekit
-from cachekit.engine import executors, pieces
+from cachekit.engine.running import executors, pieces
 from cachekit.errors import ImageDecodeError, NotAnArrayError
-from cachekit.engine.executors import RowTask, make_runner
+from cachekit.engine.running.executors import RowTask, make_runner
 
 SIZE = (12, 10)
 
@@ -227,7 +228,7 @@ def test_threads_need_no_pickling(tmp_path):
 
 
 def test_the_images_row_function_pickles():
-    from cachekit.engine.rows import ImageRow
+    from cachekit.engine.running.rows import ImageRow
 
     row = ImageRow((8, 8), "L", "crop", "bicubic", True)
     assert pickle.loads(pickle.dumps(row)) == row

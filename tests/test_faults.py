@@ -29,7 +29,7 @@ import cachekit
 from cachekit import ImageDecodeError, arrays
 from cachekit.store import locks, manifest as manifests
 from cachekit.store import Layout
-from cachekit.engine.images import load_image
+from cachekit.engine.decoding.images import load_image
 
 from helpers import small_chunks
 

@@ -28,7 +28,7 @@ from PIL import Image, features
 import cachekit
 from cachekit.store import manifest as manifests
 from cachekit.store import Layout
-from cachekit.engine.images import load_image
+from cachekit.engine.decoding.images import load_image
 
 PACKAGE = Path(cachekit.__file__).parent
 
@@ -416,7 +416,7 @@ UNPICKLERS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"),
               ("torch", "load"), ("joblib", "load"), ("dill", "load"), ("dill", "loads"),
               ("marshal", "load"), ("marshal", "loads"), ("shelve", "open"),
               ("pandas", "read_pickle")}
-CHANNELS = {"engine/_workers.py", "engine/_worker_main.py"}
+CHANNELS = {"engine/running/_workers.py", "engine/running/_worker_main.py"}
 """Modules that unpickle only what passes between a builder and the worker processes it
 started itself (over their pipes), never bytes read from a cache root. Paths relative to the
 package: a module of the same name in a subpackage is audited."""

@@ -1,4 +1,5 @@
-"""Tests for cachekit.engine.images: pixels against torchvision / Pillow references, errors, draft.
+"""Tests for cachekit.engine.decoding.images: pixels against torchvision / Pillow references,
+errors, draft.
 
 Pixel references here are the "pil" pipeline's (bit-identical to torchvision Resize on the PIL
 image): those tests pass ``backend="pil"``. What every backend must do alike (layout, errors,
@@ -17,8 +18,8 @@ import pytest
 from PIL import Image, ImageOps
 
 from cachekit import _fs
-from cachekit.engine.decode_pil import RESAMPLES, _draft_request
-from cachekit.engine.images import BACKENDS, FITS, MODES, load_image
+from cachekit.engine.decoding.decode_pil import RESAMPLES, _draft_request
+from cachekit.engine.decoding.images import BACKENDS, FITS, MODES, load_image
 
 torchvision = pytest.importorskip("torchvision")
 from torchvision import transforms  # noqa: E402

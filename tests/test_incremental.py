@@ -1,8 +1,8 @@
 """Incremental builds: a column that shares rows with committed entries of its recipe decodes
 only its new rows, and its bytes are a fresh build's (cachekit/obtain/reuse.py,
-cachekit/engine/reuse.py, cachekit/engine/prefill.py, cachekit/staleness.py).
+cachekit/engine/filling/reuse.py, cachekit/engine/filling/prefill.py, cachekit/staleness.py).
 
-Decodes are counted in this process by patching ``cachekit.engine.images.load_image``
+Decodes are counted in this process by patching ``cachekit.engine.decoding.images.load_image``
 (the builds run on threads here), and compared byte for byte with a build of the same
 column in an empty root. Sources are damaged as real files, on disk.
 """
@@ -19,7 +19,8 @@ import pytest
 
 import cachekit
 from cachekit.cli.main import main as cli_main
-from cachekit.engine import images, reuse
+from cachekit.engine.decoding import images
+from cachekit.engine.filling import copy_in as reuse
 from cachekit.errors import StaleEntryWarning
 from cachekit.store import manifest as manifests
 

@@ -29,10 +29,10 @@ IMAGES_AGENT = textwrap.dedent("""
     import hashlib, os, sys, time
     from pathlib import Path
     import numpy as np, pandas as pd
-    import cachekit, cachekit.engine.images, hosts
+    import cachekit, cachekit.engine.decoding.images, hosts
 
     root, work, me, on_error = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    decode = cachekit.engine.images.load_image
+    decode = cachekit.engine.decoding.images.load_image
 
     def counted(path, *args, **kwargs):
         with open(work / "decoded.txt", "a") as f:  # one line per decode, from any process
@@ -40,7 +40,7 @@ IMAGES_AGENT = textwrap.dedent("""
         time.sleep(0.01)  # keep the build open long enough for the others to join
         return decode(path, *args, **kwargs)
 
-    cachekit.engine.images.load_image = counted
+    cachekit.engine.decoding.images.load_image = counted
     paths = pd.Series((work / "paths.txt").read_text().splitlines())
     cache = cachekit.Cache(root, workers=1, progress=None)  # no bars (no terminal), messages
     hosts.StartBarrier(work).wait(me)

@@ -2,6 +2,8 @@
 
 - No import cycle among cachekit's modules (imports under ``if TYPE_CHECKING:`` aside; an
   import inside a function counts: it runs the first time that function does).
+- No two modules import each other in any way: at module level, inside a function or
+  under ``if TYPE_CHECKING:``.
 - Each layer imports only the layers below it: base modules (the top-level helpers that
   every package uses) import base modules; ``engine/`` and ``store/`` import base modules and
   themselves, never each other; ``obtain/`` coordinates them; ``admin/`` inspects and
@@ -20,8 +22,8 @@ from typing import Iterator, Optional
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachekit"
-BASE = {"_fs", "_version", "errors", "units", "options", "keys", "liveness", "arrays",
-        "messages"}
+BASE = {"_fs", "_version", "errors", "units", "options", "keys", "code_identity", "liveness",
+        "arrays", "messages"}
 FACE = {"__init__", "__main__", "cache", "entry", "memoize", "dataset", "demo", "samples",
         "_wandb"}
 LAYERS = {"base": {"base"}, "engine": {"base", "engine"}, "store": {"base", "store"},
@@ -78,11 +80,12 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
-def imports(module: str) -> Iterator[tuple[str, Optional[str], str, int]]:
+def imports(module: str, type_checking: bool = False
+            ) -> Iterator[tuple[str, Optional[str], str, int]]:
     """(imported module, imported name or None, bound name, line) for every cachekit
-    import of ``module`` outside TYPE_CHECKING blocks."""
+    import of ``module``; those under TYPE_CHECKING only with ``type_checking``."""
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
-    skip = _type_checking_lines(tree)
+    skip = set() if type_checking else _type_checking_lines(tree)
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
             continue
@@ -103,9 +106,16 @@ def imports(module: str) -> Iterator[tuple[str, Optional[str], str, int]]:
                     yield source, alias.name, bound, node.lineno
 
 
-def graph() -> dict[str, set[str]]:
-    return {m: {target for target, _, _, _ in imports(m) if target in MODULES and target != m}
+def graph(type_checking: bool = False) -> dict[str, set[str]]:
+    return {m: {target for target, _, _, _ in imports(m, type_checking)
+                if target in MODULES and target != m}
             for m in MODULES}
+
+
+def mutual(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other."""
+    return sorted((a, b) for a, targets in edges.items() for b in targets
+                  if a < b and a in edges.get(b, set()))
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -144,7 +154,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_tree_is_read_whole() -> None:
-    assert {"cachekit.cache", "cachekit.engine.builder", "cachekit.store.local",
+    assert {"cachekit.cache", "cachekit.engine.filling.builder", "cachekit.store.local",
             "cachekit.obtain.flow", "cachekit.admin.removal", "cachekit.cli"} <= set(MODULES)
     assert {"cachekit.engine", "cachekit.store", "cachekit.obtain", "cachekit.admin",
             "cachekit.cli"} <= PACKAGES
@@ -152,6 +162,24 @@ def test_the_tree_is_read_whole() -> None:
 
 def test_no_import_cycle() -> None:
     assert cycles(graph()) == []
+
+
+def test_no_two_modules_import_each_other_in_any_way() -> None:
+    assert mutual(graph(type_checking=True)) == []
+
+
+def test_the_mutual_import_finder_sees_every_kind_of_import(tmp_path) -> None:
+    assert mutual({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [("a", "b")]
+    edges = graph(type_checking=True)
+    assert "cachekit.obtain" in edges["cachekit.entry"]  # a TYPE_CHECKING import
+    assert "cachekit.obtain" not in graph()["cachekit.entry"]
+    assert "cachekit.engine.decoding.images" in edges["cachekit.engine.running.rows"]  # in a def
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {m: n for m, p in MODULES.items()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
+    assert long == {}
 
 
 def test_each_layer_imports_only_the_layers_below_it() -> None:

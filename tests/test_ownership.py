@@ -117,13 +117,13 @@ INTERRUPTED_ATTACKER = textwrap.dedent(r'''
     import numpy as np
 
     import cachekit
-    import cachekit.engine.images
+    import cachekit.engine.decoding.images
     from hosts import report
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     gate_row, gate_file = config["gate"]
-    decode, decoded = cachekit.engine.images.load_image, [0]
+    decode, decoded = cachekit.engine.decoding.images.load_image, [0]
 
     def load_image(*args, **kwargs):
         decoded[0] += 1
@@ -134,7 +134,7 @@ INTERRUPTED_ATTACKER = textwrap.dedent(r'''
                 time.sleep(0.01)  # the SIGINT lands here
         return decode(*args, **kwargs)
 
-    cachekit.engine.images.load_image = load_image
+    cachekit.engine.decoding.images.load_image = load_image
     try:
         cachekit.Cache(root, workers=1, progress=False).images(config["paths"], config["size"])
     except KeyboardInterrupt:
@@ -173,7 +173,7 @@ PLANT = textwrap.dedent(r'''
 
     import cachekit
     from cachekit.store import manifest
-    from cachekit.engine import plan as plans
+    from cachekit.engine.filling import plan as plans
     from hosts import report
 
     root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())

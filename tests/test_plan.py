@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cachekit import _fs, arrays
-from cachekit.engine import plan as plans
-from cachekit.engine.plan import Chunk, Plan, make_plan
+from cachekit.engine.filling import plan as plans
+from cachekit.engine.filling.plan import Chunk, Plan, make_plan
 
 DTYPES = ["u1", "i2", "<u2", ">i4", "<f4", "<f8", "c16", "?", "<U3", "S5", "V7"]
 """Plain dtypes, as entries store them (by ``dtype.str``; structured ones are not stored)."""

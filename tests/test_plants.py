@@ -247,8 +247,8 @@ def test_a_row_index_bomb_costs_a_build_no_memory(shared_root):
 def test_a_donor_block_out_of_proportion_to_its_rows_is_never_read(tmp_path, monkeypatch):
     """A donor whose one block spans a 4 GiB sparse data file, offered for 16 rows: the
     copy refuses it without reading it, and those rows stay to be decoded."""
-    from cachekit.engine import reuse
-    from cachekit.engine.reuse import Donor, copy_from_donors
+    from cachekit.engine.filling import copy_in as reuse
+    from cachekit.engine.filling.copy_in import Donor, copy_from_donors
 
     reads: list[int] = []
     real_pread = os.pread

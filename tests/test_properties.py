@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from cachekit import _fs, keys
 from cachekit import engine
-from cachekit.engine import plan
+from cachekit.engine.filling import plan
 from cachekit.store import manifest as manifests
 
 # --- the key encoding ------------------------------------------------------------------------
@@ -233,21 +233,19 @@ def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):
             mock.patch.object(plan, "PAGE_BYTES", 1), \
             mock.patch.object(plan, "CHUNKS_PER_WORKER", 1), \
             _fs.DirHandle.open(tmp) as directory:
-        straight = engine.fill(directory, "straight.npy", list(range(n)), row,
-                              workers=workers, record=True, template=template, key="k")
+        rows = engine.RowRun(workers=workers, record=True, template=template, key="k")
+        straight = engine.fill(directory, "straight.npy", list(range(n)), row, rows=rows)
         for name in ("stopped", "resumed"):
             directory.mkdir(name, 0o700)
         with directory.child("stopped") as stopped, directory.child("resumed") as fresh:
             with pytest.raises(Stop):
-                engine.fill(stopped, "data.npy", list(range(n)), lambda v: row(v, stop),
-                           workers=workers, record=True, template=template, key="k")
+                engine.fill(stopped, "data.npy", list(range(n)), lambda v: row(v, stop), rows=rows)
             progress = engine.read_progress(stopped, "data.npy")
             source = Path(tmp) / "stopped" / "data.npy"
             before = source.read_bytes() if source.exists() else None
             computed.clear()
-            resumed = engine.fill(fresh, "data.npy", list(range(n)), row, workers=workers,
-                                 record=True, template=template, key="k",
-                                 resume_from=[stopped])
+            resumed = engine.fill(fresh, "data.npy", list(range(n)), row, rows=rows,
+                                  sources=engine.Sources(dead=[stopped]))
             if before is not None:  # the dead fill is read, never written
                 assert source.read_bytes() == before
         out = Path(tmp) / "resumed" / "data.npy"

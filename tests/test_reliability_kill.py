@@ -32,7 +32,7 @@ import cachekit
 from cachekit import arrays
 from cachekit.store import locks, manifest as manifests
 from cachekit.store import Layout
-from cachekit.engine.images import load_image
+from cachekit.engine.decoding.images import load_image
 
 from helpers import rows_not_done, small_chunks
 
@@ -45,7 +45,8 @@ ZYGOTE = textwrap.dedent(r'''
     import numpy as np, pandas as pd
     import cachekit
     from cachekit import _fs, arrays
-    from cachekit.engine import images, plan
+    from cachekit.engine.decoding import images
+    from cachekit.engine.filling import plan
     from cachekit.store import manifest as manifests
     from cachekit.store import local
 
@@ -258,7 +259,7 @@ def resume(root: Path, paths, lock: str, monkeypatch) -> tuple[cachekit.Entry, l
 
     monkeypatch.setenv("CACHEKIT_LOCK", lock)
     small_chunks(monkeypatch, CHUNK)
-    monkeypatch.setattr("cachekit.engine.images.load_image", counted)
+    monkeypatch.setattr("cachekit.engine.decoding.images.load_image", counted)
     entry = cachekit.Cache(root, workers=2, progress=False, lock_timeout=60).images(
         pd.Series(paths), SIZE)
     return entry, sorted(decoded)

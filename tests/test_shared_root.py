@@ -110,7 +110,7 @@ VICTIM = textwrap.dedent(r'''
         if OP in ("map", "resume"):
             return np.repeat(np.arange(ROWS, dtype=np.int64)[:, None], 8, axis=1) + POISON
         if OP == "images":
-            from cachekit.engine.images import load_image
+            from cachekit.engine.decoding.images import load_image
             size = 8 + variant
             return np.stack([load_image(p, (size, size)) for p in config["images"]])
         a = np.arange(ROWS * 8, dtype=np.int64).reshape(ROWS, 8) + variant + POISON

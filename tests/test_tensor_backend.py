@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image, ImageOps, features
 
 import cachekit
-from cachekit.engine import decode_pil, decode_tensor, images, jpeg_header, resize_tensor
-from cachekit.engine.images import load_image
+from cachekit.engine.decoding import decode_pil, decode_tensor, images, jpeg_header, resize_tensor
+from cachekit.engine.decoding.images import load_image
 
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
@@ -492,7 +492,7 @@ def torch_threads_row(value: int) -> np.ndarray:
     """(process id, torch's intra-op threads once the tensor backend is loaded)."""
     import torch as loaded_torch
 
-    from cachekit.engine import resize_tensor as loaded  # noqa: F401
+    from cachekit.engine.decoding import resize_tensor as loaded  # noqa: F401
 
     return np.array([os.getpid(), loaded_torch.get_num_threads()], dtype=np.int64)
 
@@ -594,8 +594,8 @@ def _exif_with_orientation(value: int) -> bytes:
 
 
 def test_the_default_rule_counts_torchs_start_in_a_worker() -> None:
-    from cachekit.engine import executors
-    from cachekit.engine.rows import ImageRow
+    from cachekit.engine.running import executors
+    from cachekit.engine.running.rows import ImageRow
 
     tensor = executors.RowTask(ImageRow((8, 8)), True)
     pil = executors.RowTask(ImageRow((8, 8), backend="pil"), True)

@@ -208,16 +208,16 @@ AGENT = textwrap.dedent("""
     import importlib.util, json, os, sys, time
     example, csv, decoded, ready, start, out = sys.argv[1:7]
     import wandb
-    import cachekit.engine.images
+    import cachekit.engine.decoding.images
 
-    decode = cachekit.engine.images.load_image
+    decode = cachekit.engine.decoding.images.load_image
 
     def counted(path, *args, **kwargs):
         with open(decoded, "a") as f:  # one line per decoded image, from any agent
             f.write(f"{os.getpid()} {path}\\n")
         return decode(path, *args, **kwargs)
 
-    cachekit.engine.images.load_image = counted
+    cachekit.engine.decoding.images.load_image = counted
     spec = importlib.util.spec_from_file_location("wandb_sweep", example)
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)

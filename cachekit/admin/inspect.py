@@ -9,7 +9,7 @@ it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.admin
 integrity check in :mod:`cachekit.admin.integrity`.
 
 An entry's last use is its directory's mtime: every hit sets it with one ``os.utime`` (see
-:func:`cachekit.obtain.flow.find`), without a lock and without rewriting the immutable entry.
+:meth:`cachekit.store.LocalStore.lookup`), without a lock and without rewriting the immutable entry.
 
 Temporary directories under ``tmp/`` are in one of four states:
 

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 from .. import _version, liveness, options, units
 from ..errors import CachekitError, UsageError
-from ..engine import executors
+from ..engine.running import executors
 from ..store import locks
 from ..store import remote as remote_store
 from . import local, remote

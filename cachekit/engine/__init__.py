@@ -3,12 +3,10 @@ threads, processes or a cluster, so that a crashed build resumes and other proce
 
 Public surface: :func:`fill` (a builder), :func:`join` (a helper of another process's
 build), :func:`read_progress` (how far a partly filled file is), and what they take and
-return. Inside: ``plan`` (the chunks), ``journal`` (the chunk journal), ``builder``,
-``joiner``, ``resume`` and ``copying`` (who fills and copies what), ``cores`` (the cores a
-joiner brings), ``reuse``, ``prefill`` and ``rest`` (copying rows of committed entries, then
-computing only the rest), ``executors``, ``pieces`` and ``compute`` (running rows on threads,
-processes or a cluster), ``rows`` and ``images`` (the row functions). The engine knows
-nothing of stores: it works in a directory handle it is given.
+return. Inside, a subpackage per job: ``filling`` (the plan, the chunk journal, the
+builder and joiners, resuming dead builds and copying rows in), ``running`` (running rows
+on threads, cachekit's worker processes or any Executor) and ``decoding`` (the image
+pipelines). The engine knows nothing of stores: it works in a directory handle it is given.
 """
 
 from __future__ import annotations
@@ -17,18 +15,23 @@ import importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from .builder import ChunkCallback, Filled, RowFunction, fill
-    from .cores import Spare, runs_at_once, spare_cores
-    from .joiner import Joined, join
-    from .journal import is_journal_name
-    from .resume import Progress, read_progress
+    from .filling.builder import Filled, fill
+    from .filling.claimed import ChunkCallback, Report, RowFunction, RowRun
+    from .filling.copy_in import Sources
+    from .filling.cores import Spare, runs_at_once, spare_cores
+    from .filling.joiner import Joined, join
+    from .filling.journal import is_journal_name
+    from .filling.resume import Progress, read_progress
 
-_HOMES = {"ChunkCallback": "builder", "Filled": "builder", "RowFunction": "builder",
-          "fill": "builder", "Joined": "joiner", "join": "joiner", "Spare": "cores",
-          "runs_at_once": "cores", "spare_cores": "cores",
-          "is_journal_name": "journal", "Progress": "resume", "read_progress": "resume"}
+_HOMES = {"ChunkCallback": "filling.claimed", "Filled": "filling.builder",
+          "RowFunction": "filling.claimed", "RowRun": "filling.claimed",
+          "Report": "filling.claimed", "Sources": "filling.copy_in", "fill": "filling.builder",
+          "Joined": "filling.joiner", "join": "filling.joiner", "Spare": "filling.cores",
+          "runs_at_once": "filling.cores", "spare_cores": "filling.cores",
+          "is_journal_name": "filling.journal", "Progress": "filling.resume",
+          "read_progress": "filling.resume"}
 """Where each public name lives: imported on first use (PEP 562), so that a worker
-process, which imports only ``cachekit.engine._worker_main``, does not load the engine."""
+process, which imports only ``cachekit.engine.running._worker_main``, does not load the engine."""
 
 __all__ = sorted(_HOMES)
 

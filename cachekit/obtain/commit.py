@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from .. import _fs
 from .._version import __version__
 from .. import engine
-from ..engine.journal import is_journal_name
+from ..engine.filling.journal import is_journal_name
 from ..errors import BuildGone, ImageDecodeError
 from ..messages import say
 from ..store import BuildDir, LocalStore, Published

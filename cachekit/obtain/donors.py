@@ -4,7 +4,7 @@ The row index (:mod:`cachekit.store.row_index`) names the entries that may hold 
 the column; each is opened and checked (:mod:`cachekit.store.row_source`), and only rows
 whose full identity matches, that did not fail, and (with ``validate="path"``) whose
 file's stat is the one recorded when that entry was built, are given to the engine to
-copy, block by checked block (:mod:`cachekit.engine.reuse`).
+copy, block by checked block (:mod:`cachekit.engine.filling.copy_in`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import engine
-from ..engine.reuse import Donor
+from ..engine.filling.copy_in import Donor
 from ..messages import say
 from ..store import LocalStore
 from ..store.row_index import RowIndex

@@ -13,7 +13,7 @@ joins a live build of the key made by its own user, on this host or another: it 
 chunks nobody holds (see :func:`cachekit.engine.join`), then goes on waiting for the
 builder's commit, and says that it joined and how many chunks it filled. Another user's
 build is never joined. A build of this host is joined only with the cores it leaves free
-(its builder records its CPUs and workers; see :mod:`cachekit.engine.cores`): where the
+(its builder records its CPUs and workers; see :mod:`cachekit.engine.filling.cores`): where the
 builder and the joiners before us use every core, we only wait, at a waiter's pace, and
 say so.
 """

@@ -107,14 +107,10 @@ class RowBuild:
         with donors.find(self.store, self.key, rows, call.template) as found:
             if runner.announce:
                 donors.announce(self.key, found, len(values))
+            sources = engine.Sources(current.resume_from, found.donors, current.drop_resumed)
+            report = engine.Report(on_chunk, runner.progress, f"cachekit {call.kind}")
             filled = engine.fill(current.dir, manifests.DATA_FILE, values, call.row_fn,
-                                 workers=runner.workers, record=self.record, key=self.key,
-                                 executor=runner.executor, template=call.template,
-                                 on_chunk=on_chunk, progress=runner.progress,
-                                 description=f"cachekit {call.kind}",
-                                 resume_from=current.resume_from,
-                                 done_with_sources=current.drop_resumed,
-                                 donors=found.donors)
+                                 rows=self._row_run(), sources=sources, report=report)
         if runner.announce:
             donors.announce_refused(self.key, filled)
         if filled.failures and call.on_error == "raise":
@@ -132,10 +128,12 @@ class RowBuild:
     def join(self, directory: _fs.DirHandle, spare: Optional[engine.Spare]
              ) -> Optional[engine.Joined]:
         """Fill free chunks of another process's live build of the key (step 3)."""
-        call, runner = self.call, self.runner
-        return engine.join(directory, manifests.DATA_FILE, self.values(), call.row_fn,
-                           workers=runner.workers, record=self.record, template=call.template,
-                           key=self.key, executor=runner.executor, spare=spare)
+        return engine.join(directory, manifests.DATA_FILE, self.values(), self.call.row_fn,
+                           rows=self._row_run(), spare=spare)
+
+    def _row_run(self) -> engine.RowRun:
+        return engine.RowRun(self.runner.workers, self.record, self.call.template, self.key,
+                             self.runner.executor)
 
     def open(self, outcome: Outcome) -> Any:
         """Open the entry (step 8). A downloaded one is indexed first, so that its rows may
@@ -219,7 +217,7 @@ def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarra
 
 
 def _decoders() -> dict[str, Any]:
-    from ..engine.images import decoder_versions
+    from ..engine.decoding.images import decoder_versions
 
     return {"decoders": decoder_versions()}
 

@@ -128,7 +128,7 @@ class BuildDir:
     def record_cpus(self, workers: int) -> None:
         """Record the CPUs this process may run on and how many rows its build runs at once
         (``workers``), before the build can be joined: a joiner on this host joins only
-        with the cores these leave free (see :mod:`cachekit.engine.cores`)."""
+        with the cores these leave free (see :mod:`cachekit.engine.filling.cores`)."""
         self.record.update(cpus=sorted(_fs.cpu_affinity()), workers=workers)
         try:
             self.dir.replace_json(STATE_FILE, self.record)

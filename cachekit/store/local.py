@@ -11,7 +11,6 @@ through.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 import time

@@ -10,7 +10,7 @@ A manifest is untrusted input (another process, user or host may have written it
 field is type-checked, file names come from a fixed set (never a path), and numbers that
 size an allocation are checked against the data file before use (see :mod:`cachekit.arrays`).
 
-With ``CACHEKIT_SIGNING_KEY`` set, :func:`dumps` (and so :func:`write`) adds a
+With ``CACHEKIT_SIGNING_KEY`` set, :func:`dumps` (and so :func:`write_at`) adds a
 ``"signature"`` field, and :func:`loads` (and so :func:`read`: every hit, ``ls``, ``info``
 and ``verify``) checks it before any other field, raising
 :class:`~cachekit.errors.UnsignedEntryError` when it is missing or wrong; see

@@ -8,7 +8,7 @@ identities and block digests are read whole and must match their checksums in th
 manifest; its data file is opened once, and its header and size must be the manifest's.
 From then on the copy reads only that open file, so the entry may be cleared or pruned at
 any moment: the bytes read are the ones the manifest describes, and each block is checked
-against its digest before a row of it is used (:mod:`cachekit.engine.reuse`).
+against its digest before a row of it is used (:mod:`cachekit.engine.filling.copy_in`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from . import _worker_main
+from ..running import _worker_main
 
 __all__ = ["decode_jpeg", "fit_size", "resize_fit"]
 

@@ -1,7 +1,7 @@
 """The per-row functions of ``Cache.images`` and ``Cache.map``, as picklable objects.
 
-A build may run its rows in other processes or on a cluster (cachekit.engine.executors), so the
-row function travels by pickle: these are module-level classes holding plain parameters, not
+A build may run its rows in other processes or on a cluster (cachekit.engine.running.executors), so
+the row function travels by pickle: these are module-level classes holding plain parameters, not
 closures. Importing this module imports neither Pillow nor torch: a cache hit never needs them.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..errors import NotAnArrayError
+from ...errors import NotAnArrayError
 
 
 def as_row(result: Any) -> np.ndarray:
@@ -28,11 +28,12 @@ def as_row(result: Any) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ImageRow:
-    """``path -> (C, H, W) uint8``: :func:`cachekit.engine.images.load_image` with fixed options.
+    """``path -> (C, H, W) uint8``: :func:`cachekit.engine.decoding.images.load_image` with fixed
+    options.
 
     ``max_read_bytes``: the caller's cap on whole-file reads, so that workers elsewhere (a
     cluster) read as the caller asked; None: each worker's ``$CACHEKIT_MAX_READ_BYTES``.
-    ``backend``: "tensor" or "pil" (cachekit.engine.images).
+    ``backend``: "tensor" or "pil" (cachekit.engine.decoding.images).
     """
 
     size: tuple[int, int]
@@ -46,16 +47,16 @@ class ImageRow:
     @property
     def imports_torch(self) -> bool:
         """Whether computing a row imports torch (seconds of CPU in a fresh process): the
-        executor rule counts it (cachekit.engine.executors.default_executor)."""
-        from .images import backend_for
+        executor rule counts it (cachekit.engine.running.executors.default_executor)."""
+        from ..decoding.images import backend_for
 
         return backend_for(self.backend, self.fit, self.resample) == "tensor"
 
     def __call__(self, path: str) -> np.ndarray:
-        from . import images
+        from ..decoding import images
 
         # Looked up on the module at each call (not bound once), so a test that patches
-        # cachekit.engine.images.load_image to count decodes sees every row.
+        # cachekit.engine.decoding.images.load_image to count decodes sees every row.
         return images.load_image(path, self.size, self.mode, self.fit, self.resample,
                                  self.draft, self.max_read_bytes, self.backend)
 

@@ -1,5 +1,11 @@
-"""Copying rows that committed entries already hold into a new data file, block by checked
-block, instead of computing them again.
+"""Copying in the rows a build need not compute: from dead builds of it and from committed
+entries of its recipe, each checked, into its new data file.
+
+The rows that no source gave are then computed as the build's rest (see
+:mod:`.plan`), by the builder and its joiners (:func:`.builder.fill`). Dead builds go
+first: their rows were computed for this very build. Committed entries of the same recipe
+follow. Nothing here is journalled: a build that dies after it copies the rows copies them
+again when it is resumed, which costs a read, not a decode.
 
 A :class:`Donor` is another entry's data file, opened once and checked by the caller (its
 header, its size, the digests of its blocks), with the rows of it that the new entry wants.
@@ -18,12 +24,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import BinaryIO, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import arrays
+from ... import _fs, arrays
+from ...errors import Failure
+from . import plan as plans
+from .resume import copy_dead_rows, dead_template
 
 READ_FLOOR_BYTES = 2 << 20
 """A block of at most this many bytes may always be read: twice the blocks cachekit
@@ -126,3 +135,71 @@ def _copy(donor: Donor, out: np.ndarray, src: np.ndarray, dst: np.ndarray
         filled.append(dst[start:end])
     got = np.concatenate(filled) if filled else np.zeros(0, dtype=np.int64)
     return got, refused
+
+
+@dataclass
+class Prefilled:
+    """The new data file, mapped writable, and what the copies put in it: ``covered`` marks
+    the rows copied; ``failures`` are the failed rows the dead builds recorded."""
+
+    array: np.ndarray
+    covered: np.ndarray
+    failures: list[Failure] = field(default_factory=list)
+    resumed: int = 0
+    """Rows copied from dead builds."""
+    copied: Copied = field(default_factory=lambda: Copied({}, {}))
+    """Rows copied from committed entries, by entry."""
+
+
+def template_for(template: Any, donors: Sequence[Donor], sources: Sequence[_fs.DirHandle],
+                 name: str, n: int, key: str) -> Optional[tuple[tuple[int, ...], np.dtype]]:
+    """The row shape and dtype of the build: the caller's, else the donors' (which the
+    caller made agree), else a dead build's; None when nothing says."""
+    if template is not None:
+        return tuple(template[0]), np.dtype(template[1])
+    if donors:
+        return tuple(donors[0].row_shape), np.dtype(donors[0].dtype)
+    return dead_template(sources, name, n, key)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What a fill may copy instead of computing: ``dead``, build directories of dead
+    builds of this user that the caller claimed (the coordinator checks their owner and
+    cachekit version), and ``donors``, rows of committed entries. ``done()`` is called once
+    nothing more is read from the dead builds (the caller may then delete them)."""
+
+    dead: Sequence[_fs.DirHandle] = ()
+    donors: Sequence["Donor"] = ()
+    done: Optional[Callable[[], None]] = None
+
+    def release(self) -> None:
+        if self.done is not None:
+            self.done()
+
+
+NO_SOURCES = Sources()
+
+
+def prefill(directory: _fs.DirHandle, name: str, n: int,
+            template: tuple[tuple[int, ...], np.dtype], key: str,
+            sources: Sources) -> Prefilled:
+    """Create the data file ``name`` of ``n`` rows in ``directory`` and copy in the checked
+    rows of the dead builds of ``key`` among ``sources``, then those of its donors."""
+    row_shape, dtype = template
+    array = arrays.create_array(directory, name, (n, *row_shape), dtype, align=plans.PAGE_BYTES)
+    covered = np.zeros(n, dtype=bool)
+    failures, resumed = copy_dead_rows(sources.dead, name, n, template, key, array, covered)
+    copied = copy_from_donors(sources.donors, array, covered)
+    return Prefilled(array, covered, failures, resumed, copied)
+
+
+SCATTER_ROWS = 4096
+"""Rows put into place per step once the rest is computed (memory stays flat)."""
+
+
+def scatter(out: np.ndarray, rest: np.ndarray, todo: np.ndarray) -> None:
+    """Put row ``i`` of ``rest`` into row ``todo[i]`` of ``out``."""
+    for start in range(0, len(todo), SCATTER_ROWS):
+        stop = min(len(todo), start + SCATTER_ROWS)
+        out[todo[start:stop]] = rest[start:stop]

@@ -22,8 +22,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Optional
 
-from .. import _fs
-from .executors import _executor_size
+from ... import _fs
+from ..running.executors import executor_size
 
 SEAT_PREFIX = "seat."
 """A seat in a journal folder: ``seat.cpu.C`` (CPU C, outside the builder's set) or
@@ -62,7 +62,7 @@ def runs_at_once(executor: Any, workers: int) -> int:
     """How many rows a build runs at once: ``workers`` on cachekit's threads or processes,
     the pool's size on an Executor instance (a cluster's too: a joiner here would send its
     rows to the same pool)."""
-    return _executor_size(executor) if isinstance(executor, Executor) else workers
+    return executor_size(executor) if isinstance(executor, Executor) else workers
 
 
 class Seats:

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..errors import Failure
+from ...errors import Failure
 from .compute import (ChunkLike, ChunkRunner, RowTask, compute_in_place, compute_piece,
     plain)
 

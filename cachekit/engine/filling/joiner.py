@@ -12,17 +12,16 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import numpy as np
 
-from .. import _fs, arrays
-from ..errors import BuildGone
-from .executors import RowTask, make_runner
-from .builder import RowFunction, run_claimed
+from ... import _fs
+from ...errors import BuildGone
+from ..running.executors import RowTask, make_runner
+from .claimed import RowFunction, RowRun, RowsFile, run_claimed
 from .cores import Seats, Spare
-from .journal import ROWS_PREFIX, Journal
+from .journal import Journal
 from .plan import Plan
-from ..keys import rest_key
-from .rest import read_todo, rest_name, take
+from ...keys import rest_key
+from .plan import read_todo, rest_name, take
 from .resume import plan_fits
 
 
@@ -39,15 +38,15 @@ class Joined:
 
 
 def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
-         workers: int, record: bool, template: tuple[tuple[int, ...], np.dtype] | None,
-         key: str, executor: Any = None, spare: Optional[Spare] = None) -> Optional[Joined]:
+         rows: RowRun, spare: Optional[Spare] = None) -> Optional[Joined]:
     """Fill chunks that nobody holds of another process's build in ``directory`` (opened
-    by handle, and of this user), until none is left; None when it cannot be joined (no
-    plan yet, or a plan of other rows). Writes only claims, done records, seats and a rows
-    file of its own in the build's journal folder: never the builder's data file.
+    by handle, and of this user), until none is left; None when it cannot be joined (no plan yet, or
+    a plan of other rows than ``rows`` makes: its template and key). Writes only claims, done
+    records, seats and a rows file of its own in the build's journal folder: never the builder's
+    data file.
 
     ``spare``: the cores this process may add to a build of its own host; it then runs at
-    most that many of its ``workers``, one per seat it takes (:class:`~.cores.Seats`), and
+    most that many of its ``rows.workers``, one per seat it takes (:class:`~.cores.Seats`), and
     joins not at all (``Joined.no_core``) when the other joiners hold every seat. None: a
     build of another host, joined with all its ``workers``.
 
@@ -67,17 +66,15 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         except (OSError, ValueError):
             continue
         with journal:
-            return _join(journal, part != name, values, row_fn, workers, record, template,
-                         key, executor, spare)
+            return _join(journal, part != name, values, row_fn, rows, spare)
     return None
 
 
 def _join(journal: Journal, rest: bool, values: Sequence[Any], row_fn: RowFunction,
-          workers: int, record: bool, template: Any, key: str, executor: Any,
-          spare: Optional[Spare]) -> Optional[Joined]:
+          rows: RowRun, spare: Optional[Spare]) -> Optional[Joined]:
     """Join the fill whose journal is ``journal``: the build's own, or (``rest``) the rest
     of a build that copied its other rows, whose rows the journal names."""
-    planned = journal.plan
+    planned, template, key, workers = journal.plan, rows.template, rows.key, rows.workers
     if planned.rows == 0 or (not rest and not plan_fits(planned, len(values), template, key)):
         return None
     if not journal.pending()[1]:
@@ -96,21 +93,21 @@ def _join(journal: Journal, rest: bool, values: Sequence[Any], row_fn: RowFuncti
     if seats is not None and not seats.names:
         return Joined(0, 0, len(planned.chunks), no_core=True)
     try:
-        return _fill(journal, planned, values, row_fn, record, executor,
+        return _fill(journal, planned, values, RowTask(row_fn, rows.record), rows.executor,
                      workers if seats is None else len(seats.names))
     finally:
         if seats is not None:
             seats.release()
 
 
-def _fill(journal: Journal, planned: Plan, values: Sequence[Any], row_fn: RowFunction,
-          record: bool, executor: Any, workers: int) -> Optional[Joined]:
+def _fill(journal: Journal, planned: Plan, values: Sequence[Any], task: RowTask,
+          executor: Any, workers: int) -> Optional[Joined]:
     """Fill free chunks with ``workers`` rows at once, into a rows file of our own."""
     try:
         rows_file = RowsFile.create(journal, planned)
     except (OSError, ValueError):
         return None
-    runner = _LazyRunner(executor, workers, RowTask(row_fn, record), len(values))
+    runner = _LazyRunner(executor, workers, task, len(values))
     filled = rows = 0
     try:
         for chunk in run_claimed(journal, rows_file.array, values, runner,
@@ -124,40 +121,6 @@ def _fill(journal: Journal, planned: Plan, values: Sequence[Any], row_fn: RowFun
         if not filled:  # no done record names it
             journal.dir.unlink(rows_file.name)
     return Joined(filled, rows, len(planned.chunks))
-
-
-class RowsFile:
-    """A joiner's own rows file: a sparse .npy of the plan's layout in the journal folder,
-    whose blocks are reserved chunk by chunk as the joiner claims them (a full disk then
-    fails the claim with ENOSPC, never a page write with SIGBUS)."""
-
-    def __init__(self, name: str, fd: int, array: np.ndarray) -> None:
-        self.name, self.fd, self.array = name, fd, array
-
-    @classmethod
-    def create(cls, journal: Journal, planned: Plan) -> "RowsFile":
-        if arrays.data_offset(planned.shape, planned.dtype, align=planned.page) \
-                != planned.offset:
-            raise ValueError("a plan whose layout this host does not make")
-        name = f"{ROWS_PREFIX}{_fs.unique_suffix()}"
-        array = arrays.create_array(journal.dir, name, planned.shape, planned.dtype,
-                                    align=planned.page, reserve=False)
-        try:
-            with journal.dir.open_file(name, writable=True) as f:
-                fd = os.dup(f.fileno())
-        except BaseException:
-            del array
-            journal.dir.unlink(name)
-            raise
-        return cls(name, fd, array)
-
-    def reserve(self, first: int, end: int) -> None:
-        _fs.preallocate_fd(self.fd, first, end - first)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class _LazyRunner:

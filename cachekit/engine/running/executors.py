@@ -8,10 +8,10 @@ complete. Three kinds, one contract (:meth:`ChunkRunner.run`):
   output memmap; Pillow releases the GIL while it decodes and resizes. One worker runs the
   rows in the calling thread: a pool of one only adds hand-offs.
 - ``"processes"``: the builder's own thread and ``workers - 1`` fresh worker interpreters
-  this runner owns (:mod:`cachekit.engine._workers`): never ``fork`` (the builder has threads,
-  whose locks a forked child would inherit mid-use), and, unlike spawn or forkserver pools,
-  the workers never re-run the user's main script. Their rows come back as arrays and are
-  copied into the output; the builder's own rows are computed in place.
+  this runner owns (:mod:`cachekit.engine.running._workers`): never ``fork`` (the builder has
+  threads, whose locks a forked child would inherit mid-use), and, unlike spawn or forkserver pools,
+  the workers never re-run the user's main script. Their rows come back as arrays and are copied
+  into the output; the builder's own rows are computed in place.
 - an Executor instance of the user (a process pool, loky, Dask's ``client.get_executor()``):
   pieces of chunks are submitted to it, their rows come back as arrays and are copied into
   the output here, so the executor's workers need no access to the cache's filesystem.
@@ -31,11 +31,11 @@ import pickle
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Union
 
-from ..errors import Failure, InvalidArgument, InvalidArgumentType
+from ...errors import InvalidArgument, InvalidArgumentType
 from .compute import ChunkRunner, InlineRunner, RowTask
 from .pieces import CLUSTER_SIZES, PROCESS_SIZES, THREAD_SIZES, PieceRunner
 
-__all__ = ["ChunkRunner", "Failure", "PROCESSES_FROM_ROWS", "PROCESSES_FROM_ROWS_WITH_TORCH",
+__all__ = ["ChunkRunner", "PROCESSES_FROM_ROWS", "PROCESSES_FROM_ROWS_WITH_TORCH",
            "RowTask", "check_executor", "check_workers", "default_executor", "make_runner",
            "usable_cpus"]
 
@@ -109,7 +109,7 @@ def make_runner(executor: ExecutorSpec, workers: Optional[int], task: RowTask, *
         return PieceRunner(pool, workers, THREAD_SIZES, task, owned=True, in_place=True,
                             rows=rows)
     if isinstance(executor, ThreadPoolExecutor):  # the user's threads: in process, no pickling
-        return PieceRunner(executor, _executor_size(executor), THREAD_SIZES, task,
+        return PieceRunner(executor, executor_size(executor), THREAD_SIZES, task,
                             owned=False, in_place=True, rows=rows)
     check_picklable(task, executor)
     if executor == "processes":
@@ -119,7 +119,7 @@ def make_runner(executor: ExecutorSpec, workers: Optional[int], task: RowTask, *
 
         return PieceRunner(WorkerPool(workers - 1), workers - 1, PROCESS_SIZES, task,
                             owned=True, in_place=False, caller_runs=True, rows=rows)
-    return PieceRunner(executor, _executor_size(executor), CLUSTER_SIZES, task,
+    return PieceRunner(executor, executor_size(executor), CLUSTER_SIZES, task,
                         owned=False, in_place=False, rows=rows)
 
 
@@ -182,7 +182,7 @@ def describe(row_fn: Callable[..., Any]) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _executor_size(executor: Executor) -> int:
+def executor_size(executor: Executor) -> int:
     """How many tasks ``executor`` runs at once, to size the pieces and the window."""
     client = getattr(executor, "_client", None)  # distributed.cfexecutor.ClientExecutor
     if client is not None and hasattr(client, "nthreads"):

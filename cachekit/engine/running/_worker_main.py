@@ -1,4 +1,5 @@
-"""The loop of one cachekit worker process (see cachekit.engine._workers, the pool that starts it).
+"""The loop of one cachekit worker process (see cachekit.engine.running._workers, the pool that
+starts it).
 
 Kept apart from the pool, and on the standard library alone, so a worker starts by importing
 this and then only what the pickled calls it receives name.

@@ -2,7 +2,7 @@
 
 :func:`load_image` turns a path into a (C, H, W) uint8 row with the backend asked for:
 
-- ``"pil"`` (:mod:`.decode_pil`): Pillow throughout, the v1 pipeline, bit-identical to
+- ``"pil"`` (:mod:`.decode_pil`): Pillow throughout, bit-identical to
   torchvision ``Resize((h, w))`` on the PIL image;
 - ``"tensor"`` (:mod:`.decode_tensor`): torchvision's JPEG decoder, then torch's uint8
   antialiased resize, the pixels of ``torchvision.transforms.v2`` on the decoded tensor; a file
@@ -21,7 +21,7 @@ from typing import Optional, Protocol
 
 import numpy as np
 
-from ..options import BACKENDS, FITS, MODES, RESAMPLE_NAMES
+from ...options import BACKENDS, FITS, MODES, RESAMPLE_NAMES
 
 __all__ = ["BACKENDS", "FITS", "MODES", "RESAMPLE_NAMES", "TENSOR_RESAMPLES", "Backend",
            "TENSOR_FITS", "backend_for", "decoder_versions", "load_image"]
@@ -47,15 +47,13 @@ def backend_for(backend: str, fit: str, resample: str) -> str:
     """The backend that decodes every file of a call: ``backend``, or ``"pil"`` for a
     ``"tensor"`` call that torch's kernel cannot resize within a level of Pillow's pixels.
 
-    Bilinear "stretch" and "pad" it can. A "crop" it cannot: ``ImageOps.fit`` samples its
-    box in float coordinates, torch's kernel from whole pixels, up to half a pixel apart
-    (up to 30 levels off on generated covers, ``benchmarks/bench_backends.py``). Nor
-    bicubic: each of torch's 1-D passes is within a level of Pillow's, but Pillow picks the
-    order of its two passes per image and clips in between, torch does not (up to 8 levels off
-    at 32x32, 24 at larger sizes). Nor nearest, lanczos and box, which torch's kernel does not
-    have. There, resizing torchvision's pixels with Pillow would cost more than Pillow
-    decoding them itself (handing them over copies them), so the whole call is the
-    ``"pil"`` pipeline, with its key.
+    Bilinear "stretch" and "pad" it can. A "crop" it cannot: ``ImageOps.fit`` samples its box in
+    float coordinates, torch's kernel from whole pixels, up to half a pixel apart (docs/usage.md
+    gives how far off, measured). Nor bicubic: each of torch's 1-D passes is within a level of
+    Pillow's, but Pillow picks the order of its two passes per image and clips in between, torch
+    does not. Nor nearest, lanczos and box, which torch's kernel does not have. There, resizing
+    torchvision's pixels with Pillow would cost more than Pillow decoding them itself (handing them
+    over copies them), so the whole call is the ``"pil"`` pipeline, with its key.
     """
     if backend == "tensor" and (fit not in TENSOR_FITS or resample not in TENSOR_RESAMPLES):
         return "pil"

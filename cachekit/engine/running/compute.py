@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import Failure, NotAnArrayError, failure_reason
+from ...errors import Failure, NotAnArrayError, failure_reason
 from .rows import as_row
 
 

@@ -16,13 +16,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .. import _fs, arrays
-from ..errors import Failure
+from ... import _fs, arrays
+from ...errors import Failure
 from .copying import open_checked, read_chunk
 from .journal import Journal
 from .plan import Plan
-from ..keys import rest_key
-from .rest import read_todo, rest_name
+from ...keys import rest_key
+from .plan import read_todo, rest_name
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _fs, arrays
+from ... import _fs, arrays
 from .journal import Done, digest
 from .plan import Chunk, Plan
 

@@ -1,10 +1,10 @@
 """The ``"pil"`` backend: Pillow decodes, orients, converts and resizes one image file.
 
-The v1 pipeline, kept bit-identical: its pixels are torchvision ``Resize((h, w))`` on the PIL
-image. The ``"tensor"`` backend (:mod:`.decode_tensor`) falls back to it, file by file, for
-what it does not cover. Called once per row, in threads or worker processes, so everything
-here is stateless and thread-safe: no global Pillow settings are changed and no warning
-filters are touched. Argument values are validated by the caller.
+Its pixels are bit-identical to torchvision ``Resize((h, w))`` on the PIL image, and stay so: the
+keys of every ``"pil"`` entry rely on it. The ``"tensor"`` backend (:mod:`.decode_tensor`) falls
+back to it, file by file, for what it does not cover. Called once per row, in threads or worker
+processes, so everything here is stateless and thread-safe: no global Pillow settings are changed
+and no warning filters are touched. Argument values are validated by the caller.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from .. import _fs, options
-from ..options import FITS, MODES, RESAMPLE_NAMES
+from ... import _fs, options
+from ...options import FITS, MODES, RESAMPLE_NAMES
 
 __all__ = ["FITS", "MODES", "RESAMPLES", "convert", "decode", "draft_scale", "load", "open_image",
            "orient", "orientation", "request_draft", "resized", "TRANSPOSITIONS"]

@@ -1,16 +1,17 @@
 """Fill a .npy memmap from a per-row function, chunk by chunk, with any number of processes.
 
-A fill follows a :class:`~cachekit.engine.plan.Plan` (rows, row shape and dtype, page-aligned
-chunks) and keeps a chunk journal next to the data file (:mod:`cachekit.engine.journal`).
-Chunks are computed through a chunk runner (``make_runner(...).run(chunks, values, out)``),
-which writes each chunk's rows into the memmap; once a chunk's rows are flushed to disk
-(msync of its byte range) a create-only done record names it, with its failed rows. So the
-journal holds the set of done chunks, in any order, and a later fill of the same rows
-(a resume after a crash, :mod:`.resume`) computes exactly the chunks that are not done.
+A fill follows a :class:`~cachekit.engine.filling.plan.Plan` (rows, row shape and dtype,
+page-aligned chunks) and keeps a chunk journal next to the data file
+(:mod:`cachekit.engine.filling.journal`). Chunks are computed through a chunk runner
+(``make_runner(...).run(chunks, values, out)``), which writes each chunk's rows into the memmap;
+once a chunk's rows are flushed to disk (msync of its byte range) a create-only done record names
+it, with its failed rows. So the journal holds the set of done chunks, in any order, and a later
+fill of the same rows (a resume after a crash, :mod:`.resume`) computes exactly the chunks that are
+not done.
 
 Every chunk is claimed before it is computed (a create-only claim record with a
 heartbeat), so other processes can fill chunks of the same build at the same time: the
-builder (:func:`fill`) and any number of joiners (:mod:`.join`), on this host or on other
+builder (:func:`fill`) and any number of joiners (:mod:`.joiner`), on this host or on other
 hosts of a shared root. The builder waits for the chunks that joiners hold, takes over
 those of joiners that die, and returns once every chunk is done, with every participant's
 failures.
@@ -26,33 +27,26 @@ stops (:class:`~cachekit.errors.BuildGone`) once its build is gone.
 
 from __future__ import annotations
 
-import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import _fs, arrays
+from ... import _fs, arrays
+from ...errors import Failure, NotAnArrayError, failure_reason
+from ...keys import rest_key
+from ..running.executors import RowTask, check_picklable, make_runner
+from ..running.rows import as_row
 from . import plan as plans
+from .claimed import QUIET, ChunkCallback, Report, RowFunction, RowRun, run_claimed
+from .copy_in import NO_SOURCES, Sources, prefill, scatter, template_for
 from .copying import copy_chunk, open_checked
-from .executors import RowTask, check_picklable, make_runner
-from ..errors import Failure, NotAnArrayError, failure_reason
 from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
-from .plan import Chunk
-from .prefill import prefill, scatter, template_for
-from ..keys import rest_key
-from .rest import rest_name, take, write_todo
+from .plan import Chunk, rest_name, take, write_todo
 from .resume import has_rest, resume
-from .reuse import Donor
-from .rows import as_row
 
-if TYPE_CHECKING:
-    from .joiner import RowsFile
-
-RowFunction = Callable[[Any], Any]
-ChunkCallback = Callable[[int, int], None]
 POLL_SECONDS = 0.05
 """How often a builder looks at chunks that other processes hold."""
 
@@ -87,173 +81,148 @@ class Filled:
         return self.shape[0] - self.resumed - self.rows_joined - sum(self.reused.values())
 
 
-def fill(
-    directory: _fs.DirHandle,
-    name: str,
-    values: Sequence[Any],
-    row_fn: RowFunction,
-    *,
-    workers: int,
-    record: bool,
-    template: tuple[tuple[int, ...], np.dtype] | None = None,
-    on_chunk: ChunkCallback | None = None,
-    progress: bool = False,
-    description: str = "cachekit build",
-    resume_from: Sequence[_fs.DirHandle] = (),
-    done_with_sources: Callable[[], None] | None = None,
-    key: str = "",
-    executor: Any = None,
-    donors: Sequence[Donor] = (),
-) -> Filled:
+def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
+         rows: RowRun, sources: Sources = NO_SOURCES, report: Report = QUIET) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
-    ``template`` gives the per-row shape and dtype; without it the first row that succeeds
-    fixes them (rows before it are failures), and a later row of another shape or dtype
-    raises ValueError naming both. ``record``: True makes a row whose function raises
-    (anything but NotAnArrayError) a failure whose row stays zeros; False re-raises the
-    exception unchanged. ``on_chunk(done, total)`` is called each time another chunk is
-    written and flushed, with the rows done by every process.
+    ``rows`` says how rows run and what they make (:class:`RowRun`: the template, failures
+    recorded or raised, the build's key, workers and executor). ``report`` is called after
+    each chunk and shows the progress bar.
 
-    ``resume_from``: build directories of dead builds of this user that the caller claimed.
-    Those whose plan has this ``key``, this row count and ``template`` (if given) give
-    their done chunks, copied only where the bytes match the chunk's checksum; the other
-    chunks are computed. The caller vouches that the directories are its own (the
-    coordinator checks their owner and cachekit version). ``done_with_sources()`` is called once
-    nothing more is read from them (the caller may then delete them).
-
-    ``donors``: rows of committed entries to copy instead of computing them (checked block by
-    block, :mod:`.reuse`); the rows no donor or dead build gives are then computed as the
-    build's rest (:mod:`.rest`), which joiners join.
+    ``sources`` (:class:`~.copy_in.Sources`): the dead builds of this user that the caller
+    claimed, and donors, rows of committed entries. Dead builds whose plan has this key,
+    this row count and the template (if given) give their done chunks, copied only where
+    the bytes match the chunk's checksum; donors' rows are checked block by block. The rows
+    no source gives are computed, as the build's rest when anything was copied, which
+    joiners join.
     """
-    n = len(values)
-    task = RowTask(row_fn, record)
+    job = _Job(directory, name, values, RowTask(row_fn, rows.record), rows)
     for leftover in (name, rest_name(name)):
         directory.remove_tree(journal_name(leftover))
         directory.unlink(leftover)
-    if donors or has_rest(resume_from, name):
-        filled = _fill_copying(directory, name, values, task, workers, template, on_chunk,
-                               progress, description, resume_from, done_with_sources, key,
-                               executor, donors)
+    if sources.donors or has_rest(sources.dead, name):
+        filled = _fill_copying(job, sources, report)
         if filled is not None:
             return filled
-    runner = make_runner(executor, workers, task, rows=n)  # first: it refuses what cannot run
-    try:
-        resumed = resume(directory, name, n, resume_from, template, key)
-        if done_with_sources is not None:
-            done_with_sources()
+    n = len(values)
+    runner = make_runner(rows.executor, rows.workers, job.task, rows=n)  # first: it refuses
+    try:                                                                  # what cannot run
+        resumed = resume(directory, name, n, sources.dead, rows.template, rows.key)
+        sources.release()
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
-        work = _Work()
+        work = _Work(_progress_bar(n, report), report.on_chunk)
         if resumed is None:
             started = time.monotonic()  # without a template, rows run here until one succeeds
-            journal, array, head = _start(directory, name, values, task, template, key,
-                                          workers)
+            journal, array, head = _start(job, rows.template)
             work.decode_seconds = time.monotonic() - started
             copied = 0
         else:
             journal, array, copied = resumed
-        bar = _progress_bar(n, progress, description)
         try:
             with journal:
-                done = _fill_all(journal, array, values, lambda: runner, head, on_chunk, bar,
-                                 work)
+                done = _fill_all(journal, array, values, lambda: runner, head, work)
                 failures = sorted(f for chunk in done.values() for f in chunk.failures)
         finally:
-            bar.close()
+            work.bar.close()
     finally:
         runner.close()
     return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied,
                   joined=work.joined, decode_seconds=round(work.decode_seconds, 3))
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One fill: the file it writes, its values and row task, and how its rows run."""
+
+    directory: _fs.DirHandle
+    name: str
+    values: Sequence[Any]
+    task: RowTask
+    rows: RowRun
+
+
 @dataclass
 class _Work:
-    """What a fill did here, and what its joiners did for it, tallied as it goes."""
+    """What a fill did here, and what its joiners did for it, tallied as it goes, and where
+    it tells so: its progress ``bar`` and ``on_chunk`` (rows done, rows in all)."""
 
+    bar: Any
+    on_chunk: Optional[ChunkCallback] = None
     decode_seconds: float = 0.0
     joined: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
-def _fill_copying(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
-                  workers: int, template: Any, on_chunk: Optional[ChunkCallback],
-                  progress: bool, description: str, sources: Sequence[_fs.DirHandle],
-                  done_with_sources: Optional[Callable[[], None]], key: str, executor: Any,
-                  donors: Sequence[Donor]) -> Optional[Filled]:
-    """A fill that first copies the rows dead builds and donors hold (:mod:`.prefill`),
+def _fill_copying(job: _Job, sources: Sources, report: Report) -> Optional[Filled]:
+    """A fill that first copies the rows dead builds and donors hold (:mod:`.copy_in`),
     then computes only the rest; None when the row shape and dtype are not known yet (no
     template, no donor, no usable dead build), so that the caller fills as usual."""
-    n = len(values)
-    template = template_for(template, donors, sources, name, n, key)
+    n, rows = len(job.values), job.rows
+    template = template_for(rows.template, sources.donors, sources.dead, job.name, n,
+                            rows.key)
     if template is None:
         return None
-    if executor is not None and executor != "threads" and not isinstance(
-            executor, ThreadPoolExecutor):
-        check_picklable(task, executor)  # refuse what cannot run before any work
-    pre = prefill(directory, name, n, template, key, sources, donors)
-    if done_with_sources is not None:
-        done_with_sources()
+    if rows.executor is not None and rows.executor != "threads" and not isinstance(
+            rows.executor, ThreadPoolExecutor):
+        check_picklable(job.task, rows.executor)  # refuse what cannot run before any work
+    pre = prefill(job.directory, job.name, n, template, rows.key, sources)
+    sources.release()
     todo = np.flatnonzero(~pre.covered)
     copied = n - len(todo)
-    failures, work = list(pre.failures), _Work()
-    bar = _progress_bar(n, progress, description)
+    on_chunk = report.on_chunk
+    work = _Work(_progress_bar(n, report), None if on_chunk is None else
+                 lambda done, _: on_chunk(copied + done, n))
+    failures = list(pre.failures)
     try:
-        bar.update(copied)
+        work.bar.update(copied)
         if on_chunk is not None:
             on_chunk(copied, n)
         if len(todo):
-            failures += _fill_rest(directory, name, values, task, workers, template, key,
-                                   executor, todo, pre.array, bar, work,
-                                   None if on_chunk is None else
-                                   lambda done, _: on_chunk(copied + done, n))
+            rest = replace(job, name=rest_name(job.name), values=take(job.values, todo),
+                           rows=replace(rows, template=template, key=rest_key(rows.key, todo)))
+            failures += _fill_rest(rest, todo, pre.array, work)
     finally:
-        bar.close()
+        work.bar.close()
     return Filled(shape=pre.array.shape, dtype=pre.array.dtype, failures=sorted(failures),
                   resumed=pre.resumed, joined=work.joined,
                   decode_seconds=round(work.decode_seconds, 3), reused=pre.copied.rows,
                   refused=pre.copied.refused)
 
 
-def _fill_rest(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
-               workers: int, template: Any, key: str, executor: Any, todo: np.ndarray,
-               out: np.ndarray, bar: Any, work: _Work, on_chunk: Optional[ChunkCallback]
-               ) -> list[Failure]:
-    """Compute rows ``todo`` as a fill of their own (with joiners) and put them into
-    ``out``; return their failures, in rows of ``out``. ``work`` tallies what this process
-    and its joiners did."""
-    rest = rest_name(name)
-    rest_values = take(values, todo)
-    runner = make_runner(executor, workers, task, rows=len(todo))
+def _fill_rest(rest: _Job, todo: np.ndarray, out: np.ndarray, work: _Work) -> list[Failure]:
+    """Compute rows ``todo`` as a fill of their own (``rest``, with joiners) and put them
+    into ``out``; return their failures, in rows of ``out``. ``work`` tallies what this
+    process and its joiners did."""
+    rows = rest.rows
+    runner = make_runner(rows.executor, rows.workers, rest.task, rows=len(todo))
     try:
-        journal, array, _ = _start(directory, rest, rest_values, task, template,
-                                   rest_key(key, todo), workers,
+        journal, array, _ = _start(rest, rows.template,
                                    before_plan=lambda j: write_todo(j.dir, todo))
         with journal:
-            done = _fill_all(journal, array, rest_values, lambda: runner, None, on_chunk,
-                             bar, work)
+            done = _fill_all(journal, array, rest.values, lambda: runner, None, work)
         scatter(out, array, todo)
     finally:
         runner.close()
-    failures = [(int(todo[row]), path, reason) for chunk in done.values()
-                for row, path, reason in chunk.failures]
-    return failures
+    return [(int(todo[row]), path, reason) for chunk in done.values()
+            for row, path, reason in chunk.failures]
 
 
-def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: RowTask,
-           template: Any, key: str, workers: int,
-           before_plan: Optional[Callable[[Journal], None]] = None):
+def _start(job: _Job, template: Any, before_plan: Optional[Callable[[Journal], None]] = None):
     """Create the data file, the journal and the plan of a fresh fill. Without a template,
     rows run in order until one succeeds (its shape and dtype fix the plan's); the chunk
     holding that row stays claimed by us, as (claim, the rest of its rows, its failures)."""
     failures: list[Failure] = []
     first: Optional[tuple[int, np.ndarray]] = None
+    values = job.values
     if template is None:
-        first = _first_success(values, task, failures)
+        first = _first_success(values, job.task, failures)
         template = (first[1].shape, first[1].dtype)
     shape, dtype = (len(values), *tuple(template[0])), np.dtype(template[1])
     page = plans.PAGE_BYTES
-    array = arrays.create_array(directory, name, shape, dtype, align=page)
-    planned = plans.make_plan(key, len(values), tuple(template[0]), dtype, workers,
+    array = arrays.create_array(job.directory, job.name, shape, dtype, align=page)
+    planned = plans.make_plan(job.rows.key, len(values), tuple(template[0]), dtype,
+                              job.rows.workers,
                               offset=arrays.data_offset(shape, dtype, align=page), page=page)
-    journal = Journal.create(directory, name)
+    journal = Journal.create(job.directory, job.name)
     journal.plan = planned
     head = None
     try:
@@ -279,13 +248,12 @@ def _start(directory: _fs.DirHandle, name: str, values: Sequence[Any], task: Row
 
 
 def _fill_all(journal: Journal, array: np.ndarray, values: Sequence[Any],
-              runner: Callable[[], Any], head: Any, on_chunk: Optional[ChunkCallback],
-              bar: Any, work: _Work) -> dict[int, Done]:
+              runner: Callable[[], Any], head: Any, work: _Work) -> dict[int, Done]:
     """Fill chunks until every chunk is done and its rows are in ``array``, computed here
     or copied in from the rows files of joiners; return every chunk's done record (read
     once at the end). ``work`` tallies the seconds spent computing here and the rows each
-    joiner computed."""
-    total = len(array)
+    joiner computed, and shows the progress."""
+    total, bar, on_chunk = len(array), work.bar, work.on_chunk
     shown = journal.rows_done()
     bar.update(shown)
     held_here = journal.marked  # done by us: computed here, or put here by _start or a resume
@@ -365,44 +333,6 @@ class _JoinedRows:
         self.files.clear()
 
 
-def run_claimed(journal: Journal, array: np.ndarray, values: Sequence[Any],
-                runner: Callable[[], Any], head: Any = None,
-                rows_file: Optional[RowsFile] = None) -> Iterator[Chunk]:
-    """Claim free chunks as the runner asks for them, compute them into ``array``, flush
-    each and record it done with its checksum; yield each chunk this process finished.
-    Claims not finished are released. ``runner()`` gives the chunk runner, asked for only
-    once a chunk is claimed. ``rows_file``: a joiner's, which ``array`` maps."""
-    planned = journal.plan
-    claims: dict[int, tuple[Claim, list[Failure]]] = {}
-
-    def chunks() -> Iterator[Chunk]:
-        if head is not None:
-            claim, rest, failures = head
-            claims[claim.chunk.index] = (claim, failures)
-            yield rest
-        for claim in journal.claimable(planned.chunks):
-            claims[claim.chunk.index] = (claim, [])
-            if rows_file is not None:
-                rows_file.reserve(*planned.byte_range(claim.chunk))
-            yield claim.chunk
-
-    source = chunks()
-    file = None if rows_file is None else rows_file.name
-    try:
-        first = next(source, None)
-        if first is None:
-            return
-        for chunk, failures in runner().run(itertools.chain([first], source), values, array):
-            claim, earlier = claims.pop(chunk.index)
-            done = claim.chunk
-            arrays.flush_bytes(array, *planned.byte_range(done))
-            if claim.finish(earlier + failures, digest(array[done.start:done.stop]), file):
-                yield done
-    finally:
-        for claim, _ in claims.values():
-            claim.release()
-
-
 def _first_success(values: Sequence[Any], task: RowTask,
                    failures: list[Failure]) -> tuple[int, np.ndarray]:
     """Run rows in order until one succeeds; its shape and dtype fix the array's."""
@@ -424,9 +354,9 @@ class _NoBar:
         pass
 
 
-def _progress_bar(total: int, show: bool, description: str):
-    if not show:
+def _progress_bar(total: int, report: Report):
+    if not report.progress:
         return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=description, unit="img", dynamic_ncols=True, smoothing=0.1)
+    return tqdm(total=total, desc=report.description, unit="img", dynamic_ncols=True, smoothing=0.1)

@@ -39,8 +39,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 from PIL import Image
 
-from .. import _fs, options
-from . import decode_pil, jpeg_header, resize_tensor
+from ... import _fs, options
+from . import decode_pil
+from . import jpeg_header
+from . import resize_tensor
 
 __all__ = ["load"]
 

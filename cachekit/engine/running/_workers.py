@@ -1,17 +1,17 @@
-"""A pool of clean worker processes: the ``executor="processes"`` of cachekit.engine.executors.
+"""A pool of clean worker processes: the ``executor="processes"`` of
+cachekit.engine.running.executors.
 
 Why not ``ProcessPoolExecutor``: with spawn or forkserver (fork is ruled out, the builder has
-threads) every worker first re-runs the user's main script as ``__mp_main__``. A training
-script imports torch at the top, so each pool paid seconds before its first row
-(docs/build-engine.md), and a script without an ``if __name__ == "__main__":`` guard
-would run its own training, or its own ``cache.images`` call, in every worker. These workers
-are fresh interpreters that import only their loop (:mod:`cachekit.engine._worker_main`) and what
-the pickled task names (a fraction of a second of CPU), and never the main script;
-a function defined in the main script therefore cannot run here, which
-:func:`main_references` lets the caller say before any work starts.
+threads) every worker first re-runs the user's main script as ``__mp_main__``. A training script
+imports torch at the top, so each pool paid seconds before its first row (docs/build-engine.md), and
+a script without an ``if __name__ == "__main__":`` guard would run its own training, or its own
+``cache.images`` call, in every worker. These workers are fresh interpreters that import only their
+loop (:mod:`cachekit.engine.running._worker_main`) and what the pickled task names (a fraction of a
+second of CPU), and never the main script; a function defined in the main script therefore cannot
+run here, which :func:`main_references` lets the caller say before any work starts.
 
-The worker's loop is :mod:`cachekit.engine._worker_main`: length-prefixed pickles over its stdin
-and stdout. The worker's own stdout is moved to stderr, so a print in a row function cannot
+The worker's loop is :mod:`cachekit.engine.running._worker_main`: length-prefixed pickles over its
+stdin and stdout. The worker's own stdout is moved to stderr, so a print in a row function cannot
 corrupt the channel, and it exits when its stdin closes, so it never outlives the builder.
 """
 
@@ -41,7 +41,7 @@ thread, as DataLoader workers do, unless the user's environment says otherwise. 
 numpy's OpenBLAS starts a thread per core at import, more CPU per worker for nothing
 (docs/build-engine.md)."""
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from cachekit.engine._worker_main import serve; serve()")
+         "from cachekit.engine.running._worker_main import serve; serve()")
 
 
 class WorkerPool(Executor):

@@ -20,7 +20,7 @@ needs no lock and means the same on every host of a shared root::
                     computes into it, never into the builder's data file
     seat.cpu.C, seat.idle.I
                     a core a joiner of the builder's host uses, held while it joins
-                    (cachekit.engine.cores)
+                    (cachekit.engine.filling.cores)
 
 Only the builder writes its data file. A chunk a joiner finished is in the joiner's rows
 file until the builder copies it in, checking its checksum; a resumed build copies the
@@ -39,10 +39,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from .. import _fs, liveness
-from ..errors import BuildGone, Failure
+from ... import _fs, liveness
+from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
-from .rest import is_rest_name
+from .plan import is_rest_name
 
 SUFFIX = ".chunks"
 PLAN_FILE = "plan.json"
