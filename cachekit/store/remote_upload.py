@@ -121,8 +121,8 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
     return whose == OURS
 
 
-def named(bucket: Bucket, key: str, upload_id: str) -> str:
-    """Whom the key's manifest names: OURS (``upload_id``), OTHERS (another upload), NONE
+def named(bucket: Bucket, key: str, upload: str) -> str:
+    """Whom the key's manifest names: OURS (``upload``), OTHERS (another upload), NONE
     (there is no manifest), or UNKNOWN (the remote fails, or the manifest is unreadable)."""
     try:
         found = lookup(bucket, key)
@@ -130,17 +130,17 @@ def named(bucket: Bucket, key: str, upload_id: str) -> str:
         return UNKNOWN
     if found is None:
         return NONE
-    return OURS if found.upload == upload_id else OTHERS
+    return OURS if found.upload == upload else OTHERS
 
 
-def withdraw(bucket: Bucket, key: str, upload_id: str) -> bool:
-    """Remove the key's manifest if it names ``upload_id`` (whose data went missing), then
+def withdraw(bucket: Bucket, key: str, upload: str) -> bool:
+    """Remove the key's manifest if it names ``upload`` (whose data went missing), then
     what is left of that upload. True when a manifest was removed."""
-    if named(bucket, key, upload_id) != OURS:
+    if named(bucket, key, upload) != OURS:
         return False
     path = manifest_path(bucket, key)
     bucket.remove([path], f"withdrawing {bucket.object_url(path)}")
-    remove_upload(bucket, key, upload_id, quiet=True)
+    remove_upload(bucket, key, upload, quiet=True)
     return True
 
 
