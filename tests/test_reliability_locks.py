@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import filelock
 import pandas as pd
 import pytest
 
@@ -207,3 +208,61 @@ def test_a_live_soft_lock_makes_a_waiter_time_out_naming_the_lock(cache_root, co
     finally:
         holder.release()
     assert cache.images(column, 8).key == probe.key
+
+
+# filelock's SoftFileLease against the contract (docs/design.md, "Locks: why not filelock's
+# SoftFileLease") --------------------------------------------------------------------------
+
+PLANTS = {
+    "an empty file": "",
+    "an exclusive marker of another host": (
+        "filelock/2\npid=4242\nhost=another-node.cluster\nmode=exclusive\n"),
+    "a marker of a mode filelock does not know": "filelock/2\npid=PID\nhost=HOST\nmode=strict\n",
+}
+SHORT_LEASE = 0.2
+
+
+def soft_file_lease(path: Path, lease: float):
+    """A filelock SoftFileLease on ``path``, as the soft lock would use one."""
+    lease_class = getattr(filelock, "SoftFileLease", None)
+    if lease_class is None:
+        pytest.skip("filelock before 3.30 has no SoftFileLease")
+    return lease_class(str(path), lease_duration=lease)
+
+
+def plant(path: Path, body: str) -> None:
+    """What a group member (or a dead holder) leaves: one file, never touched again."""
+    path.write_text(body.replace("PID", str(dead_pid())).replace("HOST", _fs.host()))
+    old = time.time() - 10 * SHORT_LEASE
+    os.utime(path, (old, old))
+
+
+@pytest.mark.parametrize("what", sorted(PLANTS))
+def test_a_soft_file_lease_is_blocked_for_good_by_a_marker_that_never_beats(tmp_path, what):
+    """filelock never takes these over, whatever their age: an unknown mode and an empty
+    file are kept (they may be another version's live lock), and an exclusive marker of
+    another host can only be judged by its pid, which means nothing here. The soft lock
+    takes the same file over at once: it shows no heartbeat for a lease."""
+    path = tmp_path / "k.lock.soft"
+    plant(path, PLANTS[what])
+    contender = soft_file_lease(path, SHORT_LEASE)
+    with pytest.raises(filelock.Timeout):
+        contender.acquire(timeout=10 * SHORT_LEASE)
+    ours = locks.SoftLock(path, lease=SHORT_LEASE)
+    assert ours.acquire(timeout=0)
+    ours.release()
+
+
+def test_a_soft_file_lease_refuses_to_wait_on_a_marker_of_another_lease(tmp_path):
+    """Every contender must agree on the lease, so one planted marker with another duration
+    (or a teammate with another $CACHEKIT_LOCK_LEASE) makes every build of the key fail;
+    the soft lock judges any holder by its own lease."""
+    path = tmp_path / "k.lock.soft"
+    plant(path, "filelock/2\npid=4242\nhost=another-node.cluster\nmode=lease\n"
+                f"token={'ab' * 16}\nduration=1000000000.0\n")
+    contender = soft_file_lease(path, SHORT_LEASE)
+    with pytest.raises(filelock.LeaseSettingsMismatch):
+        contender.acquire(timeout=10 * SHORT_LEASE)
+    ours = locks.SoftLock(path, lease=SHORT_LEASE)
+    assert ours.acquire(timeout=0)
+    ours.release()

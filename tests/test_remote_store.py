@@ -18,7 +18,7 @@ import s3
 from cachekit.admin import remote as rm
 from cachekit.errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
 from cachekit.obtain import background
-from cachekit.store import LocalStore
+from cachekit.store import LocalStore, bucket, remote_upload
 from cachekit.store.remote import (CHECK, EXISTS, OTHER, RemoteStore, classify_failed_create,
     redact)
 
@@ -145,19 +145,19 @@ def test_of_two_uploaders_racing_past_the_lookup_exactly_one_manifest_wins(s3_en
                                                                            monkeypatch):
     entry = local_entry(tmp_path / "a")
     remote = remote_of(s3_env)
-    remote.lookup = lambda key: None  # both think the key is free
-    first = remote.upload(published(tmp_path / "a", entry.key))
-    del remote.lookup
+    with monkeypatch.context() as patch:  # both think the key is free
+        patch.setattr(remote_upload, "lookup", lambda store, key: None)
+        first = remote.upload(published(tmp_path / "a", entry.key))
     assert first is True
     second_store = remote_of(s3_env)
-    real_lookup = second_store.lookup
+    real_lookup = remote_upload.lookup
     calls = []
 
-    def miss_once(key):
+    def miss_once(store, key):
         calls.append(key)
-        return None if len(calls) == 1 else real_lookup(key)
+        return None if len(calls) == 1 else real_lookup(store, key)
 
-    monkeypatch.setattr(second_store, "lookup", miss_once)
+    monkeypatch.setattr(remote_upload, "lookup", miss_once)
     assert second_store.upload(published(tmp_path / "a", entry.key)) is False
     keys, _ = remote.scan()
     assert len(keys[0].uploads) == 1  # the loser removed its data objects
@@ -165,9 +165,7 @@ def test_of_two_uploaders_racing_past_the_lookup_exactly_one_manifest_wins(s3_en
 
 
 def test_a_large_file_goes_up_in_parts_and_comes_back_whole(s3_env, tmp_path, monkeypatch):
-    from cachekit.store import remote as remote_module
-
-    monkeypatch.setattr(remote_module, "RANGE_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(bucket, "RANGE_BYTES", 5 << 20)  # S3's smallest part
     values = np.arange(3 * (5 << 20) // 4096 + 7)
 
     def big(v):
@@ -386,11 +384,12 @@ def test_any_bytes_as_a_remote_manifest_are_refused_as_corrupt(data):
         RemoteStore.parse_manifest(data, "s3://b/m.json", "0" * 32)
 
 
-def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_env, tmp_path):
+def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_env, tmp_path,
+                                                                           monkeypatch):
     entry = local_entry(tmp_path / "a")
     for _ in range(2):  # a store that ignores If-None-Match: both uploads "win"
         remote = remote_of(s3_env)
-        remote.lookup = lambda key: None
+        monkeypatch.setattr(remote_upload, "lookup", lambda store, key: None)
 
         def overwrite(path, data, what, remote=remote, **options):
             remote.fs.pipe_file(path, data)

@@ -39,7 +39,7 @@ AGENT = textwrap.dedent('''
     import numpy as np
     import cachekit
     import hosts
-    from cachekit.store import remote as remote_store
+    from cachekit.store import bucket, remote as remote_store
 
     work, me, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     counter = work / os.environ.get("COUNTER", "decoded")
@@ -69,7 +69,7 @@ AGENT = textwrap.dedent('''
                     pause("mid-download")
                 yield block
         remote_store.RemoteStore.read_ranges = stopping
-        remote_store.RANGE_BYTES = 4096
+        bucket.RANGE_BYTES = 4096
 
     if mode == "barrier":
         hosts.StartBarrier(work).wait(me)

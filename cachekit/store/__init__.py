@@ -1,6 +1,6 @@
 """Where entries live. The cache asks a store for what it needs (look a key up, remove its
-entry, list the keys: :class:`Store`) and never for filesystem operations, so that a second
-store, an object store, sits beside the local one.
+entry, list the keys) and never for filesystem operations, so that a second store, an object
+store, sits beside the local one.
 
 The local store (:class:`LocalStore`) also builds: a build is a private directory under its
 ``tmp/`` (:class:`BuildDir`; any process sees one as a :class:`BuildState`), published by one
@@ -12,8 +12,7 @@ local run never loads it), with its build leases in :mod:`cachekit.store.lease`.
 from .build_dirs import BuildDir, BuildState
 from .layout import Layout, Published, default_root
 from .local import LocalStore
-from .protocol import Store
 from .temp_names import BUILD, REMOVAL, TempName, parse_temp_name
 
 __all__ = ["BUILD", "REMOVAL", "BuildDir", "BuildState", "Layout", "LocalStore", "Published",
-           "Store", "TempName", "default_root", "parse_temp_name"]
+           "TempName", "default_root", "parse_temp_name"]

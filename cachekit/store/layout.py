@@ -24,8 +24,10 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from ..errors import CacheRootError
+from .. import _fs
+from ..errors import CacheCorruptError, CacheRootError
 from ..keys import is_key
 from .manifest import Manifest
 
@@ -83,6 +85,37 @@ class Layout:
 
     def failure_path(self, key: str) -> Path:
         return self.locks / f"{self.entry_dir(key).name}.failed.json"
+
+    def open_folder(self, name: str, *, create: bool = False) -> _fs.DirHandle:
+        """The root's folder ``name`` (entries, tmp, locks or index) as a handle, made when
+        ``create``: every operation of the store and its row index inside the root goes
+        through such handles, so no planted symlink is ever written or deleted through.
+
+        FileNotFoundError when it does not exist; CacheCorruptError when it is a symlink or
+        not a directory."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        with _fs.DirHandle.open(self.root, follow=True) as root:
+            if create:
+                try:
+                    root.mkdir(name, _fs.shared_dir_mode())
+                except FileExistsError:
+                    pass
+            try:
+                return root.child(name)
+            except OSError as e:
+                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
+                    raise
+                raise CacheCorruptError(root.path / name, "it is a symlink or not a directory, "
+                                        "and cachekit never follows one", "remove it, and "
+                                        "cachekit makes a real directory") from None
+
+    def open_folder_if_any(self, name: str) -> Optional[_fs.DirHandle]:
+        """:meth:`open_folder`, or None when the folder does not exist (yet)."""
+        try:
+            return self.open_folder(name)
+        except FileNotFoundError:
+            return None
 
 
 @dataclass(frozen=True)

@@ -38,19 +38,19 @@ from .. import _fs, liveness
 from ..messages import printable
 from ..errors import RemoteUnavailableError
 from ..keys import is_key
-from .remote import RemoteStore
+from .bucket import Bucket
 
 _RECORD_LIMIT = 1 << 16
 BUILDING, UPLOADING, RELEASED = "building", "uploading", "released"
 
 
-def lease_path(remote: RemoteStore, key: str, generation: int, suffix: str) -> str:
+def lease_path(remote: Bucket, key: str, generation: int, suffix: str) -> str:
     if not is_key(key) or generation < 1:
         raise ValueError(f"not a cache key and lease generation: {key!r} {generation!r}")
     return remote.path("leases", key, f"{generation}.{suffix}")
 
 
-def generations(remote: RemoteStore, key: str) -> list[int]:
+def generations(remote: Bucket, key: str) -> list[int]:
     """The lease generations of ``key`` in the store, lowest first."""
     folder = remote.path("leases", key)
     try:
@@ -74,7 +74,7 @@ class Lease:
     upload runs (:meth:`uploading`): the lease is held until the manifest is written, so
     waiters wait for it rather than build."""
 
-    def __init__(self, remote: RemoteStore, key: str, generation: int) -> None:
+    def __init__(self, remote: Bucket, key: str, generation: int) -> None:
         self.remote, self.key, self.generation = remote, key, generation
         self.lease = liveness.lease_from_env()
         self._seq = 0
@@ -128,7 +128,7 @@ class Watch:
     """One waiter's view of a key's lease over time: whether it is alive, and whom and how
     far it shows, judged by change on this process's monotonic clock."""
 
-    def __init__(self, remote: RemoteStore, key: str) -> None:
+    def __init__(self, remote: Bucket, key: str) -> None:
         self.remote, self.key = remote, key
         self.lease = liveness.lease_from_env()
         self._seen: Optional[_Seen] = None

@@ -21,7 +21,7 @@ from .. import _fs, liveness
 from . import commit as commits
 from . import failures
 from . import manifest as manifests
-from . import row_index
+from .row_index import RowIndex
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
@@ -46,38 +46,13 @@ class LocalStore:
     def __init__(self, root: Path) -> None:
         check_root(Path(root))  # here, not eleven frames into the first build
         self.layout = Layout(Path(root))
+        self.row_index = RowIndex(self)
+        """Which of this store's entries hold which rows (a hint; its files go with their
+        entries: :meth:`remove_entry`)."""
 
     @property
     def root(self) -> Path:
         return self.layout.root
-
-    def _open(self, name: str, *, create: bool = False) -> _fs.DirHandle:
-        """The root's folder ``name`` (entries, tmp or locks), made when ``create``.
-
-        FileNotFoundError when it does not exist; CacheCorruptError when it is a symlink or
-        not a directory."""
-        if create:
-            self.root.mkdir(parents=True, exist_ok=True)
-        with _fs.DirHandle.open(self.root, follow=True) as root:
-            if create:
-                try:
-                    root.mkdir(name, _fs.shared_dir_mode())
-                except FileExistsError:
-                    pass
-            try:
-                return root.child(name)
-            except OSError as e:
-                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
-                    raise
-                raise CacheCorruptError(root.path / name, "it is a symlink or not a directory, "
-                                        "and cachekit never follows one", "remove it, and "
-                                        "cachekit makes a real directory") from None
-
-    def _open_if_any(self, name: str) -> Optional[_fs.DirHandle]:
-        try:
-            return self._open(name)
-        except FileNotFoundError:
-            return None
 
     # Lookup ------------------------------------------------------------------------------
 
@@ -90,7 +65,7 @@ class LocalStore:
         publishes a signed entry in its place (UnsignedEntryError when it cannot be removed).
         """
         entry_dir = self.layout.entry_dir(key)
-        entries = self._open_if_any("entries")
+        entries = self.layout.open_folder_if_any("entries")
         if entries is None:
             return None
         with entries:
@@ -101,7 +76,8 @@ class LocalStore:
             except OSError as e:
                 if e.errno not in _fs.NOT_A_FILE_ERRNOS:
                     raise
-                raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
+                raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file"
+                                        ) from None
         with entry:
             try:
                 found = manifests.read_at(entry, key)
@@ -125,7 +101,8 @@ class LocalStore:
         """
         trash = trash_name(key)
         try:
-            with self._open("entries") as entries, self._open("tmp", create=True) as tmp:
+            with self.layout.open_folder("entries") as entries, \
+                    self.layout.open_folder("tmp", create=True) as tmp:
                 if not stat.S_ISDIR(entries.lstat(key).st_mode):
                     return
                 entries.rename(key, tmp, trash)
@@ -157,7 +134,7 @@ class LocalStore:
         """Create the root's folders; ReadOnlyCacheError when a build could not be stored."""
         try:
             for name in ("entries", "tmp", "locks"):
-                self._open(name, create=True).close()
+                self.layout.open_folder(name, create=True).close()
             if not (os.access(self.layout.locks, os.W_OK) and os.access(self.layout.tmp, os.W_OK)):
                 raise PermissionError
         except PermissionError:
@@ -169,7 +146,7 @@ class LocalStore:
 
     def builds(self, key: str) -> list[BuildState]:
         """Every build directory of ``key`` under ``tmp/``, live or dead."""
-        tmp = self._open_if_any("tmp")
+        tmp = self.layout.open_folder_if_any("tmp")
         if tmp is None:
             return []
         with tmp:
@@ -178,7 +155,7 @@ class LocalStore:
 
     def build_state(self, path: Path) -> Optional[BuildState]:
         """Describe the build directory ``tmp/NAME``; None when it is gone or not a build."""
-        tmp = self._open_if_any("tmp")
+        tmp = self.layout.open_folder_if_any("tmp")
         if tmp is None:
             return None
         with tmp:
@@ -210,7 +187,7 @@ class LocalStore:
         """A fresh build directory for ``key``, private to this process (no group or other
         write), its heartbeat beating."""
         name = build_dir_name(self.layout.entry_dir(key).name)
-        tmp = self._open("tmp", create=True)
+        tmp = self.layout.open_folder("tmp", create=True)
         try:
             tmp.mkdir(name, _fs.private_dir_mode())
             directory = self._open_own(tmp, name)
@@ -231,7 +208,7 @@ class LocalStore:
 
     def open_build_dir(self, state: BuildState) -> _fs.DirHandle:
         """Open another process's build directory to read it (never a symlink)."""
-        with self._open("tmp") as tmp:
+        with self.layout.open_folder("tmp") as tmp:
             return tmp.child(state.path.name)
 
     @staticmethod
@@ -308,21 +285,21 @@ class LocalStore:
         ``scratch(name)``: whether a file or folder of the build directory is the builder's
         own working state (removed before the rename); any other name the manifest does not
         list stops the commit."""
-        with self._open("entries", create=True) as entries:
+        with self.layout.open_folder("entries", create=True) as entries:
             return commits.commit(build, manifest, entries, self.lookup, scratch=scratch)
 
     # Failure records ---------------------------------------------------------------------
 
     def record_failure(self, key: str, record: dict[str, Any]) -> None:
         """Record that the build of ``key`` failed (:mod:`cachekit.store.failures`)."""
-        with self._open("locks", create=True) as locks:
+        with self.layout.open_folder("locks", create=True) as locks:
             failures.write(locks, self.layout.failure_path(key).name, key, record)
 
     def read_failure(self, key: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
         """The failure record of ``key`` when it may be honoured, else why not (see
         :func:`cachekit.store.failures.read`)."""
         try:
-            with self._open("locks") as locks:
+            with self.layout.open_folder("locks") as locks:
                 return failures.read(locks, self.layout.failure_path(key).name, key)
         except OSError:
             return None, None
@@ -335,7 +312,7 @@ class LocalStore:
 
     def forget_failure(self, key: str) -> None:
         try:
-            with self._open("locks") as locks:
+            with self.layout.open_folder("locks") as locks:
                 locks.unlink(self.layout.failure_path(key).name)
         except FileNotFoundError:
             pass
@@ -346,21 +323,16 @@ class LocalStore:
         """Remove a published entry: renamed into ``tmp/deleting.*`` first (readers see all
         of it or none; processes that mapped it keep their bytes), then deleted. False when
         it was already gone. A planted symlink is unlinked, never followed."""
-        with self._open("entries") as entries, self._open("tmp", create=True) as tmp:
+        with self.layout.open_folder("entries") as entries, \
+                self.layout.open_folder("tmp", create=True) as tmp:
             removed = self._move_out_and_delete(entries, key, tmp, key)
         if removed:
-            try:
-                index = self._open_if_any(row_index.INDEX_FOLDER)
-            except OSError:  # a symlink in its place: the index is only ever a hint
-                index = None
-            if index is not None:
-                with index:
-                    row_index.forget(index, key)  # its rows are no longer there to copy
+            self.row_index.forget(key)  # its rows are no longer there to copy
         return removed
 
     def remove_temp(self, name: str, key: str) -> bool:
         """Remove the build directory or leftover ``tmp/NAME`` the same way."""
-        with self._open("tmp") as tmp:
+        with self.layout.open_folder("tmp") as tmp:
             return self._move_out_and_delete(tmp, name, tmp, key)
 
     @staticmethod
@@ -386,7 +358,7 @@ class LocalStore:
     def keys(self) -> list[str]:
         """The keys that have a directory under ``entries/``, sorted (:meth:`lookup` tells
         whether each is a valid entry)."""
-        entries = self._open_if_any("entries")
+        entries = self.layout.open_folder_if_any("entries")
         if entries is None:
             return []
         with entries:
@@ -408,7 +380,7 @@ class LocalStore:
         return self._names("tmp")
 
     def _names(self, folder: str) -> list[Path]:
-        directory = self._open_if_any(folder)
+        directory = self.layout.open_folder_if_any(folder)
         if directory is None:
             return []
         with directory:

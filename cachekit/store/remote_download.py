@@ -1,9 +1,9 @@
-"""Downloading a remote entry into the local store: every object's size is checked before
-it is read and every checksum after, and the entry is published with the local store's own
-atomic commit, so a download that fails anywhere publishes nothing.
+"""Downloading a remote entry from a bucket into the local store: every object's size is
+checked before it is read and every checksum after, and the entry is published with the
+local store's own atomic commit, so a download that fails anywhere publishes nothing.
 
-The function takes the :class:`~cachekit.store.remote.RemoteStore` it reads from;
-:meth:`RemoteStore.download` is the public way in.
+:func:`download` works on a :class:`~cachekit.store.bucket.Bucket`;
+:class:`~cachekit.store.remote.RemoteStore` has it as its method ``download``.
 """
 
 from __future__ import annotations
@@ -11,26 +11,28 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..errors import CacheCorruptError
+from .bucket import Bucket
 from .layout import Published
 from .local import LocalStore
 from .manifest import FileRecord
+from .remote_entry import RemoteEntry, check_sizes, fix_for, upload_path
 from .remote_fs import progress_bar
-
-if TYPE_CHECKING:
-    from .remote import RemoteEntry, RemoteStore
 
 WRITEBACK_BYTES = 64 << 20
 
 
-def download(remote: RemoteStore, entry: RemoteEntry, local: LocalStore, *,
+def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
              progress: bool = False) -> tuple[Published, bool]:
-    """See :meth:`RemoteStore.download`."""
+    """Download ``entry`` into a fresh build directory of ``local``, check every size
+    and checksum against its manifest, then publish it with the local store's atomic
+    commit. Returns (published entry, whether this call's commit won). On any failure
+    the build directory is discarded: nothing is published."""
     manifest = entry.manifest
-    objects = [remote.upload_path(entry.key, entry.upload, f.name) for f in manifest.files]
-    remote.check_sizes(manifest.files, objects)
+    objects = [upload_path(bucket, entry.key, entry.upload, f.name) for f in manifest.files]
+    check_sizes(bucket, manifest.files, objects)
     build = local.begin(entry.key)
     bar = progress_bar(progress, manifest.bytes, f"cachekit pull {entry.key[:12]}")
     try:
@@ -39,7 +41,7 @@ def download(remote: RemoteStore, entry: RemoteEntry, local: LocalStore, *,
             fd = build.dir.create(record.name)
             hasher = hashlib.blake2b(digest_size=16)  # as it arrives: no second read
             with os.fdopen(fd, "wb") as out, _Writeback(fd) as writeback:
-                for block in remote.read_ranges(path, record.bytes):
+                for block in bucket.read_ranges(path, record.bytes):
                     out.write(block)
                     hasher.update(block)
                     done += len(block)
@@ -52,11 +54,11 @@ def download(remote: RemoteStore, entry: RemoteEntry, local: LocalStore, *,
         try:
             sealed = local.seal(build, [(f.name, f.kind) for f in manifest.files], digests)
         except CacheCorruptError as e:
-            raise CacheCorruptError(remote.object_url(objects[0]), e.reason,
+            raise CacheCorruptError(bucket.object_url(objects[0]), e.reason,
                                     fix_for(entry.key)) from None
         for got, want, path in zip(sealed, manifest.files, objects):
             if got != want:
-                raise CacheCorruptError(remote.object_url(path), _mismatch(got, want),
+                raise CacheCorruptError(bucket.object_url(path), _mismatch(got, want),
                                         fix_for(entry.key))
         published, won = local.commit(build, manifest)
     except BaseException:
@@ -66,12 +68,6 @@ def download(remote: RemoteStore, entry: RemoteEntry, local: LocalStore, *,
         if bar is not None:
             bar.close()
     return published, won
-
-
-def fix_for(key: str) -> str:
-    """What to do about a remote entry of ``key`` whose objects disagree with its manifest."""
-    return (f"nothing was published locally; remove the remote entry with `cachekit "
-            f"clear --remote {key[:12]}` and it is built and uploaded again on next use")
 
 
 class _Writeback:

@@ -1,8 +1,8 @@
 """How cachekit talks to an object store through fsspec: the filesystem for a URL (with
 timeouts for S3), every call bounded by one deadline, what a failed create-only write means
 whatever the store, URLs shown without credentials, and a transfer's progress bar. The
-remote store
-(:mod:`cachekit.store.remote`) is built on these; nothing here knows about entries.
+bucket layer (:mod:`cachekit.store.bucket`) is built on these; nothing here knows about
+entries.
 """
 
 from __future__ import annotations

@@ -2,24 +2,22 @@
 cachekit never writes, and the store's own time (:func:`clock`), which ``cachekit ls
 --remote`` and ``clear --remote`` judge ages by.
 
-The functions take the :class:`~cachekit.store.remote.RemoteStore` they list;
-:meth:`RemoteStore.scan` and :meth:`RemoteStore.clock` are the public way in.
+The functions work on a :class:`~cachekit.store.bucket.Bucket`;
+:class:`~cachekit.store.remote.RemoteStore` has them as its methods ``scan`` and ``clock``.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ..errors import RemoteUnavailableError
 from ..keys import is_key
+from .bucket import Bucket
 from .manifest import MANIFEST_FILE
+from .remote_entry import is_upload_id
 from .remote_fs import modified
-from .remote_upload import is_upload_id
-
-if TYPE_CHECKING:
-    from .remote import RemoteStore
 
 CLOCK_FOLDER = "clock"
 PROBE_STALE_SECONDS = 3600.0
@@ -47,12 +45,11 @@ class RemoteKey:
     """Objects under the key that cachekit never writes."""
 
 
-def scan(remote: RemoteStore) -> tuple[list[RemoteKey], list[RemoteObject]]:
+def scan(bucket: Bucket) -> tuple[list[RemoteKey], list[RemoteObject]]:
     """Every key's objects under the prefix, and objects cachekit does not know."""
-    root = remote.root
+    root = bucket.root
     try:
-        remote.fs.invalidate_cache()
-        found = remote.call(f"listing {remote.display}", remote.fs.find, root, detail=True)
+        found = bucket.find(root)
     except FileNotFoundError:
         return [], []
     keys: dict[str, RemoteKey] = {}
@@ -79,30 +76,28 @@ def scan(remote: RemoteStore) -> tuple[list[RemoteKey], list[RemoteObject]]:
     return sorted(keys.values(), key=lambda k: k.key), unknown
 
 
-def clock(remote: RemoteStore) -> Optional[float]:
+def clock(bucket: Bucket) -> Optional[float]:
     """The store's own time now, as its listings show objects' times: the time of a
     probe object written and listed for this, then removed. None when the store cannot
     say (no write permission, no times in its listings, a failing remote).
 
     Ages judged against it compare the store's times with each other, so they hold
     whatever this host's clock says. Probes that a killed caller left are removed."""
-    folder = remote.path(CLOCK_FOLDER)
+    folder = bucket.path(CLOCK_FOLDER)
     name = uuid.uuid4().hex
     probe = f"{folder}/{name}"
     try:
-        remote.call(f"writing {remote.object_url(probe)}", remote.fs.pipe_file, probe, b"")
-        remote.fs.invalidate_cache(folder)
-        listed = remote.call(f"listing {remote.object_url(folder)}", remote.fs.ls, folder,
-                           detail=True)
+        bucket.write(probe, b"")
+        listed = bucket.list(folder)
     except (RemoteUnavailableError, FileNotFoundError):
         return None
     times = {str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: modified(info)
-             for info in listed if isinstance(info, dict)}
+             for info in listed}
     now = times.get(name)
     stale = [f"{folder}/{other}" for other, when in times.items() if other != name
              and when is not None and now is not None and now - when > PROBE_STALE_SECONDS]
     try:
-        remote.remove([probe, *stale], f"removing {remote.object_url(probe)}")
+        bucket.remove([probe, *stale], f"removing {bucket.object_url(probe)}")
     except RemoteUnavailableError:
         pass  # the next probe removes it
     return now

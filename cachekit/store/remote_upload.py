@@ -1,5 +1,4 @@
-"""Uploading a local entry to the remote store, and telling whose upload a remote manifest
-names.
+"""Uploading a local entry to a bucket, and telling whose upload a remote manifest names.
 
 Every upload writes its data objects under an upload id of its own (32 hex digits, fresh
 per upload), then tries to create the manifest naming it (``"upload": UPLOAD``),
@@ -9,55 +8,57 @@ uploader removes objects that a manifest may name: a create that fails without s
 its data and its manifest may find, once its manifest wins, that a sweep removed its data:
 it checks after every win and withdraws its manifest then.
 
-The functions take the :class:`~cachekit.store.remote.RemoteStore` they work for; its
-methods of the same names (``upload``, ``named``, ``withdraw``) are the public way in.
+The functions work on a :class:`~cachekit.store.bucket.Bucket` and the entry layout of
+:mod:`.remote_entry`; :class:`~cachekit.store.bucket.RemoteStore` has them as its methods
+``upload``, ``named`` and ``withdraw``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .. import _fs
 from . import manifest as manifests
 from ..errors import CacheCorruptError, RemoteUnavailableError
+from .bucket import Bucket
 from .layout import Published
 from .manifest import FileRecord
+from .remote_entry import (UPLOAD_FIELD, check_sizes, lookup, manifest_path, remove_upload,
+                           upload_path)
 from .remote_fs import progress_bar
 
-if TYPE_CHECKING:
-    from .remote import RemoteStore
-
-UPLOAD_FIELD = "upload"
-"""The manifest field that names the upload holding the entry's data objects."""
 PUBLISH_ATTEMPTS = 2
 OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
-_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def is_upload_id(text: Any) -> bool:
-    return isinstance(text, str) and _UPLOAD_ID.fullmatch(text) is not None
+def upload(bucket: Bucket, published: Published, *, progress: bool = False) -> bool:
+    """Upload a local entry: its data objects under a fresh upload id, then the manifest,
+    create-only. True when this call published the remote entry; False when one was
+    there already (its own objects are then removed).
 
-
-def upload(remote: RemoteStore, published: Published, *, progress: bool = False) -> bool:
-    """See :meth:`RemoteStore.upload`."""
+    Data a manifest may name is never removed: when the create fails in a way that does
+    not say "exists" (no answer in time, a lost connection), the manifest is looked up
+    first, and an upload that may still be named is left for ``cachekit clear
+    --remote``. After a win, the objects are checked once more: a sweep that judged a
+    paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
+    and the entry uploaded again under a fresh id (once)."""
     manifest = published.manifest
     key = manifest.key
-    if remote.lookup(key) is not None:
+    if lookup(bucket, key) is not None:
         return False
     for attempt in range(1, PUBLISH_ATTEMPTS + 1):
         upload_id = uuid.uuid4().hex
-        won = _publish(remote, published, upload_id, progress)
+        won = _publish(bucket, published, upload_id, progress)
         if not won:
             return False
-        objects = [remote.upload_path(key, upload_id, f.name) for f in manifest.files]
+        objects = [upload_path(bucket, key, upload_id, f.name) for f in manifest.files]
         try:
-            remote.check_sizes(manifest.files, objects)
+            check_sizes(bucket, manifest.files, objects)
             return True
         except CacheCorruptError as e:
-            if not withdraw(remote, key, upload_id) and remote.lookup(key) is not None:
+            if not withdraw(bucket, key, upload_id) and lookup(bucket, key) is not None:
                 return False  # another upload is the entry now
             if attempt == PUBLISH_ATTEMPTS:
                 raise CacheCorruptError(e.path, f"{e.reason} after its manifest was "
@@ -66,7 +67,7 @@ def upload(remote: RemoteStore, published: Published, *, progress: bool = False)
     raise AssertionError("unreachable")
 
 
-def _publish(remote: RemoteStore, published: Published, upload_id: str,
+def _publish(bucket: Bucket, published: Published, upload_id: str,
              progress: bool) -> bool:
     """Data objects under ``upload_id``, then the manifest naming them, create-only: True
     when ours is the key's manifest now, False when another one is (ours removed)."""
@@ -74,36 +75,36 @@ def _publish(remote: RemoteStore, published: Published, upload_id: str,
     key = manifest.key
     bar = progress_bar(progress, manifest.bytes, f"cachekit push {key[:12]}")
     try:
-        objects = [remote.upload_path(key, upload_id, f.name) for f in manifest.files]
+        objects = [upload_path(bucket, key, upload_id, f.name) for f in manifest.files]
         try:
             for record, path in zip(manifest.files, objects):
-                _put(remote, published, record, path, bar)
-            remote.check_sizes(manifest.files, objects)  # all there before the commit
+                _put(bucket, published, record, path, bar)
+            check_sizes(bucket, manifest.files, objects)  # all there before the commit
         except BaseException:
-            remote.remove_upload(key, upload_id, quiet=True)  # no manifest can name it yet
+            remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
             raise
         body = manifests.dumps(manifest, {UPLOAD_FIELD: upload_id})
-        path = remote.manifest_path(key)
+        path = manifest_path(bucket, key)
 
         def settle() -> None:
             # The create we gave up on has ended, maybe long after: if it made our
             # manifest after a sweep took our data, withdraw it.
             try:
-                if named(remote, key, upload_id) == OURS:
-                    remote.check_sizes(manifest.files, objects)
+                if named(bucket, key, upload_id) == OURS:
+                    check_sizes(bucket, manifest.files, objects)
             except CacheCorruptError:
-                withdraw(remote, key, upload_id)
+                withdraw(bucket, key, upload_id)
 
         try:
-            won = remote.create(path, body, f"publishing {remote.object_url(path)}",
+            won = bucket.create(path, body, f"publishing {bucket.object_url(path)}",
                                 after_abandoned=_quietly(settle))
         except Exception:
             # The create may have landed while its answer was lost or came late.
-            whose = named(remote, key, upload_id)
+            whose = named(bucket, key, upload_id)
             if whose == OURS:
                 return True
             if whose == OTHERS:  # create-only: ours can never land now
-                remote.remove_upload(key, upload_id, quiet=True)
+                remove_upload(bucket, key, upload_id, quiet=True)
                 return False
             raise  # no manifest yet, or cannot tell: leave the upload for the sweep
     finally:
@@ -114,58 +115,44 @@ def _publish(remote: RemoteStore, published: Published, upload_id: str,
     # Refused as existing. A create retried after its answer was lost meets its own
     # manifest: a win. Otherwise ours never lands, so its data can go (unless the manifest
     # there cannot be read: it might be ours, half written on a shared folder).
-    whose = named(remote, key, upload_id)
+    whose = named(bucket, key, upload_id)
     if whose in (OTHERS, NONE):
-        remote.remove_upload(key, upload_id, quiet=True)
+        remove_upload(bucket, key, upload_id, quiet=True)
     return whose == OURS
 
 
-def named(remote: RemoteStore, key: str, upload_id: str) -> str:
-    """See :meth:`RemoteStore.named`."""
+def named(bucket: Bucket, key: str, upload: str) -> str:
+    """Whom the key's manifest names: OURS (``upload``), OTHERS (another upload), NONE
+    (there is no manifest), or UNKNOWN (the remote fails, or the manifest is unreadable)."""
     try:
-        found = remote.lookup(key)
+        found = lookup(bucket, key)
     except (RemoteUnavailableError, CacheCorruptError):
         return UNKNOWN
     if found is None:
         return NONE
-    return OURS if found.upload == upload_id else OTHERS
+    return OURS if found.upload == upload else OTHERS
 
 
-def withdraw(remote: RemoteStore, key: str, upload_id: str) -> bool:
-    """See :meth:`RemoteStore.withdraw`."""
-    if named(remote, key, upload_id) != OURS:
+def withdraw(bucket: Bucket, key: str, upload: str) -> bool:
+    """Remove the key's manifest if it names ``upload`` (whose data went missing), then
+    what is left of that upload. True when a manifest was removed."""
+    if named(bucket, key, upload) != OURS:
         return False
-    path = remote.manifest_path(key)
-    remote.remove([path], f"withdrawing {remote.object_url(path)}")
-    remote.remove_upload(key, upload_id, quiet=True)
+    path = manifest_path(bucket, key)
+    bucket.remove([path], f"withdrawing {bucket.object_url(path)}")
+    remove_upload(bucket, key, upload, quiet=True)
     return True
 
 
-def _put(remote: RemoteStore, published: Published, record: FileRecord, path: str,
+def _put(bucket: Bucket, published: Published, record: FileRecord, path: str,
          bar: Any) -> None:
-    """Copy one local entry file to ``path`` in parts (one call, one timeout, each)."""
-    url = remote.object_url(path)
-    part = remote.part_bytes
+    """Copy one local entry file to ``path``, after checking its size against its record."""
     with _fs.open_regular(published.path / record.name) as f:
         size = os.fstat(f.fileno()).st_size
         if size != record.bytes:
             raise CacheCorruptError(published.path / record.name, f"file is {size} bytes, "
                                     f"the manifest says {record.bytes}")
-        if size <= part:
-            remote.call(f"writing {url}", remote.fs.pipe_file, path, f.read())
-            if bar is not None:
-                bar.update(size)
-            return
-        out = remote.call(f"writing {url}", remote.fs.open, path, "wb", block_size=part)
-        try:
-            for block in iter(lambda: f.read(part), b""):
-                remote.call(f"writing {url}", out.write, block)
-                if bar is not None:
-                    bar.update(len(block))
-            remote.call(f"writing {url}", out.close)
-        except BaseException:
-            _discard(out)
-            raise
+        bucket.write_file(path, f, size, bar.update if bar is not None else lambda n: None)
 
 
 def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
@@ -177,15 +164,3 @@ def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
             pass
 
     return run
-
-
-def _discard(f: Any) -> None:
-    """Abandon a partly written remote file without completing it (best effort)."""
-    for name in ("discard", "_abort_mpu"):
-        method = getattr(f, name, None)
-        if callable(method):
-            try:
-                method()
-                return
-            except Exception:  # already failing; the orphaned parts are the store's to expire
-                return

@@ -18,7 +18,7 @@ a reader sees a whole file or none; a crash between an entry's commit and its in
 costs a later build some reuse, never a wrong row. Whatever a file says, the build that
 reuses rows checks them against the entry itself (:mod:`cachekit.store.row_source`): its
 manifest, the row identities it lists and the checksum of every block it copies. The store
-removes an entry's files with the entry (:func:`forget`); the file of an entry removed any
+removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry removed any
 other way is deleted by the next lookup that meets it.
 """
 
@@ -28,20 +28,16 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import numpy as np
-
-from typing import TYPE_CHECKING
 
 from .. import _fs, arrays
 from ..errors import CacheCorruptError
 from ..keys import is_key
 from ..messages import say
 from . import signing
-
-if TYPE_CHECKING:
-    from .local import LocalStore
+from .layout import Layout
 
 INDEX_FOLDER = "index"
 INDEX_FORMAT = 1
@@ -62,11 +58,22 @@ class Match:
     src: np.ndarray
 
 
-class RowIndex:
-    """The row index of one local store."""
+class Rooted(Protocol):
+    """What the index needs of its store: the root's layout (a
+    :class:`~cachekit.store.local.LocalStore` has one). Typed so, not as LocalStore, because
+    the store owns its index (``LocalStore.row_index``): this module never imports it."""
 
-    def __init__(self, store: "LocalStore") -> None:
-        self.store = store
+    @property
+    def layout(self) -> Layout: ...
+
+
+class RowIndex:
+    """The row index of one local store: ``RowIndex(store)``, or the store's own
+    ``store.row_index``. Its folders are opened through the store's layout, as the store
+    opens its own (never through a symlink)."""
+
+    def __init__(self, store: Rooted) -> None:
+        self.layout = store.layout
 
     def add(self, recipe: str, key: str, hashes: np.ndarray,
             skip: Optional[np.ndarray] = None) -> None:
@@ -76,7 +83,7 @@ class RowIndex:
         if not (is_key(recipe) and is_key(key)):
             raise ValueError("a recipe and a key are 32 hex digits")
         try:
-            with self.store._open(INDEX_FOLDER, create=True) as index:
+            with self.layout.open_folder(INDEX_FOLDER, create=True) as index:
                 try:
                     index.mkdir(recipe, _fs.shared_dir_mode())
                 except FileExistsError:
@@ -94,8 +101,8 @@ class RowIndex:
         needles = _Needles(hashes)
         skipped: list[str] = []
         try:
-            with self.store._open(INDEX_FOLDER) as index, index.child(recipe) as folder, \
-                    self.store._open("entries") as entries:
+            with self.layout.open_folder(INDEX_FOLDER) as index, index.child(recipe) as folder, \
+                    self.layout.open_folder("entries") as entries:
                 for key in self._keys_by_size(folder, exclude, skipped):
                     live = remaining[needles.order]
                     if not live.any():
@@ -112,6 +119,25 @@ class RowIndex:
                 say(f"skipped {len(skipped)} row index file{'s' if len(skipped) > 1 else ''} "
                     f"of recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those "
                     "entries lend no rows to this build")
+
+    def forget(self, key: str) -> None:
+        """Remove the index files of the entry ``key`` (which was removed), in every
+        recipe's folder; best effort (a symlink in place of the folder is never followed,
+        and the index is only ever a hint)."""
+        try:
+            index = self.layout.open_folder_if_any(INDEX_FOLDER)
+            if index is None:
+                return
+            with index:
+                recipes = [name for name in index.names() if is_key(name)]
+                for recipe in recipes:
+                    try:
+                        with index.child(recipe) as folder:
+                            folder.unlink(f"{key}.npy")
+                    except OSError:
+                        continue
+        except OSError:
+            return
 
     def _keys_by_size(self, folder: _fs.DirHandle, exclude: str,
                       skipped: list[str]) -> list[str]:
@@ -184,21 +210,6 @@ class _Needles:
         if log2_bits not in self._tops:
             self._tops[log2_bits] = (self.sorted >> np.uint64(64 - log2_bits)).astype(np.intp)
         return self._tops[log2_bits]
-
-
-def forget(index: _fs.DirHandle, key: str) -> None:
-    """Remove the index files of the entry ``key`` (which was removed), in every recipe's
-    folder of the open index folder ``index``; best effort."""
-    try:
-        recipes = [name for name in index.names() if is_key(name)]
-    except OSError:
-        return
-    for recipe in recipes:
-        try:
-            with index.child(recipe) as folder:
-                folder.unlink(f"{key}.npy")
-        except OSError:
-            continue
 
 
 def _published(entries: _fs.DirHandle, key: str) -> bool:

@@ -62,7 +62,7 @@ def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSou
     """The committed entry ``key`` of ``recipe`` opened to copy rows from, or None when it
     is gone, is of another recipe, lists no row files, or fails any check."""
     try:
-        with store._open("entries") as entries, entries.child(key) as entry:
+        with store.layout.open_folder("entries") as entries, entries.child(key) as entry:
             manifest = manifests.read_at(entry, key)
             reuse = manifest.reuse
             ids_record = manifest.row_file(manifests.ROW_IDS_FILE)

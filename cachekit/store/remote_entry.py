@@ -1,0 +1,127 @@
+"""Where a remote entry's objects lie in a :class:`~cachekit.store.bucket.Bucket`, and how
+its manifest is read: the layer that upload, download and listing share.
+
+::
+
+    PREFIX/entries/KEY/manifest.json        the commit point: names its upload
+                                            ("upload": UPLOAD)
+    PREFIX/entries/KEY/UPLOAD/data.npy ...  the data objects of one upload (UPLOAD: 32 hex
+                                            digits, fresh per upload)
+
+Remote data are untrusted: a manifest is read with a size cap and checked field by field
+(:func:`cachekit.store.manifest.loads`), and each object's size is checked before a byte
+of it is read (:func:`check_sizes`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from . import manifest as manifests
+from ..errors import CacheCorruptError, UnsignedEntryError
+from ..keys import is_key
+from .bucket import Bucket
+from .manifest import MANIFEST_FILE, FileRecord, Manifest
+
+UPLOAD_FIELD = "upload"
+"""The manifest field that names the upload holding the entry's data objects."""
+MANIFEST_RETRY_SECONDS = 0.2
+_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class RemoteEntry:
+    """A published remote entry: its checked manifest and the upload holding its data."""
+
+    manifest: Manifest
+    upload: str
+    url: str
+    """The manifest object's URL, for messages."""
+
+    @property
+    def key(self) -> str:
+        return self.manifest.key
+
+
+def is_upload_id(text: Any) -> bool:
+    return isinstance(text, str) and _UPLOAD_ID.fullmatch(text) is not None
+
+
+def manifest_path(bucket: Bucket, key: str) -> str:
+    """The path of ``key``'s manifest object (ValueError for a non-key: no path is built
+    from untrusted text)."""
+    if not is_key(key):
+        raise ValueError(f"not a cache key: {key!r}")
+    return bucket.path("entries", key, MANIFEST_FILE)
+
+
+def upload_path(bucket: Bucket, key: str, upload: str, name: str = "") -> str:
+    """The folder of one upload of ``key``, or its object ``name``."""
+    if not is_key(key) or not is_upload_id(upload):
+        raise ValueError(f"not a cache key and upload id: {key!r} {upload!r}")
+    return bucket.path("entries", key, upload, *([name] if name else []))
+
+
+def fix_for(key: str) -> str:
+    """What to do about a remote entry of ``key`` whose objects disagree with its manifest."""
+    return (f"nothing was published locally; remove the remote entry with `cachekit "
+            f"clear --remote {key[:12]}` and it is built and uploaded again on next use")
+
+
+def lookup(bucket: Bucket, key: str) -> Optional[RemoteEntry]:
+    """The published remote entry of ``key``, or None. CacheCorruptError (naming the
+    manifest object) when its manifest is too large, malformed, of another key, or not
+    validly signed while ``$CACHEKIT_SIGNING_KEY`` is set."""
+    path = manifest_path(bucket, key)
+    url = bucket.object_url(path)
+    for attempt in (1, 2):
+        try:
+            raw = bucket.read(path, 0, manifests.MANIFEST_LIMIT + 1)
+        except FileNotFoundError:
+            return None
+        try:
+            return parse_manifest(raw, url, key)
+        except UnsignedEntryError:
+            raise
+        except CacheCorruptError:
+            # On a shared folder (file://) a create-only write is O_EXCL and then a
+            # write, so a reader may catch a manifest half written: read it once more.
+            if attempt == 2:
+                raise
+            time.sleep(MANIFEST_RETRY_SECONDS)
+    raise AssertionError("unreachable")
+
+
+def parse_manifest(raw: bytes, url: str, key: str) -> RemoteEntry:
+    """A remote manifest's bytes checked (size cap, schema, signature) as ``key``'s entry,
+    with the upload it names."""
+    manifest = manifests.loads(raw, url, key)
+    upload = json.loads(raw).get(UPLOAD_FIELD)
+    if not is_upload_id(upload):
+        raise CacheCorruptError(url, f"the manifest names no valid upload ({upload!r})",
+                                f"remove it with `cachekit clear --remote {key[:12]}`")
+    return RemoteEntry(manifest, upload, url)
+
+
+def check_sizes(bucket: Bucket, records: Sequence[FileRecord], objects: Sequence[str]) -> None:
+    """Each object's size against its record, before reading a byte of it (objects are
+    paths of :func:`upload_path`: the key is the third part from the end)."""
+    for record, path in zip(records, objects):
+        url = bucket.object_url(path)
+        try:
+            size = bucket.size(path)
+        except FileNotFoundError:
+            raise CacheCorruptError(url, "a data object the manifest lists is missing",
+                                    fix_for(path.split("/")[-3])) from None
+        if size != record.bytes:
+            raise CacheCorruptError(url, f"object is {size} bytes, the manifest says "
+                                         f"{record.bytes}", fix_for(path.split("/")[-3]))
+
+
+def remove_upload(bucket: Bucket, key: str, upload: str, *, quiet: bool = False) -> None:
+    """Delete the objects of one upload (best effort with ``quiet``)."""
+    bucket.remove_tree(upload_path(bucket, key, upload), quiet=quiet)
