@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -20,8 +20,20 @@ from torch.utils.data import Dataset
 
 from .errors import CacheCorruptError, DatasetCorruptError, InvalidArgument, InvalidArgumentType
 
-if TYPE_CHECKING:
-    from .entry import Entry
+
+
+class MappedEntry(Protocol):
+    """What a dataset reads of its :class:`cachekit.Entry` (typed structurally, so that
+    this module and ``entry``, which makes datasets, do not import each other)."""
+
+    key: str
+    path: Any
+    manifest: dict[str, Any]
+    array: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def _map(self, mode: str = "r") -> np.ndarray: ...
 
 __all__ = ["DatasetCorruptError", "EntryDataset"]
 
@@ -34,7 +46,7 @@ class EntryDataset(Dataset):
     caller's own copies: changing one never changes the cache or a later item.
     """
 
-    def __init__(self, entry: Entry, targets: Any = None,
+    def __init__(self, entry: MappedEntry, targets: Any = None,
                  transform: Optional[Callable[[torch.Tensor], Any]] = None) -> None:
         _check_torch_dtype(np.dtype(entry.manifest["dtype"]))
         if transform is not None and not callable(transform):

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from . import _fs, units
+from . import processes, units
 
 LEASE_ENV = "CACHEKIT_LOCK_LEASE"
 DEFAULT_LEASE_SECONDS = 60.0
@@ -49,13 +49,13 @@ _BEATING_HERE: set[str] = set()
 def is_alive(owner: Optional[Mapping[str, Any]], heartbeat: float, *,
              abandoned: bool = False, where: Optional[Path] = None,
              lease: Optional[float] = None, now: Optional[float] = None) -> bool:
-    """Whether the builder ``owner`` (a record made by :func:`cachekit._fs.owner`, or None
+    """Whether the builder ``owner`` (a record made by :func:`cachekit.processes.owner`, or None
     when unknown) of the directory ``where``, whose heartbeat was last refreshed at
     ``heartbeat`` (seconds since the epoch), may still be working."""
     if abandoned:
         return False
     if owner is not None:
-        state = _fs.owner_state(owner)
+        state = processes.owner_state(owner)
         if state == "dead":
             return False
         if (where is not None and state == "alive" and owner.get("pid") == os.getpid()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import hosts
-from cachekit import _fs, keys
+from cachekit import _fs, keys, processes
 from cachekit.engine.filling.cores import Seats, Spare, spare_cores
 from cachekit.obtain.local_wait import JOIN_POLL_SECONDS, LocalWait
 from cachekit.obtain.wait import POLL_SECONDS, Wait
@@ -100,7 +100,7 @@ def test_seats_count_the_joiners_before_us_and_free_a_dead_joiners(tmp_path):
         dead.wait()
         (tmp_path / "seat.cpu.5").write_text(json.dumps(
             {"host": _fs.host(), "pid": dead.pid, "pidns": None, "start": None}))
-        (tmp_path / "seat.idle.0").write_text(json.dumps(_fs.owner()))  # alive: ours
+        (tmp_path / "seat.idle.0").write_text(json.dumps(processes.owner()))  # alive: ours
         taken = Seats.take(folder, free, most=8)
         assert taken.names == ["seat.cpu.5", "seat.idle.1"]
         assert json.loads((tmp_path / "seat.cpu.5").read_text())["pid"] == os.getpid()

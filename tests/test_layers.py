@@ -22,8 +22,8 @@ from typing import Iterator, Optional
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachekit"
-BASE = {"_fs", "_version", "errors", "units", "options", "keys", "code_identity", "liveness",
-        "arrays", "messages"}
+BASE = {"_fs", "_version", "errors", "units", "options", "keys", "code_identity", "processes",
+        "liveness", "arrays", "messages"}
 FACE = {"__init__", "__main__", "cache", "entry", "memoize", "dataset", "demo", "samples",
         "_wandb"}
 LAYERS = {"base": {"base"}, "engine": {"base", "engine"}, "store": {"base", "store"},

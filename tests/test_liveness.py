@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from cachekit import _fs, liveness
+from cachekit import _fs, liveness, processes
 
 NOW = 1_000_000.0
 
@@ -39,7 +39,7 @@ def test_a_gone_process_on_this_host_is_dead_however_fresh_its_heartbeat():
 
 
 def test_this_process_is_alive_only_where_one_of_its_heartbeats_beats(tmp_path):
-    me, where = _fs.owner(), tmp_path / "build"
+    me, where = processes.owner(), tmp_path / "build"
     assert not liveness.is_alive(me, time.time(), where=where, lease=60)
     fd = os.open(tmp_path / "beat", os.O_CREAT | os.O_WRONLY)
     beat = liveness.Heartbeat(liveness.touch(fd), lease=60, where=where).start()

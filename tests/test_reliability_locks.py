@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import _fs
+from cachekit import _fs, processes
 from cachekit.store import locks
 from cachekit.store import Layout
 
@@ -98,7 +98,7 @@ def test_a_soft_lock_of_a_dead_local_process_is_taken_over_at_once(tmp_path):
 def test_a_soft_lock_of_a_reused_pid_is_taken_over(tmp_path):
     """The pid is alive (it is ours) but started at another time: its owner is gone."""
     path = tmp_path / "k.lock.soft"
-    me = _fs.owner()
+    me = processes.owner()
     if me["start"] is None:
         pytest.skip("no /proc start times on this platform")
     write_record(path, pid=os.getpid(), pidns=me["pidns"], start=me["start"] - 1)

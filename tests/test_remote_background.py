@@ -31,7 +31,7 @@ import pytest
 import cachekit
 import hosts
 import s3
-from cachekit import _fs
+from cachekit import processes
 from cachekit.admin import remote as rm
 from cachekit.obtain import background
 from cachekit.store import LocalStore
@@ -208,7 +208,7 @@ def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_b
         hosts.wait_for(lambda: (work / "waiting.b").exists(), timeout=120,
                        what="the other host to wait for the uploader's lease", watch=[other])
         assert (work / "waiting.b").read_text() == \
-            f"pid {uploader.pid} on {_fs.owner()['host']} (built, uploading)"
+            f"pid {uploader.pid} on {processes.owner()['host']} (built, uploading)"
         proxy.released.set()
         first, second = hosts.finish(uploader).report(), hosts.finish(other).report()
     finally:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .. import _fs, units
+from .. import _fs, processes, units
 from ..errors import CacheCorruptError
 from ..keys import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
@@ -195,7 +195,7 @@ def temp_dir_info(store: LocalStore, path: Path) -> Optional[TempDir]:
     except FileNotFoundError:
         return None
     if named.kind == REMOVAL:
-        alive = _fs.owner_state({"host": host, "pid": pid}) == "alive"
+        alive = processes.owner_state({"host": host, "pid": pid}) == "alive"
         return TempDir(key, path, DELETING if alive else LEFTOVER, size, modified,
                        f"removal by pid {pid} on {host}")
     state = store.build_state(path)

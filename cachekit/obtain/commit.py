@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .. import _fs
+from .. import _fs, processes
 from .._version import __version__
 from .. import engine
 from ..engine.filling.journal import is_journal_name
@@ -169,7 +169,7 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
     """Tell the processes waiting for this build that it failed, and why, so that they
     raise the same error instead of each decoding every row again (K agents, one build)."""
     try:
-        store.record_failure(key, {"time": time.time(), **_fs.owner(),
+        store.record_failure(key, {"time": time.time(), **processes.owner(),
                                    "failures": [list(f) for f in error.failures],
                                    "rows": error.rows, "cwd": error.cwd})
     except OSError:

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .. import _fs, liveness
+from .. import liveness, processes
 from ..messages import printable
 from ..errors import RemoteUnavailableError
 from ..keys import is_key
@@ -143,7 +143,7 @@ class Watch:
         current = gens[-1] if gens else 0
         if current and (self._alive(current) or not still_wanted()):
             return None
-        record = {"generation": current + 1, **_fs.owner(), "started": time.time()}
+        record = {"generation": current + 1, **processes.owner(), "started": time.time()}
         path = lease_path(self.remote, self.key, current + 1, "json")
         if self.remote.create(path, json.dumps(record).encode(),
                               f"taking {self.remote.object_url(path)}"):
@@ -178,7 +178,7 @@ class Watch:
             self._seen.beat, self._seen.since = beat, now
         if isinstance(beat, dict) and beat.get("state") == RELEASED:
             return False
-        if _fs.owner_state(self._seen.holder) == "dead":
+        if processes.owner_state(self._seen.holder) == "dead":
             return False  # a process of this host that is gone
         return now - self._seen.since <= self.lease
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from .. import _fs, liveness
+from .. import _fs, liveness, processes
 from . import commit as commits
 from . import failures
 from . import manifest as manifests
@@ -197,7 +197,7 @@ class LocalStore:
         try:
             beat_fd = directory.create(HEARTBEAT_FILE)
             record = {"key": key, "format": manifests.FORMAT_VERSION,
-                      "cachekit_version": __version__, **_fs.owner(), "started": time.time()}
+                      "cachekit_version": __version__, **processes.owner(), "started": time.time()}
             directory.replace_json(STATE_FILE, record)
         except BaseException:
             tmp.remove_tree(name)

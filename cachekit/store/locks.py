@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import filelock
 
-from .. import _fs, liveness
+from .. import _fs, liveness, processes
 from ..errors import CacheCorruptError
 
 LOCK_ENV = "CACHEKIT_LOCK"
@@ -241,7 +241,7 @@ class SoftLock(BuildLock):
         except FileExistsError:
             return False
         try:
-            record = {**_fs.owner(), "lease": self.lease, "acquired": time.time()}
+            record = {**processes.owner(), "lease": self.lease, "acquired": time.time()}
             os.write(fd, json.dumps(record).encode() + b"\n")
             st = os.fstat(fd)
         except BaseException:
@@ -297,7 +297,7 @@ class _HolderRecord:
             tmp = f".{path.name}.{_fs.unique_suffix()}.tmp"
             fd = folder.create(tmp, _fs.file_mode())
             try:
-                os.write(fd, json.dumps(_fs.owner()).encode() + b"\n")
+                os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
                 os.rename(tmp, path.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
             except BaseException:
                 os.close(fd)

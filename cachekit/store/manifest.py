@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -35,102 +34,20 @@ from .. import _fs
 from . import signing
 from ..errors import CacheCorruptError, Failure, UnsignedEntryError
 from ..keys import FORMAT_VERSION, is_key
+from .records import (DATA_FILE, KINDS, LEAF_KINDS, MEMOIZE_KIND, ROW_BLOCKS_FILE, ROW_FILES,
+                      ROW_IDS_FILE, ROW_STATS_FILE, FileRecord, Origin, RowReuse,
+                      allowed_file_name, count_field, file_name, get_field, is_number,
+                      parse_failure, parse_file_record, parse_origin, parse_reuse)
+
+__all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT", "MEMOIZE_KIND",
+           "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "ROW_IDS_FILE", "ROW_STATS_FILE",
+           "FileRecord", "Manifest", "Origin", "RowReuse", "allowed_file_name", "dumps",
+           "file_name", "loads", "read", "read_at", "write_at"]
 
 MANIFEST_FILE = "manifest.json"
-DATA_FILE = "data.npy"
-KINDS = ("images", "map", "memoize")
-MEMOIZE_KIND = "memoize"
-LEAF_KINDS = ("numpy", "torch")
 MANIFEST_LIMIT = 64 << 20  # a tampered manifest must not exhaust memory
-_CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
-
-
-ROW_IDS_FILE = "row_ids.npy"
-"""A per-row entry's row identities: (rows, 2) ``<u8``, see :func:`cachekit.keys.row_identities`."""
-ROW_BLOCKS_FILE = "row_blocks.npy"
-"""The digest of each block of ``reuse.block_rows`` rows of the data: (blocks, 16) ``|u1``."""
-ROW_STATS_FILE = "row_stats.npy"
-"""An images entry's (size, mtime_ns) of each file when it was built: (rows, 2) ``<i8``."""
-ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE)
-"""The files a per-row entry may list after its data, in this order: what lets a later
-build copy its rows (:mod:`cachekit.store.row_index`) and a hit check its files' stats."""
 ROW_FILES_LIMIT = 1 << 30
 """The largest row file read into memory (a billion bytes: 67 million rows)."""
-
-
-def file_name(index: int) -> str:
-    """Name of an entry's ``index``-th data file: ``data.npy``, then ``leaf_1.npy``, ..."""
-    return DATA_FILE if index == 0 else f"leaf_{index}.npy"
-
-
-def allowed_file_name(index: int, name: str) -> bool:
-    """Whether an entry's ``index``-th file may be called ``name``: :func:`file_name`, or
-    after the data of a per-row entry one of :data:`ROW_FILES`."""
-    return name == file_name(index) or (index > 0 and name in ROW_FILES)
-
-
-@dataclass(frozen=True)
-class RowReuse:
-    """How a per-row entry's rows may be reused by later builds: its recipe (the key but
-    for the rows, :func:`cachekit.keys.recipe`) and the rows per block of ``row_blocks.npy``."""
-
-    recipe: str
-    block_rows: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "block_rows": self.block_rows}
-
-
-@dataclass(frozen=True)
-class Origin:
-    """Where a per-row entry's rows came from when it was built: copied from other entries
-    (key, rows), decoded by its builder, decoded by other processes for this build (its
-    joiners, or the dead builds it resumed). The three add up to the entry's rows when its
-    builder wrote them (:meth:`adds_up`); a manifest is read without that check, since
-    nothing but reports depends on it."""
-
-    reused: tuple[tuple[str, int], ...] = ()
-    decoded: int = 0
-    joined: int = 0
-
-    @property
-    def rows_reused(self) -> int:
-        return sum(rows for _, rows in self.reused)
-
-    def adds_up(self, rows: int) -> bool:
-        return self.rows_reused + self.decoded + self.joined == rows
-
-    def to_json(self) -> dict[str, Any]:
-        return {"reused": [[key, rows] for key, rows in self.reused], "decoded": self.decoded,
-                "joined": self.joined}
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """One published .npy file: its array's shape and dtype, its size and checksum.
-
-    ``kind`` says what a memoize leaf comes back as: a numpy array or a torch tensor.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    checksum: str
-    kind: str = "numpy"
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return np.dtype(self.dtype)
-
-    @property
-    def data_bytes(self) -> int:
-        """Bytes of array data in the file (the rest is the .npy header)."""
-        return math.prod(self.shape) * self.np_dtype.itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "bytes": self.bytes, "checksum": self.checksum, "kind": self.kind}
 
 
 @dataclass(frozen=True)
@@ -284,19 +201,19 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     if raw.get("format") != FORMAT_VERSION:
         raise fail(f"format {raw.get('format')!r} is not {FORMAT_VERSION} (made by another "
                    "cachekit version)")
-    entry_key = _get(raw, "key", str, fail)
+    entry_key = get_field(raw, "key", str, fail)
     if not is_key(entry_key) or (key is not None and entry_key != key):
         raise fail(f"manifest key {entry_key!r} does not name this entry")
-    kind = _get(raw, "kind", str, fail)
+    kind = get_field(raw, "kind", str, fail)
     if kind not in KINDS:
         raise fail(f"unknown kind {kind!r}")
-    rows = _count(raw.get("rows"), "rows", fail)
-    files_raw = _get(raw, "files", list, fail)
+    rows = count_field(raw.get("rows"), "rows", fail)
+    files_raw = get_field(raw, "files", list, fail)
     if not files_raw or (kind != MEMOIZE_KIND and len(files_raw) > 1 + len(ROW_FILES)):
         raise fail(f"a {kind} entry has "
                    f"{'at least one' if kind == MEMOIZE_KIND else 'one to four'} files, not "
                    f"{len(files_raw)}")
-    files = tuple(_file_record(i, item, fail) for i, item in enumerate(files_raw))
+    files = tuple(parse_file_record(i, item, fail) for i, item in enumerate(files_raw))
     names = [f.name for f in files]
     expected = ([file_name(i) for i in range(len(files))] if kind == MEMOIZE_KIND else
                 [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]])
@@ -309,9 +226,9 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     if not scalar and (not first.shape or first.shape[0] != rows):
         raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
     created = raw.get("created")
-    if not _is_number(created) or not math.isfinite(created):
+    if not is_number(created) or not math.isfinite(created):
         raise fail(f"bad created time {created!r}")
-    failed = tuple(_failure(item, rows, fail) for item in _get(raw, "failed_rows", list, fail))
+    failed = tuple(parse_failure(item, rows, fail) for item in get_field(raw, "failed_rows", list, fail))
     params = raw.get("params", {})
     column = raw.get("column")
     builder = raw.get("builder", {})
@@ -321,7 +238,7 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
         raise fail("params and builder must be JSON objects")
     if column is not None and not isinstance(column, str):
         raise fail(f"bad column {column!r}")
-    if not _is_number(build_seconds) or not isinstance(version, str):
+    if not is_number(build_seconds) or not isinstance(version, str):
         raise fail("bad build_seconds or cachekit_version")
     structure = raw.get("structure")
     if kind == MEMOIZE_KIND:
@@ -329,95 +246,11 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
             raise fail("a memoize manifest needs a 'structure' object")
     elif structure is not None or any(f.kind != "numpy" for f in files):
         raise fail(f"a {kind} entry has no structure and numpy files only")
-    reuse = _reuse(raw.get("reuse"), kind, fail)
-    origin = _origin(raw.get("origin"), kind, rows, fail)
+    reuse = parse_reuse(raw.get("reuse"), kind, fail)
+    origin = parse_origin(raw.get("origin"), kind, rows, fail)
     return Manifest(key=entry_key, kind=kind, rows=rows, files=files, created=float(created),
                     failed_rows=failed, params=params, column=column, structure=structure,
                     builder=builder, build_seconds=float(build_seconds),
                     cachekit_version=version, reuse=reuse, origin=origin)
 
 
-def _reuse(raw: Any, kind: str, fail) -> Optional[RowReuse]:
-    if raw is None:
-        return None
-    if kind == MEMOIZE_KIND or not isinstance(raw, dict):
-        raise fail("bad reuse field")
-    recipe, block_rows = raw.get("recipe"), raw.get("block_rows")
-    if not (isinstance(recipe, str) and is_key(recipe) and _is_count(block_rows)
-            and block_rows >= 1):
-        raise fail(f"bad reuse field {raw!r}"[:200])
-    return RowReuse(recipe, block_rows)
-
-
-def _origin(raw: Any, kind: str, rows: int, fail) -> Optional[Origin]:
-    if raw is None:
-        return None
-    if kind == MEMOIZE_KIND or not isinstance(raw, dict) or not isinstance(
-            raw.get("reused"), list):
-        raise fail("bad origin field")
-    reused = []
-    for item in raw["reused"]:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
-                and is_key(item[0]) and _is_count(item[1])):
-            raise fail(f"bad origin item {item!r}"[:200])
-        reused.append((item[0], item[1]))
-    decoded = _count(raw.get("decoded"), "origin's decoded", fail)
-    joined = _count(raw.get("joined"), "origin's joined", fail)
-    return Origin(tuple(reused), decoded, joined)  # a report: its sum is not checked here
-
-
-def _file_record(index: int, item: Any, fail) -> FileRecord:
-    if not isinstance(item, dict):
-        raise fail(f"file {index} is not a JSON object")
-    name = item.get("name")
-    if not isinstance(name, str) or not allowed_file_name(index, name):
-        raise fail(f"file {index} must be named {file_name(index)!r}, not {name!r}")
-    shape = item.get("shape")
-    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-        raise fail(f"bad shape {shape!r} of {name}")
-    dtype = item.get("dtype")
-    try:
-        parsed = np.dtype(dtype)
-    except Exception:  # numpy raises TypeError, ValueError, even SyntaxError (",,")
-        raise fail(f"bad dtype {dtype!r} of {name}") from None
-    if parsed.hasobject or not isinstance(dtype, str):
-        raise fail(f"dtype {dtype!r} of {name} cannot be stored")
-    size = _count(item.get("bytes"), f"bytes of {name}", fail)
-    checksum = item.get("checksum")
-    if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
-        raise fail(f"bad checksum {checksum!r} of {name}")
-    kind = item.get("kind", "numpy")
-    if kind not in LEAF_KINDS:
-        raise fail(f"unknown kind {kind!r} of {name}")
-    record = FileRecord(name, tuple(shape), dtype, size, checksum, kind)
-    if size < record.data_bytes:  # Python ints: no overflow however large the shape
-        raise fail(f"{name} holds {record.data_bytes} bytes of data but is said to be {size}")
-    return record
-
-
-def _failure(item: Any, rows: int, fail) -> Failure:
-    if not (isinstance(item, list) and len(item) == 3 and _is_count(item[0]) and item[0] < rows
-            and isinstance(item[1], str) and isinstance(item[2], str)):
-        raise fail(f"bad failed_rows item {item!r}")
-    return (item[0], item[1], item[2])
-
-
-def _get(raw: dict[str, Any], name: str, kind: type, fail) -> Any:
-    value = raw.get(name)
-    if not isinstance(value, kind):
-        raise fail(f"manifest field {name!r} is missing or not {kind.__name__}")
-    return value
-
-
-def _count(value: Any, name: str, fail) -> int:
-    if not _is_count(value):
-        raise fail(f"{name} must be a whole number >= 0, not {value!r}")
-    return value
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Optional
 
-from ... import _fs
+from ... import _fs, processes
 from ..running.executors import executor_size
 
 SEAT_PREFIX = "seat."
@@ -107,7 +107,7 @@ class Seats:
                 self.folder.unlink(name)
                 continue
             try:
-                os.write(fd, json.dumps(_fs.owner()).encode())
+                os.write(fd, json.dumps(processes.owner()).encode())
             finally:
                 os.close(fd)
             return True
@@ -121,7 +121,7 @@ class Seats:
             return True  # released since: take it
         except (OSError, ValueError):
             return False  # being written right now, or damaged: leave it
-        return isinstance(owner, dict) and _fs.owner_state(owner) == "dead"
+        return isinstance(owner, dict) and processes.owner_state(owner) == "dead"
 
     def release(self) -> None:
         """Give every seat up (idempotent)."""

@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from ... import _fs, liveness
+from ... import _fs, liveness, processes
 from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
 from .plan import is_rest_name
@@ -171,7 +171,7 @@ class Journal:
                 raise BuildGone(str(self.dir.path)) from e
             raise
         try:
-            data = _dumps(_fs.owner())
+            data = _dumps(processes.owner())
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -236,7 +236,7 @@ class Journal:
         """Create ``done.C``; False when it exists. BuildGone when the folder is gone."""
         record = {"chunk": chunk.index, "start": chunk.start, "stop": chunk.stop,
                   "failures": [list(f) for f in failures], "digest": checksum,
-                  "file": file, "by": _fs.owner()}
+                  "file": file, "by": processes.owner()}
         try:
             made = self.dir.publish_new(f"done.{chunk.index}", _dumps(record))
         except OSError as e:

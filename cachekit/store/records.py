@@ -1,0 +1,196 @@
+"""The typed parts of a manifest, and the checks that parse each from its untrusted JSON:
+the files an entry publishes (:class:`FileRecord`, and the names they may have), a failed
+row, and a per-row entry's reuse record and origin (:class:`RowReuse`, :class:`Origin`).
+:mod:`cachekit.store.manifest` puts them together."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..errors import CacheCorruptError, Failure
+from ..keys import is_key
+
+Fail = Callable[[str], CacheCorruptError]
+"""Makes the error of a manifest field that fails its check, naming the manifest."""
+
+DATA_FILE = "data.npy"
+KINDS = ("images", "map", "memoize")
+MEMOIZE_KIND = "memoize"
+LEAF_KINDS = ("numpy", "torch")
+_CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
+
+ROW_IDS_FILE = "row_ids.npy"
+"""A per-row entry's row identities: (rows, 2) ``<u8``, see :func:`cachekit.keys.row_identities`."""
+ROW_BLOCKS_FILE = "row_blocks.npy"
+"""The digest of each block of ``reuse.block_rows`` rows of the data: (blocks, 16) ``|u1``."""
+ROW_STATS_FILE = "row_stats.npy"
+"""An images entry's (size, mtime_ns) of each file when it was built: (rows, 2) ``<i8``."""
+ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE)
+"""The files a per-row entry may list after its data, in this order: what lets a later
+build copy its rows (:mod:`cachekit.store.row_index`) and a hit check its files' stats."""
+
+
+def file_name(index: int) -> str:
+    """Name of an entry's ``index``-th data file: ``data.npy``, then ``leaf_1.npy``, ..."""
+    return DATA_FILE if index == 0 else f"leaf_{index}.npy"
+
+
+def allowed_file_name(index: int, name: str) -> bool:
+    """Whether an entry's ``index``-th file may be called ``name``: :func:`file_name`, or
+    after the data of a per-row entry one of :data:`ROW_FILES`."""
+    return name == file_name(index) or (index > 0 and name in ROW_FILES)
+
+
+@dataclass(frozen=True)
+class RowReuse:
+    """How a per-row entry's rows may be reused by later builds: its recipe (the key but
+    for the rows, :func:`cachekit.keys.recipe`) and the rows per block of ``row_blocks.npy``."""
+
+    recipe: str
+    block_rows: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "block_rows": self.block_rows}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a per-row entry's rows came from when it was built: copied from other entries
+    (key, rows), decoded by its builder, decoded by other processes for this build (its
+    joiners, or the dead builds it resumed). The three add up to the entry's rows when its
+    builder wrote them (:meth:`adds_up`); a manifest is read without that check, since
+    nothing but reports depends on it."""
+
+    reused: tuple[tuple[str, int], ...] = ()
+    decoded: int = 0
+    joined: int = 0
+
+    @property
+    def rows_reused(self) -> int:
+        return sum(rows for _, rows in self.reused)
+
+    def adds_up(self, rows: int) -> bool:
+        return self.rows_reused + self.decoded + self.joined == rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reused": [[key, rows] for key, rows in self.reused], "decoded": self.decoded,
+                "joined": self.joined}
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One published .npy file: its array's shape and dtype, its size and checksum.
+
+    ``kind`` says what a memoize leaf comes back as: a numpy array or a torch tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    checksum: str
+    kind: str = "numpy"
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of array data in the file (the rest is the .npy header)."""
+        return math.prod(self.shape) * self.np_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "bytes": self.bytes, "checksum": self.checksum, "kind": self.kind}
+
+
+def parse_reuse(raw: Any, kind: str, fail: Fail) -> Optional[RowReuse]:
+    if raw is None:
+        return None
+    if kind == MEMOIZE_KIND or not isinstance(raw, dict):
+        raise fail("bad reuse field")
+    recipe, block_rows = raw.get("recipe"), raw.get("block_rows")
+    if not (isinstance(recipe, str) and is_key(recipe) and is_count(block_rows)
+            and block_rows >= 1):
+        raise fail(f"bad reuse field {raw!r}"[:200])
+    return RowReuse(recipe, block_rows)
+
+
+def parse_origin(raw: Any, kind: str, rows: int, fail: Fail) -> Optional[Origin]:
+    if raw is None:
+        return None
+    if kind == MEMOIZE_KIND or not isinstance(raw, dict) or not isinstance(
+            raw.get("reused"), list):
+        raise fail("bad origin field")
+    reused = []
+    for item in raw["reused"]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and is_key(item[0]) and is_count(item[1])):
+            raise fail(f"bad origin item {item!r}"[:200])
+        reused.append((item[0], item[1]))
+    decoded = count_field(raw.get("decoded"), "origin's decoded", fail)
+    joined = count_field(raw.get("joined"), "origin's joined", fail)
+    return Origin(tuple(reused), decoded, joined)  # a report: its sum is not checked here
+
+
+def parse_file_record(index: int, item: Any, fail: Fail) -> FileRecord:
+    if not isinstance(item, dict):
+        raise fail(f"file {index} is not a JSON object")
+    name = item.get("name")
+    if not isinstance(name, str) or not allowed_file_name(index, name):
+        raise fail(f"file {index} must be named {file_name(index)!r}, not {name!r}")
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(is_count(n) for n in shape):
+        raise fail(f"bad shape {shape!r} of {name}")
+    dtype = item.get("dtype")
+    try:
+        parsed = np.dtype(dtype)
+    except Exception:  # numpy raises TypeError, ValueError, even SyntaxError (",,")
+        raise fail(f"bad dtype {dtype!r} of {name}") from None
+    if parsed.hasobject or not isinstance(dtype, str):
+        raise fail(f"dtype {dtype!r} of {name} cannot be stored")
+    size = count_field(item.get("bytes"), f"bytes of {name}", fail)
+    checksum = item.get("checksum")
+    if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
+        raise fail(f"bad checksum {checksum!r} of {name}")
+    kind = item.get("kind", "numpy")
+    if kind not in LEAF_KINDS:
+        raise fail(f"unknown kind {kind!r} of {name}")
+    record = FileRecord(name, tuple(shape), dtype, size, checksum, kind)
+    if size < record.data_bytes:  # Python ints: no overflow however large the shape
+        raise fail(f"{name} holds {record.data_bytes} bytes of data but is said to be {size}")
+    return record
+
+
+def parse_failure(item: Any, rows: int, fail: Fail) -> Failure:
+    if not (isinstance(item, list) and len(item) == 3 and is_count(item[0]) and item[0] < rows
+            and isinstance(item[1], str) and isinstance(item[2], str)):
+        raise fail(f"bad failed_rows item {item!r}")
+    return (item[0], item[1], item[2])
+
+
+def get_field(raw: dict[str, Any], name: str, kind: type, fail: Fail) -> Any:
+    value = raw.get(name)
+    if not isinstance(value, kind):
+        raise fail(f"manifest field {name!r} is missing or not {kind.__name__}")
+    return value
+
+
+def count_field(value: Any, name: str, fail: Fail) -> int:
+    if not is_count(value):
+        raise fail(f"{name} must be a whole number >= 0, not {value!r}")
+    return value
+
+
+def is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
