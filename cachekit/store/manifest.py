@@ -228,7 +228,8 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     created = raw.get("created")
     if not is_number(created) or not math.isfinite(created):
         raise fail(f"bad created time {created!r}")
-    failed = tuple(parse_failure(item, rows, fail) for item in get_field(raw, "failed_rows", list, fail))
+    failed = tuple(parse_failure(item, rows, fail)
+                   for item in get_field(raw, "failed_rows", list, fail))
     params = raw.get("params", {})
     column = raw.get("column")
     builder = raw.get("builder", {})
