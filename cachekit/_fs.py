@@ -166,6 +166,15 @@ class DirHandle:
         except FileNotFoundError:
             pass
 
+    def remove_empty_dir(self, name: str) -> bool:
+        """Remove the directory ``name`` if it is empty (never a symlink: rmdir does not
+        follow one); False when it is not empty, gone or not a directory."""
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
     def rename(self, name: str, to: "DirHandle", new_name: str) -> None:
         os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=to.fd)
 

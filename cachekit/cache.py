@@ -186,7 +186,9 @@ class Cache:
     def entries(self) -> list:
         """Every published entry as a frozen ``EntryInfo`` (key, kind, rows, shape, dtype,
         bytes, created, last_used, path, ...), oldest first. Unreadable entries are listed
-        with ``problem`` set instead of aborting the listing."""
+        with ``problem`` set instead of aborting the listing. The rows a failed build kept
+        are listed too, with ``failed_build`` set to the key that failed: no call hits them,
+        later builds copy from them, and clear and prune remove them like entries."""
         from .admin.inspect import list_entries
 
         return list_entries(self._store)[0]

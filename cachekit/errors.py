@@ -63,7 +63,11 @@ class LockTimeout(CachekitError, TimeoutError):
 
 
 class ImageDecodeError(CachekitError, ValueError):
-    """Some rows could not be decoded; nothing was published.
+    """Some rows could not be decoded; no entry was published.
+
+    The rows that decoded are kept as a source for later builds of the same rows (not an
+    entry: ``cachekit ls`` lists it among failed builds), so that a retry, or the column
+    without these rows, decodes only what it must.
 
     ``failures`` lists every bad row as ``(row, path, reason)``, not only the first.
     ``rows`` (the column's length) and ``cwd`` (the working directory of the build): when
@@ -78,7 +82,8 @@ class ImageDecodeError(CachekitError, ValueError):
         shown = "\n".join(f"  row {r}: {p!r}: {why}" for r, p, why in self.failures[:10])
         more = len(self.failures) - 10
         tail = f"\n  ... and {more} more" if more > 0 else ""
-        fix = "fix or drop these rows, or pass on_error='zero' to store them as zeros"
+        fix = ("fix or drop these rows, or pass on_error='zero' to store them as zeros; the "
+               "rows that decoded are kept, so the next call decodes only these")
         if self.all_missing_and_relative():
             fix = (f"every path is missing, and every path is relative: they were looked up "
                    f"from the working directory {cwd}; run from the directory they are "

@@ -313,6 +313,12 @@ def recipe(material: dict[str, Any]) -> str:
     return digest({"row recipe": 1, **material})
 
 
+def kept_key(key: str) -> str:
+    """The key under which a failed build of ``key`` keeps the rows that decoded: a source
+    of rows for later builds of the recipe, never a hit (no call has this key)."""
+    return digest(["kept rows", key])
+
+
 def rest_key(key: str, todo: np.ndarray) -> str:
     """The key of the rest of the build of ``key`` that computes rows ``todo``: what a
     build leaves to compute after copying rows, which joiners join under this key."""

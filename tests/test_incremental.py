@@ -437,3 +437,100 @@ def test_an_entry_downloaded_from_a_remote_tier_lends_its_rows(tmp_path, picture
     decodes.take()
     grown = host_b.images(column(pictures, range(120)), 8)
     assert counts(grown) == (20, 0, 100) and len(decodes.take()) == 20
+
+
+# --- a failure or a change costs only the rows it touches ---------------------------------
+
+
+def with_bad_rows(pictures: list[str], tmp_path: Path, rows: int) -> pd.Series:
+    """``rows`` good pictures, then a file that is no image and a missing one."""
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    return pd.Series([*pictures[:rows], str(broken), str(tmp_path / "missing.png")])
+
+
+def test_a_failed_build_keeps_its_good_rows_for_the_retry_and_the_column_without_them(
+        cache, pictures, decodes, tmp_path):
+    col = with_bad_rows(pictures, tmp_path, 300)
+    with pytest.raises(cachekit.ImageDecodeError, match="the rows that decoded are kept"):
+        cache.images(col, 8)
+    assert len(decodes.take()) == 302
+    with pytest.raises(cachekit.ImageDecodeError):
+        cache.images(col, 8)  # the retry decodes only the rows that failed: fixed or not
+    assert sorted(decodes.take()) == sorted(col[300:])
+    dropped = cache.images(col[:300], 8)  # the user drops them: nothing left to decode
+    assert decodes.take() == [] and counts(dropped) == (0, 0, 300)
+    np.testing.assert_array_equal(dropped.array, fresh(tmp_path, col[:300]))
+    zeros = cache.images(col, 8, on_error="zero")  # on_error is not in the recipe
+    assert sorted(decodes.take()) == sorted(col[300:]) and counts(zeros) == (2, 0, 300)
+    assert zeros.valid.tolist() == [True] * 300 + [False, False]
+    kept = [e for e in cache.entries() if e.failed_build is not None]
+    assert [e.failed_rows for e in kept] == [2] and kept[0].rows == 302
+
+
+def test_a_failed_build_is_not_an_entry_and_ls_and_clear_show_and_remove_it(
+        cache, cache_root, pictures, tmp_path, capsys):
+    col = with_bad_rows(pictures, tmp_path, 20)
+    with pytest.raises(cachekit.ImageDecodeError):
+        cache.images(col, 8)
+    [kept] = cache.entries()
+    assert kept.failed_build is not None and kept.key != kept.failed_build
+    with pytest.raises(cachekit.ImageDecodeError):  # never a hit, though its key is there
+        cachekit.Cache(cache_root, workers=1, progress=False, lock_timeout=5).images(col, 8)
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache_root), "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "no entries in" in out
+    assert (f"failed build of {kept.failed_build[:12]}: 2 rows failed; 20 rows kept as "
+            f"{kept.key[:12]}") in out
+    assert cli_main(["--root", str(cache_root), "info", kept.failed_build[:12]]) == 0
+    assert "kept rows of" in capsys.readouterr().out
+    assert cli_main(["--root", str(cache_root), "clear", "--all", "--yes"]) == 0
+    assert cache.entries() == []
+    assert [p for p in (cache_root / "index").iterdir()] == []  # no empty recipe folders
+
+
+def test_switching_validate_copies_every_row_whose_file_proves_unchanged(
+        cache, pictures, decodes, tmp_path):
+    col = column(pictures, range(200))
+    cache.images(col, 8)
+    decodes.take()
+    os.utime(pictures[7], ns=(3, 3))  # its recorded stat no longer holds
+    stat = cache.images(col, 8, validate="stat")  # validate is not in the recipe either
+    assert decodes.take() == [pictures[7]] and counts(stat) == (1, 0, 199)
+    content = cache.images(col, 8, validate="content")  # no digest recorded: decoded
+    assert len(decodes.take()) == 200 and counts(content) == (200, 0, 0)
+    _write_picture(Path(pictures[9]), 77)
+    again = cache.images(col[:150], 8, validate="content")  # digests recorded now
+    assert decodes.take() == [pictures[9]] and counts(again) == (1, 0, 149)
+    np.testing.assert_array_equal(again.array, fresh(tmp_path, col[:150]))
+
+
+def test_a_hit_finds_one_changed_file_among_many_off_its_own_path(cache, pictures, capsys):
+    from cachekit.obtain import staleness
+
+    col = column(pictures, range(N))
+    cache.images(col, 8)
+    os.utime(pictures[N - 3], ns=(5, 5))  # one file among 600: a sample of 16 may miss it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.images(col, 8).hit
+        staleness.wait_for_checks(timeout=60)
+    assert [w.category for w in caught] == [StaleEntryWarning]
+    assert pictures[N - 3] in str(caught[0].message) and 'validate="stat"' in str(
+        caught[0].message)
+    assert pictures[N - 3] in capsys.readouterr().err  # said through cachekit's voice too
+
+
+def test_the_stale_check_of_a_hit_can_be_turned_off(cache, pictures, monkeypatch):
+    col = column(pictures, range(40))
+    cache.images(col, 8)
+    for path in pictures[:40]:
+        os.utime(path, ns=(5, 5))
+    monkeypatch.setenv("CACHEKIT_STALE_CHECK", "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.images(col, 8).hit
+    monkeypatch.setenv("CACHEKIT_STALE_CHECK", "everything")
+    with pytest.raises(cachekit.InvalidArgument, match="CACHEKIT_STALE_CHECK"):
+        cache.images(col, 8)

@@ -63,6 +63,9 @@ class EntryInfo:
     """Where a per-row entry's rows came from when it was built: ``reused`` ([key, rows]
     of each entry they were copied from), ``decoded`` (by its builder) and ``joined`` (by
     other processes for its build); None for entries that do not say."""
+    failed_build: Optional[str] = None
+    """Set for the rows a failed build kept: the key whose build failed. Not an entry (no
+    call hits it), a source of rows for later builds; removed like an entry."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the objects of ``cachekit ls --json``)."""
@@ -72,7 +75,7 @@ class EntryInfo:
             "dtype": self.dtype, "bytes": self.bytes, "created": self.created,
             "last_used": self.last_used, "path": str(self.path), "column": self.column,
             "failed_rows": self.failed_rows, "params": self.params, "problem": self.problem,
-            "origin": self.origin,
+            "origin": self.origin, "failed_build": self.failed_build,
         }
 
 
@@ -163,6 +166,7 @@ def entry_info(path: Path) -> Optional[EntryInfo]:
             path=path, column=manifest.column, failed_rows=len(manifest.failed_rows),
             params=manifest.params,
             origin=None if manifest.origin is None else manifest.origin.to_json(),
+            failed_build=manifest.failed_build,
         )
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
                      created=used, last_used=used, path=path, problem=problem)

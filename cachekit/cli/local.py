@@ -36,9 +36,10 @@ def show_root(args: argparse.Namespace) -> int:
 def ls(args: argparse.Namespace) -> int:
     store = local_store(args)
     found = inspect.scan(store)
-    entries = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
+    listed = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
+    entries = [e for e in listed if e.failed_build is None]
     if args.json:
-        print(json.dumps([e.to_json() for e in entries], indent=1))
+        print(json.dumps([e.to_json() for e in listed], indent=1))
     elif not entries:
         say(f"no entries in {store.root}")
     else:
@@ -50,6 +51,9 @@ def ls(args: argparse.Namespace) -> int:
         table(rows, right=(2, 5))
         say(f"{count(len(entries), 'entry', 'entries')}, "
             f"{units.format_size(sum(e.bytes for e in entries))} in {store.root}")
+    if not args.json:
+        _report_failed_builds([e for e in listed if e.failed_build is not None],
+                              store.failure_keys())
     _report_temp_dirs(found.temp_dirs)
     for problem in found.problems:
         if problem.key is None:
@@ -61,8 +65,9 @@ def info(args: argparse.Namespace) -> int:
     found = inspect.scan(local_store(args))
     with key_errors():
         key = inspect.resolve_keys(
-            [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs])[0]
-    entry = next((e for e in found.entries if e.key == key), None)
+            [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs]
+            + [e.failed_build for e in found.entries if e.failed_build is not None])[0]
+    entry = next((e for e in found.entries if key in (e.key, e.failed_build)), None)
     if entry is not None:
         _print_entry(entry, {e.key for e in found.entries})
     _report_temp_dirs([t for t in found.temp_dirs if t.key == key], out=sys.stdout)
@@ -72,6 +77,9 @@ def info(args: argparse.Namespace) -> int:
 def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
     now = time.time()
     pairs: list[tuple[str, Any]] = [("key", e.key), ("path", e.path), ("kind", e.kind)]
+    if e.failed_build is not None:
+        pairs.append(("kept rows of", f"the failed build of {e.failed_build}: its rows that "
+                                      "decoded, copied by the next build of them"))
     if e.problem is not None:
         pairs.append(("PROBLEM", f"{e.problem} (remove it with `cachekit clear "
                                  f"{e.key[:SHORT_KEY]}`)"))
@@ -223,6 +231,21 @@ def _report_temp_dirs(temp_dirs: Iterable[inspect.TempDir], out: Any = None) -> 
         else:
             say(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
                 f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
+
+
+def _report_failed_builds(kept: list[inspect.EntryInfo], failed: list[str]) -> None:
+    """Say which builds failed and what each kept: the rows that decoded, which the next
+    build of those rows copies (``cachekit clear KEY`` removes them)."""
+    keeping = {e.failed_build: e for e in kept}
+    for key in sorted(set(failed) | set(keeping)):
+        e = keeping.get(key)
+        if e is None:
+            say(f"failed build of {key[:SHORT_KEY]}: recorded in locks/, no rows kept")
+            continue
+        good = (e.rows or 0) - e.failed_rows
+        say(f"failed build of {key[:SHORT_KEY]}: {units.count(e.failed_rows, 'row')} failed; "
+            f"{units.count(good, 'row')} kept as {e.key[:SHORT_KEY]} "
+            f"({units.format_size(e.bytes)}), which the next build of them copies")
 
 
 def _note(e: inspect.EntryInfo) -> str:

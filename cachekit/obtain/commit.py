@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .. import _fs, processes
+from .. import _fs, keys, processes
 from .._version import __version__
 from .. import engine
 from ..engine.filling.journal import is_journal_name
@@ -58,6 +58,10 @@ class Built:
     """Where a per-row entry's rows came from."""
     committed: Optional[Callable[[Published], None]] = None
     """Called once this build's commit published the entry (to index its rows)."""
+    failure: Optional[ImageDecodeError] = None
+    """Rows failed under ``on_error="raise"``: the rows that decoded are committed as the
+    key's kept rows (:func:`cachekit.keys.kept_key`), a source for later builds, and this
+    error is raised."""
 
 
 BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
@@ -87,8 +91,12 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         if not current.still_ours():
             raise BuildGone(str(current.path))
         files = store.seal(current, made.files, made.digests)
+        published_key = key if made.failure is None else keys.kept_key(key)
+        if made.failure is not None:
+            _remove_kept(store, key)  # its good rows were copied into this build
         manifest = Manifest(
-            key=key, kind=made.kind, rows=made.rows, files=files, created=time.time(),
+            key=published_key, kind=made.kind, rows=made.rows, files=files,
+            created=time.time(), failed_build=None if made.failure is None else key,
             failed_rows=tuple(made.failed_rows), params=made.params or {}, column=made.column,
             structure=made.structure,
             builder={"host": _fs.host(), "pid": os.getpid(), **(made.builder or {})},
@@ -110,13 +118,30 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
             raise _disk_full(e, store, key) from e
         raise
+    if won and made.committed is not None:
+        made.committed(published)
+    if made.failure is not None:
+        if announce:
+            say(f"entry {key[:12]}: kept the {made.rows - len(made.failure.failures)} rows "
+                f"that decoded (as {published_key[:12]}); a later build of these rows copies "
+                "them and decodes only the rest")
+        _record_failure(store, key, made.failure)
+        raise made.failure
     if won:
         store.forget_failure(key)  # an earlier failure is history now
+        _remove_kept(store, key)
         if announce:
             _say_who_joined(manifest)
-        if made.committed is not None:
-            made.committed(published)
     return published
+
+
+def _remove_kept(store: LocalStore, key: str) -> None:
+    """Remove the rows an earlier failed build of ``key`` kept, if any (best effort): the
+    build now under way copied them."""
+    try:
+        store.remove_entry(keys.kept_key(key))
+    except OSError:
+        pass
 
 
 def _taken_over(current: BuildDir) -> bool:

@@ -25,9 +25,11 @@ from ..units import count
 
 @dataclass(frozen=True)
 class Rows:
-    """A per-row build's rows as reuse sees them: the recipe, each row's identity, for
-    images each file's (size, mtime_ns) now, and whether a row is reused only where that
-    stat is the one its donor recorded (``validate="path"``, whose identity has no stat)."""
+    """A per-row build's rows as reuse sees them: the recipe, each row's identity (an
+    (N, 2) ``<u8`` array of the value's; for ``validate="content"`` two more words, the
+    identity of the file's digest), for images each file's (size, mtime_ns) now, and
+    whether a row is reused only where that stat is the one its donor recorded
+    (``validate="path"`` or ``"stat"``; under ``"content"`` the digest words must match)."""
 
     recipe: str
     ids: np.ndarray
@@ -86,7 +88,7 @@ def find(store: LocalStore, key: str, rows: Rows,
             if wanted is not None and shape != wanted:
                 source.close()
                 continue
-            failed_ids.append(source.ids[source.failed])
+            failed_ids.append(source.ids[source.failed, :2])
             src, dst = _usable(source, match.src, match.dst, rows, changed)
             if not len(dst):
                 source.close()
@@ -115,7 +117,7 @@ def _held(ids: np.ndarray, remaining: np.ndarray, held: list[np.ndarray]) -> np.
         return found
     rows = np.flatnonzero(remaining & np.isin(ids[:, 0], held_ids[:, 0]))
     for row in rows:
-        found[row] = bool((held_ids == ids[row]).all(axis=1).any())
+        found[row] = bool((held_ids[:, :2] == ids[row, :2]).all(axis=1).any())
     return found
 
 
@@ -126,7 +128,11 @@ def _usable(source: RowSource, src: np.ndarray, dst: np.ndarray, rows: Rows,
     build that this source holds with another stat."""
     inside = (src >= 0) & (src < source.manifest.rows)
     src, dst = src[inside], dst[inside]
-    same = (source.ids[src] == rows.ids[dst]).all(axis=1) & ~source.failed[src]
+    same = (source.ids[src, :2] == rows.ids[dst, :2]).all(axis=1) & ~source.failed[src]
+    if rows.ids.shape[1] > 2:  # the file's digest must be the one the source decoded
+        if source.ids.shape[1] != rows.ids.shape[1]:
+            return src[:0], dst[:0]
+        same &= (source.ids[src, 2:] == rows.ids[dst, 2:]).all(axis=1)
     if rows.same_stat:
         if source.stats is None or rows.stats is None:
             return src[:0], dst[:0]
@@ -142,15 +148,14 @@ def announce(key: str, found: Donors, rows: int) -> None:
     if found.donors:
         entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
         new = rows - found.rows - found.failed_before - found.changed
-        parts = [count(new, "new row")] if new or not (found.failed_before or found.changed) \
-            else []
+        parts = [count(new, "new row")] if new else []
         if found.failed_before:
             parts.append(f"{found.failed_before} that failed before")
         if found.changed:
             parts.append(f"{found.changed} whose files changed")
+        rest = "decoding " + " and ".join(parts) if parts else "nothing left to decode"
         say(f"entry {key[:12]}: reusing {count(found.rows, 'row')} from {entries} of the "
-            "same recipe (each block checked as it is copied); decoding "
-            + " and ".join(parts))
+            f"same recipe (each block checked as it is copied); {rest}")
     for skipped in found.skipped:
         say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
             "are not reused")

@@ -35,6 +35,9 @@ from .flow import Outcome
 BLOCK_BYTES = 1 << 20
 """Bytes of rows per checked block of an entry: a copy reads and checks whole blocks."""
 
+NOT_IN_RECIPE = ("on_error", "validate")
+"""Params of a key that change no good row's pixels: ``on_error`` changes only failed rows,
+which are never copied, and ``validate`` only what proves a file unchanged."""
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
 
@@ -99,7 +102,9 @@ class RowBuild:
 
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
         """Fill ``current`` (step 5): copy the rows of committed entries of the recipe,
-        compute the others, then write the row files the entry's later builds copy from."""
+        compute the others, then write the row files the entry's later builds copy from.
+        Rows that fail under ``on_error="raise"`` make it a failed build, whose good rows
+        the commit keeps (:attr:`Built.failure`)."""
         call, runner, values = self.call, self.runner, self.values()
         current.record_cpus(engine.runs_at_once(runner.executor, runner.workers))
         builder = _decoders() if call.kind == "images" else None
@@ -113,8 +118,11 @@ class RowBuild:
                                  rows=self._row_run(), sources=sources, report=report)
         if runner.announce:
             donors.announce_refused(self.key, filled)
+        failure = None
         if filled.failures and call.on_error == "raise":
-            raise ImageDecodeError(filled.failures, len(values), os.getcwd())
+            failure = ImageDecodeError(filled.failures, len(values), os.getcwd())
+            if len(filled.failures) == len(values):
+                raise failure  # nothing decoded: nothing to keep
         extra = _row_files(current.dir, rows, filled)
         return Built(
             kind=call.kind, rows=len(values), files=((manifests.DATA_FILE, "numpy"), *extra.files),
@@ -123,7 +131,8 @@ class RowBuild:
             builder={**(builder or {}), **_joiners(filled.joined)},
             decode_seconds=filled.decode_seconds, digests=extra.digests,
             reuse=extra.reuse, origin=extra.origin,
-            committed=lambda published: index_entry(self.store, published, rows.ids))
+            committed=lambda published: index_entry(self.store, published, rows.ids),
+            failure=failure)
 
     def join(self, directory: _fs.DirHandle, spare: Optional[engine.Spare]
              ) -> Optional[engine.Joined]:
@@ -149,19 +158,26 @@ class RowBuild:
         return opened
 
     def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
-        """The build's recipe (its key but for the rows, with the ``builder``'s decoder
-        versions) and each row's identity under it, plus for images each file's stat now
-        (unless the key already took it)."""
+        """The build's recipe and each row's identity under it, plus for images each file's
+        stat now (unless the key already took it).
+
+        The recipe is the key but for the rows and for what changes no good row's pixels
+        (:data:`NOT_IN_RECIPE`), plus the ``builder``'s decoder versions. So entries built
+        with another ``on_error`` or ``validate`` lend their good rows; what ``validate``
+        asks of a file is checked row by row instead (:class:`Rows`)."""
         call = self.call
-        extra = [call.material[name] for name in ("stat", "content") if name in call.material]
-        ids, dtype = keys.row_identities(call.column, extra)
-        recipe = keys.reuse_recipe(call.kind, call.params, dtype, builder)
+        ids, dtype = keys.row_identities(call.column)
+        params = {k: v for k, v in call.params.items() if k not in NOT_IN_RECIPE}
+        recipe = keys.reuse_recipe(call.kind, params, dtype, builder)
         if call.kind != "images":
             return Rows(recipe, ids)
+        if "content" in call.material:  # what proves a row's file unchanged: its digest
+            proof, _ = keys.row_identities(call.column, [call.material["content"]])
+            ids = np.concatenate([ids, proof], axis=1)
         stats = call.material.get("stat")
         if stats is None:
             stats = keys.stat_signature(self.values())
-        return Rows(recipe, ids, stats, call.params.get("validate") == "path")
+        return Rows(recipe, ids, stats, same_stat="content" not in call.material)
 
 
 @dataclass(frozen=True)

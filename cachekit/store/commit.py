@@ -42,9 +42,10 @@ def seal(build: BuildDir, files: Iterable[tuple[str, str]],
 def commit(build: BuildDir, manifest: Manifest, entries: _fs.DirHandle,
            lookup: Callable[[str], Optional[Published]], *,
            scratch: Callable[[str], bool]) -> tuple[Published, bool]:
-    """Publish ``build`` with ``manifest`` (its files sealed) as ``entries/KEY``; (entry,
-    True) when this build's rename won, (the entry another builder published first, as
-    ``lookup(key)`` finds it, False) otherwise. See :meth:`LocalStore.commit`."""
+    """Publish ``build`` with ``manifest`` (its files sealed) as ``entries/KEY``, KEY being
+    the manifest's (the build's own, or for the rows a failed build keeps, their key);
+    (entry, True) when this build's rename won, (the entry another builder published first,
+    as ``lookup(key)`` finds it, False) otherwise. See :meth:`LocalStore.commit`."""
     listed = {f.name for f in manifest.files}
 
     def unpublished(name: str) -> bool:
@@ -73,34 +74,34 @@ def commit(build: BuildDir, manifest: Manifest, entries: _fs.DirHandle,
     if not _fs.same_file(current, mine):
         raise CacheCorruptError(build.path, "the build directory was replaced by another "
                                             "process; nothing was published")
-    won, winner = _rename_into(build, entries, mine, lookup)
+    won, winner = _rename_into(build, manifest.key, entries, mine, lookup)
     if not won:
         build.discard()
         if winner is None:
-            raise CacheCorruptError(entries.path / build.key, "another process keeps putting "
-                                    "something that is not an entry under this key",
+            raise CacheCorruptError(entries.path / manifest.key, "another process keeps "
+                                    "putting something that is not an entry under this key",
                                     "nothing was published; see who writes under the root")
         return winner, False
     build.close()
-    return Published(entries.path / build.key, manifest), True
+    return Published(entries.path / manifest.key, manifest), True
 
 
-def _rename_into(build: BuildDir, entries: _fs.DirHandle, mine: os.stat_result,
+def _rename_into(build: BuildDir, key: str, entries: _fs.DirHandle, mine: os.stat_result,
                  lookup: Callable[[str], Optional[Published]]
                  ) -> tuple[bool, Optional[Published]]:
-    """Rename the build directory to ``entries/KEY``: (True, None) when ours is the entry
+    """Rename the build directory to ``entries/KEY`` (``key``): (True, None) when ours is the entry
     now, (False, the winner's entry) when another builder's rename came first, (False,
     None) when something that is not an entry keeps appearing under the key."""
     won, winner = False, None
     for _ in range(RENAME_ATTEMPTS):
         try:
-            build.tmp.rename(build.name, entries, build.key)
+            build.tmp.rename(build.name, entries, key)
             won = True
         except FileNotFoundError:
             raise BuildGone(str(build.path)) from None  # claimed this very moment
         except NotADirectoryError:  # a symlink or file planted under the key
-            if not stat.S_ISDIR(entries.lstat(build.key).st_mode):
-                entries.unlink(build.key)
+            if not stat.S_ISDIR(entries.lstat(key).st_mode):
+                entries.unlink(key)
             continue
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
@@ -108,11 +109,11 @@ def _rename_into(build: BuildDir, entries: _fs.DirHandle, mine: os.stat_result,
             won = False
         # Another builder won the race: use its entry, unless it is refused (not signed
         # with our key), which the lookup removes; then try again.
-        winner = None if won else lookup(build.key)
+        winner = None if won else lookup(key)
         if won or winner is not None:
             break
-    if won and not _fs.same_file(entries.lstat(build.key), mine):
-        entries.remove_tree(build.key)  # swapped in between: never publish that
+    if won and not _fs.same_file(entries.lstat(key), mine):
+        entries.remove_tree(key)  # swapped in between: never publish that
         raise CacheCorruptError(build.path, "the build directory was replaced by another "
                                             "process; nothing was published")
     if won:

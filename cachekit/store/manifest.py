@@ -69,6 +69,9 @@ class Manifest:
     format: int = FORMAT_VERSION
     reuse: Optional[RowReuse] = None
     origin: Optional[Origin] = None
+    failed_build: Optional[str] = None
+    """For the rows a failed build kept (:func:`cachekit.keys.kept_key`): the key whose
+    build failed. Such an entry lends its good rows to later builds; it is never a hit."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,6 +108,8 @@ class Manifest:
             out["reuse"] = self.reuse.to_json()
         if self.origin is not None:
             out["origin"] = self.origin.to_json()
+        if self.failed_build is not None:
+            out["failed_build"] = self.failed_build
         return out
 
     @classmethod
@@ -249,9 +254,14 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
         raise fail(f"a {kind} entry has no structure and numpy files only")
     reuse = parse_reuse(raw.get("reuse"), kind, fail)
     origin = parse_origin(raw.get("origin"), kind, rows, fail)
+    failed_build = raw.get("failed_build")
+    if failed_build is not None and (reuse is None or not isinstance(failed_build, str)
+                                     or not is_key(failed_build)):
+        raise fail(f"bad failed_build field {failed_build!r}"[:200])
     return Manifest(key=entry_key, kind=kind, rows=rows, files=files, created=float(created),
                     failed_rows=failed, params=params, column=column, structure=structure,
                     builder=builder, build_seconds=float(build_seconds),
-                    cachekit_version=version, reuse=reuse, origin=origin)
+                    cachekit_version=version, reuse=reuse, origin=origin,
+                    failed_build=failed_build)
 
 

@@ -122,8 +122,9 @@ class RowIndex:
 
     def forget(self, key: str) -> None:
         """Remove the index files of the entry ``key`` (which was removed), in every
-        recipe's folder; best effort (a symlink in place of the folder is never followed,
-        and the index is only ever a hint)."""
+        recipe's folder, and the folders this leaves empty; best effort (a symlink in place
+        of the folder is never followed, and the index is only ever a hint: a file another
+        process adds to a folder removed meanwhile is lost, and its entry is decoded)."""
         try:
             index = self.layout.open_folder_if_any(INDEX_FOLDER)
             if index is None:
@@ -134,8 +135,11 @@ class RowIndex:
                     try:
                         with index.child(recipe) as folder:
                             folder.unlink(f"{key}.npy")
+                            empty = not folder.names()
                     except OSError:
                         continue
+                    if empty:
+                        index.remove_empty_dir(recipe)
         except OSError:
             return
 

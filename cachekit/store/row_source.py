@@ -29,8 +29,10 @@ from .manifest import FileRecord, Manifest
 @dataclass
 class RowSource:
     """An entry's rows, open to be copied: ``data`` (the open data file, rows from byte
-    ``offset``), its row identities ``ids``, the digests of its blocks of ``block_rows``
-    rows, and for an images entry the files' stats when it was built."""
+    ``offset``), its row identities ``ids`` ((rows, 2), or (rows, 4) with the identities
+    of the files' digests for an entry built with ``validate="content"``), the digests of
+    its blocks of ``block_rows`` rows, and for an images entry the files' stats when it was
+    built."""
 
     key: str
     manifest: Manifest
@@ -71,7 +73,8 @@ def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSou
                     or blocks_record is None:
                 return None
             rows = manifest.rows
-            ids = _read(entry, ids_record, (rows, 2), "<u8")
+            words = ids_record.shape[1] if len(ids_record.shape) == 2 else 0
+            ids = _read(entry, ids_record, (rows, 4 if words == 4 else 2), "<u8")
             count = -(-rows // reuse.block_rows)
             blocks = _read(entry, blocks_record, (count, 16), "|u1")
             stats_record = manifest.row_file(manifests.ROW_STATS_FILE)
