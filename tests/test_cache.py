@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 import traceback
 import types
 from pathlib import Path
@@ -469,3 +470,25 @@ def test_no_path_string_fails_the_whole_call_under_on_error_zero(tmp_path, cover
     assert entry.valid[0] and entry.array[0].any()
     if not entry.valid[1]:
         assert not entry.array[1].any()
+
+
+def test_a_cold_call_enters_cache_py_once_and_obtain_drives_the_rest(cache_root, cover_paths):
+    """The public face checks, keys and hands over: nothing below calls back into it."""
+    import cachekit.cache as face
+
+    entered: list[str] = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == face.__file__:
+            caller = frame.f_back
+            if caller is None or caller.f_code.co_filename != face.__file__:
+                entered.append(frame.f_code.co_name)
+        return None
+
+    cache = cachekit.Cache(cache_root, workers=1, executor="threads", progress=False)
+    sys.settrace(tracer)
+    try:
+        entry = cache.images(pd.Series(cover_paths[:4]), 8)
+    finally:
+        sys.settrace(None)
+    assert entry.source == "built" and entered == ["images"]
