@@ -25,6 +25,7 @@ import datetime
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +38,9 @@ from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
 
 SAMPLE_ROWS = 16
+START_DELAY = 0.05
+"""Seconds the background check waits before it starts, so that a new thread does not
+take the interpreter from the hit that started it (the switch interval is 5 ms)."""
 SHOWN_PATHS = 3
 """Paths a warning names; it counts the others."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
@@ -91,6 +95,7 @@ def wait_for_checks(timeout: Optional[float] = None) -> None:
 
 
 def _check_all(key: str, recorded: np.ndarray, paths: Any) -> None:
+    time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
     changed = _changed(np.arange(len(recorded)), recorded, paths)
     if changed:
         _warn(key, changed, len(changed), stacklevel=1)
