@@ -299,11 +299,18 @@ def rows_key(kind: str, params: dict[str, Any], material: dict[str, Any], rows: 
     return entry_key(kind, {"params": params, "n": rows, **material})
 
 
+NOT_IN_RECIPE = ("on_error", "validate")
+"""Params of a key that change no good row's bytes: ``on_error`` changes only failed rows,
+which are never copied, and ``validate`` only what proves a file unchanged."""
+
+
 def reuse_recipe(kind: str, params: dict[str, Any], dtype: Any, builder: Any) -> str:
-    """The recipe of a per-row entry: everything of its key but the rows, plus the column's
-    ``dtype`` (as :func:`row_identities` gives it) and the ``builder`` (decoder versions),
-    so that rows decoded by another decoder version are never mixed into an entry."""
-    return recipe({"kind": kind, "format": FORMAT_VERSION, "params": params, "dtype": dtype,
+    """The recipe of a per-row entry: its key's ``params`` but :data:`NOT_IN_RECIPE`, the
+    column's ``dtype`` (as :func:`row_identities` gives it) and the ``builder`` (decoder
+    versions), so that rows decoded by another decoder version are never mixed into an
+    entry; not the rows."""
+    kept = {name: value for name, value in params.items() if name not in NOT_IN_RECIPE}
+    return recipe({"kind": kind, "format": FORMAT_VERSION, "params": kept, "dtype": dtype,
                    "builder": builder})
 
 

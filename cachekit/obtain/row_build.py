@@ -35,9 +35,6 @@ from .flow import Outcome
 BLOCK_BYTES = 1 << 20
 """Bytes of rows per checked block of an entry: a copy reads and checks whole blocks."""
 
-NOT_IN_RECIPE = ("on_error", "validate")
-"""Params of a key that change no good row's pixels: ``on_error`` changes only failed rows,
-which are never copied, and ``validate`` only what proves a file unchanged."""
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
 
@@ -161,14 +158,12 @@ class RowBuild:
         """The build's recipe and each row's identity under it, plus for images each file's
         stat now (unless the key already took it).
 
-        The recipe is the key but for the rows and for what changes no good row's pixels
-        (:data:`NOT_IN_RECIPE`), plus the ``builder``'s decoder versions. So entries built
-        with another ``on_error`` or ``validate`` lend their good rows; what ``validate``
+        The recipe (:func:`cachekit.keys.reuse_recipe`) leaves out ``on_error`` and
+        ``validate``, so entries built with others lend their good rows; what ``validate``
         asks of a file is checked row by row instead (:class:`Rows`)."""
         call = self.call
         ids, dtype = keys.row_identities(call.column)
-        params = {k: v for k, v in call.params.items() if k not in NOT_IN_RECIPE}
-        recipe = keys.reuse_recipe(call.kind, params, dtype, builder)
+        recipe = keys.reuse_recipe(call.kind, call.params, dtype, builder)
         if call.kind != "images":
             return Rows(recipe, ids)
         if "content" in call.material:  # what proves a row's file unchanged: its digest
