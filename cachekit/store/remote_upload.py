@@ -15,6 +15,7 @@ methods of the same names (``upload``, ``named``, ``withdraw``) are the public w
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import uuid
@@ -143,29 +144,45 @@ def withdraw(remote: RemoteStore, key: str, upload_id: str) -> bool:
 
 def _put(remote: RemoteStore, published: Published, record: FileRecord, path: str,
          bar: Any) -> None:
-    """Copy one local entry file to ``path`` in parts (one call, one timeout, each)."""
+    """Copy one local entry file to ``path`` in parts (one call, one timeout, each),
+    checking its checksum on the bytes as they are read: a local file damaged since it was
+    built (CacheCorruptError) is not uploaded, and its manifest is never published."""
     url = remote.object_url(path)
     part = remote.part_bytes
-    with _fs.open_regular(published.path / record.name) as f:
+    local = published.path / record.name
+    hasher = hashlib.blake2b(digest_size=16)
+    with _fs.open_regular(local) as f:
         size = os.fstat(f.fileno()).st_size
         if size != record.bytes:
-            raise CacheCorruptError(published.path / record.name, f"file is {size} bytes, "
+            raise CacheCorruptError(local, f"file is {size} bytes, "
                                     f"the manifest says {record.bytes}")
         if size <= part:
-            remote.call(f"writing {url}", remote.fs.pipe_file, path, f.read())
+            data = f.read()
+            hasher.update(data)
+            _check_checksum(local, record, hasher)
+            remote.call(f"writing {url}", remote.fs.pipe_file, path, data)
             if bar is not None:
                 bar.update(size)
             return
         out = remote.call(f"writing {url}", remote.fs.open, path, "wb", block_size=part)
         try:
             for block in iter(lambda: f.read(part), b""):
+                hasher.update(block)
                 remote.call(f"writing {url}", out.write, block)
                 if bar is not None:
                     bar.update(len(block))
+            _check_checksum(local, record, hasher)  # before close: a bad object never lands
             remote.call(f"writing {url}", out.close)
         except BaseException:
             _discard(out)
             raise
+
+
+def _check_checksum(local: Any, record: FileRecord, hasher: Any) -> None:
+    got = "blake2b-128:" + hasher.hexdigest()
+    if got != record.checksum:
+        raise CacheCorruptError(local, f"checksum mismatch: the manifest says "
+                                f"{record.checksum}, the file has {got}; nothing was uploaded")
 
 
 def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
