@@ -113,11 +113,8 @@ class EntryDataset(Dataset):
                 # a batch's fancy index (docs/dataloader.md).
                 self._rows = np.asarray(self.entry._map())
             except CacheCorruptError as e:
-                reason = e.reason
-                if not self.entry.path.exists():
-                    reason = ("the entry was removed (cachekit clear/prune?) after this Dataset "
-                              "was made; get it again (cache.images, map or memoize) to rebuild it")
-                raise DatasetCorruptError(e.path, reason) from None
+                removed = not self.entry.path.exists()  # gone, not damaged: say what to do
+                raise DatasetCorruptError(e.path, e.reason, removed) from None
             self._pid = pid
         return self._rows
 

@@ -76,6 +76,34 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
     return 0
 
 
+def write_csv(csv: Path, *, images: int = 2000) -> int:
+    """``cachekit demo --csv PATH``: write the demo's sample images into ``covers/`` beside
+    ``csv``, and ``csv`` with the columns ``img_path`` (paths relative to the current
+    directory, as a training script run from here reads them) and ``label`` (0, 1, 2 in
+    turn); return the exit code. Image ``i`` is always the same picture, so the data is the
+    same on every machine (the examples of the docs use the first 24)."""
+    import csv as csv_module
+
+    from .errors import UsageError
+
+    if csv.exists():
+        raise UsageError(f"{csv} exists already; remove it or name another file with --csv")
+    started = time.perf_counter()
+    paths = write_sample_images(csv.parent / "covers", images, seed=0)
+    rows = [(os.path.relpath(path), index % 3) for index, path in enumerate(paths)]
+    tmp = csv.with_name(f".{csv.name}.{_fs.unique_suffix()}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv_module.writer(f, lineterminator="\n")
+        writer.writerow(["img_path", "label"])
+        writer.writerows(rows)
+    os.replace(tmp, csv)  # an interrupted run leaves no half-written CSV behind
+    print(f"cachekit demo: wrote {images} cover-like JPEGs (200-500 x 300-700 px) into "
+          f"{csv.parent / 'covers'} and {csv} (columns img_path, label) in "
+          f"{time.perf_counter() - started:.1f} s. In a training script run from here:")
+    print(f'  entry = cachekit.Cache().images(pd.read_csv("{csv}")["img_path"], size=224)')
+    return 0
+
+
 def _print_next_steps(race_cache: Path, root: Path) -> None:
     print(f"\nThe agents raced in a temporary cache, {race_cache}, now removed with the "
           f"sample images: nothing of your cache at {root} was made or touched. On your own "

@@ -143,7 +143,7 @@ class UnsignedEntryError(CacheCorruptError):
         return (type(self), (self.path, self.reason))
 
 
-_ENTRY_PATH = re.compile(r"corrupt cache entry (.+?): ")
+_ENTRY_PATH = re.compile(r"(?:corrupt|removed) cache entry (.+?): ")
 
 
 class DatasetCorruptError(CacheCorruptError):
@@ -155,7 +155,19 @@ class DatasetCorruptError(CacheCorruptError):
     same with ``num_workers=0`` and ``num_workers>0``.
     """
 
-    def __init__(self, path: str | Path, reason: Optional[str] = None) -> None:
+    REMOVED = ("the entry was removed (`cachekit clear` or `prune`?) after this Dataset was "
+               "made, so there is nothing left to remove; call cache.images (or map, memoize) "
+               "again to build the entry, and make a new Dataset from the entry it returns")
+    """What to do when the entry's directory is gone (``removed=True``)."""
+
+    def __init__(self, path: str | Path, reason: Optional[str] = None,
+                 removed: bool = False) -> None:
+        self.removed = removed
+        if removed:  # not corrupt: gone; and `cachekit clear KEY` would find nothing
+            self._message_only = False
+            self.path, self.reason, self.fix = str(path), reason or "removed", self.REMOVED
+            OSError.__init__(self, f"removed cache entry {self.path}: {self.REMOVED}")
+            return
         if reason is not None:
             self._message_only = False
             super().__init__(path, reason)
@@ -163,6 +175,7 @@ class DatasetCorruptError(CacheCorruptError):
         # torch's re-raise: `path` is the whole message, with the worker's traceback.
         message = str(path)
         found = _ENTRY_PATH.findall(message)
+        self.removed = f"removed cache entry {found[-1]}: " in message if found else False
         self._message_only = True
         self.path = found[-1] if found else ""
         self.reason = message
@@ -171,7 +184,7 @@ class DatasetCorruptError(CacheCorruptError):
     def __reduce__(self):  # type: ignore[override]
         if self._message_only:
             return (type(self), (self.reason,))
-        return (type(self), (self.path, self.reason))
+        return (type(self), (self.path, self.reason, self.removed))
 
 
 class BuildGone(CachekitError):

@@ -291,14 +291,39 @@ def test_removed_entry_fails_clearly_in_forked_workers(own_entry):
     np.testing.assert_array_equal(dataset[0].numpy(), before.numpy())
     error = first_batch_error(loader(dataset, num_workers=2, multiprocessing_context="fork"))
     assert isinstance(error, cachekit.CacheCorruptError), repr(error)
-    assert "removed" in str(error) and error.path == str(own_entry.path / manifests.DATA_FILE)
+    assert error.path == str(own_entry.path / manifests.DATA_FILE) and error.removed
+    says_removed(error)
+
+
+def says_removed(error: BaseException) -> None:
+    """The message of a Dataset whose entry was removed: what happened and what to do, not
+    the corrupt entry's advice to remove it (it is gone already)."""
+    message = str(error)
+    assert "removed cache entry " in message and "corrupt" not in message, message
+    assert "was removed (`cachekit clear` or `prune`?) after this Dataset was made" in message
+    assert "nothing left to remove; call cache.images (or map, memoize) again" in message
+    assert "cachekit clear KEY" not in message, message
 
 
 def test_removed_entry_fails_clearly_in_spawned_workers(own_entry):
     dataset = own_entry.dataset()
     shutil.rmtree(own_entry.path)  # the worker still unpickles the dataset, then fails to map
     error = first_batch_error(loader(dataset, num_workers=1, multiprocessing_context="spawn"))
-    assert isinstance(error, cachekit.CacheCorruptError) and "removed" in str(error), repr(error)
+    assert isinstance(error, cachekit.CacheCorruptError), repr(error)
+    says_removed(error)
+
+
+def test_removed_entry_says_so_in_the_main_process_and_a_new_call_builds_it(tmp_path):
+    cache = cachekit.Cache(tmp_path / "root", progress=False)
+    dataset = make_entry(tmp_path / "root").dataset()
+    cache.clear([dataset.entry.key])
+    with pytest.raises(DatasetCorruptError) as raised:
+        dataset[0]
+    says_removed(raised.value)
+    assert str(pickle.loads(pickle.dumps(raised.value))) == str(raised.value)
+    again = make_entry(tmp_path / "root")  # what the message says to do
+    assert again.source == "built"
+    np.testing.assert_array_equal(again.dataset()[7].numpy(), DATA[7])
 
 
 def test_dataset_error_survives_pickling_and_torch_reraise():

@@ -1,4 +1,5 @@
-"""The DDP example of docs/ddp.md, run as written with torchrun: two ranks share one build.
+"""examples/ddp_train.py, the script of docs/ddp.md, run with torchrun: two ranks share one
+build.
 
 torchrun's rendezvous store and gloo listen on sockets, so the job runs in a network
 namespace of its own whose only interface is loopback (``unshare --net``; CI runs as root):
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,12 +29,24 @@ LINE = re.compile(r"rank (\d)/2: (\w+); decoded (\d+), joined (\d+), reused (\d+
 line and its newline, so lines are found anywhere in it."""
 
 
-def _script() -> str:
-    """The python block of docs/ddp.md: the page's one script, tested as users copy it."""
-    page = (REPO / "docs" / "ddp.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
-    assert len(blocks) == 1, "docs/ddp.md should hold exactly one python block"
-    return blocks[0]
+SCRIPT = REPO / "examples" / "ddp_train.py"
+PAGE = REPO / "docs" / "ddp.md"
+
+
+def test_the_page_links_the_script_and_quotes_only_its_own_lines():
+    """docs/ddp.md holds no second copy of the script that could drift: it links the file,
+    its excerpt is lines of the file, its command runs the file, and its sample output has
+    the form of the lines the ranks print (below)."""
+    page = PAGE.read_text(encoding="utf-8")
+    assert "](../examples/ddp_train.py)" in page
+    script = SCRIPT.read_text(encoding="utf-8").splitlines()
+    blocks = re.findall(r"^```(\w+)[^\n]*\n(.*?)^```", page, re.S | re.M)
+    excerpts = [code for language, code in blocks if language == "python"]
+    assert len(excerpts) == 1 and all(line in script for line in excerpts[0].splitlines())
+    assert any("$ torchrun --standalone --nproc_per_node=2 examples/ddp_train.py covers.csv"
+               in code for language, code in blocks if language == "console")
+    (sample,) = [code for language, code in blocks if language == "text"]
+    assert [int(m[1]) for m in map(LINE.fullmatch, sample.splitlines()) if m] == [0, 1]
 
 
 @pytest.fixture
@@ -40,7 +54,6 @@ def job(tmp_path):
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.fail("this test runs torchrun in a network namespace of its own: it needs root, "
                     "unshare and ip (CI has them)")
-    (tmp_path / "train_ddp.py").write_text(_script())
     paths = write_sample_images(tmp_path / "covers", ROWS)
     pd.DataFrame({"img_path": paths, "label": [i % 3 for i in range(ROWS)]}).to_csv(
         tmp_path / "covers.csv", index=False)
@@ -51,7 +64,7 @@ def _torchrun(work: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "CACHEKIT_DIR": str(work / "cache"), "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = (f"ip link set lo up && exec {sys.executable} -m torch.distributed.run "
-               "--standalone --nproc_per_node=2 train_ddp.py covers.csv")
+               f"--standalone --nproc_per_node=2 {shlex.quote(str(SCRIPT))} covers.csv")
     done = subprocess.run(["unshare", "--net", "--fork", "sh", "-c", command], cwd=work,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

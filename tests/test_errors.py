@@ -38,6 +38,7 @@ EXAMPLES = [
     cachekit.ReadOnlyCacheError("/r", "0" * 32),
     cachekit.CacheRootError("/r/file/cache", "/r/file"),
     errors.DatasetCorruptError("/r/entries/k/data.npy", "gone"),
+    errors.DatasetCorruptError("/r/entries/k/data.npy", "file is missing", True),
     errors.NotAnArrayError("map: f returned list"),
     errors.UsageError("bad flag"),
 ]

@@ -4,10 +4,15 @@ The rules (docs/index.md, "About the examples", says the same for readers):
 
 - A fenced block's language decides what runs. ```python: the block's code, in a Python
   interpreter. ```console: each line that starts with "$ " is a shell command (a line
-  ending in a backslash continues on the next); the other lines are shown output, not
-  compared. Every command must exit with status 0.
+  ending in a backslash continues on the next); the lines under a command, up to the next
+  one, are what it prints: its stdout and stderr together, in the order written, must be
+  those lines (each compared without trailing spaces, ``...`` standing for any text, as in
+  a claim below). A command with no lines under it is not compared. Every command must exit
+  with status 0.
 - An HTML comment line directly above the opening fence marks a block:
-  ``<!-- not run: REASON -->`` skips it, and the reason must not be empty;
+  ``<!-- not run: REASON -->`` skips it, and the reason must not be empty (the same marker
+  may instead follow the language on the opening fence, ```` ```console not run: REASON ````,
+  which renders as nothing and keeps HTML comments out of the README's first screen);
   ``<!-- needs: s3 -->`` runs it with the environment of the ``s3_env`` fixture (a test S3
   server; CACHEKIT_REMOTE and the AWS_* variables), and the placeholder URL
   ``s3://bucket/prefix`` in its code stands for that server's $CACHEKIT_REMOTE.
@@ -63,6 +68,7 @@ BLOCK_TIMEOUT = 180.0  # seconds; generous for a loaded machine, never hit by a 
 
 _FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
 _MARK = re.compile(r"^\s*<!--\s*(not run|needs)\s*:(.*?)-->\s*$")
+_FENCE_NOT_RUN = re.compile(r"^\s*(\S*)\s+not run\s*:(.*)$")  # ```console not run: REASON
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,9 @@ def parse_blocks(page: Path) -> list[Block]:
             else:
                 needs += [n.strip() for n in mark.group(2).split(",") if n.strip()]
             above -= 1
+        on_fence = _FENCE_NOT_RUN.match(info)
+        if on_fence is not None:
+            info, not_run = on_fence.group(1), on_fence.group(2).strip()
         language = info.strip().split()[0].lower() if info.strip() else ""
         blocks.append(Block(page, i + 1, language, "\n".join(body) + "\n", not_run,
                             tuple(needs)))
@@ -320,33 +329,92 @@ def _read_line(f, timeout: float) -> Optional[str]:
     return f.readline() or None
 
 
-def console_script(block: Block) -> str:
-    """The block's "$ " commands as one bash script that stops at the first failure."""
-    commands: list[str] = []
+@dataclass(frozen=True)
+class Command:
+    """A ``$ `` command of a console block: its markdown line, its text, and the lines the
+    block shows under it (its sample output, until the next command)."""
+
+    line: int
+    text: str
+    shown: tuple[str, ...]
+
+
+def console_commands(block: Block) -> list[Command]:
+    """The block's ``$ `` commands (a line ending in a backslash continues on the next),
+    each with the output lines shown under it."""
+    commands: list[list] = []  # [line, text, shown lines]
     continued = False
-    for line in block.code.splitlines():
+    for number, line in enumerate(block.code.splitlines(), block.first_code_line):
         if continued:
-            commands[-1] += "\n" + line
+            commands[-1][1] += "\n" + line
         elif line.startswith("$ "):
-            commands.append(line[2:])
-        else:
-            continue
-        continued = line.endswith("\\")
+            commands.append([number, line[2:], []])
+        elif commands:
+            commands[-1][2].append(line)
+        continued = line.endswith("\\") and (continued or line.startswith("$ "))
+    return [Command(number, text, tuple(shown)) for number, text, shown in commands]
+
+
+def _marker(number: int) -> str:
+    return f"@@cachekit-example-command-{number}@@"
+
+
+_MARKER = re.compile(r"\n?@@cachekit-example-command-(\d+)@@\n")
+
+
+def console_script(block: Block, markers: bool = False) -> str:
+    """The block's "$ " commands as one bash script that stops at the first failure; with
+    ``markers``, each command's output is preceded by a line naming the command's markdown
+    line (:func:`split_console_output` takes them out again)."""
+    commands = console_commands(block)
     if not commands:
         raise AssertionError(f"{block.where}: a console block with no `$ ` command; mark it "
                              "`<!-- not run: REASON -->` or use a ```text block")
     trap = 'trap \'echo "[exit status $?: $BASH_COMMAND]" >&2\' ERR'
-    return "\n".join(["set -eE -o pipefail", trap, *commands]) + "\n"
+    lines = ["set -eE -o pipefail", trap]
+    for command in commands:
+        if markers:  # bash's own printf, once the previous command has ended
+            lines.append(f"printf '\\n%s\\n' '{_marker(command.line)}'")
+        lines.append(command.text)
+    return "\n".join(lines) + "\n"
 
 
-def run_console(block: Block, cwd: Path, env: dict[str, str]) -> tuple[bool, str]:
+def split_console_output(raw: str) -> tuple[str, dict[int, str]]:
+    """(the output without the markers, markdown line of each command -> its output)."""
+    parts = _MARKER.split(raw)
+    printed = {int(line): text for line, text in zip(parts[1::2], parts[2::2])}
+    return parts[0] + "".join(parts[2::2]), printed
+
+
+def run_console(block: Block, cwd: Path, env: dict[str, str]
+                ) -> tuple[bool, str, dict[int, str]]:
+    """Run the console block; (succeeded, its output, each command's output by line)."""
     try:
-        done = subprocess.run(["bash", "-c", console_script(block)], cwd=cwd, env=env,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        done = subprocess.run(["bash", "-c", console_script(block, markers=True)], cwd=cwd,
+                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT)
     except subprocess.TimeoutExpired as e:
-        return False, f"{e.output or ''}\n(timed out after {BLOCK_TIMEOUT:g} s)"
-    return done.returncode == 0, done.stdout
+        raw = e.output.decode(errors="replace") if isinstance(e.output, bytes) else e.output
+        output, printed = split_console_output(raw or "")
+        return False, f"{output}\n(timed out after {BLOCK_TIMEOUT:g} s)", printed
+    output, printed = split_console_output(done.stdout)
+    return done.returncode == 0, output, printed
+
+
+def console_problems(block: Block, printed: dict[int, str]) -> list[str]:
+    """Each command of a console block whose shown output is not what it printed (stdout
+    and stderr in the order written, lines compared without their trailing spaces, ``...``
+    standing for any text). A command with nothing shown under it is not compared."""
+    problems = []
+    for command in console_commands(block):
+        if not command.shown:
+            continue
+        shown = "\n".join(line.rstrip() for line in command.shown).strip("\n")
+        actual = "\n".join(line.rstrip() for line in printed.get(command.line, "").splitlines())
+        if not Claim(command.line, shown).matches(actual.strip("\n")):
+            problems.append(f"{block.at(command.line)}: shows this output of `$ {command.text}`:"
+                            f"\n{shown}\nbut it printed:\n{actual.strip(chr(10))}")
+    return problems
 
 
 def make_samples(folder: Path) -> None:
@@ -397,12 +465,14 @@ class Page:
         self.logs = 0
 
     def run(self, block: Block, extra_env: Optional[dict[str, str]] = None) -> tuple[bool, str]:
-        """Run ``block``; (succeeded, its output). A python block's claims are then checked:
-        ``claim_problems`` holds those it failed."""
+        """Run ``block``; (succeeded, its output). A python block's claims, or a console
+        block's shown output, are then checked: ``claim_problems`` holds those it failed."""
         self.claim_problems: list[str] = []
         ok, output, printed = self._run(block, extra_env)
         if ok:
-            self.claim_problems = claim_problems(block, printed)
+            self.claim_problems = (console_problems(block, printed)
+                                   if block.language == "console"
+                                   else claim_problems(block, printed))
         return ok, output
 
     def _run(self, block: Block, extra_env: Optional[dict[str, str]]
@@ -415,14 +485,14 @@ class Page:
                 block = replace(block, code=block.code.replace(PLACEHOLDER_URL,
                                                                env["CACHEKIT_REMOTE"]))
             if block.language == "console":
-                return (*run_console(block, self.folder, env), {})
+                return run_console(block, self.folder, env)
             alone = PythonSession(self.folder, env)
             try:
                 return (*alone.run(block, log), alone.printed)
             finally:
                 alone.close()
         if block.language == "console":
-            return (*run_console(block, self.folder, self.env), {})
+            return run_console(block, self.folder, self.env)
         if self.session is None:
             self.session = PythonSession(self.folder, self.env)
         return (*self.session.run(block, log), self.session.printed)
@@ -525,12 +595,17 @@ def test_the_parser_finds_fences_markers_and_line_numbers(tmp_path) -> None:
     page.write_text("\n".join([
         "# t", "", "```python", "x = 1", "```", "", "<!-- needs: s3 -->", "~~~~console",
         "$ echo ```", "~~~~", "<!-- not run: needs a GPU -->", "```bash", "nvidia-smi",
-        "```", "<!-- not run: -->", "```", "plain", "````", "", "```text", "unclosed"]),
+        "```", "<!-- not run: -->", "```", "plain", "````", "",
+        "```console not run: installs packages", "$ pip install -e .", "```",
+        "```text not run:", "x", "```", "```text", "unclosed"]),
         encoding="utf-8")
     blocks = parse_blocks(page)
     assert [(b.line, b.language, b.not_run, b.needs) for b in blocks] == [
         (3, "python", None, ()), (8, "console", None, ("s3",)),
-        (12, "bash", "needs a GPU", ()), (16, "", "", ()), (20, "text", None, ())]
+        (12, "bash", "needs a GPU", ()), (16, "", "", ()),
+        (20, "console", "installs packages", ()), (23, "text", "", ()), (26, "text", None, ())]
+    assert blocks[4].code == "$ pip install -e .\n"
+    assert "needs a reason" in marking_problem(blocks[5])
     assert blocks[0].code == "x = 1\n" and blocks[1].code == "$ echo ```\n"
     assert blocks[3].code == "plain\n"  # a longer closing fence closes it
 
@@ -578,8 +653,22 @@ def test_a_failing_python_block_reports_its_markdown_line(tmp_path) -> None:
 
 def test_a_failing_command_stops_its_block(tmp_path) -> None:
     block = Block(REPO / "x.md", 1, "console", "$ false\n$ echo unreachable\n", None, ())
-    ok, output = run_console(block, tmp_path, base_env(tmp_path))
+    ok, output, _ = run_console(block, tmp_path, base_env(tmp_path))
     assert not ok and "unreachable" not in output and "exit status 1: false" in output
+
+
+def test_a_console_block_shows_what_each_command_prints_or_fails(tmp_path) -> None:
+    code = ("$ echo one; echo two >&2\none\ntwo\n$ true\n$ printf 'a  \\nb'\na\nb\n"
+            "$ echo took 3 s || echo \\\n  never\ntook ... s\n$ echo built\nlocal\n")
+    block = Block(tmp_path / "page.md", 10, "console", code, None, ())
+    assert [(c.line, c.shown) for c in console_commands(block)] == [
+        (11, ("one", "two")), (14, ()), (15, ("a", "b")), (18, ("took ... s",)),
+        (21, ("local",))]
+    ok, output, printed = run_console(block, tmp_path, base_env(tmp_path))
+    assert ok and "@@" not in output and output.startswith("one\ntwo\n"), output
+    assert console_problems(block, printed) == [
+        f"{tmp_path / 'page.md'}:21: shows this output of `$ echo built`:\nlocal\n"
+        "but it printed:\nbuilt"]  # stdout and stderr in order; `...`; trailing spaces
 
 
 def test_the_readme_commands_are_those_ci_runs() -> None:
@@ -588,7 +677,7 @@ def test_the_readme_commands_are_those_ci_runs() -> None:
     for command in ('pip install -e ".[dev]"', "python -m pytest -q -n 4 --dist worksteal"):
         assert command in ci.splitlines(), command
         assert command in readme, command
-    assert 'pip install -e ".[dev]" && cachekit demo' in readme
+    assert "$ pip install -e . && cachekit demo\n" in readme  # the lean install: see test_demo
 
 
 def _run_page(tmp_path: Path, *blocks: str) -> list[list[str]]:
@@ -638,15 +727,26 @@ def test_claims_match_by_statement_with_ellipses(tmp_path) -> None:
                         "printed ''"]  # a claim on a line that prints nothing fails
 
 
-def test_the_readme_first_screen_says_what_it_is_how_to_install_and_the_one_line() -> None:
+def test_the_readme_first_screen_says_what_it_is_the_demo_the_one_line_and_the_tests() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    first_screen = "\n".join(readme.splitlines()[:45])
-    assert "preprocessing cache for PyTorch" in first_screen
-    assert "$ pip install -e .\n" in first_screen
-    assert 'entry = cachekit.Cache().images(df["img_path"], size=224)' in first_screen
-    assert "dataset = entry.dataset(" in first_screen
-    assert first_screen.index("size=224") < readme.index("cachekit demo")
+    first_screen = "\n".join(readme.splitlines()[:40])
+    in_order = ["preprocessing cache for PyTorch",                  # what it is
+                "$ pip install -e . && cachekit demo\n",            # the lean install, the demo
+                "`cachekit demo --csv covers.csv`",                  # a covers.csv in one command
+                'entry = cachekit.Cache().images(df["img_path"], size=224)',
+                "dataset = entry.dataset(",
+                "$ python -m pytest -q -n 4 --dist worksteal\n"]    # the tests
+    at = [first_screen.find(text) for text in in_order]
+    assert -1 not in at and at == sorted(at), dict(zip(in_order, at))
+    assert re.search(r"The tests take about \d+ minutes on a 2-core machine\.", first_screen)
+    assert "<!--" not in first_screen  # the fences carry their `not run` markers
     assert readme.index("## What the demo prints") > readme.index("## The one call")
+    # one table of this version's figures; the targets and misses are on docs/benchmarks.md
+    benchmarks = readme[readme.index("## Benchmarks"):readme.index("## Documentation")]
+    lines = benchmarks.splitlines()
+    rulers = [i for i, line in enumerate(lines) if line.startswith("|---")]
+    assert len(rulers) == 1 and "the field report's own" in benchmarks
+    assert "target" not in lines[rulers[0] - 1] and "not met" not in readme
 
 
 def test_the_readme_says_its_blocks_run_as_cells_and_claims_output() -> None:

@@ -141,6 +141,28 @@ def test_two_uploads_of_one_key_leave_one_manifest_and_only_its_data(s3_env, tmp
     assert keys[0].manifest is not None and len(keys[0].uploads) == 1
 
 
+@pytest.mark.parametrize("part_bytes", [None, 1024])  # one write; in parts
+def test_an_upload_checks_every_checksum_and_sends_no_damaged_entry(tmp_path, part_bytes,
+                                                                   monkeypatch):
+    entry = local_entry(tmp_path / "a")
+    with open(entry.path / "data.npy", "r+b") as f:  # a flipped byte: the size is unchanged
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 0xFF]))
+    remote = RemoteStore((tmp_path / "shared").as_uri())
+    if part_bytes is not None:
+        from cachekit.store import remote as remote_module
+
+        monkeypatch.setattr(remote_module, "RANGE_BYTES", part_bytes)
+    with pytest.raises(CacheCorruptError, match=r"data\.npy: checksum mismatch: the "
+                       r"manifest says .*nothing was uploaded"):
+        remote.upload(published(tmp_path / "a", entry.key))
+    assert remote.lookup(entry.key) is None  # no manifest was published
+    keys, _ = remote.scan()
+    assert all(not k.uploads for k in keys)  # and no data objects are left
+
+
 def test_of_two_uploaders_racing_past_the_lookup_exactly_one_manifest_wins(s3_env, tmp_path,
                                                                            monkeypatch):
     entry = local_entry(tmp_path / "a")

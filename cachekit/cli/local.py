@@ -214,8 +214,10 @@ def build(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from ..demo import run
+    from ..demo import run, write_csv
 
+    if args.csv is not None:
+        return write_csv(Path(args.csv).expanduser(), images=args.images)
     return run(Path(args.root).expanduser() if args.root else None,
                images=args.images, agents=args.agents)
 

@@ -15,6 +15,7 @@ The functions work on a :class:`~cachekit.store.bucket.Bucket` and the entry lay
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from typing import Any, Callable
@@ -146,13 +147,43 @@ def withdraw(bucket: Bucket, key: str, upload: str) -> bool:
 
 def _put(bucket: Bucket, published: Published, record: FileRecord, path: str,
          bar: Any) -> None:
-    """Copy one local entry file to ``path``, after checking its size against its record."""
-    with _fs.open_regular(published.path / record.name) as f:
+    """Copy one local entry file to ``path``, checking its size against its record, and its
+    checksum on the bytes as they are read: a local file damaged since it was built
+    (CacheCorruptError) is not uploaded, and its manifest is never published."""
+    local = published.path / record.name
+    with _fs.open_regular(local) as f:
         size = os.fstat(f.fileno()).st_size
         if size != record.bytes:
-            raise CacheCorruptError(published.path / record.name, f"file is {size} bytes, "
+            raise CacheCorruptError(local, f"file is {size} bytes, "
                                     f"the manifest says {record.bytes}")
-        bucket.write_file(path, f, size, bar.update if bar is not None else lambda n: None)
+        bucket.write_file(path, _Checked(f, local, record), size,
+                          bar.update if bar is not None else lambda n: None)
+
+
+class _Checked:
+    """A local entry file read for its upload: hashed as it is read, and checked against
+    its record once its last byte is read, before that byte is handed on (so a bad object
+    never lands: a multipart write that fails is abandoned)."""
+
+    def __init__(self, f: Any, local: Any, record: FileRecord) -> None:
+        self.f, self.local, self.record = f, local, record
+        self.hasher = hashlib.blake2b(digest_size=16)
+        self.seen = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.hasher.update(data)
+        self.seen += len(data)
+        if data and self.seen >= self.record.bytes:
+            _check_checksum(self.local, self.record, self.hasher)
+        return data
+
+
+def _check_checksum(local: Any, record: FileRecord, hasher: Any) -> None:
+    got = "blake2b-128:" + hasher.hexdigest()
+    if got != record.checksum:
+        raise CacheCorruptError(local, f"checksum mismatch: the manifest says "
+                                f"{record.checksum}, the file has {got}; nothing was uploaded")
 
 
 def _quietly(fn: Callable[[], None]) -> Callable[[], None]:
