@@ -152,9 +152,7 @@ def test_an_upload_checks_every_checksum_and_sends_no_damaged_entry(tmp_path, pa
         f.write(bytes([last ^ 0xFF]))
     remote = RemoteStore((tmp_path / "shared").as_uri())
     if part_bytes is not None:
-        from cachekit.store import remote as remote_module
-
-        monkeypatch.setattr(remote_module, "RANGE_BYTES", part_bytes)
+        monkeypatch.setattr(bucket, "RANGE_BYTES", part_bytes)
     with pytest.raises(CacheCorruptError, match=r"data\.npy: checksum mismatch: the "
                        r"manifest says .*nothing was uploaded"):
         remote.upload(published(tmp_path / "a", entry.key))
