@@ -78,6 +78,44 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> Decodes:
     return counter
 
 
+class Opens:
+    """The image files (``.png`` under ``folder``) opened with ``os.open`` or ``open`` in
+    this process since the last :meth:`take`: what decoding cost, counted below cachekit's
+    own functions."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.paths = str(folder), []
+
+    def seen(self, path: object) -> None:
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(self.folder) \
+                and os.fspath(path).endswith(".png"):
+            self.paths.append(os.fspath(path))
+
+    def take(self) -> list[str]:
+        taken, self.paths = self.paths, []
+        return taken
+
+
+@pytest.fixture
+def opens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Opens:
+    import builtins
+
+    counter = Opens(tmp_path)
+    real_os_open, real_open = os.open, builtins.open
+
+    def os_open(path, *args, **kwargs):
+        counter.seen(path)
+        return real_os_open(path, *args, **kwargs)
+
+    def plain_open(path, *args, **kwargs):
+        counter.seen(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", plain_open)
+    return counter
+
+
 def column(paths: list[str], rows) -> pd.Series:
     return pd.Series([paths[i] for i in rows], name="img_path")
 
@@ -450,20 +488,22 @@ def with_bad_rows(pictures: list[str], tmp_path: Path, rows: int) -> pd.Series:
 
 
 def test_a_failed_build_keeps_its_good_rows_for_the_retry_and_the_column_without_them(
-        cache, pictures, decodes, tmp_path):
+        cache, pictures, opens, tmp_path):
     col = with_bad_rows(pictures, tmp_path, 300)
     with pytest.raises(cachekit.ImageDecodeError, match="the rows that decoded are kept"):
         cache.images(col, 8)
-    assert len(decodes.take()) == 302
+    assert sorted(opens.take()) == sorted(col)  # each file opened once (or tried: missing)
     with pytest.raises(cachekit.ImageDecodeError):
         cache.images(col, 8)  # the retry decodes only the rows that failed: fixed or not
-    assert sorted(decodes.take()) == sorted(col[300:])
+    assert sorted(opens.take()) == sorted(col[300:])
     dropped = cache.images(col[:300], 8)  # the user drops them: nothing left to decode
-    assert decodes.take() == [] and counts(dropped) == (0, 0, 300)
+    assert opens.take() == [] and counts(dropped) == (0, 0, 300)
     np.testing.assert_array_equal(dropped.array, fresh(tmp_path, col[:300]))
+    opens.take()  # (the fresh build's)
     zeros = cache.images(col, 8, on_error="zero")  # on_error is not in the recipe
-    assert sorted(decodes.take()) == sorted(col[300:]) and counts(zeros) == (2, 0, 300)
+    assert sorted(opens.take()) == sorted(col[300:]) and counts(zeros) == (2, 0, 300)
     assert zeros.valid.tolist() == [True] * 300 + [False, False]
+    np.testing.assert_array_equal(zeros.array, fresh(tmp_path, col, on_error="zero"))
     kept = [e for e in cache.entries() if e.failed_build is not None]
     assert [e.failed_rows for e in kept] == [2] and kept[0].rows == 302
 
@@ -491,13 +531,16 @@ def test_a_failed_build_is_not_an_entry_and_ls_and_clear_show_and_remove_it(
 
 
 def test_switching_validate_copies_every_row_whose_file_proves_unchanged(
-        cache, pictures, decodes, tmp_path):
+        cache, pictures, decodes, opens, tmp_path):
     col = column(pictures, range(200))
     cache.images(col, 8)
     decodes.take()
     os.utime(pictures[7], ns=(3, 3))  # its recorded stat no longer holds
+    opens.take()
     stat = cache.images(col, 8, validate="stat")  # validate is not in the recipe either
-    assert decodes.take() == [pictures[7]] and counts(stat) == (1, 0, 199)
+    assert opens.take() == [pictures[7]] and counts(stat) == (1, 0, 199)
+    np.testing.assert_array_equal(stat.array, fresh(tmp_path, col, validate="stat"))
+    decodes.take()
     content = cache.images(col, 8, validate="content")  # no digest recorded: decoded
     assert len(decodes.take()) == 200 and counts(content) == (200, 0, 0)
     _write_picture(Path(pictures[9]), 77)

@@ -338,6 +338,61 @@ def test_a_signing_victim_never_resumes_an_attackers_abandoned_build(shared_root
     assert checked.ok, checked.failure()
 
 
+POISONED_FAILED_ATTACKER = textwrap.dedent(r'''
+    """Attacker: run the team's images call with a file that is no image appended, its
+    decoder rewritten to give POISON for every other file, so that the failed build keeps
+    poisoned rows, internally consistent (checksums and block digests of the poison).
+
+    argv: ROOT CONFIG. config: paths, size, poison, bad (the file that is no image).
+    """
+    import json, sys
+    from pathlib import Path
+
+    import numpy as np
+
+    import cachekit
+    import cachekit.engine.decoding.images
+    from hosts import report
+
+    root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    decode = cachekit.engine.decoding.images.load_image
+
+    def load_image(path, *args, **kwargs):
+        row = decode(path, *args, **kwargs)  # raises for the bad file
+        return np.full_like(row, config["poison"])
+
+    cachekit.engine.decoding.images.load_image = load_image
+    cache = cachekit.Cache(root, workers=1, progress=False)
+    try:
+        cache.images([*config["paths"], config["bad"]], config["size"])
+    except cachekit.ImageDecodeError:
+        pass
+    report(kept=[e.key for e in cache.entries() if e.failed_build is not None])
+''')
+
+
+def test_a_signing_victim_never_copies_rows_an_attackers_failed_build_kept(shared_root):
+    """The attacker (no signing key) makes a failed build keep poisoned rows of the team's
+    column; the victim, with the key, builds the column: it gets exactly the freshly decoded
+    pixels, since kept rows face the checks of any source of rows."""
+    shared = shared_root
+    paths = tiny_images(shared.base / "images", 40)
+    bad = shared.base / "images" / "broken.png"
+    bad.write_bytes(b"no image")
+    bad.chmod(0o644)
+    _, expected = reference(shared, paths, 8)
+    config = shared.write_json("attacker.json", {"paths": paths, "size": 8, "poison": POISON,
+                                                 "bad": str(bad)})
+    planted = finish(shared.attacker.python(shared.script(POISONED_FAILED_ATTACKER),
+                                            shared.root, config), TIMEOUT).report()
+    assert len(planted["kept"]) == 1, planted
+    done = run_victim(shared, {"paths": paths, "size": 8, "expected": str(expected)},
+                      "victim.json", env=SIGNED)
+    got = done.report()
+    assert got["outcome"] == "ok" and got["source"] == "built", outcome(done)
+    assert not got["poisoned"] and not got["wrong"], outcome(done)
+
+
 # --- 2. disk fill ------------------------------------------------------------------------
 
 
