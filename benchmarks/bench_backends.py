@@ -87,10 +87,10 @@ RATIOS = [  # (figure, numerator, denominator, target: ">= x", "<= x" or None, o
 ]
 
 START_COSTS = {  # what a fresh worker interpreter imports to compute a row
-    "pil worker (numpy, Pillow)": "import numpy, PIL.Image; from cachekit.engine import "
-                                  "decode_pil",
-    "tensor worker (torch, torchvision's image library)": "from cachekit.engine import "
-                                                          "decode_tensor",
+    "pil worker (numpy, Pillow)": "import numpy, PIL.Image; from cachekit.engine.decoding "
+                                  "import decode_pil",
+    "tensor worker (torch, torchvision's image library)": "from cachekit.engine.decoding "
+                                                          "import decode_tensor",
     "through torchvision.io instead": "import torch, torchvision.io",
 }
 

@@ -9,11 +9,18 @@ from typing import Iterator
 import uuid
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import cachekit
 import hosts
 import s3
 import users
+
+settings.register_profile("shared-machine", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shared-machine")
+"""A test's inputs take as long to make as the machine lets them: CI runs four workers on
+two cores, and a slow draw there is load, not a slow strategy."""
 
 
 @pytest.fixture

@@ -156,7 +156,9 @@ def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, ho
     with pytest.raises(cachekit.ImageDecodeError) as caught:
         cachekit.Cache(root, workers=2, progress=False).images(pd.Series(paths), 8)
     assert [row for row, _, _ in caught.value.failures] == sorted(failed)
-    assert sorted(p.name for p in (root / "entries").iterdir()) == [entry.key]
+    listed = cachekit.Cache(root).entries()  # the entry, and the rows the failed build kept
+    assert [e.key for e in listed if e.failed_build is None] == [entry.key]
+    assert [e.failed_rows for e in listed if e.failed_build is not None] == [len(failed)]
     assert cachekit.Cache(root).images(pd.Series(paths), 8, on_error="zero").hit
 
 
