@@ -27,8 +27,10 @@ def test_a_tiny_quick_run_measures_every_phase(tmp_path: Path) -> None:
     # The seed's Dataset still runs in the DataLoader phase.
     run = load_run_module()
     out = tmp_path / "docs"
-    report = run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
-                       "--hit-rows", "200", "--dataloader-rows", "600", "--repeats", "1",
+    # The smallest sizes that still give every figure: two rows per build worker, one
+    # DataLoader batch (256 rows); the time is interpreters starting, not rows.
+    report = run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
+                       "--hit-rows", "20", "--dataloader-rows", "256", "--repeats", "1",
                        "--contestants", "joblib,datasets,cachekit", "--out", str(out)])
 
     sections = {row.section for row in report.rows}
@@ -60,8 +62,8 @@ def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys,
     before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                             text=True).stdout
     run = load_run_module()
-    run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
-              "--hit-rows", "200", "--repeats", "1", "--only", "hit",
+    run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
+              "--hit-rows", "20", "--repeats", "1", "--only", "hit",
               "--contestants", "cachekit"])
     after = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                            text=True).stdout
