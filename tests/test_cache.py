@@ -20,17 +20,14 @@ from cachekit.store import manifest as manifests
 from cachekit.store import Layout, LocalStore
 from cachekit.engine.images import load_image
 
+from helpers import leftovers
+
 MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], name="img_path")
 
 
 def published(root: Path) -> list[str]:
     entries = root / "entries"
     return sorted(p.name for p in entries.iterdir()) if entries.exists() else []
-
-
-def leftovers(root: Path) -> list[str]:
-    tmp = root / "tmp"
-    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
 
 
 def test_pinned_key_for_a_fixed_column_and_parameters(cache_root):

@@ -20,7 +20,7 @@ import pytest
 
 import cachekit
 import hosts
-from helpers import build_journal, rows_by
+from helpers import build_journal, leftovers, rows_by
 from hosts import HostProcess, StartBarrier, finish, wait_for
 
 TIMEOUT = 180.0
@@ -106,10 +106,6 @@ def script(work: Path, name: str, source: str) -> Path:
 
 def entries(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "entries").iterdir())
-
-
-def leftovers(root: Path) -> list[str]:
-    return sorted(p.name for p in (root / "tmp").iterdir()) if (root / "tmp").exists() else []
 
 
 
