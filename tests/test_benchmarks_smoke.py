@@ -98,7 +98,7 @@ def test_the_engine_benchmark_prints_every_ratio(tmp_path: Path, monkeypatch) ->
     # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
     engine = importlib.import_module("bench_engine")
-    result = engine.main(["--covers", "6", "--rounds", "1", "--json", str(tmp_path / "e.json")])
+    result = engine.main(["--covers", "4", "--rounds", "1", "--json", str(tmp_path / "e.json")])
     text = result["table"]
     for figure in ("exact 1 worker / seed loop", "exact 1 worker / bare Pillow loop",
                    "exact 2 workers / 1 worker (threads)", "processes / threads, 2 workers",
@@ -132,7 +132,7 @@ def test_the_backends_benchmark_prints_its_ratios(tmp_path: Path, monkeypatch) -
     # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
     backends = importlib.import_module("bench_backends")
-    result = backends.main(["--quick", "--images", "8", "--json", str(tmp_path / "b.json"),
+    result = backends.main(["--quick", "--images", "4", "--json", str(tmp_path / "b.json"),
                             "--only", "cachekit tensor, 1", "--only", "cachekit pil, 1",
                             "--only", "OpenCV"])
     text = result["table"]
