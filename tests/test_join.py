@@ -45,7 +45,7 @@ IMAGES_AGENT = textwrap.dedent("""
     cache = cachekit.Cache(root, workers=1, progress=None)  # no bars (no terminal), messages
     hosts.StartBarrier(work).wait(me)
     try:
-        entry = cache.images(paths, 16, on_error=on_error)
+        entry = cache.images(paths, 16, on_error=on_error, backend="pil")  # (no torch import)
     except cachekit.ImageDecodeError as e:
         hosts.report(me=me, pid=os.getpid(), failed=[row for row, _, _ in e.failures])
     else:
@@ -136,7 +136,7 @@ def test_agents_released_together_decode_every_row_once_between_them(tmp_path, a
             assert f"cachekit[pid {r['pid']}]: joined the build of entry" in f.stderr, f.stderr
             assert "this process filled" in f.stderr, f.stderr
     reference = cachekit.Cache(tmp_path / "alone", progress=False, join=False).images(
-        __import__("pandas").Series(paths), 16)
+        __import__("pandas").Series(paths), 16, backend="pil")
     assert hashlib.sha256(np.asarray(reference.array).tobytes()).hexdigest() == reports[0]["sha"]
 
 
