@@ -22,6 +22,12 @@ def assert_cache_as_it_was(root: Path) -> None:
         lock.release()
 
 
+def leftovers(root: Path) -> list[str]:
+    """The names under ROOT/tmp (build directories and what else is left there), sorted."""
+    tmp = root / "tmp"
+    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
+
+
 def load_module(path: Path, name: str, body: str):
     """Write ``body`` to ``path`` and import it fresh as module ``name``."""
     path.write_text(body)

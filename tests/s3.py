@@ -10,8 +10,8 @@ own configuration (the ``AWS_*`` variables of :meth:`Seaweed.env`).
 
 :class:`Proxy` sits between a client and the server: ``mode="forward"`` relays requests,
 ``"stall"`` reads a request and never answers, ``"late-answer"`` relays a create-only PUT
-(``If-None-Match: *``) of a manifest at once but holds its answer back, ``"late-request"``
-holds the PUT itself back before it relays it, and the modes of
+(``If-None-Match: *``) of a manifest at once but holds its answer back (until released),
+``"late-request"`` holds the PUT itself back before it relays it, and the modes of
 :data:`REJECTIONS` answer a create-only PUT with a canned reply, as other stores answer a
 lost race: AWS's 412 with a ``Condition`` element, SeaweedFS's 412 without one, a 409
 conflict.
@@ -179,7 +179,8 @@ class Proxy:
 
     ``mode``: ``"forward"``; ``"stall"`` (read the request, never answer); ``"late-answer"``
     (forward a PUT with ``If-None-Match`` whose path ends in ``late_path`` at once, so the
-    server acts on it, and send its answer ``delay`` seconds later); ``"late-request"``
+    server acts on it, and send its answer ``delay`` seconds later, or once ``released``
+    is set); ``"late-request"``
     (forward such a PUT ``delay`` seconds after it came, or once ``released`` is set, then
     answer); or a key of
     :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest).
@@ -274,7 +275,8 @@ class Proxy:
                         answer.append(chunk)
                 if late:
                     self.delayed += 1
-                    if not self._stopped.wait(self.delay):
+                    self.released.wait(self.delay)
+                    if not self._stopped.is_set():
                         client.sendall(b"".join(answer))
             except OSError:
                 return

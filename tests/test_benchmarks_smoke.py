@@ -27,8 +27,10 @@ def test_a_tiny_quick_run_measures_every_phase(tmp_path: Path) -> None:
     # The seed's Dataset still runs in the DataLoader phase.
     run = load_run_module()
     out = tmp_path / "docs"
-    report = run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
-                       "--hit-rows", "200", "--dataloader-rows", "600", "--repeats", "1",
+    # The smallest sizes that still give every figure: two rows per build worker, one
+    # DataLoader batch (256 rows); the time is interpreters starting, not rows.
+    report = run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
+                       "--hit-rows", "20", "--dataloader-rows", "256", "--repeats", "1",
                        "--contestants", "joblib,datasets,cachekit", "--out", str(out)])
 
     sections = {row.section for row in report.rows}
@@ -60,8 +62,8 @@ def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys,
     before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                             text=True).stdout
     run = load_run_module()
-    run.main(["--quick", "--covers", "8", "--rss-small", "4", "--agents-rows", "6",
-              "--hit-rows", "200", "--repeats", "1", "--only", "hit",
+    run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
+              "--hit-rows", "20", "--repeats", "1", "--only", "hit",
               "--contestants", "cachekit"])
     after = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                            text=True).stdout
@@ -96,7 +98,7 @@ def test_the_engine_benchmark_prints_every_ratio(tmp_path: Path, monkeypatch) ->
     # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
     engine = importlib.import_module("bench_engine")
-    result = engine.main(["--covers", "6", "--rounds", "1", "--json", str(tmp_path / "e.json")])
+    result = engine.main(["--covers", "4", "--rounds", "1", "--json", str(tmp_path / "e.json")])
     text = result["table"]
     for figure in ("exact 1 worker / seed loop", "exact 1 worker / bare Pillow loop",
                    "exact 2 workers / 1 worker (threads)", "processes / threads, 2 workers",
@@ -130,7 +132,7 @@ def test_the_backends_benchmark_prints_its_ratios(tmp_path: Path, monkeypatch) -
     # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
     backends = importlib.import_module("bench_backends")
-    result = backends.main(["--quick", "--images", "8", "--json", str(tmp_path / "b.json"),
+    result = backends.main(["--quick", "--images", "4", "--json", str(tmp_path / "b.json"),
                             "--only", "cachekit tensor, 1", "--only", "cachekit pil, 1",
                             "--only", "OpenCV"])
     text = result["table"]

@@ -21,6 +21,8 @@ from cachekit.store import manifest as manifests
 from cachekit.store import Layout, LocalStore
 from cachekit.engine.decoding.images import load_image
 
+from helpers import leftovers
+
 MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], name="img_path")
 
 
@@ -32,11 +34,6 @@ def published(root: Path) -> list[str]:
 def only_kept_rows(root: Path) -> bool:
     """Whether the root holds no entry but the rows one failed build kept."""
     return [e.failed_build is not None for e in cachekit.Cache(root).entries()] == [True]
-
-
-def leftovers(root: Path) -> list[str]:
-    tmp = root / "tmp"
-    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
 
 
 def test_pinned_key_for_a_fixed_column_and_parameters(cache_root):

@@ -579,7 +579,7 @@ def test_build_prints_the_key_that_training_code_will_hit(tmp_path, cache_root, 
 def test_build_and_ls_report_one_size_for_one_entry(tmp_path, cache_root, cover_paths):
     csv = write_csv(tmp_path / "train.csv", cover_paths)
     built = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "32x32",
-                         root=cache_root)
+                         "--backend", "pil", root=cache_root)  # pil: no torch to import
     assert built.returncode == 0, built.stderr
     (listed,) = json.loads(cachekit_cmd("ls", "--json", root=cache_root).stdout)
     size = units.format_size(listed["bytes"])
@@ -606,11 +606,11 @@ def test_build_passes_every_option(tmp_path, cache_root, cover_paths):
     result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "9",
                           "--mode", "L", "--fit", "crop", "--resample", "nearest",
                           "--workers", "1", "--on-error", "zero", "--validate", "stat",
-                          "--draft", root=cache_root)
+                          "--draft", "--backend", "pil", root=cache_root)
     assert result.returncode == 0, result.stderr
     entry = cachekit.Cache(cache_root).images(
         pd.read_csv(csv)["img_path"], 9, mode="L", fit="crop", resample="nearest",
-        on_error="zero", validate="stat", draft=True)
+        on_error="zero", validate="stat", draft=True, backend="pil")
     assert entry.hit and entry.key == result.stdout.strip()
     assert entry.array.shape == (3, 1, 9, 9)
 
@@ -638,15 +638,16 @@ def test_a_failed_build_lists_the_bad_rows_and_publishes_no_entry(tmp_path, cach
     broken.write_bytes(b"not a jpeg")
     csv = write_csv(tmp_path / "train.csv",
                     [cover_paths[0], str(tmp_path / "missing.jpg"), cover_paths[1], str(broken)])
+    # pil: no torch to import in the child (the failure list is the backends' common code)
     result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8x8",
-                          root=cache_root)
+                          "--backend", "pil", root=cache_root)
     assert result.returncode == 1 and result.stdout == ""
     assert "2 row(s) could not be decoded" in result.stderr
     assert f"row 1: {tmp_path / 'missing.jpg'}" in result.stderr
     assert f"row 3: {broken}" in result.stderr
     assert keys_in(cache_root) == set()  # (its kept rows are no entry)
     zeroed = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8x8",
-                          "--on-error", "zero", root=cache_root)
+                          "--on-error", "zero", "--backend", "pil", root=cache_root)
     assert zeroed.returncode == 0 and "2 failed rows stored as zeros" in zeroed.stderr
     assert keys_in(cache_root) == {zeroed.stdout.strip()}
 

@@ -27,7 +27,7 @@ AGENT = textwrap.dedent("""
     paths = pd.Series(Path(paths_file).read_text().splitlines())
     while not os.path.exists(start):  # start barrier: all agents ask at the same moment
         time.sleep(0.005)
-    entry = cachekit.Cache(root, workers=2).images(paths, (16, 16))
+    entry = cachekit.Cache(root, workers=2).images(paths, (16, 16), backend="pil")  # no torch
     print(json.dumps({"pid": os.getpid(), "hit": entry.hit, "key": entry.key,
                       "waited": entry.wait_seconds,
                       "sha": hashlib.sha256(np.asarray(entry.array).tobytes()).hexdigest()}))

@@ -274,11 +274,13 @@ def test_decode_failures_are_gathered_from_worker_processes(tmp_path, cover_path
     paths[2], paths[9] = str(broken), str(tmp_path / "missing.jpg")
     cache = cachekit.Cache(tmp_path / "cache", workers=2, executor=_executor(kind, request),
                            progress=False)
+    # pil: the workers need not import torch to fail (gathering failures is common code;
+    # test_tensor_backend runs the tensor backend in worker processes)
     with pytest.raises(ImageDecodeError) as info:
-        cache.images(pd.Series(paths), SIZE)
+        cache.images(pd.Series(paths), SIZE, backend="pil")
     assert [row for row, _, _ in info.value.failures] == [2, 9]
     assert "missing.jpg" in info.value.failures[1][1]
-    entry = cache.images(pd.Series(paths), SIZE, on_error="zero")
+    entry = cache.images(pd.Series(paths), SIZE, on_error="zero", backend="pil")
     assert entry.valid.tolist() == [i not in (2, 9) for i in range(len(paths))]
     assert not entry.array[[2, 9]].any() and entry.array[[0, 11]].any()
 
@@ -463,10 +465,10 @@ def test_cli_build_takes_an_executor(tmp_path, cover_paths):
     pd.DataFrame({"img_path": cover_paths}).to_csv(csv, index=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     keys = []
-    for kind in ("threads", "processes"):
+    for kind in ("threads", "processes"):  # pil: neither the CLI nor its workers import torch
         done = subprocess.run([sys.executable, "-m", "cachekit", "--root", str(tmp_path / kind),
                                "build", str(csv), "--column", "img_path", "--size", "8x8",
-                               "--executor", kind, "--workers", "2"],
+                               "--executor", kind, "--workers", "2", "--backend", "pil"],
                               capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0, done.stderr
         keys.append(cachekit.Cache(tmp_path / kind).entries()[0].key)

@@ -19,7 +19,7 @@ import pytest
 
 import cachekit
 import hosts
-from helpers import build_journal, rows_by
+from helpers import build_journal, leftovers, rows_by
 from hosts import HostProcess, StartBarrier, finish, wait_for
 
 TIMEOUT = 180.0
@@ -44,7 +44,7 @@ IMAGES_AGENT = textwrap.dedent("""
     cache = cachekit.Cache(root, workers=1, progress=None)  # no bars (no terminal), messages
     hosts.StartBarrier(work).wait(me)
     try:
-        entry = cache.images(paths, 16, on_error=on_error)
+        entry = cache.images(paths, 16, on_error=on_error, backend="pil")  # (no torch import)
     except cachekit.ImageDecodeError as e:
         hosts.report(me=me, pid=os.getpid(), failed=[row for row, _, _ in e.failures])
     else:
@@ -107,10 +107,6 @@ def entries(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "entries").iterdir())
 
 
-def leftovers(root: Path) -> list[str]:
-    return sorted(p.name for p in (root / "tmp").iterdir()) if (root / "tmp").exists() else []
-
-
 
 
 @pytest.mark.parametrize("agents", [2, 3])
@@ -139,7 +135,7 @@ def test_agents_released_together_decode_every_row_once_between_them(tmp_path, a
             assert f"cachekit[pid {r['pid']}]: joined the build of entry" in f.stderr, f.stderr
             assert "this process filled" in f.stderr, f.stderr
     reference = cachekit.Cache(tmp_path / "alone", progress=False, join=False).images(
-        __import__("pandas").Series(paths), 16)
+        __import__("pandas").Series(paths), 16, backend="pil")
     assert hashlib.sha256(np.asarray(reference.array).tobytes()).hexdigest() == reports[0]["sha"]
 
 

@@ -281,7 +281,7 @@ def reference(shared: users.SharedRoot, paths: list[str], size: int) -> tuple[st
     return entry.key, expected
 
 
-def run_victim(shared: users.SharedRoot, config: dict[str, Any], name: str,
+def victim_run(shared: users.SharedRoot, config: dict[str, Any], name: str,
                env: Optional[dict[str, str]] = None) -> Finished:
     """Run :data:`VICTIM` as the victim with ``config`` (a 2 s lease), to its end."""
     path = shared.write_json(name, {"poison": POISON, "lock_timeout": 30, **config})
@@ -327,7 +327,7 @@ def test_a_signing_victim_never_resumes_an_attackers_abandoned_build(shared_root
     assert planted["key"] == key and planted["abandoned"] is True, planted
     assert planted["done"] == [0, 1, 2], planted  # rows 0-191 finished, then rewritten
 
-    done = run_victim(shared, {"paths": paths, "size": 8, "expected": str(expected)},
+    done = victim_run(shared, {"paths": paths, "size": 8, "expected": str(expected)},
                       "victim.json", env=SIGNED)
     got = done.report()
     assert got["outcome"] == "ok", outcome(done)
@@ -423,7 +423,7 @@ def test_a_planted_dead_build_declaring_4_gib_is_never_copied(shared_root, plant
                      TIMEOUT).report()
     assert planted["bytes"] >= HUGE - 4096 and planted["blocks"] < 1024, planted  # sparse
 
-    done = run_victim(shared, {"paths": paths, "size": 8, "expected": str(expected),
+    done = victim_run(shared, {"paths": paths, "size": 8, "expected": str(expected),
                                "fsize_cap": FILE_SIZE_CAP}, "victim.json")
     got = done.report()
     print(f"{plant}: the victim wrote {got['wchar']} bytes (wchar), "
@@ -544,7 +544,7 @@ def test_a_lock_held_by_a_process_that_never_builds_does_not_block_forever(share
     wait_for(ready.exists, timeout=TIMEOUT, what="the attacker to hold the lock",
              watch=[holder])
 
-    done = run_victim(shared, {"paths": paths, "size": 8, "expected": str(expected),
+    done = victim_run(shared, {"paths": paths, "size": 8, "expected": str(expected),
                                "lock_timeout": None}, "victim.json")
     got = done.report()
     assert holder.poll() is None, "the lock holder exited"

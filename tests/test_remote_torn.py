@@ -188,6 +188,18 @@ def sweep(capsys, monkeypatch) -> str:
 
 # 1. A late answer -------------------------------------------------------------------------
 
+UPLOADER_TIMEOUT = "10"
+"""CACHEKIT_REMOTE_TIMEOUT of the uploader whose manifest create is held: it waits this long
+for it. Every other call of that upload must end within it on a loaded machine (4 s timed out
+plain reads under four test workers); the held create never does, whatever the load."""
+
+
+def abandoned_calls_end(before: set) -> None:
+    """Until the remote-call threads started since ``before`` (abandoned calls) have ended."""
+    hosts.wait_for(lambda: not [t for t in threading.enumerate() if t not in before
+                                and t.name == "cachekit-remote-call"],
+                   timeout=30, what="the abandoned create's thread to end")
+
 
 def row(v):
     return np.full((3, 8, 8), v % 251, dtype=np.uint8)
@@ -195,18 +207,22 @@ def row(v):
 
 def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
-    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-answer", delay=8.0)
+    before = set(threading.enumerate())
+    # The held answer is sent only once the uploader has given up on it (released below):
+    # "too late" by order, not by racing a delay against the timeout.
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), "late-answer", delay=120.0)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        # Long enough for every other call on a loaded machine (1.5 s timed out plain reads
-        # under four test workers), shorter than the held answer.
-        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "4")
+        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", UPLOADER_TIMEOUT)
         # The create lands, its answer comes too late, and the uploader reads the manifest
         # before it removes anything: it finds its own and calls it a win (no warning).
         built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
             row, list(range(ROWS)))
         background.wait_all()  # the upload runs after the call returns
+        monkeypatch.delenv("CACHEKIT_REMOTE_TIMEOUT")  # the default from here on
         assert built.source == "built" and proxy.delayed >= 1
+        proxy.released.set()  # the late answer; the abandoned create's thread ends
+        abandoned_calls_end(before)
     finally:
         proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
@@ -226,12 +242,13 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
     remote.lookup(32 * "0")  # connected now: straight to the server, not through the proxy
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "4")  # (see the test above)
+        monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", UPLOADER_TIMEOUT)
         # No answer, and no manifest yet when the uploader looks: it cannot tell, so it
         # leaves its data in place and says so; the call has its local entry.
         built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(
             row, list(range(ROWS)))
         background.wait_all()
+        monkeypatch.delenv("CACHEKIT_REMOTE_TIMEOUT")  # the sweep and the next call: default
         assert built.source == "built" and proxy.delayed >= 1
         assert re.search(f"ERROR: the background upload of entry {built.key[:12]} .* failed: "
                          ".*no answer within", capsys.readouterr().err)
@@ -245,9 +262,7 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         manifest = f"/{remote.manifest_path(built.key)}".encode()
         hosts.wait_for(lambda: proxy.late_forwarded and (b"DELETE", manifest) in proxy.log,
                        timeout=30, what="the abandoned create to withdraw its manifest")
-        hosts.wait_for(lambda: not [t for t in threading.enumerate() if t not in before
-                                    and t.name == "cachekit-remote-call"],
-                       timeout=30, what="the abandoned create's thread to end")
+        abandoned_calls_end(before)
     finally:
         proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)

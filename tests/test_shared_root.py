@@ -676,9 +676,9 @@ def victim_report(shared: users.SharedRoot, config: dict[str, Any], name: str,
                                 env={**VICTIM_ENV, **(env or {})}), TIMEOUT).report()
 
 
-def run_victim(shared: users.SharedRoot, config: dict[str, Any], name: str,
-               env: Optional[dict[str, str]] = None, user: Optional[users.User] = None
-               ) -> list[dict[str, Any]]:
+def victim_calls(shared: users.SharedRoot, config: dict[str, Any], name: str,
+                 env: Optional[dict[str, str]] = None, user: Optional[users.User] = None
+                 ) -> list[dict[str, Any]]:
     """:func:`victim_report`'s calls."""
     return victim_report(shared, config, name, env, user)["results"]
 
@@ -697,12 +697,12 @@ def test_a_symlinked_entries_tmp_or_locks_folder_leads_nowhere(shared_root, whic
     targets = make_victim_files(shared.victim)
     folder = Path(targets["dir_targets"][0])
     # Something for each command to act on: an entry, a failure record, a dead build.
-    built = run_victim(shared, victim_config(shared, "map", variants=[0], calls=["build"]),
-                       "published.json")
+    built = victim_calls(shared, victim_config(shared, "map", variants=[0], calls=["build"]),
+                         "published.json")
     assert built[0]["outcome"] == "ok", summary(built)
     images = victim_config(shared, "images", variants=[0], calls=["build"])
     images["images"] = images["images"][:3] + [str(shared.base / "missing.png")]
-    failed = run_victim(shared, images, "failing.json")
+    failed = victim_calls(shared, images, "failing.json")
     assert failed[0]["type"] == "ImageDecodeError", summary(failed)
     assert list((shared.root / "locks").glob("*.failed.json"))
     script = shared.script(VICTIM)
@@ -719,8 +719,8 @@ def test_a_symlinked_entries_tmp_or_locks_folder_leads_nowhere(shared_root, whic
         output = done.stdout + done.stderr
         steps.append((f"cachekit {' '.join(args)} (exit {done.returncode})",
                       "Traceback" in output, changes(before, snapshot(shared.victim.home))))
-    results = run_victim(shared, victim_config(shared, "map", variants=[1], calls=["build"]),
-                         "after.json")
+    results = victim_calls(shared, victim_config(shared, "map", variants=[1], calls=["build"]),
+                           "after.json")
     steps.append((f"a map build: {results[0]['outcome']} {results[0].get('type', '')}",
                   bool(bad_outcomes(results)), changes(before, snapshot(shared.victim.home))))
     report = "\n".join(f"  {what}: {'TRACEBACK/BAD OUTCOME ' if broke else ''}"
@@ -749,7 +749,7 @@ def test_a_failure_record_dated_in_the_future_neither_stops_a_build_nor_outlives
         assert record.exists()
 
     plant()
-    results = run_victim(shared, config, "victim.json")
+    results = victim_calls(shared, config, "victim.json")
     assert [(r["outcome"], r.get("correct"), r.get("hit")) for r in results] == [
         ("ok", True, False)], summary(results)
     plant()  # the victim's successful build removed the first one
@@ -787,7 +787,7 @@ def test_an_oversized_manifest_is_corrupt_before_anything_is_allocated(shared_ro
     report what is left without a traceback."""
     shared = shared_root
     config = victim_config(shared, op, variants=[0], calls=["build"], delay=0)
-    built = run_victim(shared, config, "build.json")
+    built = victim_calls(shared, config, "build.json")
     assert built[0]["outcome"] == "ok", summary(built)
     key = built[0]["key"]
 
@@ -819,8 +819,8 @@ def test_absurd_times_and_escape_sequences_in_manifests_print_clean(shared_root)
     (and in a planted build directory's journal): ``ls`` and ``info`` exit 0 and print no
     raw control character."""
     shared = shared_root
-    built = run_victim(shared, victim_config(shared, "map", variants=[0], calls=["build"],
-                                             delay=0), "build.json")
+    built = victim_calls(shared, victim_config(shared, "map", variants=[0], calls=["build"],
+                                               delay=0), "build.json")
     key = built[0]["key"]
     evil = "\x1b[31mred\x1b[0m\x1b]0;pwned\x07\x9b2J\r"
 
@@ -856,7 +856,7 @@ def test_a_directory_where_the_lock_file_goes(shared_root, lock):
     for suffix in (".lock", ".lock.soft"):
         as_attacker(shared, "mkdir", shared.root / "locks" / f"{keys[0]}{suffix}", "mkdir")
     started = time.monotonic()
-    results = run_victim(shared, config, "victim.json", env={"CACHEKIT_LOCK_LEASE": "1"})
+    results = victim_calls(shared, config, "victim.json", env={"CACHEKIT_LOCK_LEASE": "1"})
     assert not bad_outcomes(results) and time.monotonic() - started < 60, summary(results)
 
 
@@ -870,13 +870,13 @@ def test_a_signing_victim_refuses_an_entry_planted_without_its_key(shared_root, 
     refuses that entry, builds its own and gets correct data (and a hit on it next)."""
     shared = shared_root
     config = victim_config(shared, op, variants=[0], calls=["build"], delay=0)
-    planted = run_victim(shared, config, "attacker-build.json", env={"VICTIM_POISON": "666"},
-                         user=shared.attacker)
+    planted = victim_calls(shared, config, "attacker-build.json", env={"VICTIM_POISON": "666"},
+                           user=shared.attacker)
     assert planted[0]["outcome"] == "ok", summary(planted)
     assert (shared.root / "entries" / planted[0]["key"] / "manifest.json").exists()
     signed = {"CACHEKIT_SIGNING_KEY": "the victim's own secret, 32 bytes"}
-    results = run_victim(shared, {**config, "calls": ["build", "hit"]}, "victim.json",
-                         env=signed)
+    results = victim_calls(shared, {**config, "calls": ["build", "hit"]}, "victim.json",
+                           env=signed)
     assert results[0].get("key") in (None, planted[0]["key"]), "the keys differ"
     assert not bad_outcomes(results) and results[0]["outcome"] == "ok", (
         "the victim did not get its own correct data\n" + summary(results))

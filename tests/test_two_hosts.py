@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import hosts
+from helpers import leftovers
 from hosts import StartBarrier, finish, wait_for
 
 TIMEOUT = 180.0
@@ -25,11 +26,6 @@ TIMEOUT = 180.0
 
 def _entries(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "entries").iterdir())
-
-
-def _leftovers(root: Path) -> list[str]:
-    """Whatever is still under ROOT/tmp: build directories or removals not cleaned up."""
-    return sorted(p.name for p in (root / "tmp").iterdir()) if (root / "tmp").exists() else []
 
 
 def _build_dirs(root: Path) -> list[Path]:
@@ -137,7 +133,7 @@ def test_memoize_slower_than_the_lease_on_both_hosts_publishes_one_entry(two_hos
     # most: the locks do not meet). A lease later, host-b sees host-a's live heartbeat and
     # waits for it, though the call shows no progress at all.
     assert len(runs) == 1 or (together and len(runs) == 2), context
-    assert _leftovers(a.root) == [], context
+    assert leftovers(a.root) == [], context
 
 
 # --- (b) `cachekit clear --all` on one host while the other host builds -----------------------
@@ -186,7 +182,7 @@ def test_clear_all_on_another_host_leaves_a_live_build_alone(two_hosts):
     assert report["hit"] is False and report["builder"] == b.name, context
     assert survived, context
     assert _entries(a.root) == [report["key"]], context
-    assert _leftovers(a.root) == [], context
+    assert leftovers(a.root) == [], context
 
 
 # --- (c) two agents on each host ask for the same images at once ------------------------------
@@ -202,7 +198,7 @@ IMAGES_AGENT = textwrap.dedent("""
     paths = pd.Series((work / "paths.txt").read_text().splitlines())
     cache = cachekit.Cache(root, progress=False)
     hosts.StartBarrier(work).wait(me)
-    entry = cache.images(paths, 32)
+    entry = cache.images(paths, 32, backend="pil")  # the hosts are the point: no torch import
     hosts.report(me=me, hostname=socket.gethostname(), key=entry.key, hit=entry.hit,
                  source=entry.source, builder=entry.manifest["builder"],
                  shape=list(entry.array.shape),
@@ -231,7 +227,7 @@ def test_four_agents_on_two_hosts_publish_one_entry_with_identical_bytes(two_hos
     builds = [r["me"] for r in reports if r["source"] == "built"]
     assert 1 <= len(builds) <= 2, reports  # within a host the lock works: one build at most
     assert {r["source"] for r in reports} <= {"built", "joined", "local"}, reports
-    assert _leftovers(a.root) == []
+    assert leftovers(a.root) == []
 
 
 # --- (d) a build whose every row outlasts the lease must not be taken over --------------------
@@ -280,4 +276,4 @@ def test_a_build_slower_than_the_lease_per_row_is_not_taken_over(two_hosts):
     assert sorted(rows) == [f"host-a {v}" for v in range(4)], context  # host-b only waited
     assert (reports[0]["hit"], reports[1]["hit"]) == (False, True), context
     assert _entries(a.root) == [reports[0]["key"]], context
-    assert _leftovers(a.root) == [], context
+    assert leftovers(a.root) == [], context
