@@ -386,7 +386,7 @@ def test_a_signing_victim_never_copies_rows_an_attackers_failed_build_kept(share
     planted = finish(shared.attacker.python(shared.script(POISONED_FAILED_ATTACKER),
                                             shared.root, config), TIMEOUT).report()
     assert len(planted["kept"]) == 1, planted
-    done = run_victim(shared, {"paths": paths, "size": 8, "expected": str(expected)},
+    done = victim_run(shared, {"paths": paths, "size": 8, "expected": str(expected)},
                       "victim.json", env=SIGNED)
     got = done.report()
     assert got["outcome"] == "ok" and got["source"] == "built", outcome(done)
