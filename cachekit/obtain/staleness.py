@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, urls
 from ..errors import CacheCorruptError, StaleEntryWarning
 from ..messages import prefix
 from ..store.manifest import ROW_STATS_FILE, Manifest
@@ -71,8 +71,10 @@ def _first_changed(rows: np.ndarray, recorded: np.ndarray, paths: Any
                    ) -> Optional[tuple[int, str, tuple[int, int], tuple[int, int]]]:
     values = paths.iloc[rows].to_numpy(dtype=object)
     for row, path in zip(rows, values):
+        if urls.is_remote(path):
+            continue  # not sampled: a hit makes no request (docs/object-stores.md)
         try:
-            st = os.stat(path)
+            st = os.stat(urls.local_path(path))
             now = (st.st_size, st.st_mtime_ns)
         except (OSError, TypeError, ValueError):
             now = (-1, -1)

