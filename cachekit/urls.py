@@ -180,7 +180,7 @@ def filesystem(name: str, storage_options: Optional[dict[str, Any]],
         if name in ("s3", "s3a"):
             config = {"connect_timeout": settings.timeout, "read_timeout": settings.timeout,
                       "max_pool_connections": max(10, settings.concurrency),
-                      "retries": {"max_attempts": 1, "mode": "standard"}}
+                      "retries": {"total_max_attempts": 1, "mode": "standard"}}
             user = (fsspec.config.conf.get(name) or {}).get("config_kwargs") or {}
             options["config_kwargs"] = {**config, **user, **options.get("config_kwargs", {})}
         # Our own instance: fsspec's instance cache keys on arguments, not on the

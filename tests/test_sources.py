@@ -168,3 +168,88 @@ def _settled(pool) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+# Retries -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["slowdown", "reset"])
+def test_throttling_and_resets_are_retried_then_the_row_fails_naming_why(
+        covers, tmp_path, s3_server, monkeypatch, mode):
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]), mode=mode, fail_each=2)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        monkeypatch.setenv(urls.ATTEMPTS_ENV, "3")
+        entry = new_cache(tmp_path / "a").images(covers.urls[:6], SIZE)
+        assert entry.valid.all()  # each object refused twice (its listing too), then read
+        assert sum(n for path, n in proxy.refused.items() if path.endswith(b".jpg")) == 12
+        proxy.fail_each = 1000  # (aiohttp itself may resend a GET once on a reset)
+        monkeypatch.setenv(urls.ATTEMPTS_ENV, "2")
+        with pytest.raises(cachekit.ImageDecodeError) as raised:
+            new_cache(tmp_path / "b").images(covers.urls[6:9], SIZE)
+    finally:
+        proxy.stop()
+    why = raised.value.failures[0][2]
+    assert "after 2 attempts" in why and covers.urls[6] == raised.value.failures[0][1]
+    assert ("SlowDown" in why) if mode == "slowdown" else ("Error" in why)
+
+
+def test_failed_requests_are_classified():
+    assert urls.classify(FileNotFoundError("x")) == urls.MISSING
+    assert urls.classify(ConnectionResetError()) == urls.RETRY
+    assert urls.classify(TimeoutError()) == urls.RETRY
+    assert urls.classify(PermissionError()) == urls.FINAL
+    assert urls.classify(ValueError("bad")) == urls.FINAL
+    assert urls.is_remote("s3://b/k") and not urls.is_remote("file:///a") \
+        and not urls.is_url("C:\\data\\a.jpg")
+    assert urls.local_path("file:///data/a%20b.jpg") == "/data/a b.jpg"
+
+
+# Validate, rewrites, reuse -----------------------------------------------------------------
+
+def test_stat_signatures_come_from_one_listing_per_prefix(covers, s3_server):
+    from cachekit import source_stats
+
+    proxy = s3.Proxy(("127.0.0.1", s3_server.ports["s3.port"]))
+    options = {"endpoint_url": proxy.endpoint}
+    try:
+        stats = source_stats.stat_signature(covers.urls + [covers.url("covers/gone.jpg")],
+                                             options)
+    finally:
+        proxy.stop()
+    sizes = [Path(p).stat().st_size for p in covers.local]
+    assert stats[:-1, 0].tolist() == sizes and stats[-1].tolist() == [-1, -1]
+    assert len(set(stats[:-1, 1].tolist())) == COVERS  # each ETag its own
+    assert [method for method, _ in proxy.log] == [b"GET"]  # one LIST, no HEAD
+
+
+def test_an_object_rewritten_in_place(covers, tmp_path):
+    column = covers.urls[:8]
+    cache = new_cache(tmp_path / "a")
+    by_path = cache.images(column, SIZE)
+    by_stat = cache.images(column, SIZE, validate="stat")
+    by_content = cache.images(column, SIZE, validate="content")
+    covers.fs.pipe_file(column[2], Path(covers.local[20]).read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a hit makes no request, so it warns of nothing
+        hit = cache.images(column, SIZE)
+    assert hit.source == "local" and np.array_equal(hit.array, by_path.array)
+    again = cache.images(column, SIZE, validate="stat")
+    assert again.key != by_stat.key and again.rows_decoded == 1 and again.rows_reused == 7
+    content = cache.images(column, SIZE, validate="content")
+    assert content.key != by_content.key and content.rows_decoded == 1
+    fresh = new_cache(tmp_path / "b").images(covers.local[:2] + covers.local[20:21]
+                                             + covers.local[3:8], SIZE)
+    assert np.array_equal(again.array, fresh.array)
+    assert np.array_equal(content.array, fresh.array)
+    # validate="path": another column holding the object decodes it again, the others reused
+    longer = cache.images(column + covers.urls[8:10], SIZE)
+    assert longer.rows_decoded == 3 and longer.rows_reused == 7
+    assert np.array_equal(longer.array[:8], fresh.array)
+
+
+def test_rows_are_reused_across_url_columns(covers, tmp_path):
+    cache = new_cache(tmp_path / "a")
+    first = cache.images(covers.urls[:16], SIZE, validate="stat")
+    second = cache.images(covers.urls[8:], SIZE, validate="stat")
+    assert second.rows_reused == 8 and second.rows_decoded == 8
+    assert np.array_equal(second.array[:8], first.array[8:])
