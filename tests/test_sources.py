@@ -83,6 +83,15 @@ def test_a_url_column_builds_the_bytes_of_its_local_copies(covers, tmp_path):
     assert again.source == "local" and again.key == from_bucket.key
 
 
+def test_s3fs_own_reads_give_the_same_rows(covers, tmp_path, monkeypatch):
+    monkeypatch.setenv(urls.PRESIGNED_ENV, "0")  # _cat_file, not presigned GETs
+    column = covers.urls[:6] + [covers.url("covers/gone.jpg")]
+    entry = new_cache(tmp_path / "a").images(column, SIZE, on_error="zero")
+    local = new_cache(tmp_path / "b").images(covers.local[:6], SIZE)
+    assert entry.valid.tolist() == [True] * 6 + [False]
+    assert np.array_equal(entry.array[:6], local.array)
+
+
 def test_a_column_mixes_local_paths_file_urls_and_s3_urls(covers, tmp_path):
     mixed = [covers.local[i] if i % 3 == 0 else
              (Path(covers.local[i]).as_uri() if i % 3 == 1 else covers.urls[i])
@@ -253,3 +262,91 @@ def test_rows_are_reused_across_url_columns(covers, tmp_path):
     second = cache.images(covers.urls[8:], SIZE, validate="stat")
     assert second.rows_reused == 8 and second.rows_decoded == 8
     assert np.array_equal(second.array[:8], first.array[8:])
+
+
+# Joining agents, and a cluster -------------------------------------------------------------
+
+AGENT = textwrap.dedent('''
+    import hashlib, json, os, sys, time
+    from pathlib import Path
+    import cachekit, hosts
+    from cachekit.engine.decoding import images
+
+    work, me = Path(sys.argv[1]), sys.argv[2]
+    load = images.load_image
+    def counted(source, *args):
+        with open(work / f"decoded.{me}", "a") as f:
+            f.write("x\\n")
+        time.sleep(0.02)
+        return load(source, *args)
+    images.load_image = counted
+
+    column = json.loads((work / "column.json").read_text())
+    hosts.StartBarrier(work).wait(me)
+    entry = cachekit.Cache(workers=2, progress=False, remote="").images(column, (32, 24))
+    hosts.report(source=entry.source, key=entry.key, joined=entry.rows_joined,
+                 sha=hashlib.sha256(entry.array.tobytes()).hexdigest())
+''')
+
+
+def test_two_agents_share_one_build_of_a_url_column(covers, tmp_path, s3_env):
+    import hashlib
+    import json
+
+    work = tmp_path / "work"
+    work.mkdir()
+    column = covers.urls * 3  # 72 rows: long enough for the second agent to join
+    (work / "column.json").write_text(json.dumps(column))
+    (work / "agent.py").write_text(AGENT)
+    env = hosts.child_env({**s3_env, "CACHEKIT_DIR": str(tmp_path / "root"),
+                           "CACHEKIT_REMOTE": ""})
+    agents = [hosts.HostProcess(me, ["agent.py", me],
+                                [sys.executable, str(work / "agent.py"), str(work), me], env)
+              for me in ("a", "b")]
+    try:
+        hosts.StartBarrier(work).release(agents)
+        reports = [hosts.finish(a, timeout=120).report() for a in agents]
+    finally:
+        for a in agents:
+            a.reap()
+    decoded = sum(len(p.read_text().splitlines()) for p in work.glob("decoded.*"))
+    assert decoded == len(column)  # one build, shared: no row decoded twice
+    assert len({r["key"] for r in reports}) == 1 and len({r["sha"] for r in reports}) == 1
+    assert sorted(r["source"] for r in reports)[0] == "built"
+    local = new_cache(tmp_path / "local").images(covers.local * 3, SIZE)
+    assert reports[0]["sha"] == hashlib.sha256(local.array.tobytes()).hexdigest()
+
+
+def test_dask_workers_fetch_their_own_rows(covers, tmp_path, monkeypatch):
+    distributed = pytest.importorskip("distributed")
+    monkeypatch.setenv(urls.TIMEOUT_ENV, "7.5")  # settings of this test's own: its pools
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       host="127.0.0.1", dashboard_address="127.0.0.1:0")
+    client = distributed.Client(cluster)
+    try:
+        entry = new_cache(tmp_path / "a", executor=client.get_executor()).images(
+            covers.urls, SIZE, backend="pil")
+        pids = client.run(_pools_of_this_settings)
+    finally:
+        client.close()
+        cluster.close()
+    local = new_cache(tmp_path / "b").images(covers.local, SIZE, backend="pil")
+    assert np.array_equal(entry.array, local.array)
+    assert sum(pids.values()) >= 1  # the workers fetched...
+    assert _pools_of_this_settings() == 0  # ...and no object came through the builder
+
+
+def _pools_of_this_settings() -> int:
+    """How many fetch pools this process has for settings with a 7.5 s timeout."""
+    import os
+
+    from cachekit.engine.decoding import fetch
+
+    return sum(1 for pid, _, token in fetch._POOLS if pid == os.getpid()
+               and pool_timeout(token) == 7.5)
+
+
+def pool_timeout(token: bytes) -> float:
+    import pickle
+
+    return pickle.loads(token)[1].timeout

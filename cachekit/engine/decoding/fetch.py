@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import Any, Iterator, Optional, Sequence
 
 from ... import urls
+from . import s3_direct
 from .payload import Fetched
 
 BACKOFF_SECONDS = 0.1
@@ -64,15 +65,19 @@ class _Pool:
     queue is first in, first out, so a run's objects are all started before the next
     run's: a run being decoded never waits behind bytes held for a later one)."""
 
-    def __init__(self, fs: Any, settings: urls.FetchSettings) -> None:
+    def __init__(self, fs: Any, settings: urls.FetchSettings, name: str = "") -> None:
         import fsspec.asyn
 
         self.fs, self.settings = fs, settings
+        self.direct = (s3_direct.Reader(fs, settings) if settings.presigned
+                       and name in ("s3", "s3a") and s3_direct.usable(fs) else None)
         self.is_async = isinstance(fs, fsspec.asyn.AsyncFileSystem)
         self.loop = getattr(fs, "loop", None) if self.is_async else None
         if self.loop is None:
             self.loop = fsspec.asyn.get_loop()
         self.queue: deque[_Item] = deque()
+        self.lock = threading.Lock()
+        self.blocked = False
         self.in_flight = 0
         self.held = 0
         self.fetched = self.fetched_bytes = 0
@@ -84,22 +89,24 @@ class _Pool:
 
     def release(self, item: _Item, cancel: bool = False) -> None:
         """The row of ``item`` is decoded, or given up (``cancel``: not fetched if it has
-        not started): its bytes leave the window. Done on the loop, which alone changes
-        the counts."""
-        self.loop.call_soon_threadsafe(self._release, item, cancel)
+        not started): its bytes leave the window. The loop is woken only when it stopped
+        starting requests for want of room (one wake-up per row would cost a system call
+        each); the counts change under the lock, so no release is missed."""
+        with self.lock:
+            item.cancelled = item.cancelled or cancel
+            if not item.held:
+                return
+            self.held -= item.held
+            item.held = 0
+            wake, self.blocked = self.blocked, False
+        if wake:
+            self.loop.call_soon_threadsafe(self._pump)
 
     # On the loop ---------------------------------------------------------------------------
 
     def _enqueue(self, items: list[_Item]) -> None:
         self.queue.extend(items)
         self._pump()
-
-    def _release(self, item: _Item, cancel: bool) -> None:
-        item.cancelled = item.cancelled or cancel
-        if item.held:
-            self.held -= item.held
-            item.held = 0
-            self._pump()
 
     def _room(self) -> bool:
         """Whether one more request may start: fewer than ``concurrency`` in flight, and
@@ -113,13 +120,17 @@ class _Pool:
         return self.in_flight == 0 or self.held + (self.in_flight + 1) * each <= settings.window
 
     def _pump(self) -> None:
-        while self.queue and self._room():
-            item = self.queue.popleft()
-            if item.cancelled or item.future.done():
-                continue
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            self.loop.create_task(self._run(item))
+        with self.lock:
+            while self.queue and self._room():
+                item = self.queue.popleft()
+                if item.cancelled or item.future.done():
+                    continue
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                self.loop.create_task(self._run(item))
+            # Stopped for want of room in the window (not of a free request slot, which
+            # the next request to end gives back): a release must wake the loop.
+            self.blocked = bool(self.queue) and self.in_flight < self.settings.concurrency
 
     async def _run(self, item: _Item) -> None:
         try:
@@ -127,14 +138,14 @@ class _Pool:
         except BaseException as e:  # noqa: B036 - a row's failure, never the loop's
             result = FetchFailed(errno.EIO, f"fetch failed: {urls.describe(e)}",
                                  urls.shown(item.url))
-        finally:
+        with self.lock:
             self.in_flight -= 1
-        if isinstance(result, Fetched):
-            self.fetched += 1
-            self.fetched_bytes += len(result.data)
-            if not item.cancelled:
-                item.held = len(result.data)
-                self.held += item.held
+            if isinstance(result, Fetched):
+                self.fetched += 1
+                self.fetched_bytes += len(result.data)
+                if not item.cancelled:
+                    item.held = len(result.data)
+                    self.held += item.held
         item.future.set_result(result)
         self._pump()
 
@@ -143,7 +154,10 @@ class _Pool:
         delay, reason = BACKOFF_SECONDS, ""
         for attempt in range(1, settings.attempts + 1):
             try:
-                data = await asyncio.wait_for(self._read(item), settings.timeout)
+                if self.direct is not None:  # its session's timeouts bound each read
+                    data = await self.direct.read(item.path, item.cap + 1, item.url)
+                else:
+                    data = await asyncio.wait_for(self._read(item), settings.timeout)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # botocore, aiohttp and asyncio errors are not OSErrors
@@ -191,7 +205,7 @@ def pool_for(name: str, storage_options: Optional[dict[str, Any]],
         pool = _POOLS.get(key)
         if pool is None:
             pool = _POOLS[key] = _Pool(urls.filesystem(name, storage_options, settings),
-                                       settings)
+                                       settings, name)
         return pool
 
 
