@@ -95,6 +95,15 @@ def run(args: argparse.Namespace, base: Path, server: "s3.Seaweed") -> None:
     print(f"{args.covers} covers, {mb:.1f} MB of JPEG, uploaded in {upload:.1f} s; "
           f"{workers} workers, resized to {SIZE[0]}x{SIZE[1]}", flush=True)
 
+    def server_cpu() -> float:
+        """The server's CPU seconds so far (Linux: /proc; 0 elsewhere)."""
+        try:
+            fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1]
+        except (OSError, AttributeError):
+            return 0.0
+        parts = fields.split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
     def build(values: list[str], name: str, round_: int):
         root = base / f"root-{name}-{round_}"
         cache = cachekit.Cache(root, workers=workers, progress=False, remote="")
@@ -113,28 +122,44 @@ def run(args: argparse.Namespace, base: Path, server: "s3.Seaweed") -> None:
             lambda r: _timed(lambda: naive(fs, column, args.threads, workers)),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     arrays: dict[str, np.ndarray] = {}
     build(local[:64], "warm", 0)  # imports (torch, s3fs) and the first connection: not timed
     build(column[:64], "warm", 1)
     for round_ in range(args.repeat):
         for name, way in ways.items():
+            before = (_own_cpu(), server_cpu())
             seconds, arrays[name] = way(round_)
             times[name].append(seconds)
-            print(f"  round {round_ + 1} {name}: {seconds:.2f} s", flush=True)
+            cpu[name].append((_own_cpu() - before[0], server_cpu() - before[1]))
+            print(f"  round {round_ + 1} {name}: {seconds:.2f} s (CPU: this process "
+                  f"{cpu[name][-1][0]:.2f} s, the server {cpu[name][-1][1]:.2f} s; load "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
     first = next(iter(arrays.values()))
     same = all(np.array_equal(first, a) for a in arrays.values())
     local_best = min(times["local files"])
     print()
     print(f"| {args.covers} covers, {workers} workers | best s | median s | images/s "
-          "| vs local files |")
-    print("|---|---:|---:|---:|---:|")
+          "| vs local files | CPU ms per image: this process + the server |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, seconds in times.items():
         best = min(seconds)
+        own, served = (statistics.median(c[i] for c in cpu[name]) * 1000 / args.covers
+                       for i in (0, 1))
         print(f"| {name} | {best:.2f} | {statistics.median(seconds):.2f} | "
-              f"{args.covers / best:.0f} | {local_best / best:.2f}x |")
+              f"{args.covers / best:.0f} | {local_best / best:.2f}x | "
+              f"{own:.2f} + {served:.2f} |")
     print(f"\nsame bytes from all three: {same}")
     if not same:
         sys.exit(1)
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds so far, every thread's."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _timed(fn):

@@ -202,6 +202,20 @@ def test_throttling_and_resets_are_retried_then_the_row_fails_naming_why(
     assert ("SlowDown" in why) if mode == "slowdown" else ("Error" in why)
 
 
+def test_without_fsspec_or_s3fs_a_url_column_names_the_extra(tmp_path, monkeypatch):
+    cache = new_cache(tmp_path / "a")
+    real = urls.importlib.util.find_spec
+    monkeypatch.setattr(urls.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gcsfs" else real(name, *a))
+    with pytest.raises(urls.MissingRemoteSupport, match=r"gcsfs.*cachekit\[remote\]"):
+        cache.images(["gs://bucket/a.jpg"], SIZE)  # (gcsfs: "not installed")
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec: ImportError
+    with pytest.raises(cachekit.CachekitError, match=r"pip install \"cachekit\[remote\]\""):
+        cache.images(["/data/a.jpg", "s3://bucket/a.jpg"], SIZE)
+    with pytest.raises(cachekit.CachekitError, match="storage_options must be a dict"):
+        cache.images(["s3://bucket/a.jpg"], SIZE, storage_options="key=secret")
+
+
 def test_failed_requests_are_classified():
     assert urls.classify(FileNotFoundError("x")) == urls.MISSING
     assert urls.classify(ConnectionResetError()) == urls.RETRY
@@ -342,11 +356,5 @@ def _pools_of_this_settings() -> int:
 
     from cachekit.engine.decoding import fetch
 
-    return sum(1 for pid, _, token in fetch._POOLS if pid == os.getpid()
-               and pool_timeout(token) == 7.5)
-
-
-def pool_timeout(token: bytes) -> float:
-    import pickle
-
-    return pickle.loads(token)[1].timeout
+    return sum(1 for (pid, _, _), pool in fetch._POOLS.items() if pid == os.getpid()
+               and pool.settings.timeout == 7.5)

@@ -196,11 +196,7 @@ _POOLS_LOCK = threading.Lock()
 def pool_for(name: str, storage_options: Optional[dict[str, Any]],
              settings: urls.FetchSettings) -> _Pool:
     """This process's pool for protocol ``name`` (with ``storage_options``, ``settings``)."""
-    import pickle
-
-    token = pickle.dumps((sorted((storage_options or {}).items(), key=lambda kv: kv[0]),
-                          settings))
-    key = (os.getpid(), name, token)
+    key = (os.getpid(), name, urls.configuration_token(name, storage_options, settings))
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None:
@@ -220,19 +216,22 @@ class Batch:
                  settings: urls.FetchSettings) -> None:
         self.values = values
         self.items: list[Optional[tuple[_Pool, _Item]]] = [None] * len(values)
-        queued: dict[int, list[_Item]] = {}
-        pools: dict[int, _Pool] = {}
+        queued: dict[str, list[_Item]] = {}
+        pools: dict[str, _Pool] = {}
+        cap = max(0, max_read_bytes)
         for i, value in enumerate(values):
             name = urls.protocol(value)
             if name is None or name in urls.LOCAL_PROTOCOLS:
                 continue
-            pool = pool_for(name, storage_options, settings)
-            item = _Item(value, pool.fs._strip_protocol(value), max(0, max_read_bytes))
+            pool = pools.get(name)
+            if pool is None:
+                pool = pools[name] = pool_for(name, storage_options, settings)
+                queued[name] = []
+            item = _Item(value, pool.fs._strip_protocol(value), cap)
             self.items[i] = (pool, item)
-            pools[id(pool)] = pool
-            queued.setdefault(id(pool), []).append(item)
-        for key, items in queued.items():
-            pools[key].submit(items)
+            queued[name].append(item)
+        for name, items in queued.items():
+            pools[name].submit(items)
         self.closed = False
 
     def __len__(self) -> int:

@@ -41,6 +41,10 @@ workers: the pieces in flight stay a few hundred MB at most)."""
 PIECES_PER_WORKER = 2
 """Pieces in flight per worker: one running and one queued, so no worker waits for the
 builder between pieces."""
+FETCH_AHEAD_PIECES = 4
+"""More pieces in flight on threads when the rows fetch their sources from a store (URL
+rows, cachekit.engine.decoding.fetch): a piece's objects are requested when it is handed
+out, so these are fetched ahead while the running pieces decode."""
 
 
 @dataclass
@@ -175,6 +179,8 @@ class PieceRunner(ChunkRunner):
         cutter = Cutter(chunks, self.rows)
         pending: dict[Future, list[Segment]] = {}
         limit = PIECES_PER_WORKER * self.helpers
+        if self.in_place and getattr(self.task.row_fn, "fetches", False):
+            limit += FETCH_AHEAD_PIECES  # their objects arrive while the others decode
         error: Optional[BaseException] = None
         more = True
         own_rows = 1  # the builder's own share: sized by its rows' time once it has one

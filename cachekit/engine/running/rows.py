@@ -69,6 +69,12 @@ class ImageRow:
         return images.load_image(path, self.size, self.mode, self.fit, self.resample,
                                  self.draft, self.max_read_bytes, self.backend)
 
+    @property
+    def fetches(self) -> bool:
+        """Whether the column holds remote URLs (the caller then set ``fetch``): the
+        runner keeps more pieces in flight (cachekit.engine.running.pieces)."""
+        return self.fetch is not None
+
     def prefetch(self, values: Sequence[Any]) -> Any:
         """``values`` as this function reads them, their remote objects being fetched many
         at once where the rows run (cachekit.engine.running.compute calls it)."""
