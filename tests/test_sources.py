@@ -331,6 +331,13 @@ def test_two_agents_share_one_build_of_a_url_column(covers, tmp_path, s3_env):
     assert reports[0]["sha"] == hashlib.sha256(local.array.tobytes()).hexdigest()
 
 
+def test_cachekits_worker_processes_fetch_url_rows(covers, tmp_path):
+    entry = new_cache(tmp_path / "a", executor="processes").images(
+        covers.urls[:12] + covers.local[12:], SIZE, backend="pil")
+    local = new_cache(tmp_path / "b").images(covers.local, SIZE, backend="pil")
+    assert entry.valid.all() and np.array_equal(entry.array, local.array)
+
+
 def test_dask_workers_fetch_their_own_rows(covers, tmp_path, monkeypatch):
     distributed = pytest.importorskip("distributed")
     monkeypatch.setenv(urls.TIMEOUT_ENV, "7.5")  # settings of this test's own: its pools
