@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
+import filelock
 import numpy as np
 import pandas as pd
 import pytest
@@ -144,6 +145,12 @@ def test_a_stalling_server_ends_in_failed_rows_without_a_hang(covers, tmp_path, 
     assert len(raised.value.failures) == 6
     assert all("after 2 attempts: no answer within 0.3 s" in why
                for _, _, why in raised.value.failures)
+    root = tmp_path / "a"  # no build left behind, no lock held
+    assert list((root / "tmp").glob("*")) == []
+    for lock_path in (root / "locks").glob("*.lock"):
+        lock = filelock.FileLock(str(lock_path))
+        lock.acquire(timeout=0)  # filelock.Timeout if a build still held it
+        lock.release()
 
 
 def test_many_requests_are_in_flight_and_the_window_bounds_what_is_held(covers, monkeypatch):
