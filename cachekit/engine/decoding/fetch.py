@@ -177,7 +177,7 @@ class _Pool:
             if len(data) > item.cap:
                 return OSError(errno.EFBIG, f"the object is larger than the read cap of "
                                             f"{item.cap} bytes (CACHEKIT_MAX_READ_BYTES); "
-                                            "it was not fetched", shown)
+                                            "no more of it was read", shown)
             return Fetched(item.url, bytes(data))
         tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
         return FetchFailed(errno.EIO, f"fetch failed after {tries}: {reason}", shown)

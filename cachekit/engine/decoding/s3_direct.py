@@ -16,6 +16,7 @@ filesystem adds request arguments (requester pays, SSE-C: ``req_kw``), where s3f
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import re
 from typing import Any, Optional
@@ -47,12 +48,15 @@ class Reader:
     def __init__(self, fs: Any, settings: urls.FetchSettings) -> None:
         self.fs, self.settings = fs, settings
         self.session: Any = None
+        self._opening: Any = None
 
     async def read(self, path: str, end: int, url: str) -> bytes:
         """Bytes ``[0, end)`` of the object at filesystem path ``path`` (all of it when
         shorter); DirectError for any other answer."""
         if self.session is None:
-            await self._open()
+            if self._opening is None:  # one session, however many reads wait for it
+                self._opening = asyncio.ensure_future(self._open())
+            await asyncio.shield(self._opening)
         bucket, key, version = self.fs.split_path(path)
         params = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {})}
         signed = await self.fs.s3.generate_presigned_url("get_object", Params=params,
@@ -71,7 +75,11 @@ class Reader:
     async def _open(self) -> None:
         import aiohttp
 
-        await self.fs.set_session()
+        try:
+            await self.fs.set_session()
+        except BaseException:
+            self._opening = None  # the next read tries again
+            raise
         timeout = self.settings.timeout
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.settings.concurrency),
