@@ -372,3 +372,16 @@ def _pools_of_this_settings() -> int:
 
     return sum(1 for (pid, _, _), pool in fetch._POOLS.items() if pid == os.getpid()
                and pool.settings.timeout == 7.5)
+
+
+def test_a_hit_of_a_url_column_makes_no_request_and_imports_no_store(covers, tmp_path, s3_env):
+    import subprocess
+
+    new_cache(tmp_path / "a").images(covers.urls, SIZE)
+    code = ("import sys, cachekit; e = cachekit.Cache(sys.argv[1], remote='', progress=False)"
+            ".images(sys.argv[2:], (32, 24)); print(e.source, 's3fs' in sys.modules, "
+            "'aiobotocore' in sys.modules)")
+    env = hosts.child_env({**s3_env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})  # no server
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), *covers.urls],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["local", "False", "False"], out.stderr[-2000:]
