@@ -16,9 +16,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _wandb, keys, options
+from . import _wandb, keys, options, source_stats, urls
 from .code_identity import function_identity
 from .engine.running import executors
+from .engine.decoding import fetch
 from .engine.decoding.images import backend_for
 from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
@@ -76,7 +77,8 @@ class Cache:
     def images(self, paths: Any, size: Union[int, Sequence[int]], *, mode: str = "RGB",
                fit: str = "stretch", resample: str = "bilinear", on_error: str = "raise",
                validate: str = "path", draft: bool = False,
-               backend: str = "tensor") -> Entry:
+               backend: str = "tensor",
+               storage_options: Optional[dict[str, Any]] = None) -> Entry:
         """Decode, orient, convert and resize every image of ``paths`` into an (N, C, H, W)
         uint8 entry, built once whatever the number of processes asking at the same time.
 
@@ -92,8 +94,15 @@ class Cache:
 
         ``draft=True`` lets JPEGs decode at a reduced DCT scale first: much faster, close to
         but not identical with the exact pixels (see README). Both are part of the key.
+
+        ``paths`` may hold fsspec URLs (``s3://``, ``gs://``, ``az://``, ``https://``,
+        ``file://``), mixed with local paths: their objects are fetched where the rows run
+        (docs/object-stores.md, "Sources in a bucket"). ``storage_options``: keyword
+        arguments for their fsspec filesystems (endpoint, credentials, ...), on top of
+        fsspec's own configuration; never part of the key nor shown in a message.
         """
         paths = _path_column(paths)
+        values, fetching = _sources(paths, storage_options)
         height, width = _image_size(size)
         _choose("mode", mode, tuple(options.MODES))
         _choose("fit", fit, options.FITS)
@@ -111,11 +120,12 @@ class Cache:
             params["backend"] = backend
         material: dict[str, Any] = {"column": keys.column_material(paths)}
         if validate == "stat":
-            material["stat"] = keys.stat_signature(paths.to_numpy(dtype=object))
+            material["stat"] = source_stats.stat_signature(values, storage_options, fetching)
         elif validate == "content":
-            material["content"] = keys.content_signature(paths.to_numpy(dtype=object),
-                                                         self.workers)
-        row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend)
+            material["content"] = fetch.content_signature(values, self.workers, max_read,
+                                                          storage_options, fetching)
+        row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend,
+                       storage_options, fetching)
         template = ((options.MODES[mode], height, width), np.dtype(np.uint8))
         return self._rows(RowCall("images", paths, row, params, material, template, on_error))
 
@@ -224,6 +234,21 @@ class Cache:
         if isinstance(keys, str):
             keys = [keys]
         return verify(self._store, keys)
+
+
+def _sources(paths: Any, storage_options: Any) -> tuple[Any, Optional[urls.FetchSettings]]:
+    """The column's values, and for a column with remote URLs the fetch settings of
+    ``$CACHEKIT_SOURCE_*`` (None otherwise), once fsspec and the stores' filesystems are
+    known to import (:class:`cachekit.urls.MissingRemoteSupport` naming the extra)."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise InvalidArgumentType(f"storage_options must be a dict of fsspec filesystem "
+                                  f"arguments or None, not {type(storage_options).__qualname__}")
+    values = paths.to_numpy(dtype=object)
+    protocols = urls.remote_protocols(values)
+    if not protocols:
+        return values, None
+    urls.check_available(protocols)
+    return values, urls.FetchSettings.from_env()
 
 
 def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:

@@ -27,6 +27,7 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -183,14 +184,18 @@ class Proxy:
     is set); ``"late-request"``
     (forward such a PUT ``delay`` seconds after it came, or once ``released`` is set, then
     answer); or a key of
-    :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest).
+    :data:`REJECTIONS` (answer a PUT with ``If-None-Match`` that way, forward the rest);
+    ``"slowdown"`` (answer the first ``fail_each`` GETs of each path with S3's 503
+    SlowDown, forward the rest) or ``"reset"`` (reset the connection of those instead).
+    ``refused`` counts those GETs per path.
     ``rejected`` and ``delayed`` count the canned answers and the requests held back,
     ``late_forwarded`` the held requests passed on at last; ``log`` holds (method, path) of
     every request. Change ``mode`` at any time.
     """
 
     def __init__(self, upstream: tuple[str, int], mode: str = "forward", *,
-                 delay: float = 0.0, late_path: bytes = b"/manifest.json") -> None:
+                 delay: float = 0.0, late_path: bytes = b"/manifest.json",
+                 fail_each: int = 0) -> None:
         self.upstream = upstream
         self.mode = mode
         self.delay = delay
@@ -199,6 +204,8 @@ class Proxy:
         self.delayed = 0
         self.late_forwarded = 0
         self.log: list[tuple[bytes, bytes]] = []
+        self.fail_each = fail_each
+        self.refused: dict[bytes, int] = {}
         self.released = threading.Event()
         self._server = socket.socket()
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -240,6 +247,15 @@ class Proxy:
             target = lines[0].split(b" ")[1].split(b"?", 1)[0] if b" " in lines[0] else b""
             self.log.append((method, target))
             headers = _fields(head)
+            if self.mode in ("slowdown", "reset") and method == b"GET" \
+                    and self.refused.get(target, 0) < self.fail_each:
+                self.refused[target] = self.refused.get(target, 0) + 1
+                if self.mode == "slowdown":
+                    client.sendall(_rejection(503, "SlowDown", ""))
+                else:  # an RST instead of an answer: "connection reset by peer"
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                      struct.pack("ii", 1, 0))
+                return
             if (self.mode in REJECTIONS and method == b"PUT"
                     and b"if-none-match" in headers):
                 self.rejected += 1  # (a client that sent Expect: 100-continue gets the
@@ -318,7 +334,7 @@ def _read_body(sock: socket.socket, fields: dict[bytes, bytes], rest: bytes) -> 
 
 
 def _rejection(status: int, code: str, extra: str) -> bytes:
-    reason = {412: "Precondition Failed", 409: "Conflict"}[status]
+    reason = {412: "Precondition Failed", 409: "Conflict", 503: "Slow Down"}[status]
     body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
             f"<Message>refused by the cachekit test proxy</Message>{extra}"
             "<RequestId>cachekit-test</RequestId></Error>").encode()

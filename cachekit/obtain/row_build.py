@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import _fs, arrays, engine, keys
+from .. import _fs, arrays, engine, keys, source_stats
 from ..errors import ImageDecodeError
 from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
@@ -170,8 +170,10 @@ class RowBuild:
             proof, _ = keys.row_identities(call.column, [call.material["content"]])
             ids = np.concatenate([ids, proof], axis=1)
         stats = call.material.get("stat")
-        if stats is None:
-            stats = keys.stat_signature(self.values())
+        if stats is None:  # (URL rows: from the store's listings, cachekit.source_stats)
+            stats = source_stats.stat_signature(
+                self.values(), getattr(call.row_fn, "storage_options", None),
+                getattr(call.row_fn, "fetch", None))
         return Rows(recipe, ids, stats, same_stat="content" not in call.material)
 
 

@@ -16,7 +16,8 @@ how many rows, the first few paths, and ``validate="stat"`` as the fix (then a c
 is decoded again and costs one decode). Only the process that called ``images()`` checks:
 datasets in DataLoader workers never do. ``$CACHEKIT_STALE_CHECK``: ``all`` (the default),
 ``sample`` (no background thread, e.g. on a network filesystem with millions of files) or
-``off``.
+``off``. Rows of objects in a bucket are not checked: a hit makes no request (validate="stat"
+keys their size and tag instead).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, urls
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
@@ -107,8 +108,10 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
     values = paths.iloc[rows].to_numpy(dtype=object)
     found = []
     for row, path in zip(rows, values):
+        if urls.is_remote(path):
+            continue  # not checked: a hit makes no request (docs/object-stores.md)
         try:
-            st = os.stat(path)
+            st = os.stat(urls.local_path(path))
             now = (st.st_size, st.st_mtime_ns)
         except (OSError, TypeError, ValueError):
             now = (-1, -1)

@@ -15,8 +15,9 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from ... import _fs, options
+from ... import options
 from ...options import FITS, MODES, RESAMPLE_NAMES
+from . import payload
 
 __all__ = ["FITS", "MODES", "RESAMPLES", "convert", "decode", "draft_scale", "load", "open_image",
            "orient", "orientation", "request_draft", "resized", "TRANSPOSITIONS"]
@@ -78,8 +79,8 @@ def load(path: str, size: tuple[int, int], mode: str, fit: str, resample: str, d
     # up to the cap is read whole first (the same pixels; less CPU per draft decode than
     # Pillow's small reads from a file object, see docs/build-engine.md); a larger one is
     # parsed from the file, so a huge non-image costs its header, not its size.
-    with _fs.read_capped(path, max_read_bytes, follow_symlinks=True) as data:
-        with open_image(data, path) as im:
+    with payload.open_source(path, max_read_bytes) as data:  # a path, or fetched bytes
+        with open_image(data, payload.name_of(path)) as im:
             return decode(im, (height, width), mode, fit, resample, draft)
 
 

@@ -39,8 +39,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 from PIL import Image
 
-from ... import _fs, options
-from . import decode_pil
+from ... import options
+from . import decode_pil, payload
 from . import jpeg_header
 from . import resize_tensor
 
@@ -78,15 +78,16 @@ def load(path: str, size: tuple[int, int], mode: str, fit: str, resample: str, d
     if max_read_bytes is None:
         max_read_bytes = options.max_read_bytes()
     step = _Resize(size, mode, fit, resample)
-    with _fs.read_capped(path, max_read_bytes, follow_symlinks=True) as data:
+    name = payload.name_of(path)
+    with payload.open_source(path, max_read_bytes) as data:  # a path, or fetched bytes
         header = jpeg_header.read(data.getvalue()) if isinstance(data, io.BytesIO) else None
         if header is not None:  # a plain JPEG: Pillow need not parse it
             row = _plain_jpeg(data.getvalue(), header, step, draft)
             if row is not None:
                 return row
-            with decode_pil.open_image(data, path) as im:  # refused: Pillow says why
+            with decode_pil.open_image(data, name) as im:  # refused: Pillow says why
                 return decode_pil.decode(im, size, mode, fit, resample, draft)
-        with decode_pil.open_image(data, path) as im:
+        with decode_pil.open_image(data, name) as im:
             row = _opened(im, data, step, draft)
             if row is None:  # not covered: the "pil" pipeline, for this file
                 return decode_pil.decode(im, size, mode, fit, resample, draft)

@@ -10,7 +10,7 @@ row into zeros and a recorded failure, and a row of the wrong shape into ValueEr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -39,19 +39,40 @@ class RowTask:
     record_failures: bool
 
 
+def row_inputs(task: RowTask, values: Sequence[Any]) -> Any:
+    """What the row function reads for each of ``values``: the values themselves, or, for
+    a row function with a ``prefetch`` (images: the objects of URL rows, fetched many at
+    once, :mod:`cachekit.engine.decoding.fetch`), what it made of them. Called where the
+    rows run, so a cluster worker fetches its own rows' objects."""
+    prefetch = getattr(task.row_fn, "prefetch", None)
+    return values if prefetch is None else prefetch(values)
+
+
 def compute_rows(task: RowTask, values: Sequence[Any], out: np.ndarray,
-                 first_row: int) -> list[Failure]:
+                 first_row: int, inputs: Any = None) -> list[Failure]:
     """``out[i] = task.row_fn(values[i])`` for every i; rows ``first_row + i`` of the build.
 
+    ``inputs``: what :func:`row_inputs` made of ``values`` already (None: made here).
     A failed row (when recorded) is written as zeros and listed as (row, value, reason). A
     result of another shape or dtype than ``out``'s rows raises ValueError naming the row.
     """
-    row_fn, record = task.row_fn, task.record_failures
-    shape, dtype = out.shape[1:], out.dtype
     failures: list[Failure] = []
-    for i, value in enumerate(values):
+    if inputs is None:
+        inputs = row_inputs(task, values)
+    try:
+        _compute(task.row_fn, task.record_failures, values, inputs, out, first_row, failures)
+    finally:
+        if inputs is not values and hasattr(inputs, "close"):
+            inputs.close()  # what was fetched and not decoded leaves the window
+    return failures
+
+
+def _compute(row_fn: Callable[[Any], Any], record: bool, values: Sequence[Any], inputs: Any,
+             out: np.ndarray, first_row: int, failures: list[Failure]) -> None:
+    shape, dtype = out.shape[1:], out.dtype
+    for i, (value, item) in enumerate(zip(values, inputs)):
         try:
-            result = row_fn(value)
+            result = row_fn(item)
         except Exception as exc:
             if not record or isinstance(exc, NotAnArrayError):
                 raise
@@ -65,7 +86,6 @@ def compute_rows(task: RowTask, values: Sequence[Any], out: np.ndarray,
                 f"row {first_row + i} gave shape {result.shape} dtype {result.dtype}, but "
                 f"the rows are shape {shape} dtype {dtype}; every row must have one shape")
         out[i] = result
-    return failures
 
 
 def compute_piece(task: RowTask, values: Sequence[Any], ranges: Sequence[tuple[int, int]],
@@ -86,11 +106,15 @@ def compute_piece(task: RowTask, values: Sequence[Any], ranges: Sequence[tuple[i
 
 
 def compute_in_place(task: RowTask, values: Sequence[Any], out: np.ndarray,
-                     ranges: Sequence[tuple[int, int]]) -> list[Failure]:
-    """Rows of ``ranges`` computed straight into ``out`` (threads and the builder itself)."""
+                     ranges: Sequence[tuple[int, int]], inputs: Optional[list[Any]] = None
+                     ) -> list[Failure]:
+    """Rows of ``ranges`` computed straight into ``out`` (threads and the builder itself).
+    ``inputs``: :func:`row_inputs` of each range, made when the piece was handed out (so
+    that a queued piece's objects are fetched while the piece before it decodes)."""
     failures: list[Failure] = []
-    for start, stop in ranges:
-        failures += compute_rows(task, values[start:stop], out[start:stop], start)
+    for n, (start, stop) in enumerate(ranges):
+        failures += compute_rows(task, values[start:stop], out[start:stop], start,
+                                 None if inputs is None else inputs[n])
     return failures
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import Failure
 from .compute import (ChunkLike, ChunkRunner, RowTask, compute_in_place, compute_piece,
-    plain)
+    plain, row_inputs)
 
 THREAD_PIECE_ROWS = 32
 """Largest piece for a thread, and for the builder's own share: small enough to balance the
@@ -41,6 +41,10 @@ workers: the pieces in flight stay a few hundred MB at most)."""
 PIECES_PER_WORKER = 2
 """Pieces in flight per worker: one running and one queued, so no worker waits for the
 builder between pieces."""
+FETCH_AHEAD_PIECES = 4
+"""More pieces in flight on threads when the rows fetch their sources from a store (URL
+rows, cachekit.engine.decoding.fetch): a piece's objects are requested when it is handed
+out, so these are fetched ahead while the running pieces decode."""
 
 
 @dataclass
@@ -157,7 +161,13 @@ class PieceRunner(ChunkRunner):
     def _submit(self, values: Sequence[Any], out: np.ndarray, piece: list[Segment]) -> Future:
         ranges = [(s.start, s.stop) for s in piece]
         if self.in_place:
-            return self.executor.submit(compute_in_place, self.task, values, out, ranges)
+            # This process runs the piece: its inputs (for URL rows, the objects' fetch) are
+            # made now, so that they arrive while the pieces before it decode.
+            inputs = [row_inputs(self.task, values[a:b]) for a, b in ranges]
+            future = self.executor.submit(compute_in_place, self.task, values, out, ranges,
+                                          inputs)
+            future.add_done_callback(lambda _: _close_all(inputs))  # cancelled: given up
+            return future
         rows = [v for s in piece for v in values[s.start:s.stop]]
         return self.executor.submit(compute_piece, self.task, rows, ranges, out.shape[1:],
                                     out.dtype.str)
@@ -169,6 +179,8 @@ class PieceRunner(ChunkRunner):
         cutter = Cutter(chunks, self.rows)
         pending: dict[Future, list[Segment]] = {}
         limit = PIECES_PER_WORKER * self.helpers
+        if self.in_place and getattr(self.task.row_fn, "fetches", False):
+            limit += FETCH_AHEAD_PIECES  # their objects arrive while the others decode
         error: Optional[BaseException] = None
         more = True
         own_rows = 1  # the builder's own share: sized by its rows' time once it has one
@@ -265,6 +277,15 @@ def _finish(piece: list[Segment], failures: list[Failure]
         state.outstanding -= 1
         if state.cut and state.outstanding == 0:
             yield state.chunk, sorted(state.failures)
+
+
+def _close_all(inputs: list[Any]) -> None:
+    """Give up the fetched bytes of a piece's inputs that were not decoded (a piece
+    cancelled before it ran; after it ran there is nothing left)."""
+    for item in inputs:
+        close = getattr(item, "close", None)
+        if close is not None:
+            close()
 
 
 def _cancel_queued(pending: dict[Future, Any]) -> None:

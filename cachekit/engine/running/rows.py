@@ -8,8 +8,8 @@ closures. Importing this module imports neither Pillow nor torch: a cache hit ne
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -34,6 +34,9 @@ class ImageRow:
     ``max_read_bytes``: the caller's cap on whole-file reads, so that workers elsewhere (a
     cluster) read as the caller asked; None: each worker's ``$CACHEKIT_MAX_READ_BYTES``.
     ``backend``: "tensor" or "pil" (cachekit.engine.decoding.images).
+    ``storage_options`` and ``fetch``: how the rows that are remote URLs are fetched
+    (cachekit.engine.decoding.fetch; None: fsspec's configuration and the caller's
+    ``$CACHEKIT_SOURCE_*``). The options may hold credentials: they are not in the repr.
     """
 
     size: tuple[int, int]
@@ -43,6 +46,9 @@ class ImageRow:
     draft: bool = False
     max_read_bytes: Optional[int] = None
     backend: str = "tensor"
+    storage_options: Optional[dict[str, Any]] = field(default=None, repr=False, compare=False,
+                                                      hash=False)
+    fetch: Any = None
 
     @property
     def imports_torch(self) -> bool:
@@ -52,13 +58,45 @@ class ImageRow:
 
         return backend_for(self.backend, self.fit, self.resample) == "tensor"
 
-    def __call__(self, path: str) -> np.ndarray:
+    def __call__(self, path: Any) -> np.ndarray:
+        """One row from a path, a URL, or what :meth:`prefetch` made of one (its bytes)."""
         from ..decoding import images
 
+        if isinstance(path, str) and "://" in path[:40]:
+            path = self._fetched(path)
         # Looked up on the module at each call (not bound once), so a test that patches
         # cachekit.engine.decoding.images.load_image to count decodes sees every row.
         return images.load_image(path, self.size, self.mode, self.fit, self.resample,
                                  self.draft, self.max_read_bytes, self.backend)
+
+    @property
+    def fetches(self) -> bool:
+        """Whether the column holds remote URLs (the caller then set ``fetch``): the
+        runner keeps more pieces in flight (cachekit.engine.running.pieces)."""
+        return self.fetch is not None
+
+    def prefetch(self, values: Sequence[Any]) -> Any:
+        """``values`` as this function reads them, their remote objects being fetched many
+        at once where the rows run (cachekit.engine.running.compute calls it)."""
+        from ..decoding import fetch
+
+        return fetch.prefetch(values, self._cap(), self.storage_options, self.fetch)
+
+    def _fetched(self, url: str) -> Any:
+        from ... import urls
+
+        if not urls.is_remote(url):
+            return url
+        from ..decoding import fetch
+
+        return fetch.fetch_one(url, self._cap(), self.storage_options, self.fetch)
+
+    def _cap(self) -> int:
+        if self.max_read_bytes is not None:
+            return self.max_read_bytes
+        from ... import options
+
+        return options.max_read_bytes()
 
 
 class ArrayRow:

@@ -1,0 +1,112 @@
+"""Each row's stat signature, for a column of local paths, URLs, or both: what
+``validate="stat"`` keys, what an entry records per row (``row_stats.npy``) and what row
+reuse compares.
+
+A local path (or ``file://`` URL) is :func:`cachekit.keys.stat_signature`'s (size,
+mtime_ns). A remote object is (size, tag) from the store's listings: one LIST per prefix
+(the URL up to its last ``/``), however many of its objects the column holds, never one
+HEAD per object, except for stores that cannot list (``http(s)://``: one HEAD each). The
+tag is the first of the object's version id, generation, ETag or MD5 the listing gives
+(its modification time otherwise), as a signed 64-bit hash: an object rewritten in place
+has another ETag (and, mostly, size), so it is another row. An object that is missing, or
+whose listing failed, is (-1, -1), like a file that cannot be stat'ed: it is never reused,
+and fails alone when it is fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import keys, urls
+
+LIST_THREADS = 8
+"""Prefixes listed at once."""
+TAG_FIELDS = ("VersionId", "version_id", "generation", "ETag", "etag", "md5Hash",
+              "content_md5", "LastModified", "last_modified", "mtime", "updated")
+"""Listing fields that name an object's version, in order of preference."""
+NO_LISTING = ("http", "https")
+"""Protocols whose filesystems cannot list a folder: one HEAD (``info``) per object."""
+
+
+def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, Any]] = None,
+                   settings: Optional[urls.FetchSettings] = None) -> np.ndarray:
+    """(size, mtime_ns) of each local file, (size, tag) of each remote object, as an
+    int64 (N, 2) array; (-1, -1) where there is none."""
+    remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
+    if not remote:
+        return keys.stat_signature([urls.local_path(v) if isinstance(v, str) else v
+                                    for v in values])
+    local = [("\0" if urls.is_remote(v) else urls.local_path(v)) if isinstance(v, str)
+             else v for v in values]
+    out = keys.stat_signature(local)  # "\0" is no file name: (-1, -1), filled in below
+    settings = settings or urls.FetchSettings()
+    groups: dict[tuple[str, str], list[int]] = {}
+    for row in remote:
+        url = values[row]
+        groups.setdefault((urls.protocol(url) or "", url.rsplit("/", 1)[0]), []).append(row)
+    jobs = [(name, prefix, rows) for (name, prefix), rows in groups.items()]
+
+    def run(job: tuple[str, str, list[int]]) -> None:
+        name, prefix, rows = job
+        fs = urls.filesystem(name, storage_options, settings)
+        found = _listed(fs, name, prefix, [values[r] for r in rows], settings)
+        for row in rows:
+            info = found.get(fs._strip_protocol(values[row]))
+            if info is not None:
+                out[row] = signature(info)
+
+    if len(jobs) == 1:
+        run(jobs[0])
+    else:
+        with ThreadPoolExecutor(min(LIST_THREADS, len(jobs)),
+                                thread_name_prefix="cachekit-list") as pool:
+            list(pool.map(run, jobs))
+    return out
+
+
+def signature(info: dict[str, Any]) -> tuple[int, int]:
+    """(size, tag) of one object's listing details; (-1, -1) without a size."""
+    size = info.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return -1, -1
+    tag = next((info[name] for name in TAG_FIELDS if info.get(name) not in (None, "")), "")
+    digest = hashlib.blake2b(str(tag).encode("utf-8", "surrogatepass"), digest_size=8)
+    return size, int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def _listed(fs: Any, name: str, prefix: str, members: list[str],
+            settings: urls.FetchSettings) -> dict[str, dict[str, Any]]:
+    """The listing details of ``prefix``'s objects by their filesystem path (for stores
+    that cannot list, of ``members`` one by one); {} when it cannot be had."""
+    if name in NO_LISTING:
+        found = {}
+        for url in members:
+            info = _attempts(lambda: fs.info(url), settings)
+            if info is not None:
+                found[fs._strip_protocol(url)] = info
+        return found
+    path = fs._strip_protocol(prefix)
+    fs.invalidate_cache(path)  # a listing seen before may be stale: always a fresh LIST
+    listing = _attempts(lambda: fs.ls(path, detail=True), settings) or []
+    return {info["name"]: info for info in listing
+            if isinstance(info, dict) and info.get("type", "file") == "file"}
+
+
+def _attempts(call: Any, settings: urls.FetchSettings) -> Any:
+    """``call()``, retried with backoff on timeouts and throttling up to the attempts of
+    ``settings``; None when what it asks for is missing or cannot be had."""
+    delay = 0.1
+    for attempt in range(1, settings.attempts + 1):
+        try:
+            return call()
+        except Exception as e:  # botocore and aiohttp errors are not OSErrors
+            if urls.classify(e) != urls.RETRY or attempt == settings.attempts:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    return None
