@@ -402,7 +402,7 @@ def test_content_validation_does_not_hang_on_a_fifo(tmp_path, cover_paths):
     code = (
         "import sys, pandas as pd, cachekit\n"
         "entry = cachekit.Cache(sys.argv[1]).images(pd.Series(sys.argv[2:]), 8,"
-        " validate='content', on_error='zero')\n"
+        " validate='content', on_error='zero', backend='pil')\n"  # (no torch to import)
         "print(entry.valid.tolist())\n"
     )
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cache"),
