@@ -99,7 +99,10 @@ def _check_all(key: str, recorded: np.ndarray, paths: Any) -> None:
     time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
     changed = _changed(np.arange(len(recorded)), recorded, paths)
     if changed:
-        _warn(key, changed, len(changed), stacklevel=1)
+        try:
+            _warn(key, changed, len(changed), stacklevel=1)
+        except StaleEntryWarning:
+            pass  # warnings made errors: said on stderr already; no traceback from a thread
 
 
 def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 0

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import Any, Iterator, Optional, Sequence
 
 from ... import urls
+from ...errors import CachekitError
 from . import s3_direct
 from .payload import Fetched
 
@@ -42,7 +43,7 @@ FIRST_GUESS_BYTES = 256 << 10
 """The size a request in flight is counted at in the window until objects came back."""
 
 
-class FetchFailed(OSError):
+class FetchFailed(CachekitError, OSError):
     """An object that could not be fetched after its attempts: names the URL and why."""
 
 

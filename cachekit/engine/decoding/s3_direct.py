@@ -22,12 +22,13 @@ import re
 from typing import Any, Optional
 
 from ... import urls
+from ...errors import CachekitError
 
 EXPIRES = 900
 """Seconds a presigned URL is valid: far longer than one request with its retries."""
 
 
-class DirectError(OSError):
+class DirectError(CachekitError, OSError):
     """An S3 answer other than the object: its HTTP status and error code, in the shape
     of botocore's ClientError (``response``), so :func:`cachekit.urls.classify` reads it."""
 
