@@ -121,7 +121,10 @@ def test_the_incremental_benchmark_prints_every_ratio(tmp_path: Path, monkeypatc
     text = result["table"]
     for figure in ("99% shared / fresh build", "5 training columns / one full build",
                    "no entry holds the column's rows", "one more entry holds 99% of them",
-                   "staleness check of a hit of 3000 rows"):
+                   "staleness check of a hit of 3000 rows",
+                   "retry after one bad file was fixed / fresh build",
+                   "first hit of 3000 rows, background check / sample only",
+                   "one file rewritten among 3000: reported after (median)"):
         assert f"| {figure} |" in text
     assert result["shared"][0]["decoded"] == 1 and result["folds"][0]["decoded"] == 30
     assert all(r["reuse"] > 0 and r["fresh"] > 0 for r in result["shared"])
