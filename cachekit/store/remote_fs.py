@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
-from .. import units
+from .. import units, urls
 from ..errors import CachekitError
 
 REMOTE_ENV = "CACHEKIT_REMOTE"
@@ -57,36 +57,12 @@ def classify_failed_create(error: BaseException) -> str:
     """
     if isinstance(error, FileExistsError):
         return EXISTS
-    status, code = _http_answer(error)
+    status, code = urls.http_answer(error)
     if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
         return EXISTS
     if isinstance(error, OSError) and error.errno in (errno.EINVAL, errno.EBUSY, errno.EEXIST):
         return CHECK
     return OTHER
-
-
-def _http_answer(error: BaseException) -> tuple[Optional[int], Optional[str]]:
-    """(HTTP status, error code) of the first exception in ``error``'s causes that carries
-    one: botocore's ClientError (``.response``), gcsfs's HttpError (``.code``), azure's
-    HttpResponseError (``.status_code``)."""
-    seen: set[int] = set()
-    current: Optional[BaseException] = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            meta = response.get("ResponseMetadata") or {}
-            status = meta.get("HTTPStatusCode")
-            code = (response.get("Error") or {}).get("Code")
-            if isinstance(status, int) or isinstance(code, str):
-                return (status if isinstance(status, int) else None,
-                        code if isinstance(code, str) else None)
-        for name in ("status_code", "status", "code"):
-            value = getattr(current, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
-                return value, None
-        current = current.__cause__ or current.__context__
-    return None, None
 
 
 def filesystem(url: str, timeout: float) -> tuple[Any, str]:
@@ -145,7 +121,7 @@ def within(deadline: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> 
 
 
 def describe(error: BaseException) -> str:
-    status, code = _http_answer(error)
+    status, code = urls.http_answer(error)
     answer = f" (HTTP {status}{' ' + code if code else ''})" if status or code else ""
     return f"{type(error).__name__}: {str(error)[:300]}{answer}"
 
