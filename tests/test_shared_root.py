@@ -99,8 +99,8 @@ VICTIM = textwrap.dedent(r'''
         if OP in ("map", "resume"):
             entry = cache.map(row, pd.Series(range(ROWS)), version=variant)
             return entry.array, entry.key, entry.hit
-        if OP == "images":
-            entry = cache.images(pd.Series(config["images"]), 8 + variant)
+        if OP == "images":  # pil: no attack depends on the backend, and no torch to import
+            entry = cache.images(pd.Series(config["images"]), 8 + variant, backend="pil")
             return entry.array, entry.key, entry.hit
         before = CALLS[0]
         got = features(ROWS, variant)
@@ -112,7 +112,8 @@ VICTIM = textwrap.dedent(r'''
         if OP == "images":
             from cachekit.engine.decoding.images import load_image
             size = 8 + variant
-            return np.stack([load_image(p, (size, size)) for p in config["images"]])
+            return np.stack([load_image(p, (size, size), backend="pil")
+                             for p in config["images"]])
         a = np.arange(ROWS * 8, dtype=np.int64).reshape(ROWS, 8) + variant + POISON
         return {"a": a, "b": (np.full(3, variant, dtype=np.float32), np.eye(2) * variant)}
 
