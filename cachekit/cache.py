@@ -19,7 +19,6 @@ import numpy as np
 from . import _wandb, keys, options, source_stats, urls
 from .code_identity import function_identity
 from .engine.running import executors
-from .engine.decoding import fetch
 from .engine.decoding.images import backend_for
 from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
@@ -122,6 +121,8 @@ class Cache:
         if validate == "stat":
             material["stat"] = source_stats.stat_signature(values, storage_options, fetching)
         elif validate == "content":
+            from .engine.decoding import fetch  # (asyncio: imported only where it is used)
+
             material["content"] = fetch.content_signature(values, self.workers, max_read,
                                                           storage_options, fetching)
         row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend,
