@@ -168,7 +168,7 @@ def test_no_two_modules_import_each_other_in_any_way() -> None:
     assert mutual(graph(type_checking=True)) == []
 
 
-def test_the_mutual_import_finder_sees_every_kind_of_import(tmp_path) -> None:
+def test_the_mutual_import_finder_sees_every_kind_of_import() -> None:
     assert mutual({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [("a", "b")]
     edges = graph(type_checking=True)
     assert "cachekit.obtain" in edges["cachekit.entry"]  # a TYPE_CHECKING import

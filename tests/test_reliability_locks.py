@@ -237,6 +237,12 @@ def plant(path: Path, body: str) -> None:
     os.utime(path, (old, old))
 
 
+def assert_the_soft_lock_takes_it_over_at_once(path) -> None:
+    ours = locks.SoftLock(path, lease=SHORT_LEASE)
+    assert ours.acquire(timeout=0)
+    ours.release()
+
+
 @pytest.mark.parametrize("what", sorted(PLANTS))
 def test_a_soft_file_lease_is_blocked_for_good_by_a_marker_that_never_beats(tmp_path, what):
     """filelock never takes these over, whatever their age: an unknown mode and an empty
@@ -248,9 +254,7 @@ def test_a_soft_file_lease_is_blocked_for_good_by_a_marker_that_never_beats(tmp_
     contender = soft_file_lease(path, SHORT_LEASE)
     with pytest.raises(filelock.Timeout):
         contender.acquire(timeout=10 * SHORT_LEASE)
-    ours = locks.SoftLock(path, lease=SHORT_LEASE)
-    assert ours.acquire(timeout=0)
-    ours.release()
+    assert_the_soft_lock_takes_it_over_at_once(path)
 
 
 def test_a_soft_file_lease_refuses_to_wait_on_a_marker_of_another_lease(tmp_path):
@@ -263,6 +267,4 @@ def test_a_soft_file_lease_refuses_to_wait_on_a_marker_of_another_lease(tmp_path
     contender = soft_file_lease(path, SHORT_LEASE)
     with pytest.raises(filelock.LeaseSettingsMismatch):
         contender.acquire(timeout=10 * SHORT_LEASE)
-    ours = locks.SoftLock(path, lease=SHORT_LEASE)
-    assert ours.acquire(timeout=0)
-    ours.release()
+    assert_the_soft_lock_takes_it_over_at_once(path)

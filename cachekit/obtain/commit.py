@@ -129,7 +129,8 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         raise made.failure
     if won:
         store.forget_failure(key)  # an earlier failure is history now
-        _remove_kept(store, key)
+        if made.reuse is not None:  # (only a per-row build keeps rows when it fails)
+            _remove_kept(store, key)
         if announce:
             _say_who_joined(manifest)
     return published

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, BinaryIO, Optional
 
 import numpy as np
@@ -43,7 +44,7 @@ class RowSource:
     block_rows: int
     stats: Optional[np.ndarray]
 
-    @property
+    @cached_property
     def failed(self) -> np.ndarray:
         """A mask of the entry's rows that failed when it was built (stored as zeros)."""
         mask = np.zeros(self.manifest.rows, dtype=bool)
