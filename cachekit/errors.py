@@ -33,7 +33,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
+
+from . import redaction
 
 Failure = Tuple[int, str, str]
 """One bad row: (row position, path, reason)."""
@@ -77,7 +79,8 @@ class ImageDecodeError(CachekitError, ValueError):
 
     def __init__(self, failures: Sequence[Failure], rows: Optional[int] = None,
                  cwd: Optional[str] = None) -> None:
-        self.failures = [(int(r), str(p), str(why)) for r, p, why in failures]
+        self.failures = [(int(r), redaction.value(p), redaction.text(why))
+                         for r, p, why in failures]
         self.rows, self.cwd = rows, cwd
         shown = "\n".join(f"  row {r}: {p!r}: {why}" for r, p, why in self.failures[:10])
         more = len(self.failures) - 10
@@ -251,8 +254,16 @@ class InvalidArgumentType(CachekitError, TypeError):
 
 
 def failure_reason(exc: BaseException) -> str:
-    """The reason recorded for a row whose function raised ``exc``: its type and message."""
-    return f"{type(exc).__name__}: {str(exc) or repr(exc)}"
+    """The reason recorded for a row whose function raised ``exc``: its type and message,
+    redacted (:func:`cachekit.redaction.text`: the message may quote a URL's credentials)."""
+    return redaction.text(f"{type(exc).__name__}: {str(exc) or repr(exc)}")
+
+
+def failure(row: int, value: Any, exc: BaseException) -> Failure:
+    """The record of row ``row`` whose value ``value`` raised ``exc``: the row, the value
+    as :func:`cachekit.redaction.value` shows it, and the reason. What is kept of a failed
+    row, in memory, in a manifest or in a failure record: never a credential."""
+    return (row, redaction.value(value), failure_reason(exc))
 
 
 class RemoteUnavailableError(CachekitError, OSError):

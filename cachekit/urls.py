@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from . import units
+from . import redaction, units
 from .errors import CachekitError, InvalidArgument
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -170,10 +170,9 @@ def check_available(protocols: Iterable[str]) -> None:
 
 
 def shown(url: str) -> str:
-    """``url`` as messages show it: no ``user:password@`` and no query string (a signed
-    URL's signature), so that no credential reaches a log or an error."""
-    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", url)
-    return url.split("?", 1)[0]
+    """``url`` as messages show it (:func:`cachekit.redaction.url`): no userinfo, query
+    or fragment, so that no credential or signature reaches a log or an error."""
+    return redaction.url(url)
 
 
 # Filesystems --------------------------------------------------------------------------------
@@ -306,9 +305,7 @@ def http_answer(error: BaseException) -> tuple[Optional[int], Optional[str]]:
 
 def describe(error: BaseException) -> str:
     """A failed request's reason for a message: the error's type and HTTP answer, and its
-    text with any URL in it shown as :func:`shown` shows it."""
+    text as :func:`cachekit.redaction.text` shows it (no credential of any URL in it)."""
     status, code = http_answer(error)
     answer = f" (HTTP {status}{' ' + code if code else ''})" if status or code else ""
-    text = re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", lambda m: shown(m.group(0)),
-                  str(error) or repr(error))
-    return f"{type(error).__name__}: {text[:200]}{answer}"
+    return f"{type(error).__name__}: {redaction.text(str(error) or repr(error))[:200]}{answer}"

@@ -26,6 +26,7 @@ import pytest
 from PIL import Image, features
 
 import cachekit
+from cachekit import redaction
 from cachekit.store import manifest as manifests
 from cachekit.store import Layout
 from cachekit.engine.decoding.images import load_image
@@ -148,7 +149,8 @@ def test_hostile_files_fail_row_by_row_and_never_disturb_other_rows(tmp_path, ho
     for row, (name, result) in enumerate(zip(names, expected)):
         if result is None:
             assert not entry.valid[row] and not np.asarray(entry.array[row]).any(), name
-            assert failed[row][0] == paths[row] and failed[row][1], name
+            # stored as shown: bounded, control characters escaped (cachekit.redaction)
+            assert failed[row][0] == redaction.value(paths[row]) and failed[row][1], name
         else:
             assert entry.valid[row], name
             np.testing.assert_array_equal(np.asarray(entry.array[row]), result, err_msg=name)
@@ -178,8 +180,9 @@ def test_file_names_that_are_not_utf8_are_keyed_by_their_bytes_and_decoded(tmp_p
     cache = cachekit.Cache(tmp_path / "cache", workers=2, executor=executor, progress=False)
     with pytest.raises(cachekit.ImageDecodeError) as caught:
         cache.images(paths, 8)
-    assert [(row, path) for row, path, _ in caught.value.failures] == [(1, paths[1])]
-    assert repr(paths[1]) in str(caught.value)
+    shown = redaction.value(paths[1])  # the undecodable bytes escaped, as \\udcff
+    assert [(row, path) for row, path, _ in caught.value.failures] == [(1, shown)]
+    assert repr(shown) in str(caught.value)
     entry = cache.images(paths, 8, on_error="zero", validate="content")
     assert entry.valid.tolist() == [True, False] and entry.source == "built"
     np.testing.assert_array_equal(entry.array[0], load_image(paths[0], (8, 8)))

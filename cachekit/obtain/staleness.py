@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import arrays, urls
+from .. import arrays, redaction, urls
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
@@ -120,7 +120,7 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
             now = (-1, -1)
         then = (int(recorded[row, 0]), int(recorded[row, 1]))
         if now != then:
-            found.append((int(row), str(path), then, now))
+            found.append((int(row), redaction.value(path), then, now))
             if len(found) == stop_at:
                 break
     return found

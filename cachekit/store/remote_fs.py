@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
-from .. import units, urls
+from .. import redaction, units, urls
 from ..errors import CachekitError
 
 REMOTE_ENV = "CACHEKIT_REMOTE"
@@ -34,8 +33,8 @@ def timeout_from_env() -> float:
 
 
 def redact(url: str) -> str:
-    """``url`` without a ``user:password@`` part, for messages."""
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", url)
+    """``url`` as messages show it: :func:`cachekit.redaction.url`."""
+    return redaction.url(url)
 
 
 # Failed create-only writes ----------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ... import _fs, arrays
-from ...errors import Failure, NotAnArrayError, failure_reason
+from ...errors import Failure, NotAnArrayError, failure
 from ...keys import rest_key
 from ..running.executors import RowTask, check_picklable, make_runner
 from ..running.rows import as_row
@@ -342,7 +342,7 @@ def _first_success(values: Sequence[Any], task: RowTask,
         except Exception as exc:
             if not task.record_failures or isinstance(exc, NotAnArrayError):
                 raise
-            failures.append((row, str(value), failure_reason(exc)))
+            failures.append(failure(row, value, exc))
     raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import numpy as np
 
-from ...errors import Failure, NotAnArrayError, failure_reason
+from ...errors import Failure, NotAnArrayError, failure
 from .rows import as_row
 
 
@@ -76,7 +76,7 @@ def _compute(row_fn: Callable[[Any], Any], record: bool, values: Sequence[Any], 
         except Exception as exc:
             if not record or isinstance(exc, NotAnArrayError):
                 raise
-            failures.append((first_row + i, str(value), failure_reason(exc)))
+            failures.append(failure(first_row + i, value, exc))
             out[i] = 0  # a redone chunk may hold bytes of an earlier attempt
             continue
         if type(result) is not np.ndarray:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ... import redaction
 from ...errors import NotAnArrayError
 
 
@@ -121,6 +122,7 @@ class ArrayRow:
         if torch is not None and isinstance(result, torch.Tensor):
             return result
         raise NotAnArrayError(f"map: {getattr(fn, '__qualname__', fn)} returned "
-                              f"{type(result).__qualname__} {str(result)[:80]} for {value!r}; "
+                              f"{type(result).__qualname__} {redaction.text(result)[:80]} for "
+                              f"{redaction.value(value)!r}; "
                               "it must return a numpy array (not of Python objects) or a "
                               "torch tensor")
