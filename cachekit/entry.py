@@ -115,7 +115,6 @@ class Entry:
 
 def _valid_rows(manifest: Manifest) -> np.ndarray:
     """Read-only (N,) bool array: False for the rows the manifest lists as failed."""
-    valid = np.ones(manifest.rows, dtype=bool)
-    valid[[row for row, _, _ in manifest.failed_rows]] = False
+    valid = ~manifest.failed()
     valid.flags.writeable = False
     return valid

@@ -11,6 +11,7 @@ Every line has its control characters escaped (:func:`printable`), the command l
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -18,6 +19,7 @@ from typing import Any
 # lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 _ESCAPES.update({c: f"\\u{c:04x}" for c in range(0xD800, 0xE000)})
+_NEEDS_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 """The environment variables torchrun (and torch.distributed.launch) set for each rank."""
@@ -39,7 +41,8 @@ def printable(text: Any) -> str:
     """``text`` with its control characters escaped: host names, paths and reasons read
     from files under a shared root or from a bucket are written by whoever else uses it,
     so none of their text may reach a terminal raw."""
-    return str(text).translate(_ESCAPES)
+    text = str(text)
+    return text.translate(_ESCAPES) if _NEEDS_ESCAPE.search(text) else text
 
 
 def say(text: str) -> None:

@@ -29,7 +29,9 @@ TEXT_CHARS = 400
 REDACTED = "[redacted]"
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+# (starting only where a scheme can start: a long run of letters is tried once, not at
+# each of its letters)
+_URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(:[0-9]*)?")
 _AUTHORITY_END = re.compile(r"[/?#\\]")
 
@@ -64,7 +66,9 @@ def value(raw: Any) -> str:
 def text(raw: Any) -> str:
     """A message that may quote column values (an exception's text): every URL in it by
     :func:`url`, control characters escaped, at most :data:`TEXT_CHARS` characters."""
-    shown = _URL_IN_TEXT.sub(lambda m: url(m.group(0)), str(raw))
+    shown = str(raw)
+    if "://" in shown:
+        shown = _URL_IN_TEXT.sub(lambda m: url(m.group(0)), shown)
     return _bounded(printable(shown), TEXT_CHARS)
 
 

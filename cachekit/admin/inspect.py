@@ -163,7 +163,7 @@ def entry_info(path: Path) -> Optional[EntryInfo]:
         return EntryInfo(
             key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
             dtype=manifest.dtype.name, bytes=size, created=manifest.created, last_used=used,
-            path=path, column=manifest.column, failed_rows=len(manifest.failed_rows),
+            path=path, column=manifest.column, failed_rows=manifest.failed_count,
             params=manifest.params,
             origin=None if manifest.origin is None else manifest.origin.to_json(),
             failed_build=manifest.failed_build,

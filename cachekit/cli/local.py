@@ -107,11 +107,11 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
     for record in manifest.get("files") or []:
         pairs.append((record["name"], f"{record['bytes']} bytes, checksum {record['checksum']}"))
     fields(pairs)
-    failed = manifest.get("failed_rows") or []
-    for row, path, reason in failed[:20]:
+    failed = (manifest.get("failed_rows") or [])[:20]
+    for row, path, reason in failed:
         say(f"  failed row {row}: {path}: {reason}")
-    if len(failed) > 20:
-        say(f"  ... and {len(failed) - 20} more")
+    if e.failed_rows > len(failed):
+        say(f"  ... and {e.failed_rows - len(failed)} more")
 
 
 def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
@@ -200,13 +200,15 @@ def build(args: argparse.Namespace) -> int:
         return 1
     except (ValueError, TypeError) as e:  # the cache refused the column (empty, NaN, not str)
         return fail(f"build failed: {e}", 1)
-    failed = entry.manifest["failed_rows"]
-    for row, path, reason in failed:
+    detailed, failed = entry.manifest["failed_rows"], int((~entry.valid).sum())
+    for row, path, reason in detailed:
         say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
+    if failed > len(detailed):
+        say(f"  ... and {failed - len(detailed)} more", file=sys.stderr)
     how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
     described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
     size = described.bytes if described is not None else entry.array.nbytes
-    zeros = f", {units.count(len(failed), 'failed row')} stored as zeros" if failed else ""
+    zeros = f", {units.count(failed, 'failed row')} stored as zeros" if failed else ""
     say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} "
         f"{entry.array.dtype}, {units.format_size(size)}{zeros}", file=sys.stderr)
     say(entry.key)

@@ -140,7 +140,7 @@ def _print_entry(remote: RemoteStore, entry: RemoteEntry, info: admin.RemoteEntr
     pairs: list[tuple[str, Any]] = [
         ("key", m.key), ("url", info.url), ("kind", m.kind), ("rows", m.rows),
         ("shape", f"{shape(m.shape)} {m.dtype.name}"), ("column", m.column),
-        ("failed rows", len(m.failed_rows)),
+        ("failed rows", m.failed_count),
         ("size", f"{units.format_size(m.bytes)} ({m.bytes} bytes)"),
         ("created", when(m.created, now)),
         ("uploaded", when(info.uploaded, now) if info.uploaded else None),

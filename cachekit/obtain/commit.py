@@ -20,14 +20,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from .. import _fs, keys, processes
 from .._version import __version__
 from .. import engine
 from ..engine.filling.journal import is_journal_name
-from ..errors import BuildGone, ImageDecodeError
+from ..errors import BuildGone, Failure, ImageDecodeError
 from ..messages import say
 from ..store import BuildDir, LocalStore, Published
-from ..store.manifest import Manifest, Origin, RowReuse
+from ..store.manifest import (FAILURE_DETAILS, Manifest, Origin, RowReuse, failed_fields,
+                              parse_failed_mask)
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -97,7 +100,8 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         manifest = Manifest(
             key=published_key, kind=made.kind, rows=made.rows, files=files,
             created=time.time(), failed_build=None if made.failure is None else key,
-            failed_rows=tuple(made.failed_rows), params=made.params or {}, column=made.column,
+            **failed_fields(made.rows, made.failed_rows), params=made.params or {},
+            column=made.column,
             structure=made.structure,
             builder={"host": _fs.host(), "pid": os.getpid(), **(made.builder or {})},
             build_seconds=round(time.monotonic() - started, 3), cachekit_version=__version__,
@@ -185,18 +189,33 @@ def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) 
             return
         rows = [(int(r), str(p), str(why)) for r, p, why in failures]
         total, cwd = record.get("rows"), record.get("cwd")  # the builder's, for its hint
+        if record.get("failed_mask") is not None and isinstance(total, int):
+            rows += _undetailed(rows, parse_failed_mask(record["failed_mask"], total, ValueError))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return
     raise ImageDecodeError(rows, total if isinstance(total, int) else None,
                            cwd if isinstance(cwd, str) else None)
 
 
+def _undetailed(detailed: list[Failure], mask: np.ndarray) -> list[Failure]:
+    """The failures of a record's mask that it does not detail (only the first
+    FAILURE_DETAILS are), each with no value and a reason that says so."""
+    known = {row for row, _, _ in detailed}
+    return [(int(row), "", f"failed in the build this process waited for (its first "
+                           f"{FAILURE_DETAILS} failures are recorded with their reasons)")
+            for row in np.flatnonzero(mask) if int(row) not in known]
+
+
 def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> None:
     """Tell the processes waiting for this build that it failed, and why, so that they
-    raise the same error instead of each decoding every row again (K agents, one build)."""
+    raise the same error instead of each decoding every row again (K agents, one build).
+    The record's size is bounded: the first failures detailed, every failed row a bit."""
     try:
+        failed = failed_fields(error.rows or 0, error.failures) if error.rows else {
+            "failed_rows": error.failures[:FAILURE_DETAILS], "failed_mask": None}
         store.record_failure(key, {"time": time.time(), **processes.owner(),
-                                   "failures": [list(f) for f in error.failures],
+                                   "failures": [list(f) for f in failed["failed_rows"]],
+                                   "failed_mask": failed["failed_mask"],
                                    "rows": error.rows, "cwd": error.cwd})
     except OSError:
         pass  # waiters then build again and fail the same way: slower, still correct

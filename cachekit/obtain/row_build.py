@@ -224,8 +224,7 @@ def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarra
             ids = source.ids
             failed = source.failed
     else:
-        failed = np.zeros(manifest.rows, dtype=bool)
-        failed[[row for row, _, _ in manifest.failed_rows]] = True
+        failed = manifest.failed()
     RowIndex(store).add(manifest.reuse.recipe, manifest.key, ids[:, 0], skip=failed)
 
 

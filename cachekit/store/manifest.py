@@ -32,16 +32,18 @@ import numpy as np
 
 from .. import _fs
 from . import signing
-from ..errors import CacheCorruptError, Failure, UnsignedEntryError
+from ..errors import CacheCorruptError, CachekitError, Failure, UnsignedEntryError
 from ..keys import FORMAT_VERSION, is_key
-from .records import (DATA_FILE, KINDS, LEAF_KINDS, MEMOIZE_KIND, ROW_BLOCKS_FILE, ROW_FILES,
-                      ROW_IDS_FILE, ROW_STATS_FILE, FileRecord, Origin, RowReuse,
-                      allowed_file_name, count_field, file_name, get_field, is_number,
-                      parse_failure, parse_file_record, parse_origin, parse_reuse)
+from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MEMOIZE_KIND,
+                      ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_STATS_FILE, FileRecord,
+                      Origin, RowReuse, allowed_file_name, count_field, failed_mask_text,
+                      file_name, get_field, is_number, parse_failed_mask, parse_failure,
+                      parse_file_record, parse_origin, parse_reuse)
 
 __all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT", "MEMOIZE_KIND",
-           "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "ROW_IDS_FILE", "ROW_STATS_FILE",
+           "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "FAILURE_DETAILS", "ROW_IDS_FILE", "ROW_STATS_FILE",
            "FileRecord", "Manifest", "Origin", "RowReuse", "allowed_file_name", "dumps",
+           "failed_fields",
            "file_name", "loads", "read", "read_at", "write_at"]
 
 MANIFEST_FILE = "manifest.json"
@@ -72,6 +74,24 @@ class Manifest:
     failed_build: Optional[str] = None
     """For the rows a failed build kept (:func:`cachekit.keys.kept_key`): the key whose
     build failed. Such an entry lends its good rows to later builds; it is never a hit."""
+    failed_mask: Optional[str] = None
+    """Every failed row, as :func:`~cachekit.store.records.failed_mask_text` encodes it;
+    ``failed_rows`` details only the first :data:`FAILURE_DETAILS`. None: the details are
+    all (no row failed, or a manifest of an older cachekit)."""
+
+    @property
+    def failed_count(self) -> int:
+        """How many rows failed (stored as zeros, or not kept)."""
+        return int(self.failed().sum()) if self.failed_mask is not None \
+            else len(self.failed_rows)
+
+    def failed(self) -> np.ndarray:
+        """A (rows,) bool mask of the rows that failed."""
+        if self.failed_mask is not None:
+            return parse_failed_mask(self.failed_mask, self.rows, _corrupt(self.key))
+        mask = np.zeros(self.rows, dtype=bool)
+        mask[[row for row, _, _ in self.failed_rows]] = True
+        return mask
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -110,6 +130,8 @@ class Manifest:
             out["origin"] = self.origin.to_json()
         if self.failed_build is not None:
             out["failed_build"] = self.failed_build
+        if self.failed_mask is not None:
+            out["failed_mask"] = self.failed_mask
         return out
 
     @classmethod
@@ -118,6 +140,18 @@ class Manifest:
         field when anything is missing, of the wrong type or inconsistent. ``key``: the key
         the entry is stored under, which the manifest must name."""
         return _parse(raw, path, key)
+
+
+def failed_fields(rows: int, failures: Any) -> dict[str, Any]:
+    """The manifest fields of a build's ``failures`` (every failed row, in row order):
+    the first :data:`FAILURE_DETAILS` with their value and reason, and the mask of all."""
+    failures = sorted(failures)
+    return {"failed_rows": tuple(failures[:FAILURE_DETAILS]),
+            "failed_mask": failed_mask_text(rows, [row for row, _, _ in failures])}
+
+
+def _corrupt(key: str) -> Any:
+    return lambda reason: CacheCorruptError(key, reason)
 
 
 def read(entry_dir: Path, key: Optional[str] = None) -> Manifest:
@@ -178,6 +212,10 @@ def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
     set. ``extra``: fields added to the JSON object (and so signed with it), such as the
     upload a remote manifest names; reading ignores fields it does not know."""
     text = json.dumps({**manifest.to_json(), **(extra or {})}, indent=1, sort_keys=True)
+    if len(text) > MANIFEST_LIMIT - 1024:  # what a reader refuses is never written
+        raise CachekitError(f"the manifest of entry {manifest.key} would be {len(text)} "
+                            f"bytes, more than the {MANIFEST_LIMIT} a reader accepts; "
+                            "its params or structure are too large to record")
     secret = signing.key()
     if secret is not None:
         # Sign the object as a reader will parse it back (JSON has string keys only, and
@@ -235,6 +273,11 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
         raise fail(f"bad created time {created!r}")
     failed = tuple(parse_failure(item, rows, fail)
                    for item in get_field(raw, "failed_rows", list, fail))
+    failed_mask = raw.get("failed_mask")
+    if failed_mask is not None:
+        mask = parse_failed_mask(failed_mask, rows, fail)
+        if not all(mask[row] for row, _, _ in failed):
+            raise fail("failed_rows names a row that failed_mask does not")
     params = raw.get("params", {})
     column = raw.get("column")
     builder = raw.get("builder", {})
@@ -262,6 +305,6 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
                     failed_rows=failed, params=params, column=column, structure=structure,
                     builder=builder, build_seconds=float(build_seconds),
                     cachekit_version=version, reuse=reuse, origin=origin,
-                    failed_build=failed_build)
+                    failed_build=failed_build, failed_mask=failed_mask)
 
 

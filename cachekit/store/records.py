@@ -168,6 +168,55 @@ def parse_file_record(index: int, item: Any, fail: Fail) -> FileRecord:
     return record
 
 
+FAILURE_DETAILS = 100
+"""Failed rows a manifest or failure record lists with their value and reason; every
+failed row is in the mask (:func:`failed_mask_text`), so a record's size does not grow with
+the failures' text however many rows fail."""
+_MASK_PREFIX = "zlib-base64:"
+
+
+def failed_mask_text(rows: int, failed: Any) -> Optional[str]:
+    """The mask of ``failed`` (row numbers) among ``rows`` rows as a manifest holds it: one
+    bit a row, zlib-compressed, base64 (a few bytes for a few failures, at most about
+    ``rows / 6`` characters for any number); None when no row failed."""
+    import base64
+    import zlib
+
+    numbers = np.asarray(list(failed) if not isinstance(failed, np.ndarray) else failed,
+                         dtype=np.int64)
+    if not len(numbers):
+        return None
+    mask = np.zeros(rows, dtype=bool)
+    mask[numbers] = True
+    packed = np.packbits(mask, bitorder="little").tobytes()
+    return _MASK_PREFIX + base64.b64encode(zlib.compress(packed, 6)).decode("ascii")
+
+
+def parse_failed_mask(text: Any, rows: int, fail: Fail) -> np.ndarray:
+    """The (rows,) bool mask of :func:`failed_mask_text`, checked: decompressed only up to
+    its own size (a planted zlib bomb stops there), no bit past ``rows``."""
+    import base64
+    import binascii
+    import zlib
+
+    if not isinstance(text, str) or not text.startswith(_MASK_PREFIX) \
+            or len(text) > 2 * rows + 1024:
+        raise fail("bad failed_mask field")
+    size = -(-rows // 8)
+    try:
+        packed_z = base64.b64decode(text[len(_MASK_PREFIX):], validate=True)
+        inflater = zlib.decompressobj()
+        packed = inflater.decompress(packed_z, size + 1)
+    except (binascii.Error, ValueError, zlib.error):
+        raise fail("bad failed_mask field") from None
+    if len(packed) != size or inflater.unconsumed_tail or not inflater.eof:
+        raise fail(f"failed_mask does not hold {rows} rows")
+    mask = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
+    if mask[rows:].any():
+        raise fail("failed_mask marks rows past the entry's")
+    return mask[:rows].astype(bool)
+
+
 def parse_failure(item: Any, rows: int, fail: Fail) -> Failure:
     if not (isinstance(item, list) and len(item) == 3 and is_count(item[0]) and item[0] < rows
             and isinstance(item[1], str) and isinstance(item[2], str)):

@@ -47,9 +47,7 @@ class RowSource:
     @cached_property
     def failed(self) -> np.ndarray:
         """A mask of the entry's rows that failed when it was built (stored as zeros)."""
-        mask = np.zeros(self.manifest.rows, dtype=bool)
-        mask[[row for row, _, _ in self.manifest.failed_rows]] = True
-        return mask
+        return self.manifest.failed()
 
     def close(self) -> None:
         self.data.close()
