@@ -5,7 +5,8 @@ reuse compares.
 A local path (or ``file://`` URL) is :func:`cachekit.keys.stat_signature`'s (size,
 mtime_ns). A remote object is (size, tag) from the store's listings: one LIST per prefix
 (the URL up to its last ``/``), however many of its objects the column holds, never one
-HEAD per object, except for stores that cannot list (``http(s)://``: one HEAD each). The
+HEAD per object, except for stores that cannot list (``http(s)://``: one HEAD each, run
+concurrently). Every listing and HEAD has the fetch settings' deadline. The
 tag is the first of the object's version id, generation, ETag or MD5 the listing gives
 (its modification time otherwise), as a signed 64-bit hash: an object rewritten in place
 has another ETag (and, mostly, size), so it is another row. An object that is missing, or
@@ -82,19 +83,73 @@ def signature(info: dict[str, Any]) -> tuple[int, int]:
 def _listed(fs: Any, name: str, prefix: str, members: list[str],
             settings: urls.FetchSettings) -> dict[str, dict[str, Any]]:
     """The listing details of ``prefix``'s objects by their filesystem path (for stores
-    that cannot list, of ``members`` one by one); {} when it cannot be had."""
+    that cannot list, of ``members``, HEADs run concurrently); {} when it cannot be had.
+    Each listing and each HEAD has the settings' deadline, all attempts included."""
     if name in NO_LISTING:
-        found = {}
-        for url in members:
-            info = _attempts(lambda: fs.info(url), settings)
-            if info is not None:
-                found[fs._strip_protocol(url)] = info
-        return found
+        infos = _run(fs, _heads(fs, members, settings), settings, len(members),
+                     [None] * len(members))
+        return {fs._strip_protocol(url): info for url, info in zip(members, infos)
+                if info is not None}
     path = fs._strip_protocol(prefix)
     fs.invalidate_cache(path)  # a listing seen before may be stale: always a fresh LIST
-    listing = _attempts(lambda: fs.ls(path, detail=True), settings) or []
-    return {info["name"]: info for info in listing
+    if getattr(fs, "async_impl", False):
+        listing = _run(fs, _within(lambda: fs._ls(path, detail=True), settings), settings, 1)
+    else:
+        listing = _attempts(lambda: fs.ls(path, detail=True), settings)
+    return {info["name"]: info for info in listing or []
             if isinstance(info, dict) and info.get("type", "file") == "file"}
+
+
+async def _heads(fs: Any, members: list[str], settings: urls.FetchSettings) -> list[Any]:
+    """``fs._info`` of each of ``members``, at most ``concurrency`` at once, each within
+    the deadline; None for one that is missing or cannot be had."""
+    import asyncio
+
+    slots = asyncio.Semaphore(settings.concurrency)
+
+    async def one(url: str) -> Any:
+        async with slots:
+            return await _within(lambda: fs._info(url), settings)
+
+    return list(await asyncio.gather(*(one(url) for url in members)))
+
+
+async def _within(call: Any, settings: urls.FetchSettings) -> Any:
+    """``await call()`` retried as :func:`_attempts` does, all within the deadline; None
+    when it runs out."""
+    import asyncio
+
+    async def attempts() -> Any:
+        delay = 0.1
+        for attempt in range(1, settings.attempts + 1):
+            try:
+                return await call()
+            except Exception as e:  # botocore and aiohttp errors are not OSErrors
+                if urls.classify(e) != urls.RETRY or attempt == settings.attempts:
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        return None
+
+    try:
+        return await asyncio.wait_for(attempts(), settings.timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        return None
+
+
+def _run(fs: Any, coroutine: Any, settings: urls.FetchSettings, count: int,
+         default: Any = None) -> Any:
+    """Run ``coroutine`` on ``fs``'s event loop from this thread; ``default`` if it has
+    not ended in time (it bounds itself: each object within the deadline, ``concurrency``
+    at once; this outer limit is a backstop)."""
+    import fsspec.asyn
+
+    rounds = -(-max(1, count) // max(1, settings.concurrency))
+    try:
+        return fsspec.asyn.sync(fs.loop, lambda: coroutine,
+                                timeout=settings.timeout * (rounds + 1))
+    except fsspec.asyn.FSTimeoutError:
+        return default
 
 
 def _attempts(call: Any, settings: urls.FetchSettings) -> Any:

@@ -46,9 +46,10 @@ class MissingRemoteSupport(CachekitError, ImportError):
 
 @dataclass(frozen=True)
 class FetchSettings:
-    """How objects are fetched: ``timeout`` seconds per request (connect and read; a stall
-    beyond it is one failed attempt), ``attempts`` per object (timeouts, throttling such as
-    503 SlowDown, connection resets: retried with backoff), ``concurrency`` requests in
+    """How objects are fetched: ``timeout`` seconds for each object, all of it (connect,
+    headers, body, a listing or HEAD, every attempt: a trickling answer fails its row),
+    ``attempts`` per object within that deadline (throttling such as 503 SlowDown, 5xx,
+    connection resets: retried with backoff), ``concurrency`` requests in
     flight per process, and ``window`` bytes fetched but not decoded yet per process (the
     memory bound: a new request waits while the window is full). ``presigned``: read s3
     objects by presigned GETs (cachekit.engine.decoding.s3_direct) rather than through

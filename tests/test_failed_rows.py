@@ -138,8 +138,8 @@ def test_the_writer_refuses_a_manifest_a_reader_would_refuse(monkeypatch, tmp_pa
     entry = cachekit.Cache(tmp_path / "c", progress=False).images(cover_paths[:2], 4,
                                                                   backend="pil")
     manifest = manifests.read(entry.path)
-    monkeypatch.setattr(manifests, "MANIFEST_LIMIT", 2048)
-    with pytest.raises(cachekit.CachekitError, match="more than the 2048 a reader accepts"):
+    monkeypatch.setattr(manifests, "WRITE_LIMIT", 1024)
+    with pytest.raises(cachekit.CachekitError, match="more than the 1024 a reader accepts"):
         manifests.dumps(manifest)
 
 

@@ -48,6 +48,8 @@ __all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT"
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_LIMIT = 64 << 20  # a tampered manifest must not exhaust memory
+WRITE_LIMIT = MANIFEST_LIMIT - (1 << 10)
+"""The largest manifest written: what a reader accepts, with room for the signature."""
 ROW_FILES_LIMIT = 1 << 30
 """The largest row file read into memory (a billion bytes: 67 million rows)."""
 
@@ -212,9 +214,9 @@ def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
     set. ``extra``: fields added to the JSON object (and so signed with it), such as the
     upload a remote manifest names; reading ignores fields it does not know."""
     text = json.dumps({**manifest.to_json(), **(extra or {})}, indent=1, sort_keys=True)
-    if len(text) > MANIFEST_LIMIT - 1024:  # what a reader refuses is never written
+    if len(text) > WRITE_LIMIT:  # what a reader refuses is never written
         raise CachekitError(f"the manifest of entry {manifest.key} would be {len(text)} "
-                            f"bytes, more than the {MANIFEST_LIMIT} a reader accepts; "
+                            f"bytes, more than the {WRITE_LIMIT} a reader accepts; "
                             "its params or structure are too large to record")
     secret = signing.key()
     if secret is not None:

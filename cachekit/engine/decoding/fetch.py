@@ -12,11 +12,14 @@ bounded whatever the number of rows.
 The window also counts the requests in flight, each at the mean size of the objects
 fetched so far: what a process holds is about ``window`` bytes, plus one object.
 
-Each request reads at most the cap plus one byte (a ranged GET): a larger object is a
-failed row, never a huge download. A timeout, throttling (503 SlowDown, 429), a 5xx or a
-reset connection is retried with backoff up to ``attempts``; a missing object is
-FileNotFoundError; both then fail the row naming the URL (without credentials) and the
-reason, and ``on_error`` applies as to a file.
+Each request asks for the cap plus one byte (a ranged GET) and, for S3 and HTTP(S),
+counts the bytes as they arrive (:mod:`.bounded_read`): a larger object, or a compressed
+answer, is a failed row, never a huge download. Each object has one deadline (the
+settings' ``timeout``) for all of it: connect, headers, body and every attempt. Within it,
+throttling (503 SlowDown, 429), a 5xx or a reset connection is retried with backoff up to
+``attempts``; a missing object is FileNotFoundError; each then fails the row naming the
+URL (without credentials, :mod:`cachekit.redaction`) and the reason, and ``on_error``
+applies as to a file.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from ... import urls
 from ...errors import CachekitError
-from . import s3_direct
+from . import bounded_read, s3_direct
 from .payload import Fetched
 
 BACKOFF_SECONDS = 0.1
@@ -69,7 +72,7 @@ class _Pool:
     def __init__(self, fs: Any, settings: urls.FetchSettings, name: str = "") -> None:
         import fsspec.asyn
 
-        self.fs, self.settings = fs, settings
+        self.fs, self.settings, self.name = fs, settings, name
         self.direct = (s3_direct.Reader(fs, settings) if settings.presigned
                        and name in ("s3", "s3a") and s3_direct.usable(fs) else None)
         self.is_async = isinstance(fs, fsspec.asyn.AsyncFileSystem)
@@ -151,39 +154,63 @@ class _Pool:
         self._pump()
 
     async def _fetch(self, item: _Item) -> Any:
+        """The object's bytes or its row's exception, within one deadline for all of it:
+        every attempt's connect, headers and body (a trickling answer included)."""
+        try:
+            return await asyncio.wait_for(self._attempts(item), self.settings.timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            return self._late(item)
+
+    def _late(self, item: _Item) -> FetchFailed:
+        return FetchFailed(errno.ETIMEDOUT, f"the object was not read within its deadline of "
+                                            f"{self.settings.timeout:g} s ({urls.TIMEOUT_ENV})",
+                           urls.shown(item.url))
+
+    async def _attempts(self, item: _Item) -> Any:
         settings, shown = self.settings, urls.shown(item.url)
         delay, reason = BACKOFF_SECONDS, ""
         for attempt in range(1, settings.attempts + 1):
             try:
-                if self.direct is not None:  # its session's timeouts bound each read
-                    data = await self.direct.read(item.path, item.cap + 1, item.url)
-                else:
-                    data = await asyncio.wait_for(self._read(item), settings.timeout)
+                data = await self._read(item)
             except asyncio.CancelledError:
                 raise
+            except (asyncio.TimeoutError, TimeoutError):
+                return self._late(item)  # a client's own timeout: the deadline, said once
+            except OSError as e:
+                if e.errno in (errno.EFBIG, errno.EPROTO):  # a bound: final, said as it is
+                    return e
+                error: Exception = e
             except Exception as e:  # botocore, aiohttp and asyncio errors are not OSErrors
-                kind = urls.classify(e)
-                if kind == urls.MISSING:
-                    return FileNotFoundError(errno.ENOENT, "no such object", shown)
-                if urls.http_answer(e)[0] == 416:  # a range of an empty object
-                    return OSError(errno.EINVAL, "the object is empty", shown)
-                reason = (f"no answer within {settings.timeout:g} s ({urls.TIMEOUT_ENV})"
-                          if isinstance(e, (asyncio.TimeoutError, TimeoutError))
-                          else urls.describe(e))
-                if kind == urls.FINAL or attempt == settings.attempts:
-                    break
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, BACKOFF_LIMIT)
-                continue
-            if len(data) > item.cap:
-                return OSError(errno.EFBIG, f"the object is larger than the read cap of "
-                                            f"{item.cap} bytes (CACHEKIT_MAX_READ_BYTES); "
-                                            "no more of it was read", shown)
-            return Fetched(item.url, bytes(data))
+                error = e
+            else:
+                if len(data) > item.cap:
+                    return OSError(errno.EFBIG, f"the object is larger than the read cap of "
+                                                f"{item.cap} bytes (CACHEKIT_MAX_READ_BYTES); "
+                                                "no more of it was read", shown)
+                return Fetched(item.url, bytes(data))
+            kind = urls.classify(error)
+            if kind == urls.MISSING:
+                return FileNotFoundError(errno.ENOENT, "no such object", shown)
+            if urls.http_answer(error)[0] == 416:  # a range of an empty object
+                return OSError(errno.EINVAL, "the object is empty", shown)
+            reason = urls.describe(error)
+            if kind == urls.FINAL or attempt == settings.attempts:
+                break
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, BACKOFF_LIMIT)
         tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
         return FetchFailed(errno.EIO, f"fetch failed after {tries}: {reason}", shown)
 
     async def _read(self, item: _Item) -> bytes:
+        """The first ``cap + 1`` bytes of the object, bounded as they arrive where the
+        store is read by cachekit itself (:mod:`.bounded_read`: presigned S3, s3fs, HTTP);
+        through the filesystem's ``_cat_file`` (a ranged read) for other stores."""
+        if self.direct is not None:
+            return await self.direct.read(item.path, item.cap + 1, item.url)
+        if self.name in ("s3", "s3a"):
+            return await bounded_read.s3(self.fs, item.path, item.cap, item.url)
+        if self.name in ("http", "https"):
+            return await bounded_read.http(self.fs, item.path, item.cap)
         if self.is_async:
             return await self.fs._cat_file(item.path, start=0, end=item.cap + 1)
         return await self.loop.run_in_executor(

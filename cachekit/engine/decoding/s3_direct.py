@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from ... import urls
 from ...errors import CachekitError
+from . import bounded_read
 
 EXPIRES = 900
 """Seconds a presigned URL is valid: far longer than one request with its retries."""
@@ -53,7 +54,8 @@ class Reader:
 
     async def read(self, path: str, end: int, url: str) -> bytes:
         """Bytes ``[0, end)`` of the object at filesystem path ``path`` (all of it when
-        shorter); DirectError for any other answer."""
+        shorter), read within :mod:`.bounded_read`'s bounds; DirectError for any other
+        answer."""
         if self.session is None:
             if self._opening is None:  # one session, however many reads wait for it
                 self._opening = asyncio.ensure_future(self._open())
@@ -62,16 +64,14 @@ class Reader:
         params = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {})}
         signed = await self.fs.s3.generate_presigned_url("get_object", Params=params,
                                                          ExpiresIn=EXPIRES)
-        headers = {"Range": f"bytes=0-{end - 1}"} if end > 0 else {}
-        async with self.session.get(signed, headers=headers) as answer:
-            body = await answer.read()
-            if answer.status in (200, 206):
-                return body
-            if answer.status == 416:
-                return b""  # a range of an empty object
-            match = re.search(rb"<Code>([^<]{1,64})</Code>", body)
-            raise DirectError(answer.status, match.group(1).decode("ascii", "replace")
-                              if match else None, url)
+        status, body = await bounded_read.get(self.session, signed, end - 1, url)
+        if status in (200, 206):
+            return body
+        if status == 416:
+            return b""  # a range of an empty object
+        match = re.search(rb"<Code>([^<]{1,64})</Code>", body)
+        raise DirectError(status, match.group(1).decode("ascii", "replace") if match else None,
+                          url)
 
     async def _open(self) -> None:
         import aiohttp
