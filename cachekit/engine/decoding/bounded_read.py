@@ -7,8 +7,8 @@ ends, a small gzip answer that inflates to gigabytes. Every read here therefore
 - refuses an answer whose ``Content-Encoding`` is not the identity (image bytes are never
   decompressed on the way: a compressed answer is a failed row naming the encoding);
 - refuses an answer whose ``Content-Length`` says it is larger than the cap before reading
-  any of its body, and otherwise counts the bytes as they arrive and stops at ``cap + 1``
-  (the caller then fails the row as larger than the cap).
+  any of its body, and otherwise counts the bytes as they arrive and stops as soon as they
+  pass the cap (the row fails as larger than the cap).
 
 The deadline of an object (connect, headers, body, every attempt) is the caller's
 (:mod:`.fetch` wraps each object in one). Used for ``http(s)://`` sources through fsspec's
@@ -19,7 +19,7 @@ HTTP filesystem's own session and settings, for S3 through s3fs, and for S3's pr
 from __future__ import annotations
 
 import errno
-from typing import Any, Mapping, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from ... import urls
 
@@ -43,17 +43,34 @@ def check_answer(headers: Mapping[str, str], cap: int, url: str) -> None:
                                    f"{int(length)} bytes; none of it was read", urls.shown(url))
 
 
-async def read_body(stream: Any, limit: int) -> bytes:
+Received = Callable[[int], Awaitable[None]]
+"""Told the size of each chunk of a body as it arrives (and awaited: it may pause the read
+while the process's window is full, :class:`cachekit.engine.decoding.fetch._Pool`)."""
+
+
+async def read_body(stream: Any, limit: int, url: Optional[str] = None,
+                    received: Optional[Received] = None) -> bytes:
     """At most ``limit`` bytes of ``stream`` (aiohttp's ``StreamReader`` or aiobotocore's
-    body: anything with ``async read(n)``), counted as they arrive."""
+    body: anything with ``async read(n)``), counted as they arrive. With ``url``, a body
+    that goes on past ``limit`` is OSError(EFBIG) at once, its bytes dropped unjoined (what
+    an endless body costs is the cap, never twice it)."""
     parts, size = [], 0
-    while size < limit:
-        part = await stream.read(min(CHUNK, limit - size))
+    while True:
+        part = await stream.read(CHUNK)
         if not part:
-            break
-        parts.append(part)
+            return b"".join(parts)
+        if received is not None:
+            await received(len(part))
         size += len(part)
-    return b"".join(parts)
+        if size > limit:
+            if url is not None:
+                parts.clear()
+                raise OSError(errno.EFBIG, f"the object is larger than the read cap of "
+                                           f"{limit} bytes (CACHEKIT_MAX_READ_BYTES); no more "
+                                           "of it was read", urls.shown(url))
+            parts.append(part[:len(part) - (size - limit)])
+            return b"".join(parts)
+        parts.append(part)
 
 
 def ranged_headers(end: int, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
@@ -66,7 +83,7 @@ def ranged_headers(end: int, extra: Optional[Mapping[str, str]] = None) -> dict[
 
 
 async def get(session: Any, url: str, cap: int, shown_url: str,
-              **kwargs: Any) -> tuple[int, bytes]:
+              received: Optional[Received] = None, **kwargs: Any) -> tuple[int, bytes]:
     """(status, body) of a GET of the first ``cap + 1`` bytes of ``url`` on the aiohttp
     ``session``: for 200 and 206 the body within the bounds above, for any other status at
     most 64 KiB of it (an error's text). ``shown_url``: how errors name the object."""
@@ -75,15 +92,15 @@ async def get(session: Any, url: str, cap: int, shown_url: str,
         if answer.status not in (200, 206):
             return answer.status, await read_body(answer.content, 64 << 10)
         check_answer(answer.headers, cap, shown_url)
-        return answer.status, await read_body(answer.content, cap + 1)
+        return answer.status, await read_body(answer.content, cap, shown_url, received)
 
 
-async def http(fs: Any, url: str, cap: int) -> bytes:
+async def http(fs: Any, url: str, cap: int, received: Optional[Received] = None) -> bytes:
     """The first ``cap + 1`` bytes of ``url`` through fsspec's HTTP filesystem ``fs`` (its
     session and request options: headers, auth, ...), within the bounds above."""
     options = dict(fs.kwargs)
     session = await fs.set_session()
-    status, body = await get(session, fs.encode_url(url), cap, url, **options)
+    status, body = await get(session, fs.encode_url(url), cap, url, received, **options)
     if status == 404:
         raise FileNotFoundError(errno.ENOENT, "no such object", urls.shown(url))
     if status == 416:
@@ -93,7 +110,8 @@ async def http(fs: Any, url: str, cap: int) -> bytes:
     return body
 
 
-async def s3(fs: Any, path: str, cap: int, url: str) -> bytes:
+async def s3(fs: Any, path: str, cap: int, url: str,
+             received: Optional[Received] = None) -> bytes:
     """The first ``cap + 1`` bytes of the object at s3fs path ``path`` through s3fs's
     client, within the bounds above (``url``: how errors name it)."""
     bucket, key, version = fs.split_path(path)
@@ -103,7 +121,7 @@ async def s3(fs: Any, path: str, cap: int, url: str) -> bytes:
     try:
         check_answer({"Content-Encoding": answer.get("ContentEncoding") or "",
                       "Content-Length": str(answer.get("ContentLength", ""))}, cap, url)
-        return await read_body(body, cap + 1)
+        return await read_body(body, cap, url, received)
     finally:
         body.close()
 

@@ -52,14 +52,15 @@ class FetchFailed(CachekitError, OSError):
 
 class _Item:
     """One object to fetch: its URL, the filesystem's path for it, the cap, the future
-    its row waits on, and the bytes it holds in the window once fetched."""
+    its row waits on, the bytes of its body read so far while it is in flight
+    (``receiving``), and the bytes it holds in the window once fetched."""
 
-    __slots__ = ("url", "path", "cap", "future", "held", "cancelled")
+    __slots__ = ("url", "path", "cap", "future", "held", "receiving", "cancelled")
 
     def __init__(self, url: str, path: str, cap: int) -> None:
         self.url, self.path, self.cap = url, path, cap
         self.future: Future = Future()
-        self.held = 0
+        self.held = self.receiving = 0
         self.cancelled = False
 
 
@@ -67,7 +68,13 @@ class _Pool:
     """The requests of one filesystem in this process: a FIFO queue of objects, at most
     ``concurrency`` in flight, and no new one started while ``window`` bytes are held (the
     queue is first in, first out, so a run's objects are all started before the next
-    run's: a run being decoded never waits behind bytes held for a later one)."""
+    run's: a run being decoded never waits behind bytes held for a later one).
+
+    Bodies count as they arrive: while the bytes held and being received pass the window,
+    every request but the oldest in flight pauses before its next chunk, so however many
+    large or endless answers are in flight a process holds about ``window`` bytes plus one
+    object's cap (the oldest, which always goes on: it ends, or fails its cap or deadline,
+    and the next one goes on)."""
 
     def __init__(self, fs: Any, settings: urls.FetchSettings, name: str = "") -> None:
         import fsspec.asyn
@@ -83,7 +90,11 @@ class _Pool:
         self.lock = threading.Lock()
         self.blocked = False
         self.in_flight = 0
-        self.held = 0
+        self.held = self.receiving = 0
+        self.reading: dict[int, _Item] = {}
+        """The requests in flight by id, oldest first."""
+        self.paused: list[asyncio.Future] = []
+        """Requests waiting for room in the window before their next chunk."""
         self.fetched = self.fetched_bytes = 0
         self.most_in_flight = 0
         """The largest number of requests in flight so far (for tests and benchmarks)."""
@@ -102,7 +113,7 @@ class _Pool:
                 return
             self.held -= item.held
             item.held = 0
-            wake, self.blocked = self.blocked, False
+            wake, self.blocked = self.blocked or bool(self.paused), False
         if wake:
             self.loop.call_soon_threadsafe(self._pump)
 
@@ -131,10 +142,36 @@ class _Pool:
                     continue
                 self.in_flight += 1
                 self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                self.reading[id(item)] = item
                 self.loop.create_task(self._run(item))
             # Stopped for want of room in the window (not of a free request slot, which
             # the next request to end gives back): a release must wake the loop.
             self.blocked = bool(self.queue) and self.in_flight < self.settings.concurrency
+            paused, self.paused = self.paused, []
+        for waiter in paused:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _received(self, item: _Item, size: int) -> None:
+        """``size`` more bytes of ``item``'s body arrived: count them, and pause before
+        the next chunk while the window is full, unless ``item`` is the oldest in flight."""
+        while True:
+            with self.lock:
+                if size:
+                    item.receiving += size
+                    self.receiving += size
+                    size = 0
+                full = self.held + self.receiving > self.settings.window
+                if not full or next(iter(self.reading.values()), item) is item:
+                    return
+                waiter = self.loop.create_future()
+                self.paused.append(waiter)
+            await waiter
+
+    def _forget_received(self, item: _Item) -> None:
+        with self.lock:
+            self.receiving -= item.receiving
+            item.receiving = 0
 
     async def _run(self, item: _Item) -> None:
         try:
@@ -142,8 +179,10 @@ class _Pool:
         except BaseException as e:  # noqa: B036 - a row's failure, never the loop's
             result = FetchFailed(errno.EIO, f"fetch failed: {urls.describe(e)}",
                                  urls.shown(item.url))
+        self._forget_received(item)
         with self.lock:
             self.in_flight -= 1
+            self.reading.pop(id(item), None)
             if isinstance(result, Fetched):
                 self.fetched += 1
                 self.fetched_bytes += len(result.data)
@@ -170,6 +209,7 @@ class _Pool:
         settings, shown = self.settings, urls.shown(item.url)
         delay, reason = BACKOFF_SECONDS, ""
         for attempt in range(1, settings.attempts + 1):
+            self._forget_received(item)  # what an earlier attempt read is gone
             try:
                 data = await self._read(item)
             except asyncio.CancelledError:
@@ -205,12 +245,15 @@ class _Pool:
         """The first ``cap + 1`` bytes of the object, bounded as they arrive where the
         store is read by cachekit itself (:mod:`.bounded_read`: presigned S3, s3fs, HTTP);
         through the filesystem's ``_cat_file`` (a ranged read) for other stores."""
+        def received(size: int) -> Any:
+            return self._received(item, size)
+
         if self.direct is not None:
-            return await self.direct.read(item.path, item.cap + 1, item.url)
+            return await self.direct.read(item.path, item.cap + 1, item.url, received)
         if self.name in ("s3", "s3a"):
-            return await bounded_read.s3(self.fs, item.path, item.cap, item.url)
+            return await bounded_read.s3(self.fs, item.path, item.cap, item.url, received)
         if self.name in ("http", "https"):
-            return await bounded_read.http(self.fs, item.path, item.cap)
+            return await bounded_read.http(self.fs, item.path, item.cap, received)
         if self.is_async:
             return await self.fs._cat_file(item.path, start=0, end=item.cap + 1)
         return await self.loop.run_in_executor(

@@ -52,7 +52,8 @@ class Reader:
         self.session: Any = None
         self._opening: Any = None
 
-    async def read(self, path: str, end: int, url: str) -> bytes:
+    async def read(self, path: str, end: int, url: str,
+                   received: Optional[bounded_read.Received] = None) -> bytes:
         """Bytes ``[0, end)`` of the object at filesystem path ``path`` (all of it when
         shorter), read within :mod:`.bounded_read`'s bounds; DirectError for any other
         answer."""
@@ -64,7 +65,7 @@ class Reader:
         params = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {})}
         signed = await self.fs.s3.generate_presigned_url("get_object", Params=params,
                                                          ExpiresIn=EXPIRES)
-        status, body = await bounded_read.get(self.session, signed, end - 1, url)
+        status, body = await bounded_read.get(self.session, signed, end - 1, url, received)
         if status in (200, 206):
             return body
         if status == 416:
