@@ -10,9 +10,10 @@ inside a message (an exception's text quotes the URL it failed on). Both escape 
 characters (a file name may hold terminal escapes) and bound the length, so that a stored
 failure has a size of its own, whatever the column holds.
 
-When a URL's authority cannot be read as ``host[:port]`` once its userinfo is dropped (a
-password holding a raw ``/``, ``?`` or ``#``), the whole URL is shown as
-``scheme://[redacted]``: the rule errs on the side of showing less.
+When a URL's authority cannot be read as ``host[:port]`` once its userinfo is dropped, or
+its path holds an ``@`` after a ``:`` (a password holding a raw ``/``, ``?`` or ``#``
+splits a URL there), the whole URL is shown as ``scheme://[redacted]``: the rule errs on
+the side of showing less. In a message, a URL runs to the next white space.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ REDACTED = "[redacted]"
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 # (starting only where a scheme can start: a long run of letters is tried once, not at
 # each of its letters)
-_URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+_URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://\S*")
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(:[0-9]*)?")
 _AUTHORITY_END = re.compile(r"[/?#\\]")
 
@@ -46,11 +47,10 @@ def url(raw: str) -> str:
     scheme, rest = match.group(0), raw[match.end():]
     end = _AUTHORITY_END.search(rest)
     authority, tail = (rest[:end.start()], rest[end.start():]) if end else (rest, "")
-    had_userinfo = "@" in authority
     authority = authority.rpartition("@")[2]
     path = re.split(r"[?#]", tail, maxsplit=1)[0]
     if not _HOST_PORT.fullmatch(authority) or (
-            not had_userinfo and ":" in authority and "@" in path):
+            "@" in path and ":" in authority + path.rpartition("@")[0]):
         # userinfo with a raw reserved character: where the host starts is a guess
         return scheme + REDACTED
     return scheme + authority + path
