@@ -22,6 +22,7 @@ import errno
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from ... import urls
+from ...errors import CachekitError
 
 CHUNK = 256 << 10
 """Bytes asked of a body at a time."""
@@ -126,7 +127,7 @@ async def s3(fs: Any, path: str, cap: int, url: str,
         body.close()
 
 
-class HTTPStatusError(OSError):
+class HTTPStatusError(CachekitError, OSError):
     """An HTTP answer other than the object's bytes: its status, for
     :func:`cachekit.urls.classify` (``.status``)."""
 
