@@ -149,3 +149,15 @@ def test_the_backends_benchmark_prints_its_ratios(tmp_path: Path, monkeypatch) -
     assert all(0 <= g["gil"] <= 1 for g in result["gil"].values())
     assert result["diffs"]["tensor"][1] <= 1  # bilinear: within one level of pil
     assert (tmp_path / "b.json").exists()
+
+
+def test_the_failures_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    failures = importlib.import_module("bench_failures")
+    result = failures.main(["--quick", "--failed", "300", "--good", "4",
+                            "--json", str(tmp_path / "f.json")])
+    for figure in ("first build s", "retry s", "retry planning s", "failure record KB",
+                   "on_error='zero' manifest KB", "next call (hit, fresh interpreter) s"):
+        assert f"| {figure} |" in result["table"]
+    assert all(value > 0 for value in result["rounds"][0].values())
+    assert (tmp_path / "f.json").exists()
