@@ -19,6 +19,8 @@ from .errors import (
     InvalidArgumentType,
     LockTimeout,
     ReadOnlyCacheError,
+    RemoteWarning,
+    StaleEntryWarning,
     UnsignedEntryError,
 )
 
@@ -37,6 +39,8 @@ __all__ = [
     "InvalidArgumentType",
     "LockTimeout",
     "ReadOnlyCacheError",
+    "RemoteWarning",
+    "StaleEntryWarning",
     "UnsignedEntryError",
     "__version__",
 ]

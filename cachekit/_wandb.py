@@ -53,17 +53,20 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     """The summary items for one use of an entry: the latest entry's fields, and totals for
     the run.
 
-    ``source`` is ``Entry.source`` (local, remote, built, joined). The seconds are this
-    process's own, so that a sweep's sum is the work done: ``build_seconds``, building
-    (its own build, or the chunks it filled of another process's; 0 when it built nothing),
-    of which ``decode_seconds`` computing rows; ``wait_seconds``, waiting for another
+    ``outcome`` is ``Entry.outcome``, what this process did (hit, waited, joined, built,
+    pulled), and ``hit`` is True for a hit (local or pulled): a process that waited for
+    another's build, or joined it, did not hit. ``source`` is ``Entry.source`` (local, remote, built,
+    joined). The seconds are this process's own, so that a sweep's sum is the work done:
+    ``build_seconds``, building (its own build, or the chunks it filled of another
+    process's; 0 when it built nothing), of which ``decode_seconds`` computing rows and
+    ``join_seconds`` filling another process's build; ``wait_seconds``, waiting for another
     process's build of the same entry (not counting the chunks it filled of it).
     ``rows_decoded``, ``rows_joined`` and ``rows_reused`` are ``Entry``'s: the rows this
     process decoded, those others decoded for its build, and those copied from other
     entries (all 0 on a hit), with run totals.
     """
     manifest = outcome.entry.manifest
-    hit = outcome.source in ("local", "remote")
+    hit = outcome.word in ("hit", "pulled")  # one that waited for another's build did not
     built = round(float(outcome.build_seconds), 3)
     decoded = round(float(outcome.decode_seconds), 3)
     waited = round(float(outcome.wait_seconds), 3)
@@ -82,7 +85,9 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     fields = {
         "key": manifest.key,
         "hit": hit,
+        "outcome": outcome.word,
         "source": outcome.source,
+        "join_seconds": round(float(outcome.join_seconds), 3),
         "build_seconds": built,
         "decode_seconds": decoded,
         "wait_seconds": waited,

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 SOURCES = ("local", "remote", "built", "joined")
 """How a call obtained its entry: found in the local root (or published there by another
 process while this call waited), downloaded, built by this call, or filled in part by it."""
+OUTCOMES = ("hit", "waited", "joined", "built", "pulled")
+"""What the process did, in one word: found the entry, waited for another process's build
+of it, computed rows of that build, built it, or downloaded it from the remote tier."""
+_OUTCOME_OF_SOURCE = {"local": "hit", "remote": "pulled", "built": "built", "joined": "joined"}
 
 
 class Entry:
@@ -25,7 +29,9 @@ class Entry:
     ``array`` is an (N, ...) read-only numpy memmap in row order; ``valid`` marks the rows
     that were produced (False where ``on_error="zero"`` stored zeros); ``manifest`` is the
     parsed manifest as a dict; ``source`` says how this call got the entry and ``hit`` is
-    True when it built nothing.
+    True when it built nothing; ``outcome`` says what this process did, in one word (one
+    of :data:`OUTCOMES`: "waited" where ``source`` is "local" but another process built
+    the entry while this one waited).
 
     What this call spent, in this process: ``wait_seconds`` waiting for another process's
     build (not counting the time it filled chunks of it), ``build_seconds`` building (its
@@ -42,9 +48,14 @@ class Entry:
     def __init__(self, path: Path, manifest: Manifest, *, source: str,
                  wait_seconds: float = 0.0, build_seconds: float = 0.0,
                  decode_seconds: float = 0.0,
-                 row_counts: tuple[int, int, int] = (0, 0, 0)) -> None:
+                 row_counts: tuple[int, int, int] = (0, 0, 0),
+                 outcome: Optional[str] = None) -> None:
         if source not in SOURCES:
             raise InvalidArgument(f"source must be one of {SOURCES}, not {source!r}")
+        outcome = _OUTCOME_OF_SOURCE[source] if outcome is None else outcome
+        if outcome not in OUTCOMES:
+            raise InvalidArgument(f"outcome must be one of {OUTCOMES}, not {outcome!r}")
+        self.outcome = outcome
         self.path = Path(path)
         self.key: str = manifest.key
         self.source = source
@@ -62,7 +73,8 @@ class Entry:
         """The entry an obtain call came by, with what the call spent on it."""
         return cls(outcome.entry.path, outcome.entry.manifest, source=outcome.source,
                    wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
-                   decode_seconds=outcome.decode_seconds, row_counts=outcome.row_counts)
+                   decode_seconds=outcome.decode_seconds, row_counts=outcome.row_counts,
+                   outcome=outcome.word)
 
     @property
     def hit(self) -> bool:

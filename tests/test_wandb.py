@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,8 @@ import cachekit
 from cachekit import _wandb
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wandb_sweep.py"
-FIELDS = ("key", "hit", "source", "build_seconds", "decode_seconds", "wait_seconds", "rows",
+FIELDS = ("key", "hit", "outcome", "source", "build_seconds", "decode_seconds", "join_seconds",
+          "wait_seconds", "rows",
           "shape", "bytes")
 
 
@@ -258,9 +260,11 @@ def test_four_sweep_agents_build_once_and_record_it(tmp_path):
             env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     _wait_until_ready(agents, [tmp_path / f"agent{i}" / "ready" for i in range(4)])
     start.touch()
+    errs = []
     for agent in agents:
         _, err = agent.communicate(timeout=300)
         assert agent.returncode == 0, err
+        errs.append(err)
 
     outs = [json.loads((tmp_path / f"agent{i}" / "out.json").read_text()) for i in range(4)]
     summaries = [out["summary"] for out in outs]
@@ -277,7 +281,14 @@ def test_four_sweep_agents_build_once_and_record_it(tmp_path):
     helped = {str(out["pid"]) for s, out in zip(summaries, outs)
               if s["cachekit/source"] in ("built", "joined")}
     assert len(built) == 1  # exactly one agent built; the others joined, waited or hit
-    assert all(s["cachekit/hit"] is (s["cachekit/source"] == "local") for s in summaries)
+    # what each did, in one word: nobody reports a hit for another agent's build it waited for
+    words = {"built": {"built"}, "joined": {"joined"}, "local": {"waited", "hit"}}
+    assert all(s["cachekit/outcome"] in words[s["cachekit/source"]] for s in summaries)
+    assert all(s["cachekit/hit"] is (s["cachekit/outcome"] == "hit") for s in summaries)
+    # stderr is a pipe, not a terminal: the builder says what it does in lines, not a bar
+    builder_err = errs[[out["pid"] for out in outs].index(built[0])]
+    assert re.search(r"cachekit images: \d+ rows to compute", builder_err), builder_err
+    assert re.search(r"cachekit images: \d+ rows computed in [\d.]+ s", builder_err)
     manifest = json.loads((tmp_path / "cache" / "entries" / key / "manifest.json").read_text())
     assert manifest["builder"]["pid"] == built[0]
     lines = decoded.read_text().splitlines()  # every image once, by the builder and joiners

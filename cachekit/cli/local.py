@@ -192,6 +192,10 @@ def build(args: argparse.Namespace) -> int:
                              resample=args.resample, on_error=args.on_error,
                              validate=args.validate, draft=args.draft,
                              backend=args.backend)
+        if entry.outcome == "hit":  # the background stale check's word, before "cached"
+            from ..obtain import staleness
+
+            staleness.wait_for_checks()
     except ImageDecodeError as e:
         say(f"cachekit: error: build failed, nothing published: {len(e.failures)} "
             "row(s) could not be decoded:", file=sys.stderr)
@@ -205,7 +209,9 @@ def build(args: argparse.Namespace) -> int:
         say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)
     if failed > len(detailed):
         say(f"  ... and {failed - len(detailed)} more", file=sys.stderr)
-    how = {"local": "already cached", "remote": "downloaded"}.get(entry.source, "built")
+    how = {"hit": "already cached", "pulled": "downloaded",
+           "waited": "built by another process", "joined": "built with another process"
+           }.get(entry.outcome, "built")
     described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
     size = described.bytes if described is not None else entry.array.nbytes
     zeros = f", {units.count(failed, 'failed row')} stored as zeros" if failed else ""

@@ -58,6 +58,19 @@ class Outcome:
     """The part of ``build_seconds`` spent computing rows here."""
     rows_filled: int = 0
     """Rows this call computed for another process's build that it joined."""
+    join_seconds: float = 0.0
+    """Of ``build_seconds``, those spent computing rows of another process's build."""
+    waited_for_build: bool = False
+    """Whether the entry was published by another process while this call waited."""
+
+    @property
+    def word(self) -> str:
+        """What this process did, in one word (``Entry.outcome``): "hit" (found it),
+        "waited" (for another process's build), "joined" (computed rows of that build),
+        "built", or "pulled" (downloaded it from the remote tier)."""
+        if self.source == "local":
+            return "waited" if self.waited_for_build else "hit"
+        return {"remote": "pulled"}.get(self.source, self.source)
 
     @property
     def row_counts(self) -> tuple[int, int, int]:
@@ -139,7 +152,8 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
             found = local.for_live_builders()
         work.joined(local.join_seconds)
         if found is not None:
-            return _outcome(found, local.source(found), wait.seconds, work, local.rows_filled)
+            return _outcome(found, local.source(found), wait.seconds, work, local.rows_filled,
+                            waited_for_build=True)
         if raise_failures:
             raise_failure_seen_while_waiting(store, key, asked)
         waited = wait.seconds  # before the build: waiting, not building
@@ -159,11 +173,13 @@ def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
 
 
 def _outcome(entry: Published, source: str, waited: float, work: OwnWork,
-             rows_filled: int = 0) -> Outcome:
+             rows_filled: int = 0, waited_for_build: bool = False) -> Outcome:
     """The outcome of a call that waited ``waited`` seconds in all (joins included) and
     computed ``rows_filled`` rows of another process's build."""
     return Outcome(entry, source, work.waited(waited), build_seconds=round(work.build_seconds, 3),
-                   decode_seconds=round(work.decode_seconds, 3), rows_filled=rows_filled)
+                   decode_seconds=round(work.decode_seconds, 3), rows_filled=rows_filled,
+                   join_seconds=round(work.joined_seconds, 3),
+                   waited_for_build=waited_for_build)
 
 
 def obtain_and_open(store: LocalStore, key: str, build_fn: BuildFunction,

@@ -180,6 +180,7 @@ class LocalWait:
             filled += joined.chunks
             self.filled += joined.chunks
             self.rows_filled += joined.rows
+            self.wait.joined_seconds, self.wait.rows_joined = self.join_seconds, self.rows_filled
             if self.wait.announce:
                 say(f"joined the build of entry {self.key[:12]} by {state.describe()}: "
                     f"filled {joined.chunks} of its {joined.total_chunks} chunks "

@@ -110,7 +110,8 @@ class RowBuild:
             if runner.announce:
                 donors.announce(self.key, found, len(values))
             sources = engine.Sources(current.resume_from, found.donors, current.drop_resumed)
-            report = engine.Report(on_chunk, runner.progress, f"cachekit {call.kind}")
+            report = engine.Report(on_chunk, runner.progress, f"cachekit {call.kind}",
+                                   lines=runner.announce and not runner.progress)
             filled = engine.fill(current.dir, manifests.DATA_FILE, values, call.row_fn,
                                  rows=self._row_run(), sources=sources, report=report)
         if runner.announce:

@@ -11,9 +11,12 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
   every row's file (about 0.5 s for 130k files on a local disk), so that one file
   rewritten among many is found too, without slowing the hit.
 
-Either says so once per process and entry, on stderr and as a :class:`StaleEntryWarning`:
-how many rows, the first few paths, and ``validate="stat"`` as the fix (then a changed file
-is decoded again and costs one decode). Only the process that called ``images()`` checks:
+Either says so once per process and entry, as one :class:`StaleEntryWarning` attributed to
+the user's call (the background check's too), or as a line on stderr where warnings of
+that kind are filtered out: how many rows, the first few paths, and ``validate="stat"`` as
+the fix (then a changed file is decoded again and costs one decode). A process that exits
+right after a hit still says what the check found: at exit it waits for the check at most
+:data:`EXIT_WAIT` seconds, and says so if the check could not finish. Only the process that called ``images()`` checks:
 datasets in DataLoader workers never do. ``$CACHEKIT_STALE_CHECK``: ``all`` (the default),
 ``sample`` (no background thread, e.g. on a network filesystem with millions of files) or
 ``off``. Rows of objects in a bucket are not checked: a hit makes no request (validate="stat"
@@ -44,6 +47,9 @@ START_DELAY = 0.05
 take the interpreter from the hit that started it (the switch interval is 5 ms)."""
 SHOWN_PATHS = 3
 """Paths a warning names; it counts the others."""
+EXIT_WAIT = 1.0
+"""Seconds an exiting process waits for its background checks (130,000 files take about
+0.7 s on a local disk)."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
 CHECKS = ("all", "sample", "off")
 _warned: set[str] = set()
@@ -67,14 +73,17 @@ def check(entry_path: Path, manifest: Manifest, paths: Any) -> None:
         return
     rows = np.unique(np.random.default_rng().integers(0, manifest.rows, size=SAMPLE_ROWS))
     changed = _changed(rows, recorded, paths, stop_at=1)
+    caller = _callers_frame()
     if changed:
-        _warn(manifest.key, changed, None, stacklevel=_callers_level())
+        _warn(manifest.key, changed, None, caller)
         return
     with _lock:
         if mode != "all" or manifest.key in _started:
             return
         _started.add(manifest.key)
-    thread = threading.Thread(target=_check_all, args=(manifest.key, recorded, paths),
+        if not _threads:
+            _at_exit()
+    thread = threading.Thread(target=_check_all, args=(manifest.key, recorded, paths, caller),
                               name=f"cachekit stale check {manifest.key[:12]}", daemon=True)
     _threads.append(thread)
     thread.start()
@@ -95,14 +104,30 @@ def wait_for_checks(timeout: Optional[float] = None) -> None:
         thread.join(timeout)
 
 
-def _check_all(key: str, recorded: np.ndarray, paths: Any) -> None:
+def _at_exit() -> None:
+    """Wait for the background checks at exit (at most :data:`EXIT_WAIT` seconds in all),
+    so that a script that ends right after a hit still hears what they found."""
+    import atexit
+
+    def wait() -> None:
+        deadline = time.monotonic() + EXIT_WAIT
+        for thread in list(_threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                say(f"{thread.name[len('cachekit '):]}: not finished when the process exited "
+                    f"(it waited {EXIT_WAIT:g} s); the entry's files were not all compared")
+
+    atexit.register(wait)
+
+
+def _check_all(key: str, recorded: np.ndarray, paths: Any, caller: Any) -> None:
     time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
     changed = _changed(np.arange(len(recorded)), recorded, paths)
     if changed:
         try:
-            _warn(key, changed, len(changed), stacklevel=1)
-        except StaleEntryWarning:
-            pass  # warnings made errors: said on stderr already; no traceback from a thread
+            _warn(key, changed, len(changed), caller)
+        except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
+            say(str(e))
 
 
 def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 0
@@ -127,7 +152,7 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
 
 
 def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
-          total: Optional[int], stacklevel: int) -> None:
+          total: Optional[int], caller: Any) -> None:
     """Say once per process and entry that files changed: all of them (``total``, from the
     full check) or at least the first one found (the sample)."""
     with _lock:
@@ -146,18 +171,36 @@ def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, in
             "keys the paths only. Pass validate=\"stat\" to key each file's size and mtime as "
             "well: then only the files that changed are decoded again, the other rows are "
             "copied from this entry")
-    say(text)
-    warnings.warn(StaleEntryWarning(text), stacklevel=stacklevel + 1)
+    filename, lineno, module, registry = caller
+    if _ignored(text, module, lineno):
+        say(text)
+        return
+    warnings.warn_explicit(StaleEntryWarning(text), StaleEntryWarning, filename, lineno,
+                           module, registry)
 
 
-def _callers_level() -> int:
-    """The ``stacklevel`` of a warning issued by this module's caller that names the first
-    frame outside cachekit: the user's call, however deep the library's path to here."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] \
+def _callers_frame() -> tuple[str, int, str, dict]:
+    """Where the user called cachekit: (file, line, module, its warnings registry) of the
+    first frame outside cachekit, however deep the library's path to here, for a warning
+    attributed to that line (from this thread or a background one)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] \
             == "cachekit":
-        frame, level = frame.f_back, level + 1
-    return level
+        frame = frame.f_back
+    globals_ = frame.f_globals
+    registry = globals_.setdefault("__warningregistry__", {})
+    return frame.f_code.co_filename, frame.f_lineno, globals_.get("__name__", "?"), registry
+
+
+def _ignored(text: str, module: str, lineno: int) -> bool:
+    """Whether the warnings filters in force ignore a StaleEntryWarning of ``text`` from
+    ``module``: then nobody would hear of it but for a line on stderr."""
+    for action, message, category, module_re, line in warnings.filters:
+        if (message is None or message.match(text)) and issubclass(StaleEntryWarning, category) \
+                and (module_re is None or module_re.match(module)) \
+                and (line == 0 or line == lineno):
+            return action == "ignore"
+    return False
 
 
 def _describe(stat: tuple[int, int]) -> str:

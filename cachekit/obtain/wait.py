@@ -70,6 +70,10 @@ class Wait:
         self.key, self.timeout, self.announce = key, timeout, announce
         self.started = time.monotonic()
         self.next_report = self.started + FIRST_REPORT_SECONDS
+        self.joined_seconds = 0.0
+        """Of :attr:`seconds`, those spent computing rows of the build waited for."""
+        self.rows_joined = 0
+        """The rows computed for it meanwhile."""
 
     @property
     def seconds(self) -> float:
@@ -104,6 +108,9 @@ class Wait:
     def report(self, awaited: Awaited) -> None:
         """Say whom we wait for, if a report is due."""
         if self.announce and time.monotonic() >= self.next_report:
-            say(f"waited {self.seconds:.0f} s for {awaited.describe()} to build entry "
-                f"{self.key[:12]}{awaited.note}")
+            waited = max(0.0, self.seconds - self.joined_seconds)
+            worked = (f" (and computed {self.rows_joined} of its rows in "
+                      f"{self.joined_seconds:.0f} s)" if self.rows_joined else "")
+            say(f"waited {waited:.0f} s for {awaited.describe()} to build entry "
+                f"{self.key[:12]}{worked}{awaited.note}")
             self.next_report = time.monotonic() + WAIT_REPORT_SECONDS

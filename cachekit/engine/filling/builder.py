@@ -45,6 +45,7 @@ from .copy_in import NO_SOURCES, Sources, prefill, scatter, template_for
 from .copying import copy_chunk, open_checked
 from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
 from .plan import Chunk, rest_name, take, write_todo
+from .progress import progress
 from .resume import has_rest, resume
 
 POLL_SECONDS = 0.05
@@ -110,7 +111,7 @@ def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         resumed = resume(directory, name, n, sources.dead, rows.template, rows.key)
         sources.release()
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
-        work = _Work(_progress_bar(n, report), report.on_chunk)
+        work = _Work(progress(n, report), report.on_chunk)
         if resumed is None:
             started = time.monotonic()  # without a template, rows run here until one succeeds
             journal, array, head = _start(job, rows.template)
@@ -169,7 +170,7 @@ def _fill_copying(job: _Job, sources: Sources, report: Report) -> Optional[Fille
     todo = np.flatnonzero(~pre.covered)
     copied = n - len(todo)
     on_chunk = report.on_chunk
-    work = _Work(_progress_bar(n, report), None if on_chunk is None else
+    work = _Work(progress(n, report), None if on_chunk is None else
                  lambda done, _: on_chunk(copied + done, n))
     failures = list(pre.failures)
     try:
@@ -344,19 +345,3 @@ def _first_success(values: Sequence[Any], task: RowTask,
                 raise
             failures.append(failure(row, value, exc))
     raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, report: Report):
-    if not report.progress:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=report.description, unit="img", dynamic_ncols=True, smoothing=0.1)

@@ -41,11 +41,13 @@ class RowRun:
 @dataclass(frozen=True)
 class Report:
     """What a fill tells as it goes: ``on_chunk(done, total)`` each time another chunk is
-    written and flushed, with the rows done by every process, and a progress bar."""
+    written and flushed, with the rows done by every process, and a progress bar
+    (``progress``) or, where there is no terminal for one, progress lines (``lines``)."""
 
     on_chunk: Optional[ChunkCallback] = None
     progress: bool = False
     description: str = "cachekit build"
+    lines: bool = False
 
 
 QUIET = Report()
