@@ -1,9 +1,10 @@
 """Sizes and durations as people type and read them: ``10G``, ``1.2 GB``, ``7d``, ``3 d ago``.
 
-Parsing follows GNU coreutils (``du``, ``sort -h``): a bare suffix or an ``iB`` suffix is a
-power of 1024 (``10G`` = ``10GiB``), a ``B`` suffix is a power of 1000 (``10GB``). Display
-uses powers of 1000 with a ``B`` suffix (``1.2 GB``), so a size copied from ``cachekit ls``
-parses back to the same number of bytes.
+Sizes are read and shown in one system, powers of 1000: ``300M`` and ``300MB`` are both
+300,000,000 bytes, and ``cachekit`` shows them as ``300 MB``, so a size copied from
+``cachekit ls`` parses back to the same number of bytes and ``prune --max-size 300M``
+answers in the unit it was given. An ``iB`` suffix (``512MiB``) is taken at its word, a
+power of 1024.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ Duration = Union[int, float, str, datetime.timedelta]
 
 
 def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``512``, ``512B``, ``10G``/``10GiB`` (1024-based), ``1.2 GB`` (1000-based)."""
+    """Bytes in ``text``: ``512``, ``512B``, ``10G`` and ``10GB`` (1000-based, as shown),
+    ``512MiB`` (1024-based). A negative size is refused in words of its own."""
+    if text.strip().startswith("-") and _SIZE.fullmatch(text.strip()[1:]):
+        raise InvalidArgument(f"a size must not be negative: {text.strip()!r}")
     match = _SIZE.fullmatch(text)
     if match is None:
         raise InvalidArgument(
@@ -34,7 +38,7 @@ def parse_size(text: str) -> int:
     number, prefix, suffix, _ = match.groups()
     if prefix is None:
         return int(float(number))
-    base = 1000 if suffix is not None and suffix.lower() == "b" else 1024
+    base = 1024 if suffix is not None and suffix.lower() == "ib" else 1000
     return int(float(number) * base ** (_PREFIXES.index(prefix.upper()) + 1))
 
 

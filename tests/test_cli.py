@@ -653,20 +653,35 @@ def test_a_failed_build_lists_the_bad_rows_and_publishes_no_entry(tmp_path, cach
 
 
 @pytest.mark.parametrize("column, reason", [
-    (["{0}", None], "paths has missing values (NaN/None) at rows [1]"),
-    ([1, 2], "paths must hold str"),
-    ([], "values is empty"),
+    (["{0}", None], "column 'img_path' of {csv} is empty on line(s) 3: give each of those "
+                    "rows an image path, or delete those lines"),
+    ([1, 2], "column 'img_path' of {csv} holds int64 values, not image paths (line 2: 1); "
+             "pick the column of paths with --column"),
+    ([], "{csv} has a header but no rows: add one line per image, with its path in column "
+         "'img_path'"),
 ])
-def test_a_column_the_cache_refuses_is_a_failed_build(tmp_path, cache_root, cover_paths,
-                                                      column, reason):
+def test_a_column_that_holds_no_paths_is_a_usage_error_in_words_of_the_csv(
+        tmp_path, cache_root, cover_paths, column, reason):
     csv = tmp_path / "train.csv"
     column = [cover_paths[0] if c == "{0}" else c for c in column]
     pd.DataFrame({"img_path": pd.Series(column, dtype=object)}).to_csv(csv, index=False)
     result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "8",
                           root=cache_root)
-    assert result.returncode == 1 and result.stdout == ""
-    assert f"cachekit: error: build failed: {reason}" in result.stderr
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"cachekit: error: {reason.format(csv=csv)}\n"
+    assert "astype" not in result.stderr and "dropna" not in result.stderr
     assert keys_in(cache_root) == set()
+
+
+def test_a_negative_size_is_refused_in_its_own_words(cache_root):
+    result = cachekit_cmd("prune", "--max-size", "-5G", root=cache_root)
+    assert result.returncode == 2
+    assert "a size must not be negative: '-5G'" in result.stderr
+
+
+def test_prune_answers_in_the_unit_it_was_given(cache_root):
+    result = cachekit_cmd("prune", "--max-size", "300M", "--yes", root=cache_root)
+    assert result.returncode == 0 and "at most 300 MB" in result.stdout + result.stderr
 
 
 def test_build_usage_errors(tmp_path, cache_root, cover_paths, capsys):

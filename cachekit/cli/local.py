@@ -16,7 +16,8 @@ from typing import Any, Iterable, Optional
 
 from .. import units
 from ..admin import inspect
-from ..errors import CachekitError, ImageDecodeError, UsageError
+from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidArgumentType,
+                      UsageError)
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, joined_by, say, shape, \
@@ -170,6 +171,31 @@ def verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_column(frame: Any, column: str, csv: str) -> None:
+    """UsageError, in the CSV's terms, for a column that holds no image paths: no rows,
+    empty cells, or numbers (lines counted as a text editor does, the header being 1)."""
+    import pandas as pd
+
+    values = frame[column]
+    if len(values) == 0:
+        raise UsageError(f"{csv} has a header but no rows: add one line per image, with its "
+                         f"path in column {column!r}")
+    missing = values.isna().to_numpy().nonzero()[0]
+    if len(missing):
+        lines = ", ".join(str(row + 2) for row in missing[:10])
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise UsageError(f"column {column!r} of {csv} is empty on line(s) {lines}{more}: give "
+                         "each of those rows an image path, or delete those lines")
+    if not pd.api.types.is_string_dtype(values) and not values.map(
+            lambda v: isinstance(v, str)).all():
+        row = int(next(i for i, v in enumerate(values) if not isinstance(v, str)))
+        others = [str(c) for c in frame.columns if c != column]
+        raise UsageError(f"column {column!r} of {csv} holds {values.dtype} values, not image "
+                         f"paths (line {row + 2}: {values.iloc[row]}); pick the column of "
+                         f"paths with --column" + (f" (others: {', '.join(others)})"
+                                                   if others else ""))
+
+
 def build(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -182,6 +208,7 @@ def build(args: argparse.Namespace) -> int:
     if args.column not in frame.columns:
         raise UsageError(f"{args.csv} has no column {args.column!r}; its columns are "
                          f"{', '.join(map(str, frame.columns))}")
+    _check_column(frame, args.column, args.csv)
     cache = Cache(local_store(args).root, remote=args.remote_url, workers=args.workers,
                   executor=args.executor)
     height, width = args.size
@@ -202,8 +229,8 @@ def build(args: argparse.Namespace) -> int:
         for row, path, reason in e.failures:
             say(f"  row {row}: {path}: {reason}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError) as e:  # the cache refused the column (empty, NaN, not str)
-        return fail(f"build failed: {e}", 1)
+    except (InvalidArgument, InvalidArgumentType) as e:  # the cache refused the column
+        return fail(f"{args.csv}, column {args.column!r}: {e}", 2)
     detailed, failed = entry.manifest["failed_rows"], int((~entry.valid).sum())
     for row, path, reason in detailed:
         say(f"  row {row} stored as zeros: {path}: {reason}", file=sys.stderr)

@@ -8,11 +8,13 @@ Exit codes: 0 success, 1 a problem found (``verify``) or a failed build, 2 usage
 
 - 0: done, also ``--help``, ``--version``, a dry run and a declined confirmation.
 - 1: the command ran and failed or found a problem: ``verify`` found one; a build failed
-  (rows that cannot be decoded, or a column the cache refuses: empty, missing values, not
-  paths); a removal failed; an error while working (I/O, lock timeout, corrupt entry, a
-  remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT``).
-- 2: usage error, found before anything is changed: bad arguments; a KEY that is not a
-  key, matches nothing or is ambiguous; a CSV that cannot be read or lacks the column; a
+  (rows that cannot be decoded); a removal failed; an error while working (I/O, lock
+  timeout, corrupt entry, a remote that fails or does not answer within
+  ``$CACHEKIT_REMOTE_TIMEOUT``).
+- 2: usage error, found before anything is changed: bad arguments (a negative size
+  included); a KEY that is not a key, matches nothing or is ambiguous; a CSV that cannot
+  be read, lacks the column, has no rows, or whose column has empty cells or numbers in
+  place of paths (said by line of the CSV); a
   bad setting (``$CACHEKIT_LOCK``, ``$CACHEKIT_LOCK_LEASE``, ``$CACHEKIT_REMOTE_TIMEOUT``);
   a remote command without a remote (``--remote URL`` or ``$CACHEKIT_REMOTE``).
 - 128 + the number of a signal, as a shell reports a command that signal ended: 130 on
@@ -43,10 +45,27 @@ from .parser import Parser, add_destructive, add_remote_flag, arg, positive_int
 Run = Callable[[argparse.Namespace], int]
 
 
+VALUED_OPTIONS = ("--max-size", "--older-than")
+"""Options whose value may be typed negative by mistake (``--max-size -5G``)."""
+
+
+def _joined_negatives(argv: Sequence[str]) -> list[str]:
+    """``--max-size -5G`` as ``--max-size=-5G``: argparse takes a value that starts with
+    ``-`` for an option ("expected one argument"); joined, the value's own check refuses it
+    in words ("a size must not be negative")."""
+    out: list[str] = []
+    for word in argv:
+        if out and out[-1] in VALUED_OPTIONS and word[:1] == "-" and word[1:2].isdigit():
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; return the exit status (see the module docstring)."""
     try:
-        args = parser().parse_args(argv)
+        args = parser().parse_args(_joined_negatives(sys.argv[1:] if argv is None else argv))
         _check_settings()
         status = args.run(args)
         sys.stdout.flush()  # here, so that a reader that left is seen as one (below)
