@@ -3,8 +3,10 @@
 A sweep's runs table then shows, per agent, which entry it trained on, whether it built or
 hit, and how long it built or waited for another agent. This only happens when the user's
 code already imported wandb and a run is active: cachekit never imports wandb itself (it
-is slow to import, docs/sweeps.md, and optional). ``CACHEKIT_WANDB=0`` turns it off. Nothing here
-ever raises into the user's code: a failure is reported once as a warning.
+is slow to import, docs/sweeps.md, and optional). ``CACHEKIT_WANDB=0`` turns it off. A build
+of an images entry also logs a contact sheet of sampled rows (``CACHEKIT_WANDB_SHEET=0``
+turns that off). Nothing here ever raises into the user's code: a failure is reported once
+as a warning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from .obtain import Outcome
 
 ENV = "CACHEKIT_WANDB"
+SHEET_ENV = "CACHEKIT_WANDB_SHEET"
+SHEET_ROWS = 16
 PREFIX = "cachekit/"
 _OFF = ("0", "false", "no", "off")
 
@@ -45,8 +49,26 @@ def report(outcome: Outcome) -> None:
         if run is None:
             return
         run.summary.update(summary_fields(outcome, getattr(run, "id", None)))
+        _log_sheet(wandb, run, outcome)
     except Exception as exc:  # wandb trouble must never break training
         _warn_once(exc)
+
+
+def _log_sheet(wandb: Any, run: Any, outcome: "Outcome") -> None:
+    """After a build of an images entry, log a contact sheet of :data:`SHEET_ROWS` sampled
+    rows as a ``wandb.Image`` (``cachekit/sheet``), so the run shows what it trains on;
+    ``CACHEKIT_WANDB_SHEET=0`` turns it off."""
+    manifest = outcome.entry.manifest
+    if outcome.word != "built" or manifest.kind != "images" or not hasattr(run, "log") \
+            or os.environ.get(SHEET_ENV, "1").strip().lower() in _OFF:
+        return
+    from . import arrays, sheet
+
+    array = arrays.open_record(outcome.entry.path, manifest.files[0])
+    rows = sheet.choose_rows(manifest.rows, sample=SHEET_ROWS)
+    picture = sheet.contact_sheet(array, rows)
+    run.log({PREFIX + "sheet": wandb.Image(picture, caption=f"entry {manifest.key[:12]}: "
+                                                            f"rows {rows}")})
 
 
 def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:

@@ -128,7 +128,9 @@ class Cache:
         row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend,
                        storage_options, fetching)
         template = ((options.MODES[mode], height, width), np.dtype(np.uint8))
-        return self._rows(RowCall("images", paths, row, params, material, template, on_error))
+        entry = self._rows(RowCall("images", paths, row, params, material, template, on_error))
+        entry._labels = paths  # what entry.show() writes under each row (never pickled)
+        return entry
 
     def map(self, fn: Callable[[Any], Any], values: Any, *,
             version: Optional[Union[str, int]] = None, on_error: str = "raise") -> Entry:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -87,7 +87,17 @@ class Entry:
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the location and manifest only, a few KiB whatever N (DataLoader workers
         get entries this way); ``array`` and ``valid`` are re-made on first use."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("array", "valid")}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("array", "valid", "_labels")}
+
+    def show(self, rows: Optional[Sequence[int]] = None, sample: int = 16) -> Any:
+        """A contact sheet (a PIL image) of ``rows`` of an images entry, or of ``sample``
+        rows spread over it: each row's pixels under its number and, for the entry a call
+        of this process returned, the tail of its path (see :mod:`cachekit.sheet`)."""
+        from . import sheet
+
+        chosen = sheet.choose_rows(len(self), rows, sample)
+        return sheet.contact_sheet(self.array, chosen, self.__dict__.get("_labels"))
 
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: for the attributes __getstate__ dropped.

@@ -80,6 +80,18 @@ def parse_image_size(text: str) -> tuple[int, int]:
     return height, width
 
 
+def parse_row_range(text: str) -> range:
+    """Rows ``A:B`` (``B`` excluded, as a Python slice; ``:B`` from 0), or one row ``A``."""
+    match = re.fullmatch(r"\s*(\d*)\s*(?::\s*(\d+))?\s*", text)
+    if match is None or (not match[1] and not match[2]):
+        raise InvalidArgument(f"not a row range: {text!r}; use A:B, e.g. 0:16 (B excluded)")
+    start = int(match[1] or 0)
+    stop = int(match[2]) if match[2] is not None else start + 1
+    if stop <= start:
+        raise InvalidArgument(f"not a row range: {text!r}; its end must come after its start")
+    return range(start, stop)
+
+
 def seconds(value: Duration) -> float:
     """A duration given as seconds, a ``timedelta`` or a string like ``7d``, in seconds."""
     if isinstance(value, datetime.timedelta):

@@ -336,3 +336,27 @@ def _wait_until_ready(agents: list[subprocess.Popen], ready: list[Path]) -> None
                 pytest.fail(f"an agent exited early with {agent.returncode}:\n{err}")
         assert time.monotonic() < deadline, "agents did not start"
         time.sleep(0.05)
+
+
+def test_a_build_of_images_logs_a_contact_sheet_of_sampled_rows(fake_wandb, cache_root,
+                                                                cover_paths, monkeypatch):
+    logged = []
+    fake_wandb.run.log = logged.append
+    fake_wandb.Image = lambda picture, caption: ("image", picture, caption)
+    cache = cachekit.Cache(cache_root, progress=False)
+    entry = cache.images(cover_paths, 8, backend="pil")
+    [(kind, picture, caption)] = [item["cachekit/sheet"] for item in logged]
+    assert kind == "image" and caption.startswith(f"entry {entry.key[:12]}: rows ")
+    from cachekit import sheet
+
+    rows = sheet.choose_rows(len(entry), sample=_wandb.SHEET_ROWS)
+    tiles = np.asarray(picture)
+    scale = sheet.scale_of(entry.array.shape)
+    for index, row in enumerate(rows):
+        x, y = sheet.tile_origin(index, len(rows), entry.array.shape)
+        tile = tiles[y:y + 8 * scale:scale, x:x + 8 * scale:scale]
+        np.testing.assert_array_equal(tile, entry.array[row].transpose(1, 2, 0))
+    cache.images(cover_paths, 8, backend="pil")  # a hit logs no sheet
+    monkeypatch.setenv(_wandb.SHEET_ENV, "0")
+    cache.images(cover_paths, 12, backend="pil")  # a build, with the sheet turned off
+    assert len(logged) == 1

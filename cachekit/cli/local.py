@@ -171,6 +171,40 @@ def verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def show(args: argparse.Namespace) -> int:
+    """Write a contact sheet of an entry's rows as a PNG and print where."""
+    from .. import arrays, sheet
+
+    found = inspect.scan(local_store(args))
+    with key_errors():
+        key = inspect.resolve_keys([args.key], [e.key for e in found.entries])[0]
+    described = next(e for e in found.entries if e.key == key)
+    if described.problem is not None:
+        raise CachekitError(f"entry {key[:SHORT_KEY]}: {described.problem}")
+    manifest = manifests.read(described.path)
+    array = arrays.open_record(described.path, manifest.files[0])
+    labels = None
+    if args.csv is not None:
+        import pandas as pd
+
+        try:
+            labels = pd.read_csv(args.csv)[args.column].astype(str).tolist()
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"cannot read column {args.column!r} of {args.csv}: {e}") from None
+        if len(labels) != manifest.rows:
+            raise UsageError(f"{args.csv} has {len(labels)} rows, entry {key[:SHORT_KEY]} has "
+                             f"{manifest.rows}: it was built from another column")
+    try:
+        rows = sheet.choose_rows(manifest.rows, args.rows, args.sample)
+        picture = sheet.contact_sheet(array, rows, labels)
+    except (InvalidArgument, InvalidArgumentType) as e:
+        raise UsageError(f"entry {key[:SHORT_KEY]}: {e}") from None
+    output = Path(args.output or f"sheet-{key[:SHORT_KEY]}.png")
+    picture.save(output, format="PNG")
+    say(str(output.resolve()))
+    return 0
+
+
 def _check_column(frame: Any, column: str, csv: str) -> None:
     """UsageError, in the CSV's terms, for a column that holds no image paths: no rows,
     empty cells, or numbers (lines counted as a text editor does, the header being 1)."""

@@ -130,6 +130,19 @@ def parser() -> argparse.ArgumentParser:
                    help="newest use, largest, or newest entry first (default: used)")
     p = command("info", local.info, "show one entry in full", remote.info)
     p.add_argument("key", metavar="KEY", help="a key or a unique prefix of one")
+    p = command("show", local.show, "write a contact sheet (PNG) of an images entry's rows")
+    p.add_argument("key", metavar="KEY", help="a key or a unique prefix of one")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rows", metavar="A:B", type=arg(units.parse_row_range),
+                       help="the rows to show, e.g. 0:16 (as a Python slice, end excluded)")
+    which.add_argument("--sample", metavar="N", type=positive, default=16,
+                       help="show N rows spread at random over the entry (default: 16)")
+    p.add_argument("-o", "--output", metavar="PNG", default=None,
+                   help="where to write it (default: sheet-KEY.png here)")
+    p.add_argument("--csv", metavar="CSV", default=None,
+                   help="the CSV the entry was built from, to label each row with its path")
+    p.add_argument("--column", metavar="NAME", default="img_path",
+                   help="the column of paths in --csv (default: img_path)")
     p = command("clear", local.clear, "remove entries (safe while other processes read)",
                 remote.clear)
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
