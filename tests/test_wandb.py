@@ -230,9 +230,12 @@ AGENT = textwrap.dedent("""
         time.sleep(0.005)
     result = sweep.train(csv)
     summary = dict(run.summary)  # the run's summary as wandb holds it, through its public API
+    sheet = summary.pop("cachekit/sheet", None)  # the logged image: wandb's own object
+    sheet = None if sheet is None else str(sheet["_type"])
     run.finish()
     with open(out, "w") as f:
-        json.dump({"pid": os.getpid(), "result": result, "summary": summary}, f)
+        json.dump({"pid": os.getpid(), "result": result, "summary": summary,
+                   "sheet": sheet}, f, default=lambda o: f"<{type(o).__name__}>")
 """)
 
 
@@ -286,6 +289,8 @@ def test_four_sweep_agents_build_once_and_record_it(tmp_path):
     assert all(s["cachekit/outcome"] in words[s["cachekit/source"]] for s in summaries)
     assert all(s["cachekit/hit"] is (s["cachekit/outcome"] == "hit") for s in summaries)
     # stderr is a pipe, not a terminal: the builder says what it does in lines, not a bar
+    sheets = {out["pid"]: out["sheet"] for out in outs if out["sheet"] is not None}
+    assert list(sheets) == built and sheets[built[0]] == "image-file"  # the builder's alone
     builder_err = errs[[out["pid"] for out in outs].index(built[0])]
     assert re.search(r"cachekit images: \d+ rows to compute", builder_err), builder_err
     assert re.search(r"cachekit images: \d+ rows computed in [\d.]+ s", builder_err)
