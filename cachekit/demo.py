@@ -76,12 +76,18 @@ def run(root: Optional[Path], *, images: int = 2000, agents: int = 4) -> int:
     return 0
 
 
-def write_csv(csv: Path, *, images: int = 2000) -> int:
+RACE_IMAGES = 2000
+"""Sample images of the demo's race."""
+CSV_IMAGES = 24
+"""Sample images ``--csv`` writes: the data of the README's examples."""
+
+
+def write_csv(csv: Path, *, images: int = CSV_IMAGES) -> int:
     """``cachekit demo --csv PATH``: write the demo's sample images into ``covers/`` beside
-    ``csv``, and ``csv`` with the columns ``img_path`` (paths relative to the current
-    directory, as a training script run from here reads them) and ``label`` (0, 1, 2 in
-    turn); return the exit code. Image ``i`` is always the same picture, so the data is the
-    same on every machine (the examples of the docs use the first 24)."""
+    ``csv``, and ``csv`` with the columns ``img_path`` (absolute paths, so a training
+    script finds them from any directory, as sweep agents started elsewhere must) and
+    ``label`` (0, 1, 2 in turn); return the exit code. Image ``i`` is always the same
+    picture, so the data is the same on every machine (the examples of the docs use 24)."""
     import csv as csv_module
 
     from .errors import UsageError
@@ -90,7 +96,7 @@ def write_csv(csv: Path, *, images: int = 2000) -> int:
         raise UsageError(f"{csv} exists already; remove it or name another file with --csv")
     started = time.perf_counter()
     paths = write_sample_images(csv.parent / "covers", images, seed=0)
-    rows = [(os.path.relpath(path), index % 3) for index, path in enumerate(paths)]
+    rows = [(os.path.abspath(path), index % 3) for index, path in enumerate(paths)]
     tmp = csv.with_name(f".{csv.name}.{_fs.unique_suffix()}.tmp")
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv_module.writer(f, lineterminator="\n")

@@ -60,10 +60,11 @@ def test_demo_csv_writes_the_sample_images_and_a_csv_a_training_script_reads(tmp
     made = cachekit("demo", "--csv", "covers.csv", "--images", "5")
     assert made.returncode == 0, made.stderr
     lines = (tmp_path / "covers.csv").read_text(encoding="utf-8").splitlines()
-    assert lines == ["img_path,label"] + [f"covers/cover_0_{i:06d}.jpg,{i % 3}" for i in range(5)]
+    assert lines == ["img_path,label"] + [f"{tmp_path}/covers/cover_0_{i:06d}.jpg,{i % 3}"
+                                          for i in range(5)]  # absolute: read from anywhere
     assert 'pd.read_csv("covers.csv")["img_path"], size=224)' in made.stdout
     assert not (tmp_path / "root").exists()  # sample data only: no cache, no race
-    # the paths are relative to where it ran: a build from there decodes every one
+    # a build decodes every one
     built = cachekit("build", "covers.csv", "--column", "img_path", "--size", "8x8")
     assert built.returncode == 0, built.stderr
     assert "built: 5 rows 5x3x8x8 uint8" in built.stderr
@@ -71,6 +72,28 @@ def test_demo_csv_writes_the_sample_images_and_a_csv_a_training_script_reads(tmp
     again = cachekit("demo", "--csv", "covers.csv", "--images", "2")
     assert again.returncode == 2 and "covers.csv exists already" in again.stderr
     assert len((tmp_path / "covers.csv").read_text(encoding="utf-8").splitlines()) == 6
+
+
+def test_the_readme_newcomer_path_runs_as_written(tmp_path):
+    """`cachekit demo --csv covers.csv`, then the README's first lines, in another folder:
+    the `# ->` outputs it shows (24 covers) are what the newcomer gets."""
+    made = subprocess.run(["cachekit", "demo", "--csv", "covers.csv"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = (
+        "import pandas as pd, cachekit\n"
+        f"df = pd.read_csv({str(tmp_path / 'covers.csv')!r})\n"
+        "entry = cachekit.Cache().images(df['img_path'], size=32)\n"
+        "print(entry.source, entry.array.shape)\n"
+        "fold = cachekit.Cache().images(df['img_path'][4:], size=32)\n"
+        "print(fold.source, fold.rows_decoded, fold.rows_reused)\n")
+    ran = subprocess.run([sys.executable, "-c", script], cwd=elsewhere, capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ, "CACHEKIT_DIR": str(tmp_path / "cache")})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["built (24, 3, 32, 32)", "built 0 20"]
 
 
 def _distributions(requirements: str) -> list[str]:

@@ -283,12 +283,12 @@ def build(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from ..demo import run, write_csv
+    from ..demo import CSV_IMAGES, RACE_IMAGES, run, write_csv
 
     if args.csv is not None:
-        return write_csv(Path(args.csv).expanduser(), images=args.images)
+        return write_csv(Path(args.csv).expanduser(), images=args.images or CSV_IMAGES)
     return run(Path(args.root).expanduser() if args.root else None,
-               images=args.images, agents=args.agents)
+               images=args.images or RACE_IMAGES, agents=args.agents)
 
 
 def _report_temp_dirs(temp_dirs: Iterable[inspect.TempDir], out: Any = None) -> None:

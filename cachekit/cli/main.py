@@ -190,7 +190,9 @@ def parser() -> argparse.ArgumentParser:
     p = command("pull", remote.pull, "download remote entries into the root")
     p.add_argument("keys", metavar="KEY", nargs="+", help="keys or unique prefixes")
     p = command("demo", local.demo, "the end-to-end demo on generated sample images")
-    p.add_argument("--images", type=positive, default=2000, help="sample images (default: 2000)")
+    p.add_argument("--images", type=positive, default=None,
+                   help="sample images (default: 2000 for the race, 24 with --csv: the "
+                        "README's examples)")
     p.add_argument("--agents", type=positive, default=4,
                    help="agents in each of the two waves (default: 4)")
     p.add_argument("--csv", metavar="PATH", default=None,
