@@ -1,7 +1,9 @@
-"""A stale file is never passed over in silence (issue 43): a script that exits right after
-a hit still hears what the background check found, once, as a warning attributed to its
-own line (or a stderr line where such warnings are ignored), and ``cachekit build`` says it
-before "already cached". Fresh interpreters, real files."""
+"""A stale file is never passed over in silence, and is healed (issue 43): a script that
+exits right after a hit still hears what the background check found, once, as a warning
+attributed to its own line (or a stderr line where such warnings are ignored), ``cachekit
+build`` says it before "already cached", and the next call of the column, in another
+process, serves the new pixels having decoded only that row. Fresh interpreters, real
+files."""
 
 from __future__ import annotations
 
@@ -11,34 +13,39 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+from PIL import Image
 
+from cachekit.engine.decoding.images import load_image
 from cachekit.samples import write_sample_images
 
-ROWS = 300
-CHANGED = 217
+ROWS = 60
+CHANGED = 37
 
 SCRIPT = textwrap.dedent('''
     import sys
     import cachekit
     paths = open(sys.argv[2]).read().split()
-    entry = cachekit.Cache(sys.argv[1], progress=False).images(paths, 8, backend="pil")
-    print(entry.outcome)
-''')
+    entry = cachekit.Cache(sys.argv[1]).images(paths, 8, backend="pil")
+    print(entry.outcome, entry.rows_decoded, entry.rows_reused)
+    print(entry.array[CHANGED].tobytes().hex())
+''').replace("CHANGED", str(CHANGED))
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+@pytest.fixture
+def built(tmp_path) -> tuple[Path, Path, list[str]]:
     """An entry of ROWS covers; then one file among them rewritten in place."""
-    work = tmp_path_factory.mktemp("stale")
+    work = tmp_path / "stale"
     paths = write_sample_images(work / "covers", ROWS, seed=3)
     listing = work / "paths.txt"
     listing.write_text("\n".join(paths))
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(work / "cache"), str(listing)],
                           capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["built"]
-    os.utime(paths[CHANGED], ns=(1, 1))  # as a copy that kept another date would
+    assert done.stdout.split()[:3] == ["built", str(ROWS), "0"]
+    Image.fromarray(np.full((30, 20, 3), 90, np.uint8)).save(paths[CHANGED], format="JPEG")
+    os.utime(paths[CHANGED], ns=(1, 1))  # rewritten, as a copy that kept another date would
     return work, listing, paths
 
 
@@ -52,7 +59,7 @@ def _run(work: Path, listing: Path, *flags: str) -> subprocess.CompletedProcess:
 def test_a_script_that_exits_right_after_a_hit_hears_of_the_changed_file_once(built):
     work, listing, paths = built
     done = _run(work, listing)
-    assert done.stdout.split() == ["hit"]
+    assert done.stdout.split()[:3] == ["hit", "0", "0"]
     assert done.stderr.count("StaleEntryWarning") == 1, done.stderr
     assert f"hit.py:5: StaleEntryWarning: the file of row {CHANGED} ({paths[CHANGED]})" \
         in done.stderr  # the user's line, whether the sample or the background check saw it
@@ -79,3 +86,19 @@ def test_cachekit_build_says_it_before_already_cached(built, tmp_path):
     said = done.stderr
     assert f"the file of row {CHANGED}" in said and "already cached" in said
     assert said.index(f"the file of row {CHANGED}") < said.index("already cached")
+
+
+def test_the_next_call_heals_the_entry_decoding_only_the_changed_row(built):
+    work, listing, paths = built
+    first = _run(work, listing)  # a hit: it says so, and records what changed
+    old_row = first.stdout.split()[3]
+    assert "StaleEntryWarning" in first.stderr
+    healed = _run(work, listing)  # another process: builds it again, one decode
+    outcome, decoded, reused, row = healed.stdout.split()
+    assert (outcome, decoded, reused) == ("built", "1", str(ROWS - 1)), healed.stderr
+    assert row != old_row
+    assert bytes.fromhex(row) == load_image(paths[CHANGED], (8, 8), backend="pil").tobytes()
+    assert healed.stderr.count("files changed since it was built") == 1
+    after = _run(work, listing)  # and then a hit, with nothing left to say
+    assert after.stdout.split()[:3] == ["hit", "0", "0"] and after.stdout.split()[3] == row
+    assert "changed" not in after.stderr

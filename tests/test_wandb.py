@@ -292,8 +292,8 @@ def test_four_sweep_agents_build_once_and_record_it(tmp_path):
     sheets = {out["pid"]: out["sheet"] for out in outs if out["sheet"] is not None}
     assert list(sheets) == built and sheets[built[0]] == "image-file"  # the builder's alone
     builder_err = errs[[out["pid"] for out in outs].index(built[0])]
-    assert re.search(r"cachekit images: \d+ rows to compute", builder_err), builder_err
-    assert re.search(r"cachekit images: \d+ rows computed in [\d.]+ s", builder_err)
+    assert re.search(r"cachekit images: filling \d+ rows", builder_err), builder_err
+    assert re.search(r"cachekit images: \d+ rows filled in [\d.]+ s", builder_err)
     manifest = json.loads((tmp_path / "cache" / "entries" / key / "manifest.json").read_text())
     assert manifest["builder"]["pid"] == built[0]
     lines = decoded.read_text().splitlines()  # every image once, by the builder and joiners

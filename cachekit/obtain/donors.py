@@ -67,38 +67,49 @@ class Donors:
 
 
 def find(store: LocalStore, key: str, rows: Rows,
-         template: Optional[tuple[tuple[int, ...], Any]]) -> Donors:
+         template: Optional[tuple[tuple[int, ...], Any]],
+         healed: Optional[RowSource] = None) -> Donors:
     """The committed entries of ``rows.recipe`` in ``store`` that hold rows of the column,
     opened and checked, and which of their rows to copy: each row from one entry, the
     entries with the most rows first. ``template``: the row shape and dtype the build
-    makes (None: the first donor's)."""
+    makes (None: the first donor's). ``healed``: the stale entry of ``key`` itself, opened
+    before it was removed to be built again (:mod:`cachekit.obtain.staleness`): its rows
+    come first, row for row, where their files did not change."""
     found = Donors()
     remaining = np.ones(len(rows.ids), dtype=bool)
     changed = np.zeros(len(rows.ids), dtype=bool)
-    failed_ids = []
+    failed_ids: list[np.ndarray] = []
     wanted = None if template is None else (tuple(template[0]), np.dtype(template[1]))
+
+    def offer(source: RowSource, src: np.ndarray, dst: np.ndarray) -> None:
+        nonlocal wanted
+        shape = (tuple(source.manifest.shape[1:]), source.manifest.dtype)
+        if wanted is not None and shape != wanted:
+            source.close()
+            return
+        failed_ids.append(source.ids[source.failed, :2])
+        src, dst = _usable(source, src, dst, rows, changed)
+        if not len(dst):
+            source.close()
+            return
+        wanted = shape
+        found.sources.append(source)
+        found.donors.append(Donor(source.key, source.data, source.offset,
+                                  source.manifest.rows, shape[0], shape[1],
+                                  source.block_rows, source.blocks, src, dst))
+        remaining[dst] = False
+
     try:
+        if healed is not None:
+            same = np.arange(min(len(rows.ids), healed.manifest.rows))
+            offer(healed, same, same)
         for match in RowIndex(store).matches(rows.recipe, rows.ids[:, 0], remaining,
                                              exclude=key):
             source = open_row_source(store, match.key, rows.recipe)
             if source is None:
                 found.skipped.append(match.key)
                 continue
-            shape = (tuple(source.manifest.shape[1:]), source.manifest.dtype)
-            if wanted is not None and shape != wanted:
-                source.close()
-                continue
-            failed_ids.append(source.ids[source.failed, :2])
-            src, dst = _usable(source, match.src, match.dst, rows, changed)
-            if not len(dst):
-                source.close()
-                continue
-            wanted = shape
-            found.sources.append(source)
-            found.donors.append(Donor(source.key, source.data, source.offset,
-                                      source.manifest.rows, shape[0], shape[1],
-                                      source.block_rows, source.blocks, src, dst))
-            remaining[dst] = False
+            offer(source, match.src, match.dst)
     except BaseException:
         found.close()
         raise

@@ -12,6 +12,7 @@ copied from other entries, are found by :mod:`cachekit.obtain.donors`.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..store.manifest import Origin, RowReuse
 from ..store.row_index import RowIndex
-from ..store.row_source import open_row_source
+from ..messages import say
+from ..store.row_source import RowSource, open_row_source
 from . import donors, staleness
 from .commit import Built, ChunkCallback
 from .donors import Rows
@@ -37,6 +39,10 @@ BLOCK_BYTES = 1 << 20
 
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
+
+
+STALE_ROWS = 100
+"""Changed rows a stale record lists (it counts the others)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ class RowBuild:
         """Whether a row that raises is recorded as a failure (images always: they say
         which files failed) rather than propagated."""
         self._values: Optional[np.ndarray] = None
+        self._healed: Optional[RowSource] = None
+        """The stale entry of the key, opened before it was removed to be built again."""
 
     @property
     def expected(self) -> Expected:
@@ -106,7 +114,8 @@ class RowBuild:
         current.record_cpus(engine.runs_at_once(runner.executor, runner.workers))
         builder = _decoders() if call.kind == "images" else None
         rows = self._rows(builder)
-        with donors.find(self.store, self.key, rows, call.template) as found:
+        healed, self._healed = self._healed, None
+        with donors.find(self.store, self.key, rows, call.template, healed) as found:
             if runner.announce:
                 donors.announce(self.key, found, len(values))
             sources = engine.Sources(current.resume_from, found.donors, current.drop_resumed)
@@ -148,12 +157,52 @@ class RowBuild:
         (:mod:`cachekit.obtain.staleness`)."""
         if outcome.source == "remote":
             index_entry(self.store, outcome.entry)
-        opened = self.opener(outcome)
         call = self.call
-        if (outcome.source == "local" and call.kind == "images"
-                and call.params.get("validate") == "path"):
-            staleness.check(outcome.entry.path, outcome.entry.manifest, call.column)
+        checked = (outcome.source == "local" and call.kind == "images"
+                   and call.params.get("validate") == "path")
+        if checked:
+            self._heal_if_stale(outcome.entry)
+        opened = self.opener(outcome)
+        if checked:
+            staleness.check(outcome.entry.path, outcome.entry.manifest, call.column,
+                            self._record_stale)
         return opened
+
+    def _record_stale(self, key: str, created: float, rows: list[int]) -> None:
+        """Keep what a check found beside the entry (``locks/KEY.stale.json``), so that
+        the next call of the column, in any process of this user, heals it."""
+        try:
+            self.store.record_stale(key, {"created": created, "changed": len(rows),
+                                          "rows": [int(r) for r in rows[:STALE_ROWS]]})
+        except OSError:
+            pass  # a read-only root: said as a warning all the same
+
+    def _heal_if_stale(self, entry: Published) -> None:
+        """When a check recorded that files of ``entry`` changed since it was built: open
+        its rows to copy from, remove it, and raise FileNotFoundError, so that the call
+        obtains the key again and builds it, decoding only the rows whose files changed."""
+        manifest = entry.manifest
+        record = self.store.read_stale(self.key)
+        if record is None or record.get("created") != manifest.created \
+                or manifest.reuse is None:
+            return
+        source = open_row_source(self.store, self.key, manifest.reuse.recipe)
+        try:
+            removed = self.store.still_published(entry) and self.store.remove_entry(self.key)
+        except OSError:
+            removed = False
+        if not removed:
+            if source is not None:
+                source.close()
+            return  # another process healed it first, or this one may not remove it
+        self.store.forget_stale(self.key)
+        self._healed = source
+        if self.runner.announce:
+            say(f"entry {self.key[:12]}: {record.get('changed', 'some')} of its files changed "
+                "since it was built (found by an earlier check); building it again, decoding "
+                "only their rows and copying the others")
+        raise FileNotFoundError(errno.ENOENT, "removed to be built again: its files changed",
+                                str(entry.path))
 
     def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
         """The build's recipe and each row's identity under it, plus for images each file's

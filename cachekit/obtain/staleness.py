@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -58,9 +58,16 @@ _lock = threading.Lock()
 _threads: list[threading.Thread] = []
 
 
-def check(entry_path: Path, manifest: Manifest, paths: Any) -> None:
+Found = Callable[[str, float, list[int]], None]
+"""Told (key, the entry's created time, the changed rows found) when files changed."""
+
+
+def check(entry_path: Path, manifest: Manifest, paths: Any,
+          found: Optional[Found] = None) -> None:
     """Check the files of the column ``paths`` against the stats ``manifest``'s entry
-    recorded: a sample now, every row in a background thread (see the module docstring)."""
+    recorded: a sample now, every row in a background thread (see the module docstring).
+    What changed is told to ``found`` (which records it, so that the next call of the
+    column heals the entry) before it is said."""
     mode = check_mode()
     record = manifest.row_file(ROW_STATS_FILE)
     if mode == "off" or record is None or manifest.key in _warned or not manifest.rows:
@@ -75,6 +82,7 @@ def check(entry_path: Path, manifest: Manifest, paths: Any) -> None:
     changed = _changed(rows, recorded, paths, stop_at=1)
     caller = _callers_frame()
     if changed:
+        _tell(found, manifest, changed)
         _warn(manifest.key, changed, None, caller)
         return
     with _lock:
@@ -83,7 +91,7 @@ def check(entry_path: Path, manifest: Manifest, paths: Any) -> None:
         _started.add(manifest.key)
         if not _threads:
             _at_exit()
-    thread = threading.Thread(target=_check_all, args=(manifest.key, recorded, paths, caller),
+    thread = threading.Thread(target=_check_all, args=(manifest, recorded, paths, caller, found),
                               name=f"cachekit stale check {manifest.key[:12]}", daemon=True)
     _threads.append(thread)
     thread.start()
@@ -120,12 +128,14 @@ def _at_exit() -> None:
     atexit.register(wait)
 
 
-def _check_all(key: str, recorded: np.ndarray, paths: Any, caller: Any) -> None:
+def _check_all(manifest: Manifest, recorded: np.ndarray, paths: Any, caller: Any,
+               found: Optional[Found]) -> None:
     time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
     changed = _changed(np.arange(len(recorded)), recorded, paths)
     if changed:
+        _tell(found, manifest, changed)
         try:
-            _warn(key, changed, len(changed), caller)
+            _warn(manifest.key, changed, len(changed), caller)
         except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
             say(str(e))
 
@@ -151,6 +161,11 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
     return found
 
 
+def _tell(found: Optional[Found], manifest: Manifest, changed: list[Any]) -> None:
+    if found is not None:
+        found(manifest.key, manifest.created, [row for row, _, _, _ in changed])
+
+
 def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
           total: Optional[int], caller: Any) -> None:
     """Say once per process and entry that files changed: all of them (``total``, from the
@@ -168,9 +183,9 @@ def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, in
         more = f" and {total - SHOWN_PATHS} more" if total > SHOWN_PATHS else ""
         what = f"{total} files changed since entry {key[:12]} was built ({shown}{more})"
     text = (f"{what}; this hit serves the pixels decoded then, because validate=\"path\" "
-            "keys the paths only. Pass validate=\"stat\" to key each file's size and mtime as "
-            "well: then only the files that changed are decoded again, the other rows are "
-            "copied from this entry")
+            "keys the paths only. The next call of this column builds the entry again, "
+            "decoding only the rows whose files changed (the others are copied); pass "
+            "validate=\"stat\" to key each file's size and mtime as well")
     filename, lineno, module, registry = caller
     if _ignored(text, module, lineno):
         say(text)

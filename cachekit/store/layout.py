@@ -16,6 +16,7 @@
       locks/KEY.lock                   build locks (they only save duplicate work)
       locks/KEY.lock.holder            who holds the OS lock, its mtime their heartbeat
       locks/KEY.failed.json            the rows of the last failed build, for its waiters
+      locks/KEY.stale.json             files of entry KEY that changed since its build
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class Layout:
 
     def failure_path(self, key: str) -> Path:
         return self.locks / f"{self.entry_dir(key).name}.failed.json"
+
+    def stale_path(self, key: str) -> Path:
+        return self.locks / f"{self.entry_dir(key).name}.stale.json"
 
     def open_folder(self, name: str, *, create: bool = False) -> _fs.DirHandle:
         """The root's folder ``name`` (entries, tmp, locks or index) as a handle, made when

@@ -304,6 +304,30 @@ class LocalStore:
         except OSError:
             return None, None
 
+    def record_stale(self, key: str, record: dict[str, Any]) -> None:
+        """Record that files of entry ``key`` changed since it was built (the next call of
+        its column heals it), as a failure record is written: this user's, signed with
+        signing on, replaced whole."""
+        with self.layout.open_folder("locks", create=True) as locks:
+            failures.write(locks, self.layout.stale_path(key).name, key, record)
+
+    def read_stale(self, key: str) -> Optional[dict[str, Any]]:
+        """The stale record of ``key`` when there is one this process may honour (see
+        :func:`cachekit.store.failures.read`: its own user's, validly signed with signing
+        on); None otherwise."""
+        try:
+            with self.layout.open_folder("locks") as locks:
+                return failures.read(locks, self.layout.stale_path(key).name, key)[0]
+        except OSError:
+            return None
+
+    def forget_stale(self, key: str) -> None:
+        try:
+            with self.layout.open_folder("locks") as locks:
+                locks.unlink(self.layout.stale_path(key).name)
+        except FileNotFoundError:
+            pass
+
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""
         suffix = self.layout.failure_path("0" * 32).name[32:]

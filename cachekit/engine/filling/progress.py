@@ -32,7 +32,7 @@ class _Lines:
         self.done = 0
         self.started = time.monotonic()
         self.next_line = self.started + LINE_SECONDS
-        say(f"{description}: {total} rows to compute")
+        say(f"{description}: filling {total} rows")
 
     def update(self, n: int) -> None:
         self.done += n
@@ -47,7 +47,7 @@ class _Lines:
 
     def close(self) -> None:
         seconds = time.monotonic() - self.started
-        say(f"{self.description}: {self.done} rows computed in {seconds:.1f} s")
+        say(f"{self.description}: {self.done} rows filled in {seconds:.1f} s")
 
 
 def progress(total: int, report: Report) -> Any:
