@@ -43,12 +43,17 @@ class Cache:
     docs/build-engine.md). ``join``: a process that finds a live build of its key (this
     host, or another host of a shared root) fills chunks nobody holds instead of only
     waiting. ``progress``: show bars (None: only when stderr is a terminal).
+    ``max_size``: the root's budget in bytes (an int, or a size such as "50G"; None:
+    ``$CACHEKIT_MAX_SIZE``, unset: no budget): after each build or download this process
+    commits, the least recently used entries are removed until the root fits, never the
+    entry the call returns nor a live build.
     """
 
     def __init__(self, root: Optional[PathLike] = None, *, remote: Optional[str] = None,
                  lock_timeout: Optional[float] = None, workers: Optional[int] = None,
                  executor: Any = None, join: bool = True,
-                 progress: Optional[bool] = None) -> None:
+                 progress: Optional[bool] = None,
+                 max_size: Optional[Union[int, str]] = None) -> None:
         check_lock_timeout(lock_timeout)
         workers = executors.check_workers(workers)
         if not isinstance(join, bool):
@@ -62,6 +67,7 @@ class Cache:
         self.workers = workers
         self.executor = executor
         self.progress = progress
+        self.max_size = _budget(max_size)
         self._store = LocalStore(self.root)
         self.remote, self._remote_store = _remote_tier(remote)
 
@@ -176,7 +182,28 @@ class Cache:
             announce=self.progress is not False, join=join_fn if self.join else None,
             remote=self._remote_tier(), expect=expect, raise_failures=raise_failures)
         _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
+        if self.max_size is not None and outcome.word in ("built", "pulled"):
+            self._keep_budget(outcome.entry.manifest.key)
         return opened
+
+    def _keep_budget(self, returned: str) -> None:
+        """Remove the least recently used entries until the root fits ``max_size``, never
+        ``returned``; say what went, and when ``returned`` alone is larger than the budget."""
+        from .admin.removal import removal_for_prune
+        from .messages import say
+        from .units import format_size
+
+        report = removal_for_prune(self._store, self.max_size, keep=[returned]).execute()
+        removed = [item for item in report.removed if item.noun == "entry"]
+        announce = self.progress is not False
+        if removed and announce:
+            say(f"cache budget {format_size(self.max_size)}: removed {len(removed)} least "
+                f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
+                f"({format_size(sum(item.bytes for item in removed))})")
+        own = next((e for e in self.entries() if e.key == returned), None)
+        if own is not None and own.bytes > self.max_size and announce:
+            say(f"entry {returned[:12]} alone ({format_size(own.bytes)}) is larger than the "
+                f"cache budget of {format_size(self.max_size)}; it is returned all the same")
 
     def _remote_tier(self) -> Any:
         if self._remote_store is None:
@@ -237,6 +264,19 @@ class Cache:
         if isinstance(keys, str):
             keys = [keys]
         return verify(self._store, keys)
+
+
+MAX_SIZE_ENV = "CACHEKIT_MAX_SIZE"
+
+
+def _budget(max_size: Optional[Union[int, str]]) -> Optional[int]:
+    """The budget in bytes of ``max_size``, else of ``$CACHEKIT_MAX_SIZE``; None: none."""
+    from .units import byte_count, size_from_env
+
+    if max_size is None:
+        value = size_from_env(MAX_SIZE_ENV, -1)
+        return None if value < 0 else value
+    return byte_count(max_size)
 
 
 def _sources(paths: Any, storage_options: Any) -> tuple[Any, Optional[urls.FetchSettings]]:

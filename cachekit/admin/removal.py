@@ -236,12 +236,15 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
         unused_since={e.key: e.last_used for e in entries} if older_than is not None else {})
 
 
-def removal_for_prune(store: LocalStore, max_bytes: int) -> LocalRemoval:
+def removal_for_prune(store: LocalStore, max_bytes: int,
+                      keep: Iterable[str] = ()) -> LocalRemoval:
     """Removing the least recently used entries until the cache holds <= ``max_bytes``.
 
     Orphaned build directories and interrupted removals go first (they are garbage); live
-    builds are not counted and are listed as skipped.
+    builds are not counted and are listed as skipped; the entries ``keep`` names are
+    counted and never removed (the entry a call returns, under a budget).
     """
+    keep = set(keep)
     found = scan(store)
     garbage = [t for t in found.temp_dirs if t.removable]
     total = sum(e.bytes for e in found.entries) + sum(t.bytes for t in garbage)
@@ -255,6 +258,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int) -> LocalRemoval:
     for entry in sorted(found.entries, key=lambda e: (e.last_used, e.created, e.key)):
         if total <= max_bytes:
             break
+        if entry.key in keep:
+            continue
         entries.append(entry)
         total -= entry.bytes
     return LocalRemoval(

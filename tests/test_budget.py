@@ -1,0 +1,110 @@
+"""A budget for the root (issue 42, its first part): ``Cache(max_size=...)`` or
+``$CACHEKIT_MAX_SIZE``. After each commit the least recently used entries go until the
+root fits; never the entry the call returns, and a process that hits an entry as it is
+evicted obtains it again (a rebuild), never fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+
+
+def _column(start: int) -> pd.Series:
+    return pd.Series(range(start, start + 200))
+
+
+def _row(v: int) -> np.ndarray:
+    return np.full(1000, v % 251, np.uint8)  # 1,000 bytes a row: 200 KB an entry
+
+
+def _root_bytes(root) -> int:
+    return sum(e.bytes for e in cachekit.Cache(root).entries())
+
+
+def test_each_commit_keeps_the_root_within_its_budget_least_recently_used_first(tmp_path,
+                                                                                 capsys):
+    cache = cachekit.Cache(tmp_path, max_size="500K", workers=1)  # two entries of ~209 KB
+    first = cache.map(_row, _column(0))
+    second = cache.map(_row, _column(1000))
+    os.utime(first.path, (time.time() + 5, time.time() + 5))  # first is used more recently
+    third = cache.map(_row, _column(2000))
+    keys = {e.key for e in cache.entries()}
+    assert keys == {first.key, third.key}  # second, the least recently used, went
+    assert _root_bytes(tmp_path) <= 500_000
+    assert "cache budget 500 KB: removed 1 least recently used entry" in capsys.readouterr().err
+    np.testing.assert_array_equal(third.array[5], _row(2005))
+
+
+def test_an_entry_larger_than_the_budget_is_returned_and_said(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CACHEKIT_MAX_SIZE", "100K")
+    cache = cachekit.Cache(tmp_path, workers=1)
+    assert cache.max_size == 100_000
+    entry = cache.map(_row, _column(0))
+    assert len(entry) == 200 and [e.key for e in cache.entries()] == [entry.key]
+    assert "is larger than the cache budget of 100 KB; it is returned all the same" \
+        in capsys.readouterr().err
+
+
+def test_a_bad_budget_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(cachekit.InvalidArgument, match="must not be negative"):
+        cachekit.Cache(tmp_path, max_size="-5G")
+    with pytest.raises(cachekit.InvalidArgumentType):
+        cachekit.Cache(tmp_path, max_size=1.5)
+    monkeypatch.setenv("CACHEKIT_MAX_SIZE", "lots")
+    with pytest.raises(cachekit.InvalidArgument, match="CACHEKIT_MAX_SIZE"):
+        cachekit.Cache(tmp_path)
+
+
+READER = textwrap.dedent('''
+    import sys, time
+    import numpy as np, pandas as pd
+    import cachekit
+    from test_budget import _column, _row
+    root, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+    calls = rebuilt = 0
+    while time.monotonic() < deadline:
+        entry = cachekit.Cache(root, workers=1, progress=False).map(_row, _column(0))
+        rebuilt += entry.outcome in ("built", "joined", "waited")
+        assert np.array_equal(np.asarray(entry.array[7]), _row(7)), "wrong bytes"
+        calls += 1
+    print(calls, rebuilt)
+''')
+
+
+def test_readers_of_an_entry_never_fail_while_builders_evict_it(tmp_path):
+    """Two processes keep reading one entry while this one builds new entries under a
+    budget that fits one: each commit evicts the readers' entry; each reader's call
+    obtains it again (a rebuild) and reads the right bytes, never an error."""
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    root = tmp_path / "root"
+    readers = [subprocess.Popen([sys.executable, str(script), str(root), "6"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    builder = cachekit.Cache(root, max_size="250K", workers=1, progress=False)
+    built = 0
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        builder.map(_row, _column(10_000 + 1000 * built))
+        built += 1
+    rebuilds = []
+    for reader in readers:
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err
+        calls, rebuilt = map(int, out.split()[-2:])
+        assert calls > 0
+        rebuilds.append(rebuilt)
+    # the readers' entry was evicted under them at least once (an entry used between the
+    # eviction's listing and its removal is left alone, as prune leaves it)
+    assert built > 2 and sum(rebuilds) >= 1
