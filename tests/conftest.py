@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 
 import cachekit
 import hosts
+from hostile_http import HostileServer
 import s3
 import users
 
@@ -110,3 +111,14 @@ def background_uploads_end_with_their_test() -> Iterator[None]:
     from cachekit.obtain import background
 
     background.wait_all()
+
+
+@pytest.fixture
+def hostile() -> Iterator[HostileServer]:
+    """A hostile HTTP server of the test's own on 127.0.0.1 (tests/hostile_http.py): huge,
+    endless, gzip-bomb and trickling answers, a silent HEAD; stopped with the test."""
+    server = HostileServer()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from hostile_http import HostileServer
 
 DEADLINE = 3.0
 CAP = "64M"
@@ -48,15 +47,6 @@ CHILD = textwrap.dedent('''
     out["peak_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps(out))
 ''')
-
-
-@pytest.fixture
-def hostile():
-    server = HostileServer()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _run(tmp_path: Path, base: str, builds: dict, env: dict, validate: str = "path") -> dict:

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cachekit import redaction
-from hostile_http import HostileServer
 from hosts import finish
 
 SECRETS = ("PWSECRET", "SIGSECRET", "TOKSECRET", "FRAGSECRET", "CREDSECRET")
@@ -68,15 +67,6 @@ READER = textwrap.dedent('''
                 unreadable += 1
     print(json.dumps({"files": found, "unreadable": unreadable}))
 ''')
-
-
-@pytest.fixture
-def hostile():
-    server = HostileServer()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _leaks(where: str, text: str) -> list[str]:

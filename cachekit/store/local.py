@@ -322,11 +322,7 @@ class LocalStore:
             return None
 
     def forget_stale(self, key: str) -> None:
-        try:
-            with self.layout.open_folder("locks") as locks:
-                locks.unlink(self.layout.stale_path(key).name)
-        except FileNotFoundError:
-            pass
+        self._unlink_lock_file(self.layout.stale_path(key).name)
 
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""
@@ -335,9 +331,12 @@ class LocalStore:
                 if p.name.endswith(suffix) and is_key(p.name[:-len(suffix)])]
 
     def forget_failure(self, key: str) -> None:
+        self._unlink_lock_file(self.layout.failure_path(key).name)
+
+    def _unlink_lock_file(self, name: str) -> None:
         try:
             with self.layout.open_folder("locks") as locks:
-                locks.unlink(self.layout.failure_path(key).name)
+                locks.unlink(name)
         except FileNotFoundError:
             pass
 
