@@ -101,7 +101,10 @@ def test_many_endless_bodies_at_once_hold_about_the_window_plus_one_cap(tmp_path
     got = _run(tmp_path / "hostile", base, {"endless": column}, env)
     build = got["builds"]["endless"]
     assert build["valid"] == [False] * 16 + [True]
-    assert all("larger than the read cap" in why for why in build["reasons"]), build
+    # each fails naming a bound: its cap, or (paused while the window was full, on a loaded
+    # machine) its deadline
+    assert all("larger than the read cap" in why or "within its deadline" in why
+               for why in build["reasons"]), build
     grown = (got["peak_kib"] - clean["peak_kib"]) / 1024
     assert grown < 64 + 64 + 64, f"peak memory {grown:.0f} MiB above a clean build's"
 

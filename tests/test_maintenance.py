@@ -107,7 +107,8 @@ def test_format_age(age, text):
 def test_durations_and_sizes_in_the_api_forms():
     assert units.seconds(datetime.timedelta(days=2)) == 2 * DAY
     assert units.seconds("2d") == units.seconds(2 * DAY) == 2 * DAY
-    assert units.byte_count("1K") == units.byte_count(1024) == 1024
+    assert units.byte_count("1K") == units.byte_count(1000) == 1000
+    assert units.byte_count("1KiB") == units.byte_count(1024) == 1024
     for bad in (True, None, [1]):
         with pytest.raises(TypeError):
             units.seconds(bad)
