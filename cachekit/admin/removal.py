@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Optional, Union
 
 from .. import units
-from ..store import LocalStore
+from ..store import FAILED, LocalStore
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, TempDir, ago, resolve_keys, scan,
     temp_dir_info)
 
@@ -201,7 +201,7 @@ class LocalRemoval(Removal):
             return _remove_entry(self.store, item.subject, self.unused_since.get(item.key or ""))
         if item.noun == LEFTOVER_DIRECTORY:
             return _remove_temp_dir(self.store, item.subject)
-        self.store.forget_failure(item.subject)
+        self.store.forget_record(FAILED, item.subject)
         return None
 
 

@@ -28,7 +28,7 @@ from .. import engine
 from ..engine.filling.journal import is_journal_name
 from ..errors import BuildGone, Failure, ImageDecodeError
 from ..messages import say
-from ..store import BuildDir, LocalStore, Published
+from ..store import FAILED, BuildDir, LocalStore, Published
 from ..store.manifest import (FAILURE_DETAILS, Manifest, Origin, RowReuse, failed_fields,
                               parse_failed_mask)
 
@@ -132,7 +132,7 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         _record_failure(store, key, made.failure)
         raise made.failure
     if won:
-        store.forget_failure(key)  # an earlier failure is history now
+        store.forget_record(FAILED, key)  # an earlier failure is history now
         if made.reuse is not None:  # (only a per-row build keeps rows when it fails)
             _remove_kept(store, key)
         if announce:
@@ -178,7 +178,7 @@ def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) 
     never one dated in the future). A later call builds again: the files may be fixed. A
     record this user did not write (or, with signing on, one not validly signed) is
     ignored, and said once."""
-    record, refused = store.read_failure(key)
+    record, refused = store.read_record(FAILED, key)
     if refused is not None:
         say(f"ignored the failure record of entry {key[:12]}: {refused}; this process "
             "builds the entry itself")
@@ -213,7 +213,7 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
     try:
         failed = failed_fields(error.rows or 0, error.failures) if error.rows else {
             "failed_rows": error.failures[:FAILURE_DETAILS], "failed_mask": None}
-        store.record_failure(key, {"time": time.time(), **processes.owner(),
+        store.write_record(FAILED, key, {"time": time.time(), **processes.owner(),
                                    "failures": [list(f) for f in failed["failed_rows"]],
                                    "failed_mask": failed["failed_mask"],
                                    "rows": error.rows, "cwd": error.cwd})

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import _fs, arrays, engine, keys, source_stats
 from ..errors import ImageDecodeError
-from ..store import BuildDir, LocalStore, Published
+from ..store import STALE, BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..store.manifest import Origin, RowReuse
 from ..store.row_index import RowIndex
@@ -172,7 +172,7 @@ class RowBuild:
         """Keep what a check found beside the entry (``locks/KEY.stale.json``), so that
         the next call of the column, in any process of this user, heals it."""
         try:
-            self.store.record_stale(key, {"created": created, "changed": len(rows),
+            self.store.write_record(STALE, key, {"created": created, "changed": len(rows),
                                           "rows": [int(r) for r in rows[:STALE_ROWS]]})
         except OSError:
             pass  # a read-only root: said as a warning all the same
@@ -182,7 +182,7 @@ class RowBuild:
         its rows to copy from, remove it, and raise FileNotFoundError, so that the call
         obtains the key again and builds it, decoding only the rows whose files changed."""
         manifest = entry.manifest
-        record = self.store.read_stale(self.key)
+        record = self.store.read_record(STALE, self.key)[0]
         if record is None or record.get("created") != manifest.created \
                 or manifest.reuse is None:
             return
@@ -195,7 +195,7 @@ class RowBuild:
             if source is not None:
                 source.close()
             return  # another process healed it first, or this one may not remove it
-        self.store.forget_stale(self.key)
+        self.store.forget_record(STALE, self.key)
         self._healed = source
         if self.runner.announce:
             say(f"entry {self.key[:12]}: {record.get('changed', 'some')} of its files changed "

@@ -58,6 +58,10 @@ def check_root(root: Path) -> None:
         return
 
 
+FAILED, STALE = "failed", "stale"
+"""The records kept beside an entry: its last build failed, its files changed since."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each kind of file of one cache root lives."""
@@ -84,11 +88,14 @@ class Layout:
     def lock_path(self, key: str) -> Path:
         return self.locks / f"{self.entry_dir(key).name}.lock"
 
-    def failure_path(self, key: str) -> Path:
-        return self.locks / f"{self.entry_dir(key).name}.failed.json"
+    def record_path(self, key: str, kind: str) -> Path:
+        """``locks/KEY.KIND.json``: a record beside entry ``key`` (FAILED, STALE)."""
+        if kind not in (FAILED, STALE):
+            raise ValueError(f"not a kind of record: {kind!r}")
+        return self.locks / f"{self.entry_dir(key).name}.{kind}.json"
 
-    def stale_path(self, key: str) -> Path:
-        return self.locks / f"{self.entry_dir(key).name}.stale.json"
+    def failure_path(self, key: str) -> Path:
+        return self.record_path(key, FAILED)
 
     def open_folder(self, name: str, *, create: bool = False) -> _fs.DirHandle:
         """The root's folder ``name`` (entries, tmp, locks or index) as a handle, made when

@@ -288,57 +288,36 @@ class LocalStore:
         with self.layout.open_folder("entries", create=True) as entries:
             return commits.commit(build, manifest, entries, self.lookup, scratch=scratch)
 
-    # Failure records ---------------------------------------------------------------------
+    # Records beside an entry: its build failed (FAILED), its files changed (STALE) ---------
 
-    def record_failure(self, key: str, record: dict[str, Any]) -> None:
-        """Record that the build of ``key`` failed (:mod:`cachekit.store.failures`)."""
+    def write_record(self, kind: str, key: str, record: dict[str, Any]) -> None:
+        """Write the ``kind`` record of ``key`` (``locks/KEY.KIND.json``, replaced whole,
+        signed with signing on: :mod:`cachekit.store.failures`)."""
         with self.layout.open_folder("locks", create=True) as locks:
-            failures.write(locks, self.layout.failure_path(key).name, key, record)
+            failures.write(locks, self.layout.record_path(key, kind).name, key, record)
 
-    def read_failure(self, key: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-        """The failure record of ``key`` when it may be honoured, else why not (see
+    def read_record(self, kind: str, key: str) -> tuple[Optional[dict[str, Any]],
+                                                        Optional[str]]:
+        """The ``kind`` record of ``key`` when it may be honoured, else why not (see
         :func:`cachekit.store.failures.read`)."""
         try:
             with self.layout.open_folder("locks") as locks:
-                return failures.read(locks, self.layout.failure_path(key).name, key)
+                return failures.read(locks, self.layout.record_path(key, kind).name, key)
         except OSError:
             return None, None
 
-    def record_stale(self, key: str, record: dict[str, Any]) -> None:
-        """Record that files of entry ``key`` changed since it was built (the next call of
-        its column heals it), as a failure record is written: this user's, signed with
-        signing on, replaced whole."""
-        with self.layout.open_folder("locks", create=True) as locks:
-            failures.write(locks, self.layout.stale_path(key).name, key, record)
-
-    def read_stale(self, key: str) -> Optional[dict[str, Any]]:
-        """The stale record of ``key`` when there is one this process may honour (see
-        :func:`cachekit.store.failures.read`: its own user's, validly signed with signing
-        on); None otherwise."""
+    def forget_record(self, kind: str, key: str) -> None:
         try:
             with self.layout.open_folder("locks") as locks:
-                return failures.read(locks, self.layout.stale_path(key).name, key)[0]
-        except OSError:
-            return None
-
-    def forget_stale(self, key: str) -> None:
-        self._unlink_lock_file(self.layout.stale_path(key).name)
+                locks.unlink(self.layout.record_path(key, kind).name)
+        except FileNotFoundError:
+            pass
 
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""
         suffix = self.layout.failure_path("0" * 32).name[32:]
         return [p.name[:-len(suffix)] for p in self._names("locks")
                 if p.name.endswith(suffix) and is_key(p.name[:-len(suffix)])]
-
-    def forget_failure(self, key: str) -> None:
-        self._unlink_lock_file(self.layout.failure_path(key).name)
-
-    def _unlink_lock_file(self, name: str) -> None:
-        try:
-            with self.layout.open_folder("locks") as locks:
-                locks.unlink(name)
-        except FileNotFoundError:
-            pass
 
     # Removal -----------------------------------------------------------------------------
 
