@@ -77,12 +77,12 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
 
     ``outcome`` is ``Entry.outcome``, what this process did (hit, waited, joined, built,
     pulled), and ``hit`` is True for a hit (local or pulled): a process that waited for
-    another's build, or joined it, did not hit. ``source`` is ``Entry.source`` (local, remote, built,
-    joined). The seconds are this process's own, so that a sweep's sum is the work done:
-    ``build_seconds``, building (its own build, or the chunks it filled of another
-    process's; 0 when it built nothing), of which ``decode_seconds`` computing rows and
-    ``join_seconds`` filling another process's build; ``wait_seconds``, waiting for another
-    process's build of the same entry (not counting the chunks it filled of it).
+    another's build, or joined it, did not hit. ``source`` is ``Entry.source`` (local,
+    remote, built, joined). The seconds are this process's own, so that a sweep's sum is
+    the work done: ``build_seconds``, building (its own build, or the chunks it filled of
+    another process's; 0 when it built nothing), of which ``decode_seconds`` computing rows
+    and ``join_seconds`` filling another process's build; ``wait_seconds``, waiting for
+    another process's build of the same entry (not counting the chunks it filled of it).
     ``rows_decoded``, ``rows_joined`` and ``rows_reused`` are ``Entry``'s: the rows this
     process decoded, those others decoded for its build, and those copied from other
     entries (all 0 on a hit), with run totals.

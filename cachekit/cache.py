@@ -183,26 +183,27 @@ class Cache:
             remote=self._remote_tier(), expect=expect, raise_failures=raise_failures)
         _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
         if self.max_size is not None and outcome.word in ("built", "pulled"):
-            self._keep_budget(outcome.entry.manifest.key)
+            self._keep_budget(outcome.entry.manifest)
         return opened
 
-    def _keep_budget(self, returned: str) -> None:
+    def _keep_budget(self, returned: Any) -> None:
         """Remove the least recently used entries until the root fits ``max_size``, never
-        ``returned``; say what went, and when ``returned`` alone is larger than the budget."""
+        the entry of manifest ``returned``; say what went, and when that entry alone is
+        larger than the budget."""
         from .admin.removal import removal_for_prune
         from .messages import say
         from .units import format_size
 
-        report = removal_for_prune(self._store, self.max_size, keep=[returned]).execute()
+        key = returned.key
+        report = removal_for_prune(self._store, self.max_size, keep=[key]).execute()
         removed = [item for item in report.removed if item.noun == "entry"]
         announce = self.progress is not False
         if removed and announce:
             say(f"cache budget {format_size(self.max_size)}: removed {len(removed)} least "
                 f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
                 f"({format_size(sum(item.bytes for item in removed))})")
-        own = next((e for e in self.entries() if e.key == returned), None)
-        if own is not None and own.bytes > self.max_size and announce:
-            say(f"entry {returned[:12]} alone ({format_size(own.bytes)}) is larger than the "
+        if returned.bytes > self.max_size and announce:
+            say(f"entry {key[:12]} alone ({format_size(returned.bytes)}) is larger than the "
                 f"cache budget of {format_size(self.max_size)}; it is returned all the same")
 
     def _remote_tier(self) -> Any:

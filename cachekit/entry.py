@@ -20,7 +20,6 @@ process while this call waited), downloaded, built by this call, or filled in pa
 OUTCOMES = ("hit", "waited", "joined", "built", "pulled")
 """What the process did, in one word: found the entry, waited for another process's build
 of it, computed rows of that build, built it, or downloaded it from the remote tier."""
-_OUTCOME_OF_SOURCE = {"local": "hit", "remote": "pulled", "built": "built", "joined": "joined"}
 
 
 class Entry:
@@ -52,7 +51,10 @@ class Entry:
                  outcome: Optional[str] = None) -> None:
         if source not in SOURCES:
             raise InvalidArgument(f"source must be one of {SOURCES}, not {source!r}")
-        outcome = _OUTCOME_OF_SOURCE[source] if outcome is None else outcome
+        if outcome is None:
+            from .obtain.flow import outcome_word
+
+            outcome = outcome_word(source)
         if outcome not in OUTCOMES:
             raise InvalidArgument(f"outcome must be one of {OUTCOMES}, not {outcome!r}")
         self.outcome = outcome

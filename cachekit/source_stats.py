@@ -17,7 +17,6 @@ and fails alone when it is fetched.
 from __future__ import annotations
 
 import hashlib
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -93,9 +92,14 @@ def _listed(fs: Any, name: str, prefix: str, members: list[str],
     path = fs._strip_protocol(prefix)
     fs.invalidate_cache(path)  # a listing seen before may be stale: always a fresh LIST
     if getattr(fs, "async_impl", False):
-        listing = _run(fs, _within(lambda: fs._ls(path, detail=True), settings), settings, 1)
-    else:
-        listing = _attempts(lambda: fs.ls(path, detail=True), settings)
+        def ls() -> Any:
+            return fs._ls(path, detail=True)
+    else:  # a filesystem without an async API: its blocking call in a thread
+        def ls() -> Any:
+            import asyncio
+
+            return asyncio.to_thread(fs.ls, path, detail=True)
+    listing = _run(fs, _within(ls, settings), settings, 1)
     return {info["name"]: info for info in listing or []
             if isinstance(info, dict) and info.get("type", "file") == "file"}
 
@@ -115,8 +119,9 @@ async def _heads(fs: Any, members: list[str], settings: urls.FetchSettings) -> l
 
 
 async def _within(call: Any, settings: urls.FetchSettings) -> Any:
-    """``await call()`` retried as :func:`_attempts` does, all within the deadline; None
-    when it runs out."""
+    """``await call()``, retried with backoff on timeouts and throttling up to the
+    settings' attempts, all within the deadline; None when what it asks for is missing,
+    cannot be had, or the deadline runs out."""
     import asyncio
 
     async def attempts() -> Any:
@@ -145,23 +150,9 @@ def _run(fs: Any, coroutine: Any, settings: urls.FetchSettings, count: int,
     import fsspec.asyn
 
     rounds = -(-max(1, count) // max(1, settings.concurrency))
+    loop = getattr(fs, "loop", None) or fsspec.asyn.get_loop()
     try:
-        return fsspec.asyn.sync(fs.loop, lambda: coroutine,
+        return fsspec.asyn.sync(loop, lambda: coroutine,
                                 timeout=settings.timeout * (rounds + 1))
     except fsspec.asyn.FSTimeoutError:
         return default
-
-
-def _attempts(call: Any, settings: urls.FetchSettings) -> Any:
-    """``call()``, retried with backoff on timeouts and throttling up to the attempts of
-    ``settings``; None when what it asks for is missing or cannot be had."""
-    delay = 0.1
-    for attempt in range(1, settings.attempts + 1):
-        try:
-            return call()
-        except Exception as e:  # botocore and aiohttp errors are not OSErrors
-            if urls.classify(e) != urls.RETRY or attempt == settings.attempts:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-    return None

@@ -211,12 +211,12 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
     raise the same error instead of each decoding every row again (K agents, one build).
     The record's size is bounded: the first failures detailed, every failed row a bit."""
     try:
-        failed = failed_fields(error.rows or 0, error.failures) if error.rows else {
+        failed = failed_fields(error.rows, error.failures) if error.rows else {
             "failed_rows": error.failures[:FAILURE_DETAILS], "failed_mask": None}
         store.write_record(FAILED, key, {"time": time.time(), **processes.owner(),
-                                   "failures": [list(f) for f in failed["failed_rows"]],
-                                   "failed_mask": failed["failed_mask"],
-                                   "rows": error.rows, "cwd": error.cwd})
+                                         "failures": [list(f) for f in failed["failed_rows"]],
+                                         "failed_mask": failed["failed_mask"],
+                                         "rows": error.rows, "cwd": error.cwd})
     except OSError:
         pass  # waiters then build again and fail the same way: slower, still correct
 

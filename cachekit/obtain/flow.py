@@ -68,9 +68,7 @@ class Outcome:
         """What this process did, in one word (``Entry.outcome``): "hit" (found it),
         "waited" (for another process's build), "joined" (computed rows of that build),
         "built", or "pulled" (downloaded it from the remote tier)."""
-        if self.source == "local":
-            return "waited" if self.waited_for_build else "hit"
-        return {"remote": "pulled"}.get(self.source, self.source)
+        return outcome_word(self.source, self.waited_for_build)
 
     @property
     def row_counts(self) -> tuple[int, int, int]:
@@ -91,6 +89,13 @@ class Outcome:
             decoded = min(self.rows_filled, manifest.rows)
             return decoded, manifest.rows - decoded, 0
         return 0, 0, 0
+
+
+def outcome_word(source: str, waited_for_build: bool = False) -> str:
+    """What a call whose entry came from ``source`` did, in one word (``Entry.outcome``)."""
+    if source == "local":
+        return "waited" if waited_for_build else "hit"
+    return {"remote": "pulled"}.get(source, source)
 
 
 def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,

@@ -41,10 +41,6 @@ Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
 
 
-STALE_ROWS = 100
-"""Changed rows a stale record lists (it counts the others)."""
-
-
 @dataclass(frozen=True)
 class Runner:
     """Where and how a build's rows run, as the :class:`cachekit.Cache` was configured."""
@@ -172,8 +168,7 @@ class RowBuild:
         """Keep what a check found beside the entry (``locks/KEY.stale.json``), so that
         the next call of the column, in any process of this user, heals it."""
         try:
-            self.store.write_record(STALE, key, {"created": created, "changed": len(rows),
-                                          "rows": [int(r) for r in rows[:STALE_ROWS]]})
+            self.store.write_record(STALE, key, {"created": created, "changed": len(rows)})
         except OSError:
             pass  # a read-only root: said as a warning all the same
 

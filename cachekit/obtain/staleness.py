@@ -13,14 +13,15 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
 
 Either says so once per process and entry, as one :class:`StaleEntryWarning` attributed to
 the user's call (the background check's too), or as a line on stderr where warnings of
-that kind are filtered out: how many rows, the first few paths, and ``validate="stat"`` as
-the fix (then a changed file is decoded again and costs one decode). A process that exits
+that kind are filtered out: how many rows and the first few paths. What it finds is told
+to the caller, which records it beside the entry, so that the next call of the column
+builds the entry again, decoding only the rows whose files changed. A process that exits
 right after a hit still says what the check found: at exit it waits for the check at most
-:data:`EXIT_WAIT` seconds, and says so if the check could not finish. Only the process that called ``images()`` checks:
-datasets in DataLoader workers never do. ``$CACHEKIT_STALE_CHECK``: ``all`` (the default),
-``sample`` (no background thread, e.g. on a network filesystem with millions of files) or
-``off``. Rows of objects in a bucket are not checked: a hit makes no request (validate="stat"
-keys their size and tag instead).
+:data:`EXIT_WAIT` seconds, and says so if the check could not finish. Only the process
+that called ``images()`` checks: datasets in DataLoader workers never do.
+``$CACHEKIT_STALE_CHECK``: ``all`` (the default), ``sample`` (no background thread, e.g. on
+a network filesystem with millions of files) or ``off``. Rows of objects in a bucket are
+not checked: a hit makes no request (validate="stat" keys their size and tag instead).
 """
 
 from __future__ import annotations

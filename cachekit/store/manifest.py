@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -41,7 +42,8 @@ from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MEMOIZE_KIN
                       parse_file_record, parse_origin, parse_reuse)
 
 __all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT", "MEMOIZE_KIND",
-           "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "FAILURE_DETAILS", "ROW_IDS_FILE", "ROW_STATS_FILE",
+           "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "FAILURE_DETAILS", "ROW_IDS_FILE",
+           "ROW_STATS_FILE",
            "FileRecord", "Manifest", "Origin", "RowReuse", "allowed_file_name", "dumps",
            "failed_fields",
            "file_name", "loads", "read", "read_at", "write_at"]
@@ -88,11 +90,22 @@ class Manifest:
             else len(self.failed_rows)
 
     def failed(self) -> np.ndarray:
-        """A (rows,) bool mask of the rows that failed."""
+        """A read-only (rows,) bool mask of the rows that failed (decoded once)."""
+        return self._failed
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the decoded mask (one byte a row): an Entry goes to every
+        DataLoader worker, and the mask is decoded again there if it is asked for."""
+        return {k: v for k, v in self.__dict__.items() if k != "_failed"}
+
+    @cached_property
+    def _failed(self) -> np.ndarray:
         if self.failed_mask is not None:
-            return parse_failed_mask(self.failed_mask, self.rows, _corrupt(self.key))
-        mask = np.zeros(self.rows, dtype=bool)
-        mask[[row for row, _, _ in self.failed_rows]] = True
+            mask = parse_failed_mask(self.failed_mask, self.rows, _corrupt(self.key))
+        else:
+            mask = np.zeros(self.rows, dtype=bool)
+            mask[[row for row, _, _ in self.failed_rows]] = True
+        mask.flags.writeable = False
         return mask
 
     @property
@@ -276,10 +289,6 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     failed = tuple(parse_failure(item, rows, fail)
                    for item in get_field(raw, "failed_rows", list, fail))
     failed_mask = raw.get("failed_mask")
-    if failed_mask is not None:
-        mask = parse_failed_mask(failed_mask, rows, fail)
-        if not all(mask[row] for row, _, _ in failed):
-            raise fail("failed_rows names a row that failed_mask does not")
     params = raw.get("params", {})
     column = raw.get("column")
     builder = raw.get("builder", {})
@@ -303,10 +312,17 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     if failed_build is not None and (reuse is None or not isinstance(failed_build, str)
                                      or not is_key(failed_build)):
         raise fail(f"bad failed_build field {failed_build!r}"[:200])
-    return Manifest(key=entry_key, kind=kind, rows=rows, files=files, created=float(created),
-                    failed_rows=failed, params=params, column=column, structure=structure,
-                    builder=builder, build_seconds=float(build_seconds),
-                    cachekit_version=version, reuse=reuse, origin=origin,
-                    failed_build=failed_build, failed_mask=failed_mask)
+    manifest = Manifest(key=entry_key, kind=kind, rows=rows, files=files, created=float(created),
+                        failed_rows=failed, params=params, column=column, structure=structure,
+                        builder=builder, build_seconds=float(build_seconds),
+                        cachekit_version=version, reuse=reuse, origin=origin,
+                        failed_build=failed_build, failed_mask=failed_mask)
+    if failed_mask is not None:  # checked here, decoded once for every later use
+        mask = parse_failed_mask(failed_mask, rows, fail)
+        if not all(mask[row] for row, _, _ in failed):
+            raise fail("failed_rows names a row that failed_mask does not")
+        mask.flags.writeable = False
+        manifest.__dict__["_failed"] = mask
+    return manifest
 
 
