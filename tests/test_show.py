@@ -66,8 +66,10 @@ def test_entry_show_draws_the_same_tiles_and_names_each_path(tmp_path, entry):
     done = _show(tmp_path / "cache", built.key, "--rows", "3", "--csv", csv, "-o", out)
     assert done.returncode == 0, done.stderr
     labelled = np.asarray(Image.open(out).convert("RGB"))
-    plain = np.asarray(built.show(rows=[3]).convert("RGB"))
-    assert labelled.shape == plain.shape  # the same sheet, path under the tile in both
+    np.testing.assert_array_equal(labelled, np.asarray(built.show(rows=[3]).convert("RGB")))
+    unlabelled = tmp_path / "unlabelled.png"  # the same sheet with only the row number
+    assert _show(tmp_path / "cache", built.key, "--rows", "3", "-o", unlabelled).returncode == 0
+    assert not np.array_equal(labelled, np.asarray(Image.open(unlabelled).convert("RGB")))
 
 
 def test_a_grayscale_entry_and_bad_requests(tmp_path, cover_paths):
