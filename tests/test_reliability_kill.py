@@ -131,10 +131,12 @@ ZYGOTE = textwrap.dedent(r'''
                 time.sleep(0.002)
         entry = cachekit.Cache(root, workers=2, progress=False).images(
             pd.Series(paths), tuple(job["size"]))
-        Path(job["result"]).write_text(json.dumps({
+        # written aside, then renamed: the test reads the result as soon as it exists
+        Path(job["result"] + ".tmp").write_text(json.dumps({
             "decoded": sorted(decoded), "hit": entry.hit, "key": entry.key,
             "builder": entry.manifest["builder"]["pid"],
             "sha": __import__("hashlib").sha256(np.asarray(entry.array).tobytes()).hexdigest()}))
+        os.replace(job["result"] + ".tmp", job["result"])
 
     for line in sys.stdin:
         job = json.loads(line)
