@@ -203,6 +203,20 @@ class DirHandle:
     def chmod(self, mode: int) -> None:
         os.fchmod(self.fd, mode)
 
+    def link_open_file(self, f: BinaryIO, name: str) -> bool:
+        """Hard-link the open file ``f`` into this directory as ``name``: the very file that
+        was opened and checked (linked through ``/proc/self/fd``, so no path is followed
+        that another process could swap). False when it cannot be linked: another
+        filesystem, ``fs.protected_hardlinks`` and another user's file, a file removed
+        since it was opened, a filesystem without links."""
+        try:
+            os.link(f"/proc/self/fd/{f.fileno()}", name, dst_dir_fd=self.fd,
+                    follow_symlinks=True)
+        except OSError:
+            return False
+        return same_file(os.stat(name, dir_fd=self.fd, follow_symlinks=False),
+                         os.fstat(f.fileno()))
+
 
 @contextlib.contextmanager
 def _naming(path: Path) -> Iterator[None]:

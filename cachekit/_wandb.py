@@ -62,9 +62,10 @@ def _log_sheet(wandb: Any, run: Any, outcome: "Outcome") -> None:
     if outcome.word != "built" or manifest.kind != "images" or not hasattr(run, "log") \
             or os.environ.get(SHEET_ENV, "1").strip().lower() in _OFF:
         return
-    from . import arrays, sheet
+    from . import sheet
+    from .store.row_view import open_rows
 
-    array = arrays.open_record(outcome.entry.path, manifest.files[0])
+    array = open_rows(outcome.entry.path, manifest)
     rows = sheet.choose_rows(manifest.rows, sample=SHEET_ROWS)
     picture = sheet.contact_sheet(array, rows)
     run.log({PREFIX + "sheet": wandb.Image(picture, caption=f"entry {manifest.key[:12]}: "

@@ -83,7 +83,8 @@ class Cache:
                fit: str = "stretch", resample: str = "bilinear", on_error: str = "raise",
                validate: str = "path", draft: bool = False,
                backend: str = "tensor",
-               storage_options: Optional[dict[str, Any]] = None) -> Entry:
+               storage_options: Optional[dict[str, Any]] = None,
+               contiguous: bool = False) -> Entry:
         """Decode, orient, convert and resize every image of ``paths`` into an (N, C, H, W)
         uint8 entry, built once whatever the number of processes asking at the same time.
 
@@ -105,6 +106,12 @@ class Cache:
         (docs/object-stores.md, "Sources in a bucket"). ``storage_options``: keyword
         arguments for their fsspec filesystems (endpoint, credentials, ...), on top of
         fsspec's own configuration; never part of the key nor shown in a message.
+
+        Rows that committed entries of the same recipe hold are shared with them, not
+        decoded or stored again: such an entry is derived (``entry.contiguous`` is False,
+        ``entry.array`` a read-only row view). ``contiguous=True`` returns an entry whose
+        rows are one file of its own (``entry.array`` a memmap), copying them when needed;
+        it is not part of the key.
         """
         paths = _path_column(paths)
         values, fetching = _sources(paths, storage_options)
@@ -115,8 +122,9 @@ class Cache:
         _choose("on_error", on_error, options.ON_ERROR)
         _choose("validate", validate, options.VALIDATE)
         _choose("backend", backend, options.BACKENDS)
-        if not isinstance(draft, bool):
-            raise InvalidArgumentType(f"draft must be True or False, not {draft!r}")
+        if not isinstance(draft, bool) or not isinstance(contiguous, bool):
+            raise InvalidArgumentType("draft and contiguous must be True or False, not "
+                                      f"{draft!r} and {contiguous!r}")
         max_read = options.max_read_bytes()  # a bad $CACHEKIT_MAX_READ_BYTES fails here
         params = {"size": [height, width], "mode": mode, "fit": fit, "resample": resample,
                   "on_error": on_error, "validate": validate, "draft": draft}
@@ -134,7 +142,8 @@ class Cache:
         row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend,
                        storage_options, fetching)
         template = ((options.MODES[mode], height, width), np.dtype(np.uint8))
-        entry = self._rows(RowCall("images", paths, row, params, material, template, on_error))
+        entry = self._rows(RowCall("images", paths, row, params, material, template, on_error,
+                                   contiguous))
         entry._labels = paths  # what entry.show() writes under each row (never pickled)
         return entry
 

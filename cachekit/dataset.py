@@ -111,7 +111,8 @@ class EntryDataset(Dataset):
             try:
                 # A plain ndarray view: np.memmap's __array_finalize__ is a large share of
                 # a batch's fancy index (docs/dataloader.md).
-                self._rows = np.asarray(self.entry._map())
+                rows = self.entry._map()  # (a derived entry's RowView gathers itself)
+                self._rows = np.asarray(rows) if isinstance(rows, np.ndarray) else rows
             except CacheCorruptError as e:
                 removed = not self.entry.path.exists()  # gone, not damaged: say what to do
                 raise DatasetCorruptError(e.path, e.reason, removed) from None

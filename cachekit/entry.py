@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import arrays
 from .errors import InvalidArgument
 from .store.manifest import Manifest
+from .store.row_view import Rows, open_rows
 
 if TYPE_CHECKING:
     from .obtain import Outcome
@@ -25,7 +25,10 @@ of it, computed rows of that build, built it, or downloaded it from the remote t
 class Entry:
     """A published cache entry.
 
-    ``array`` is an (N, ...) read-only numpy memmap in row order; ``valid`` marks the rows
+    ``array`` holds the (N, ...) rows in order, read-only: the data file's numpy memmap
+    when the entry is ``contiguous``, else a :class:`~cachekit.store.row_view.RowView`
+    over the files that hold its rows (rows shared with other entries are stored once;
+    indexing gives numpy arrays, ``numpy.asarray`` gathers the whole). ``valid`` marks the rows
     that were produced (False where ``on_error="zero"`` stored zeros); ``manifest`` is the
     parsed manifest as a dict; ``source`` says how this call got the entry and ``hit`` is
     True when it built nothing; ``outcome`` says what this process did, in one word (one
@@ -67,7 +70,7 @@ class Entry:
         self.rows_decoded, self.rows_joined, self.rows_reused = (int(n) for n in row_counts)
         self._manifest = manifest
         self.manifest: dict[str, Any] = manifest.to_json()
-        self.array: np.ndarray = self._map()  # before anything sized by the manifest
+        self.array: Rows = self._map()  # before anything sized by the manifest
         self.valid = _valid_rows(manifest)
 
     @classmethod
@@ -77,6 +80,13 @@ class Entry:
                    wait_seconds=outcome.wait_seconds, build_seconds=outcome.build_seconds,
                    decode_seconds=outcome.decode_seconds, row_counts=outcome.row_counts,
                    outcome=outcome.word)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the rows are one data file's, in order (``array`` is then a memmap);
+        False for a derived entry, whose rows are shared with other entries (see
+        ``cache.images(..., contiguous=True)``)."""
+        return self._manifest.contiguous
 
     @property
     def hit(self) -> bool:
@@ -115,20 +125,23 @@ class Entry:
         return (f"<cachekit.Entry {self.key} {self._manifest.dtype}{list(self._manifest.shape)}"
                 f" {self.source}>")
 
-    def _map(self, mode: str = "r") -> np.ndarray:
-        """Map the entry's main array again: read-only ("r") or copy-on-write ("c")."""
-        return arrays.open_record(self.path, self._manifest.files[0], mode)
+    def _map(self, mode: str = "r") -> Rows:
+        """Open the entry's rows again: mapped read-only ("r") or copy-on-write ("c")."""
+        return open_rows(self.path, self._manifest, mode)
 
     def tensor(self):
-        """A torch.Tensor over the entry's file, without copying.
+        """A torch.Tensor of the entry's rows.
 
-        It maps the file copy-on-write: pages are shared with ``array`` and every other
-        reader through the page cache, and a write to the tensor changes only this process's
-        copy of that page, never the cache (a read-only mapping would crash on write).
+        For a contiguous entry it maps the file copy-on-write, without copying: pages are
+        shared with ``array`` and every other reader through the page cache, and a write to
+        the tensor changes only this process's copy of that page, never the cache (a
+        read-only mapping would crash on write). For a derived entry it gathers the rows
+        into memory (a copy of its own).
         """
         import torch
 
-        return torch.from_numpy(self._map("c"))
+        rows = self._map("c")
+        return torch.from_numpy(rows if isinstance(rows, np.ndarray) else np.asarray(rows))
 
     def dataset(self, targets: Any = None, transform: Optional[Callable] = None):
         """A torch Dataset over this entry: item i -> uint8 tensor, or (tensor, targets[i])."""

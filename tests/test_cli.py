@@ -237,8 +237,8 @@ def test_ls_table_and_json(cache_root, three, cover_paths):
     table = cachekit_cmd("ls", root=cache_root)
     assert table.returncode == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED",
-                                "LAST", "USED", "MADE", "WITH"]
+    assert lines[0].split() == ["KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED",
+                                "CREATED", "LAST", "USED", "MADE", "WITH"]
     row = next(line for line in lines if line.startswith(images.key[:12]))
     assert "images" in row and "3x8x8" in row and "uint8" in row and "column img_path" in row
     assert "validate=path fit=stretch backend=tensor" in row  # what tells entries apart
@@ -367,9 +367,9 @@ def test_ls_and_info_show_an_absurd_created_time_as_it_is(cache_root, created):
     listing = cachekit_cmd("ls", root=cache_root)
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.startswith(entry.key[:12]))
-    assert row.split()[7] == "?", row
+    assert row.split()[7:9] == ["-", "?"], row  # shared: nothing; created: not a time
     # last used: a second may pass between the commands
-    assert re.match(r"(just now|\d s ago)\s", " ".join(row.split()[8:]) + " "), row
+    assert re.match(r"(just now|\d s ago)\s", " ".join(row.split()[9:]) + " "), row
 
 
 def test_info_by_unique_prefix(cache_root, three):

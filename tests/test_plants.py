@@ -244,35 +244,6 @@ def test_a_row_index_bomb_costs_a_build_no_memory(shared_root):
     assert stderr.count("skipped 1 row index file") == 1, stderr
 
 
-def test_a_donor_block_out_of_proportion_to_its_rows_is_never_read(tmp_path, monkeypatch):
-    """A donor whose one block spans a 4 GiB sparse data file, offered for 16 rows: the
-    copy refuses it without reading it, and those rows stay to be decoded."""
-    from cachekit.engine.filling import copy_in as reuse
-    from cachekit.engine.filling.copy_in import Donor, copy_from_donors
-
-    reads: list[int] = []
-    real_pread = os.pread
-
-    def pread(fd: int, size: int, offset: int) -> bytes:
-        reads.append(size)
-        return b"" if size > 1 << 26 else real_pread(fd, size, offset)
-
-    monkeypatch.setattr(reuse.os, "pread", pread)
-
-    path = tmp_path / "donor.dat"
-    rows, row_shape = 1 << 27, (4,)  # 32 bytes a row: 4 GiB
-    with open(path, "wb") as f:
-        f.truncate(rows * 32)
-    out = np.zeros((16, 4), dtype=np.int64)
-    covered = np.zeros(16, dtype=bool)
-    with open(path, "rb") as f:
-        donor = Donor("planted", f, 0, rows, row_shape, np.dtype(np.int64), rows,
-                      np.zeros((1, 16), np.uint8), np.arange(16), np.arange(16))
-        copied = copy_from_donors([donor], out, covered)
-    assert not covered.any() and copied.refused == {"planted": 16}
-    assert reads == [], f"read {reads} bytes of a donor to copy 16 rows of 32 bytes"
-
-
 def test_messages_escape_control_characters(capsys):
     from cachekit.messages import say
 

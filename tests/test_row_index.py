@@ -90,9 +90,11 @@ def test_a_row_source_is_refused_when_any_row_file_disagrees_with_the_manifest(t
     store = LocalStore(tmp_path / "cache")
     recipe = manifests.read(entry.path).reuse.recipe
     with open_row_source(store, entry.key, recipe) as source:
-        assert source.ids.shape == (20, 2) and source.blocks.shape == (1, 16)
+        assert source.ids.shape == (20, 2) and source.where is None  # contiguous
         assert source.stats is None and not source.failed.any()
-        assert source.offset == os.path.getsize(entry.path / "data.npy") - 20 * 6
+        data, offset = source.open_data(0)
+        with data:
+            assert offset == os.path.getsize(entry.path / "data.npy") - 20 * 6
     assert open_row_source(store, entry.key, "0" * 32) is None  # another recipe
     ids = entry.path / manifests.ROW_IDS_FILE
     raw = bytearray(ids.read_bytes())

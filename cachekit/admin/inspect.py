@@ -23,10 +23,12 @@ Temporary directories under ``tmp/`` are in one of four states:
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 import os
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -66,6 +68,16 @@ class EntryInfo:
     failed_build: Optional[str] = None
     """Set for the rows a failed build kept: the key whose build failed. Not an entry (no
     call hits it), a source of rows for later builds; removed like an entry."""
+    shared_bytes: int = 0
+    """Of ``bytes``, those of files that other entries of the root hold too (a row is
+    stored once: derived entries link the data files they share)."""
+    files: tuple[tuple[int, int, int], ...] = field(default=(), compare=False, repr=False)
+    """(device, inode, size) of each of its files: what the root's total counts once."""
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes that removing this entry alone would free."""
+        return self.bytes - self.shared_bytes
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the objects of ``cachekit ls --json``)."""
@@ -76,6 +88,7 @@ class EntryInfo:
             "last_used": self.last_used, "path": str(self.path), "column": self.column,
             "failed_rows": self.failed_rows, "params": self.params, "problem": self.problem,
             "origin": self.origin, "failed_build": self.failed_build,
+            "own_bytes": self.own_bytes, "shared_bytes": self.shared_bytes,
         }
 
 
@@ -116,7 +129,13 @@ class Scan:
 
     @property
     def bytes(self) -> int:
-        return sum(e.bytes for e in self.entries) + sum(t.bytes for t in self.temp_dirs)
+        """Bytes on disk: each file once, however many entries link it."""
+        return stored_bytes(self.entries) + sum(t.bytes for t in self.temp_dirs)
+
+
+def stored_bytes(entries: Iterable[EntryInfo]) -> int:
+    """The bytes ``entries`` hold on disk, each file once however many of them link it."""
+    return sum(size for _, _, size in {f for e in entries for f in e.files})
 
 
 def scan(store: LocalStore) -> Scan:
@@ -140,6 +159,9 @@ def list_entries(store: LocalStore) -> tuple[list[EntryInfo], list[Problem]]:
         entries.append(info)
         if info.problem is not None:
             problems.append(Problem(info.key, info.path, info.problem))
+    holders = collections.Counter(f for e in entries for f in e.files)
+    entries = [dataclasses.replace(e, shared_bytes=sum(f[2] for f in e.files if holders[f] > 1))
+               for e in entries]
     entries.sort(key=lambda e: (e.created, e.key))
     return entries, problems
 
@@ -148,9 +170,10 @@ def entry_info(path: Path) -> Optional[EntryInfo]:
     """Describe the entry directory ``path``; None when it no longer exists."""
     try:
         used = path.stat().st_mtime
-        size = _tree_bytes(path)
+        files = _tree_files(path)
     except FileNotFoundError:
         return None
+    size = sum(f[2] for f in files)
     try:
         manifest = manifests.read(path)
     except FileNotFoundError:
@@ -166,10 +189,10 @@ def entry_info(path: Path) -> Optional[EntryInfo]:
             path=path, column=manifest.column, failed_rows=manifest.failed_count,
             params=manifest.params,
             origin=None if manifest.origin is None else manifest.origin.to_json(),
-            failed_build=manifest.failed_build,
+            failed_build=manifest.failed_build, files=files,
         )
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
-                     created=used, last_used=used, path=path, problem=problem)
+                     created=used, last_used=used, path=path, problem=problem, files=files)
 
 
 def list_temp_dirs(store: LocalStore) -> tuple[list[TempDir], list[Problem]]:
@@ -252,11 +275,17 @@ def _tree_bytes(path: Path) -> int:
     """Total size of the files under ``path`` (the path itself when it is a file)."""
     if not path.is_dir():
         return path.lstat().st_size
-    total = 0
+    return sum(size for _, _, size in _tree_files(path))
+
+
+def _tree_files(path: Path) -> tuple[tuple[int, int, int], ...]:
+    """(device, inode, size) of each file under the directory ``path``."""
+    found = []
     for dirpath, _, files in os.walk(path):
         for name in files:
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
+                st = os.lstat(os.path.join(dirpath, name))
             except FileNotFoundError:
                 continue
-    return total
+            found.append((st.st_dev, st.st_ino, st.st_size))
+    return tuple(found)

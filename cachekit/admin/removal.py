@@ -21,6 +21,8 @@ rename, so a builder that resumes it at that moment gets it whole or not at all.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import Any, ClassVar, Iterable, Optional, Union
 from .. import units
 from ..store import FAILED, LocalStore
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, TempDir, ago, resolve_keys, scan,
-    temp_dir_info)
+                      stored_bytes, temp_dir_info)
 
 ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
 """What an :class:`Item` is (``Item.noun``): a published entry, a directory under ``tmp/``
@@ -225,7 +227,7 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
         return ((wanted is None or key in wanted)
                 and (older_than is None or now - used >= older_than))
 
-    entries = [e for e in found.entries if selected(e.key, e.last_used)]
+    entries = _freeing(found.entries, [e for e in found.entries if selected(e.key, e.last_used)])
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
     records = [] if older_than is not None else [
         k for k in failures if wanted is None or k in wanted]
@@ -247,7 +249,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
     keep = set(keep)
     found = scan(store)
     garbage = [t for t in found.temp_dirs if t.removable]
-    total = sum(e.bytes for e in found.entries) + sum(t.bytes for t in garbage)
+    holders = _holders(found.entries)
+    total = stored_bytes(found.entries) + sum(t.bytes for t in garbage)
     temps: list[TempDir] = []
     for temp in garbage:
         if total <= max_bytes:
@@ -260,8 +263,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
             break
         if entry.key in keep:
             continue
-        entries.append(entry)
-        total -= entry.bytes
+        entries += _freeing([entry], [entry], holders)
+        total -= entries[-1].own_bytes
     return LocalRemoval(
         items=_items(store, entries, temps, [], time.time()),
         skipped=tuple(_skip_live(t) for t in found.temp_dirs if not t.removable),
@@ -269,13 +272,32 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         unused_since={e.key: e.last_used for e in entries})
 
 
+def _holders(entries: Iterable[EntryInfo]) -> collections.Counter:
+    """How many of ``entries`` hold each file (device, inode, size)."""
+    return collections.Counter(f for e in entries for f in e.files)
+
+
+def _freeing(entries: Iterable[EntryInfo], chosen: Iterable[EntryInfo],
+             holders: Optional[collections.Counter] = None) -> list[EntryInfo]:
+    """``chosen`` (of ``entries``), each with ``own_bytes`` the bytes its removal frees
+    once the ones before it are removed: a file another entry still links frees nothing.
+    ``holders``: the counts of :func:`_holders` to update (default: of ``entries``)."""
+    holders = _holders(entries) if holders is None else holders
+    out = []
+    for entry in chosen:
+        holders.subtract(entry.files)
+        freed = sum(f[2] for f in set(entry.files) if holders[f] <= 0)
+        out.append(dataclasses.replace(entry, shared_bytes=entry.bytes - freed))
+    return out
+
+
 def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[TempDir],
            records: Iterable[str], now: float) -> tuple[Item, ...]:
     """The items of a local removal: garbage under ``tmp/`` first, then entries, then
     failure records."""
     items = [_temp_item(t) for t in temps]
-    items += [Item(e.key, ENTRY, e.key, e.path, e.bytes,
-                   f"{e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.bytes):>9}  "
+    items += [Item(e.key, ENTRY, e.key, e.path, e.own_bytes,
+                   f"{e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.own_bytes):>9}  "
                    f"last used {ago(e.last_used, now)}", e) for e in entries]
     items += [Item(k, FAILURE_RECORD, f"the failure record of {k[:SHORT_KEY]}",
                    store.layout.failure_path(k), 0,

@@ -45,15 +45,17 @@ def ls(args: argparse.Namespace) -> int:
         say(f"no entries in {store.root}")
     else:
         now = time.time()
-        rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST USED",
-                 "MADE WITH", "")]
+        rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED", "CREATED",
+                 "LAST USED", "MADE WITH", "")]
         rows += [(e.key[:SHORT_KEY], e.kind or "?", "?" if e.rows is None else str(e.rows),
-                  _row_shape(e), e.dtype or "?", units.format_size(e.bytes),
+                  _row_shape(e), e.dtype or "?", units.format_size(e.own_bytes),
+                  units.format_size(e.shared_bytes) if e.shared_bytes else "-",
                   ago(e.created, now), ago(e.last_used, now), made_with(e.kind, e.params),
                   _note(e)) for e in entries]
-        table(rows, right=(2, 5))
+        table(rows, right=(2, 5, 6))
         say(f"{count(len(entries), 'entry', 'entries')}, "
-            f"{units.format_size(sum(e.bytes for e in entries))} in {store.root}")
+            f"{units.format_size(inspect.stored_bytes(listed))} on disk in {store.root} "
+            "(a shared file counted once)")
     if not args.json:
         _report_failed_builds([e for e in listed if e.failed_build is not None],
                               store.failure_keys())
@@ -90,6 +92,8 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
         pairs += [("rows", e.rows), ("shape", f"{shape(e.shape)} {e.dtype}"),
                   ("column", e.column), ("failed rows", e.failed_rows)]
     pairs += [("size", f"{units.format_size(e.bytes)} ({e.bytes} bytes)"),
+              ("shared", f"{units.format_size(e.shared_bytes)} of it with other entries "
+                         "(stored once)" if e.shared_bytes else "nothing"),
               ("created", when(e.created, now)), ("last used", when(e.last_used, now))]
     manifest: dict[str, Any] = {}
     if e.problem is None:
@@ -120,17 +124,17 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
 def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
                   ) -> list[tuple[str, Any]]:
     """Where the entry's rows came from: decoded by its builder, by other processes, and
-    copied from which entries (still in the root, or gone since)."""
+    shared with which entries (still in the root, or gone since)."""
     if origin is None:
         return []
     reused = origin["reused"]
     copied = sum(rows for _, rows in reused)
     pairs: list[tuple[str, Any]] = [(
         "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
-                     f"other processes (joiners, resumed builds), {copied} copied from "
+                     f"other processes (joiners, resumed builds), {copied} shared with "
                      f"{len(reused)} {'entry' if len(reused) == 1 else 'entries'}")]
     for key, rows in reused:
-        pairs.append((f"  copied from {key[:SHORT_KEY]}",
+        pairs.append((f"  shared with {key[:SHORT_KEY]}",
                       f"{rows} rows{'' if key in published else ' (since removed)'}"))
     return pairs
 
@@ -175,7 +179,8 @@ def verify(args: argparse.Namespace) -> int:
 
 def show(args: argparse.Namespace) -> int:
     """Write a contact sheet of an entry's rows as a PNG and print where."""
-    from .. import arrays, sheet
+    from .. import sheet
+    from ..store.row_view import open_rows
 
     found = inspect.scan(local_store(args))
     with key_errors():
@@ -184,7 +189,7 @@ def show(args: argparse.Namespace) -> int:
     if described.problem is not None:
         raise CachekitError(f"entry {key[:SHORT_KEY]}: {described.problem}")
     manifest = manifests.read(described.path)
-    array = arrays.open_record(described.path, manifest.files[0])
+    array = open_rows(described.path, manifest)
     labels = None
     if args.csv is not None:
         import pandas as pd
@@ -254,7 +259,7 @@ def build(args: argparse.Namespace) -> int:
         entry = cache.images(frame[args.column], args.size, mode=args.mode, fit=args.fit,
                              resample=args.resample, on_error=args.on_error,
                              validate=args.validate, draft=args.draft,
-                             backend=args.backend)
+                             backend=args.backend, contiguous=args.contiguous)
         if entry.outcome == "hit":  # the background stale check's word, before "cached"
             from ..obtain import staleness
 

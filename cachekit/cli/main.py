@@ -181,6 +181,9 @@ def parser() -> argparse.ArgumentParser:
                    help="what the key covers: the paths, also each file's size and mtime "
                         "(stat), or every byte (content) (default: path)")
     p.add_argument("--draft", action="store_true", help="fast reduced-scale JPEG decoding")
+    p.add_argument("--contiguous", action="store_true",
+                   help="store the rows in one file of the entry's own, copying rows that "
+                        "other entries hold instead of sharing them")
     p.add_argument("--backend", choices=options.BACKENDS, default=options.BACKENDS[0],
                    help="what decodes and resizes: torchvision and torch (default) or Pillow "
                         "throughout (v1's pixels); its own key")

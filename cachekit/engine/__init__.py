@@ -15,9 +15,8 @@ import importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from .filling.builder import Filled, fill
+    from .filling.builder import Filled, Sources, fill
     from .filling.claimed import ChunkCallback, Report, RowFunction, RowRun
-    from .filling.copy_in import Sources
     from .filling.cores import Spare, runs_at_once, spare_cores
     from .filling.joiner import Joined, join
     from .filling.journal import is_journal_name
@@ -25,7 +24,7 @@ if _typing.TYPE_CHECKING:
 
 _HOMES = {"ChunkCallback": "filling.claimed", "Filled": "filling.builder",
           "RowFunction": "filling.claimed", "RowRun": "filling.claimed",
-          "Report": "filling.claimed", "Sources": "filling.copy_in", "fill": "filling.builder",
+          "Report": "filling.claimed", "Sources": "filling.builder", "fill": "filling.builder",
           "Joined": "filling.joiner", "join": "filling.joiner", "Spare": "filling.cores",
           "runs_at_once": "filling.cores", "spare_cores": "filling.cores",
           "is_journal_name": "filling.journal", "Progress": "filling.resume",

@@ -1,10 +1,10 @@
-"""The rows a per-row build copies from committed entries of its recipe (its donors).
+"""The rows a per-row build shares with committed entries of its recipe (its donors).
 
 The row index (:mod:`cachekit.store.row_index`) names the entries that may hold rows of
 the column; each is opened and checked (:mod:`cachekit.store.row_source`), and only rows
 whose full identity matches, that did not fail, and (with ``validate="path"``) whose
-file's stat is the one recorded when that entry was built, are given to the engine to
-copy, block by checked block (:mod:`cachekit.engine.filling.copy_in`).
+file's stat is the one recorded when that entry was built, are shared: the build links
+the files that hold them (:mod:`cachekit.obtain.parts`) and decodes only the others.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import engine
-from ..engine.filling.copy_in import Donor
 from ..messages import say
 from ..store import LocalStore
 from ..store.row_index import RowIndex
@@ -37,16 +35,25 @@ class Rows:
     same_stat: bool = False
 
 
+@dataclass(frozen=True)
+class Donor:
+    """Rows ``src`` of the committed entry ``source`` that are rows ``dst`` of the build."""
+
+    source: RowSource
+    src: np.ndarray
+    dst: np.ndarray
+
+
 @dataclass
 class Donors:
-    """The entries opened to copy rows from (closed by :meth:`close`), as the engine's
-    donors, the entries that could not be used, and of the rows left to compute those
-    that a donor holds but failed (``failed_before``) or whose file changed since
-    (``changed``)."""
+    """The entries opened to share rows with (closed by :meth:`close`), the entries that
+    could not be used, the row shape and dtype they hold (``template``), and of the rows
+    left to compute those that a donor holds but failed (``failed_before``) or whose file
+    changed since (``changed``)."""
 
     donors: list[Donor] = field(default_factory=list)
-    sources: list[RowSource] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    template: Optional[tuple[tuple[int, ...], np.dtype]] = None
     failed_before: int = 0
     changed: int = 0
 
@@ -55,9 +62,8 @@ class Donors:
         return sum(len(d.dst) for d in self.donors)
 
     def close(self) -> None:
-        for source in self.sources:
-            source.close()
-        self.sources.clear()
+        for donor in self.donors:
+            donor.source.close()
 
     def __enter__(self) -> "Donors":
         return self
@@ -70,7 +76,7 @@ def find(store: LocalStore, key: str, rows: Rows,
          template: Optional[tuple[tuple[int, ...], Any]],
          healed: Optional[RowSource] = None) -> Donors:
     """The committed entries of ``rows.recipe`` in ``store`` that hold rows of the column,
-    opened and checked, and which of their rows to copy: each row from one entry, the
+    opened and checked, and which of their rows to share: each row from one entry, the
     entries with the most rows first. ``template``: the row shape and dtype the build
     makes (None: the first donor's). ``healed``: the stale entry of ``key`` itself, opened
     before it was removed to be built again (:mod:`cachekit.obtain.staleness`): its rows
@@ -92,11 +98,8 @@ def find(store: LocalStore, key: str, rows: Rows,
         if not len(dst):
             source.close()
             return
-        wanted = shape
-        found.sources.append(source)
-        found.donors.append(Donor(source.key, source.data, source.offset,
-                                  source.manifest.rows, shape[0], shape[1],
-                                  source.block_rows, source.blocks, src, dst))
+        wanted = found.template = shape
+        found.donors.append(Donor(source, src, dst))
         remaining[dst] = False
 
     try:
@@ -137,7 +140,7 @@ def _held(ids: np.ndarray, remaining: np.ndarray, held: list[np.ndarray]) -> np.
 
 def _usable(source: RowSource, src: np.ndarray, dst: np.ndarray, rows: Rows,
             changed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The rows of a match that may be copied: the same full identity, not failed, and
+    """The rows of a match that may be shared: the same full identity, not failed, and
     for ``same_stat`` the same file stat as recorded. Marks in ``changed`` the rows of the
     build that this source holds with another stat."""
     inside = (src >= 0) & (src < source.manifest.rows)
@@ -157,7 +160,7 @@ def _usable(source: RowSource, src: np.ndarray, dst: np.ndarray, rows: Rows,
 
 
 def announce(key: str, found: Donors, rows: int) -> None:
-    """Say on stderr how many rows the build copies and from how many entries, and what
+    """Say on stderr how many rows the build shares and with how many entries, and what
     the rows it decodes are: new, failed in the entry that holds them, or changed."""
     if found.donors:
         entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
@@ -168,15 +171,8 @@ def announce(key: str, found: Donors, rows: int) -> None:
         if found.changed:
             parts.append(f"{found.changed} whose files changed")
         rest = "decoding " + " and ".join(parts) if parts else "nothing left to decode"
-        say(f"entry {key[:12]}: reusing {count(found.rows, 'row')} from {entries} of the "
-            f"same recipe (each block checked as it is copied); {rest}")
+        say(f"entry {key[:12]}: sharing {count(found.rows, 'row')} with {entries} of the "
+            f"same recipe (stored once); {rest}")
     for skipped in found.skipped:
         say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
             "are not reused")
-
-
-def announce_refused(key: str, filled: engine.Filled) -> None:
-    """Say on stderr which donors' rows failed their block checks (and were decoded)."""
-    for donor, n in filled.refused.items():
-        say(f"entry {key[:12]}: {count(n, 'row')} of entry {donor[:12]} failed their checks "
-            "as they were copied; decoded them instead")

@@ -12,6 +12,7 @@ copied from other entries, are found by :mod:`cachekit.obtain.donors`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -28,7 +29,7 @@ from ..store.manifest import Origin, RowReuse
 from ..store.row_index import RowIndex
 from ..messages import say
 from ..store.row_source import RowSource, open_row_source
-from . import donors, staleness
+from . import donors, parts, staleness
 from .commit import Built, ChunkCallback
 from .donors import Rows
 from .expected import Expected
@@ -57,7 +58,8 @@ class Runner:
 class RowCall:
     """What a per-row call asked for: the entry's ``kind``, its ``column`` (a pandas
     Series), the ``row_fn`` computing one row, the ``params`` and column ``material`` of
-    its key (:func:`cachekit.keys.rows_key`), the row ``template``, and ``on_error``."""
+    its key (:func:`cachekit.keys.rows_key`), the row ``template``, ``on_error``, and
+    whether the entry must be ``contiguous``."""
 
     kind: str
     column: Any
@@ -66,6 +68,8 @@ class RowCall:
     material: dict[str, Any]
     template: Template
     on_error: str
+    contiguous: bool = False
+    """Store every row in one data file of its own, even rows other entries hold."""
 
     @property
     def key(self) -> str:
@@ -102,10 +106,10 @@ class RowBuild:
         return self._values
 
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
-        """Fill ``current`` (step 5): copy the rows of committed entries of the recipe,
-        compute the others, then write the row files the entry's later builds copy from.
-        Rows that fail under ``on_error="raise"`` make it a failed build, whose good rows
-        the commit keeps (:attr:`Built.failure`)."""
+        """Fill ``current`` (step 5): reference the rows that committed entries of the
+        recipe hold (:mod:`.parts`), compute the others, then write the row files (and a
+        derived entry's row map). Rows that fail under ``on_error="raise"`` make it a
+        failed build, whose good rows the commit keeps (:attr:`Built.failure`)."""
         call, runner, values = self.call, self.runner, self.values()
         current.record_cpus(engine.runs_at_once(runner.executor, runner.workers))
         builder = _decoders() if call.kind == "images" else None
@@ -114,19 +118,31 @@ class RowBuild:
         with donors.find(self.store, self.key, rows, call.template, healed) as found:
             if runner.announce:
                 donors.announce(self.key, found, len(values))
-            sources = engine.Sources(current.resume_from, found.donors, current.drop_resumed)
-            report = engine.Report(on_chunk, runner.progress, f"cachekit {call.kind}",
-                                   lines=runner.announce and not runner.progress)
-            filled = engine.fill(current.dir, manifests.DATA_FILE, values, call.row_fn,
-                                 rows=self._row_run(), sources=sources, report=report)
-        if runner.announce:
-            donors.announce_refused(self.key, filled)
+            held = parts.reference(current.dir, found, len(values), link=not call.contiguous)
+        with contextlib.closing(held):
+            if held.derived and not len(held.todo):  # nothing to decode: no fill at all
+                filled = _no_rows(current.dir, found.template)
+            else:
+                report = engine.Report(on_chunk, runner.progress, f"cachekit {call.kind}",
+                                       lines=runner.announce and not runner.progress)
+                filled = engine.fill(current.dir, manifests.DATA_FILE, values, call.row_fn,
+                                     rows=self._row_run(call.template or found.template),
+                                     sources=engine.Sources(current.resume_from,
+                                                            current.drop_resumed),
+                                     report=report, todo=held.todo if held.derived else None)
+            held.own()
+            if held.derived and not held.linked:
+                if runner.announce and not call.contiguous and healed is None:
+                    say(f"entry {self.key[:12]}: the files of the rows it shares cannot be "
+                        "linked here (another filesystem or another user's files); copied "
+                        "its rows into one file instead")
+                held.materialize(current.dir)
         failure = None
         if filled.failures and call.on_error == "raise":
             failure = ImageDecodeError(filled.failures, len(values), os.getcwd())
             if len(filled.failures) == len(values):
                 raise failure  # nothing decoded: nothing to keep
-        extra = _row_files(current.dir, rows, filled)
+        extra = _row_files(current.dir, rows, filled, held)
         return Built(
             kind=call.kind, rows=len(values), files=((manifests.DATA_FILE, "numpy"), *extra.files),
             failed_rows=tuple(filled.failures), params=call.params,
@@ -143,17 +159,21 @@ class RowBuild:
         return engine.join(directory, manifests.DATA_FILE, self.values(), self.call.row_fn,
                            rows=self._row_run(), spare=spare)
 
-    def _row_run(self) -> engine.RowRun:
-        return engine.RowRun(self.runner.workers, self.record, self.call.template, self.key,
-                             self.runner.executor)
+    def _row_run(self, template: Template = None) -> engine.RowRun:
+        return engine.RowRun(self.runner.workers, self.record, template or self.call.template,
+                             self.key, self.runner.executor)
 
     def open(self, outcome: Outcome) -> Any:
         """Open the entry (step 8). A downloaded one is indexed first, so that its rows may
         serve later builds; a hit of images keyed by paths alone samples its files' stats
-        (:mod:`cachekit.obtain.staleness`)."""
+        (:mod:`cachekit.obtain.staleness`); a derived entry where a contiguous one was asked
+        for is built again as one file."""
         if outcome.source == "remote":
             index_entry(self.store, outcome.entry)
         call = self.call
+        if call.contiguous and not outcome.entry.manifest.contiguous:
+            self._build_again(outcome.entry, "its rows are shared with other entries and a "
+                              "contiguous entry was asked for; copying them into one file")
         checked = (outcome.source == "local" and call.kind == "images"
                    and call.params.get("validate") == "path")
         if checked:
@@ -173,31 +193,40 @@ class RowBuild:
             pass  # a read-only root: said as a warning all the same
 
     def _heal_if_stale(self, entry: Published) -> None:
-        """When a check recorded that files of ``entry`` changed since it was built: open
-        its rows to copy from, remove it, and raise FileNotFoundError, so that the call
-        obtains the key again and builds it, decoding only the rows whose files changed."""
+        """When a check recorded that files of ``entry`` changed since it was built, build
+        it again, decoding only the rows whose files changed (:meth:`_build_again`)."""
         manifest = entry.manifest
         record = self.store.read_record(STALE, self.key)[0]
-        if record is None or record.get("created") != manifest.created \
-                or manifest.reuse is None:
+        if record is None or record.get("created") != manifest.created:
             return
-        source = open_row_source(self.store, self.key, manifest.reuse.recipe)
+        self._build_again(entry, f"{record.get('changed', 'some')} of its files changed since "
+                          "it was built (found by an earlier check); building it again, "
+                          "decoding only their rows", forget=STALE)
+
+    def _build_again(self, entry: Published, why: str, forget: Optional[str] = None) -> None:
+        """Open the rows of ``entry`` to build from, remove it, and raise FileNotFoundError,
+        so that the call obtains the key again and builds it, taking every row it can from
+        the removed entry (:func:`.donors.find`'s ``healed``). Returns when another process
+        did so first, or this one may not remove it. ``forget``: the record to drop."""
+        if entry.manifest.reuse is None:
+            return
+        source = open_row_source(self.store, self.key, entry.manifest.reuse.recipe)
         try:
+            if source is not None:
+                source.hold()
             removed = self.store.still_published(entry) and self.store.remove_entry(self.key)
-        except OSError:
+        except (OSError, ValueError):
             removed = False
         if not removed:
             if source is not None:
                 source.close()
-            return  # another process healed it first, or this one may not remove it
-        self.store.forget_record(STALE, self.key)
+            return
+        if forget is not None:
+            self.store.forget_record(forget, self.key)
         self._healed = source
         if self.runner.announce:
-            say(f"entry {self.key[:12]}: {record.get('changed', 'some')} of its files changed "
-                "since it was built (found by an earlier check); building it again, decoding "
-                "only their rows and copying the others")
-        raise FileNotFoundError(errno.ENOENT, "removed to be built again: its files changed",
-                                str(entry.path))
+            say(f"entry {self.key[:12]}: {why}")
+        raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
 
     def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
         """The build's recipe and each row's identity under it, plus for images each file's
@@ -224,8 +253,9 @@ class RowBuild:
 
 @dataclass(frozen=True)
 class _RowFiles:
-    """What a per-row build adds to its manifest: the row files (name, leaf kind), the data
-    file's checksum (computed with its block digests), how its rows may be reused, and
+    """What a per-row build adds to its manifest: the row files and parts (name, leaf
+    kind), the checksums known without reading the files again (the data file's, computed
+    with its block digests; each part's, its donor's), how its rows may be reused, and
     where they came from."""
 
     files: tuple[tuple[str, str], ...]
@@ -234,9 +264,10 @@ class _RowFiles:
     origin: Origin
 
 
-def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled) -> _RowFiles:
-    """Write the row identities, the data's block digests and (images) the file stats into
-    the build directory next to its filled data file."""
+def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
+               held: parts.Parts) -> _RowFiles:
+    """Write the row identities, the data's block digests, (images) the file stats and (a
+    derived entry) the row map into the build directory next to its data file."""
     shape, dtype = filled.shape, np.dtype(filled.dtype)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
@@ -244,14 +275,27 @@ def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled) -> _
     arrays.write_small(directory, manifests.ROW_IDS_FILE, rows.ids)
     arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
     files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
+    digests = {manifests.DATA_FILE: whole}
     if rows.stats is not None:
         arrays.write_small(directory, manifests.ROW_STATS_FILE,
                            np.ascontiguousarray(rows.stats, dtype="<i8"))
         files.append((manifests.ROW_STATS_FILE, "numpy"))
-    reused = sorted(((k, n) for k, n in filled.reused.items() if n), key=lambda kn: -kn[1])
+    if held.derived:
+        arrays.write_small(directory, manifests.ROW_MAP_FILE, held.row_map())
+        files.append((manifests.ROW_MAP_FILE, "numpy"))
+        files += [(name, "numpy") for name in held.names]
+        digests.update((name, record.checksum) for name, record in zip(held.names,
+                                                                        held.records))
+    reused = sorted(((k, n) for k, n in held.shared.items() if n), key=lambda kn: -kn[1])
     origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
-    return _RowFiles(tuple(files), {manifests.DATA_FILE: whole},
-                     RowReuse(rows.recipe, block_rows), origin)
+    return _RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin)
+
+
+def _no_rows(directory: _fs.DirHandle, template: Any) -> engine.Filled:
+    """An empty own data file: every row of the build is another entry's."""
+    shape, dtype = (0, *template[0]), np.dtype(template[1])
+    arrays.write_small(directory, manifests.DATA_FILE, np.zeros(shape, dtype))
+    return engine.Filled(shape=shape, dtype=dtype)
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

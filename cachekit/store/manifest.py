@@ -35,15 +35,16 @@ from .. import _fs
 from . import signing
 from ..errors import CacheCorruptError, CachekitError, Failure, UnsignedEntryError
 from ..keys import FORMAT_VERSION, is_key
-from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MEMOIZE_KIND,
-                      ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_STATS_FILE, FileRecord,
-                      Origin, RowReuse, allowed_file_name, count_field, failed_mask_text,
-                      file_name, get_field, is_number, parse_failed_mask, parse_failure,
-                      parse_file_record, parse_origin, parse_reuse)
+from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, MEMOIZE_KIND,
+                      ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_MAP_FILE, ROW_STATS_FILE,
+                      FileRecord, Origin, RowReuse, allowed_file_name, count_field,
+                      failed_mask_text, file_name, get_field, is_number, is_part_name,
+                      parse_failed_mask, parse_failure, parse_file_record, parse_origin,
+                      parse_reuse, part_name)
 
 __all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT", "MEMOIZE_KIND",
            "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "FAILURE_DETAILS", "ROW_IDS_FILE",
-           "ROW_STATS_FILE",
+           "ROW_MAP_FILE", "ROW_STATS_FILE", "is_part_name", "part_name",
            "FileRecord", "Manifest", "Origin", "RowReuse", "allowed_file_name", "dumps",
            "failed_fields",
            "file_name", "loads", "read", "read_at", "write_at"]
@@ -110,7 +111,20 @@ class Manifest:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.files[0].shape
+        """The entry's array: (rows, row shape...), whichever files hold the rows."""
+        first = self.files[0].shape
+        return first if self.contiguous else (self.rows, *first[1:])
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the rows are the one data file's, in order (no row map: not derived)."""
+        return self.row_file(ROW_MAP_FILE) is None
+
+    @property
+    def data_files(self) -> tuple[FileRecord, ...]:
+        """The files that hold rows, as a row map numbers them: ``data.npy``, then the
+        parts (the data files of other entries that this derived entry links)."""
+        return (self.files[0], *(f for f in self.files[1:] if is_part_name(f.name)))
 
     @property
     def dtype(self) -> np.dtype:
@@ -250,6 +264,31 @@ def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:
 # Parsing ---------------------------------------------------------------------------------
 
 
+def _check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
+                      fail: Any) -> None:
+    """A contiguous entry's data file holds its rows; a derived entry's row map has one
+    (file, row) pair a row, and its parts rows of the data file's shape and dtype."""
+    first = files[0]
+    scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
+    row_map = next((f for f in files if f.name == ROW_MAP_FILE), None)
+    if (row_map is not None) != derived:
+        raise fail("a row map comes with parts, and parts with a row map")
+    if not derived:
+        if not scalar and (not first.shape or first.shape[0] != rows):
+            raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
+        return
+    assert row_map is not None
+    if row_map.shape != (rows, 2) or row_map.dtype != "<u4" or not first.shape:
+        raise fail(f"the row map holds {row_map.dtype} {list(row_map.shape)}, not <u4 "
+                   f"[{rows}, 2]")
+    for part in files:
+        if is_part_name(part.name) and (
+                part.shape[1:] != first.shape[1:] or part.dtype != first.dtype
+                or not part.shape or part.name != part_name(part.checksum)):
+            raise fail(f"part {part.name} is not rows of the data's shape and dtype, or "
+                       "not named by its checksum")
+
+
 def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     def fail(reason: str) -> CacheCorruptError:
         return CacheCorruptError(path, reason)
@@ -267,22 +306,21 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
         raise fail(f"unknown kind {kind!r}")
     rows = count_field(raw.get("rows"), "rows", fail)
     files_raw = get_field(raw, "files", list, fail)
-    if not files_raw or (kind != MEMOIZE_KIND and len(files_raw) > 1 + len(ROW_FILES)):
-        raise fail(f"a {kind} entry has "
-                   f"{'at least one' if kind == MEMOIZE_KIND else 'one to four'} files, not "
-                   f"{len(files_raw)}")
+    if not files_raw or (kind != MEMOIZE_KIND
+                         and len(files_raw) > 1 + len(ROW_FILES) + MAX_PARTS):
+        raise fail(f"a {kind} entry has {len(files_raw)} files")
     files = tuple(parse_file_record(i, item, fail) for i, item in enumerate(files_raw))
     names = [f.name for f in files]
+    parts = [n for n in names if is_part_name(n)] if kind != MEMOIZE_KIND else []
     expected = ([file_name(i) for i in range(len(files))] if kind == MEMOIZE_KIND else
-                [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]])
+                [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]] + sorted(set(parts)))
     if names != expected:
-        raise fail(f"a {kind} entry's files must be {expected}, not {names}")
+        raise fail(f"a {kind} entry's files must be {expected[:8]}, not {names[:8]}")
     first = files[0]
-    if raw.get("shape") != list(first.shape) or raw.get("dtype") != first.dtype:
-        raise fail("shape and dtype disagree with the first file's")
-    scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
-    if not scalar and (not first.shape or first.shape[0] != rows):
-        raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
+    _check_rows_files(files, rows, kind, bool(parts), fail)
+    shape = list(first.shape) if not parts else [rows, *first.shape[1:]]
+    if raw.get("shape") != shape or raw.get("dtype") != first.dtype:
+        raise fail("shape and dtype disagree with the data files'")
     created = raw.get("created")
     if not is_number(created) or not math.isfinite(created):
         raise fail(f"bad created time {created!r}")

@@ -30,9 +30,26 @@ ROW_BLOCKS_FILE = "row_blocks.npy"
 """The digest of each block of ``reuse.block_rows`` rows of the data: (blocks, 16) ``|u1``."""
 ROW_STATS_FILE = "row_stats.npy"
 """An images entry's (size, mtime_ns) of each file when it was built: (rows, 2) ``<i8``."""
-ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE)
+ROW_MAP_FILE = "row_map.npy"
+"""A derived entry's row map: (rows, 2) ``<u4``, for each row the data file that holds it
+(0: ``data.npy``, i: the entry's i-th part) and its row in that file."""
+ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE, ROW_MAP_FILE)
 """The files a per-row entry may list after its data, in this order: what lets a later
-build copy its rows (:mod:`cachekit.store.row_index`) and a hit check its files' stats."""
+build reference its rows (:mod:`cachekit.store.row_index`), a hit check its files' stats,
+and a derived entry find its rows in its parts."""
+_PART = re.compile(r"part_[0-9a-f]{32}\.npy")
+MAX_PARTS = 4096
+"""Parts a derived entry may list at most: each is a file a reader opens and maps."""
+
+
+def part_name(checksum: str) -> str:
+    """The name of a part: a data file of another entry that a derived entry links, named
+    by its content (its checksum), so that every entry names the same bytes alike."""
+    return f"part_{checksum.partition(':')[2]}.npy"
+
+
+def is_part_name(name: str) -> bool:
+    return _PART.fullmatch(name) is not None
 
 
 def file_name(index: int) -> str:
@@ -42,8 +59,8 @@ def file_name(index: int) -> str:
 
 def allowed_file_name(index: int, name: str) -> bool:
     """Whether an entry's ``index``-th file may be called ``name``: :func:`file_name`, or
-    after the data of a per-row entry one of :data:`ROW_FILES`."""
-    return name == file_name(index) or (index > 0 and name in ROW_FILES)
+    after the data of a per-row entry one of :data:`ROW_FILES` or a part."""
+    return name == file_name(index) or (index > 0 and (name in ROW_FILES or is_part_name(name)))
 
 
 @dataclass(frozen=True)

@@ -1,56 +1,94 @@
-"""A committed entry opened to copy rows from, checked before anything is read from it.
+"""A committed entry opened to share rows with a new build, checked before anything is
+read from it.
 
-Another build of the same recipe copies rows out of a published entry instead of decoding
+Another build of the same recipe references rows of a published entry instead of decoding
 them again (:mod:`cachekit.store.row_index` says which entries may hold them). The entry
 is opened once, through one handle on its directory: its manifest is read and checked (its
 signature too when ``CACHEKIT_SIGNING_KEY`` is set) and must name the recipe; its row
-identities and block digests are read whole and must match their checksums in the
-manifest; its data file is opened once, and its header and size must be the manifest's.
-From then on the copy reads only that open file, so the entry may be cleared or pruned at
-any moment: the bytes read are the ones the manifest describes, and each block is checked
-against its digest before a row of it is used (:mod:`cachekit.engine.filling.copy_in`).
+identities (and a derived entry's row map) are read whole and must match their checksums
+in the manifest. A data file is opened through that handle only when a build links it
+(:meth:`RowSource.open_data`), and its header and size must be the manifest's; the link is
+then made from the open file itself (:func:`cachekit._fs.link_open_file`), so the entry may
+be cleared or pruned at any moment and no path is followed that another process could swap.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from .. import arrays
+from .. import _fs, arrays
 from ..errors import CacheCorruptError
 from . import manifest as manifests
 from .local import LocalStore
 from .manifest import FileRecord, Manifest
+from .row_view import check_row_map
 
 
 @dataclass
 class RowSource:
-    """An entry's rows, open to be copied: ``data`` (the open data file, rows from byte
-    ``offset``), its row identities ``ids`` ((rows, 2), or (rows, 4) with the identities
-    of the files' digests for an entry built with ``validate="content"``), the digests of
-    its blocks of ``block_rows`` rows, and for an images entry the files' stats when it was
-    built."""
+    """An entry's rows, open to be shared: its open directory, its row identities ``ids``
+    ((rows, 2), or (rows, 4) with the identities of the files' digests for an entry built
+    with ``validate="content"``), for an images entry the files' stats when it was built,
+    and for a derived entry its row map ``where`` ((rows, 2): file, row)."""
 
     key: str
     manifest: Manifest
-    data: BinaryIO
-    offset: int
+    directory: _fs.DirHandle
     ids: np.ndarray
-    blocks: np.ndarray
-    block_rows: int
     stats: Optional[np.ndarray]
+    where: Optional[np.ndarray] = None
+    held: dict[int, tuple[BinaryIO, int]] = field(default_factory=dict)
+    """Data files opened by :meth:`hold`, by index."""
 
     @cached_property
     def failed(self) -> np.ndarray:
         """A mask of the entry's rows that failed when it was built (stored as zeros)."""
         return self.manifest.failed()
 
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the index in ``manifest.data_files`` of the file holding each of ``rows``, the
+        row in that file)."""
+        if self.where is None:
+            return np.zeros(len(rows), dtype=np.intp), np.asarray(rows, dtype=np.intp)
+        return (self.where[rows, 0].astype(np.intp), self.where[rows, 1].astype(np.intp))
+
+    def open_data(self, index: int) -> tuple[BinaryIO, int]:
+        """Data file ``index`` (of ``manifest.data_files``) open, its size and header the
+        manifest's: (the file, the byte its rows start at). OSError or CacheCorruptError
+        when it is gone or differs."""
+        if index in self.held:
+            f, offset = self.held[index]
+            return os.fdopen(os.dup(f.fileno()), "rb"), offset
+        record = self.manifest.data_files[index]
+        f = self.directory.open_file(record.name)
+        try:
+            if os.fstat(f.fileno()).st_size != record.bytes:
+                raise CacheCorruptError(self.directory.path / record.name,
+                                        "size differs from the manifest's")
+            offset = arrays.check_header(f, self.directory.path / record.name, record.shape,
+                                         record.np_dtype)
+        except BaseException:
+            f.close()
+            raise
+        return f, offset
+
+    def hold(self) -> None:
+        """Open every data file now, so that the rows stay readable once the entry is
+        removed (a stale entry healed: it is removed before it is built again)."""
+        for index in range(len(self.manifest.data_files)):
+            if index not in self.held:
+                self.held[index] = self.open_data(index)
+
     def close(self) -> None:
-        self.data.close()
+        for f, _ in self.held.values():
+            f.close()
+        self.held.clear()
+        self.directory.close()
 
     def __enter__(self) -> "RowSource":
         return self
@@ -60,40 +98,38 @@ class RowSource:
 
 
 def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSource]:
-    """The committed entry ``key`` of ``recipe`` opened to copy rows from, or None when it
-    is gone, is of another recipe, lists no row files, or fails any check."""
+    """The committed entry ``key`` of ``recipe`` opened to share rows, or None when it is
+    gone, is of another recipe, lists no row identities, or fails any check."""
     try:
-        with store.layout.open_folder("entries") as entries, entries.child(key) as entry:
-            manifest = manifests.read_at(entry, key)
-            reuse = manifest.reuse
-            ids_record = manifest.row_file(manifests.ROW_IDS_FILE)
-            blocks_record = manifest.row_file(manifests.ROW_BLOCKS_FILE)
-            if reuse is None or reuse.recipe != recipe or ids_record is None \
-                    or blocks_record is None:
-                return None
-            rows = manifest.rows
-            words = ids_record.shape[1] if len(ids_record.shape) == 2 else 0
-            ids = _read(entry, ids_record, (rows, 4 if words == 4 else 2), "<u8")
-            count = -(-rows // reuse.block_rows)
-            blocks = _read(entry, blocks_record, (count, 16), "|u1")
-            stats_record = manifest.row_file(manifests.ROW_STATS_FILE)
-            stats = None if stats_record is None else _read(entry, stats_record, (rows, 2),
-                                                            "<i8")
-            data = entry.open_file(manifests.DATA_FILE)
-            try:
-                first = manifest.files[0]
-                if os.fstat(data.fileno()).st_size != first.bytes:
-                    raise CacheCorruptError(entry.path / first.name, "size differs from the "
-                                            "manifest's")
-                offset = arrays.check_header(data, entry.path / first.name, first.shape,
-                                             first.np_dtype)
-            except BaseException:
-                data.close()
-                raise
-    except (OSError, ValueError):  # gone, a symlink, refused, corrupt (CacheCorruptError)
+        with store.layout.open_folder("entries") as entries:
+            entry = entries.child(key)
+    except OSError:
         return None
-    return RowSource(key, manifest, data, offset, ids, blocks, reuse.block_rows, stats)
-
+    try:
+        manifest = manifests.read_at(entry, key)
+        reuse = manifest.reuse
+        ids_record = manifest.row_file(manifests.ROW_IDS_FILE)
+        if reuse is None or reuse.recipe != recipe or ids_record is None:
+            raise ValueError("not rows of this recipe")
+        rows = manifest.rows
+        words = ids_record.shape[1] if len(ids_record.shape) == 2 else 0
+        ids = _read(entry, ids_record, (rows, 4 if words == 4 else 2), "<u8")
+        stats_record = manifest.row_file(manifests.ROW_STATS_FILE)
+        stats = None if stats_record is None else _read(entry, stats_record, (rows, 2), "<i8")
+        where = None
+        if not manifest.contiguous:
+            map_record = manifest.row_file(manifests.ROW_MAP_FILE)
+            assert map_record is not None
+            where = _read(entry, map_record, (rows, 2), "<u4")
+            check_row_map(where, [f.shape[0] for f in manifest.data_files],
+                          entry.path / map_record.name)
+    except (OSError, ValueError):  # gone, a symlink, refused, corrupt (CacheCorruptError)
+        entry.close()
+        return None
+    except BaseException:
+        entry.close()
+        raise
+    return RowSource(key, manifest, entry, ids, stats, where)
 
 def _read(entry: Any, record: FileRecord, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     if record.shape != shape or record.np_dtype != np.dtype(dtype):

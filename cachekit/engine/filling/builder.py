@@ -28,7 +28,6 @@ stops (:class:`~cachekit.errors.BuildGone`) once its build is gone.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,16 +36,15 @@ import numpy as np
 from ... import _fs, arrays
 from ...errors import Failure, NotAnArrayError, failure
 from ...keys import rest_key
-from ..running.executors import RowTask, check_picklable, make_runner
+from ..running.executors import RowTask, make_runner
 from ..running.rows import as_row
 from . import plan as plans
 from .claimed import QUIET, ChunkCallback, Report, RowFunction, RowRun, run_claimed
-from .copy_in import NO_SOURCES, Sources, prefill, scatter, template_for
 from .copying import copy_chunk, open_checked
 from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
-from .plan import Chunk, rest_name, take, write_todo
+from .plan import Chunk, take, write_todo
 from .progress import progress
-from .resume import has_rest, resume
+from .resume import resume
 
 POLL_SECONDS = 0.05
 """How often a builder looks at chunks that other processes hold."""
@@ -66,10 +64,6 @@ class Filled:
     """Rows that joiners computed and this fill copied in, by joiner (host, pid)."""
     decode_seconds: float = 0.0
     """Seconds this process spent computing rows (not waiting for joiners, not copying)."""
-    reused: dict[str, int] = field(default_factory=dict)
-    """Rows copied from each donor (by its name)."""
-    refused: dict[str, int] = field(default_factory=dict)
-    """Rows of each donor whose block failed its check, so that they were computed."""
 
     @property
     def rows_joined(self) -> int:
@@ -78,43 +72,65 @@ class Filled:
 
     @property
     def decoded(self) -> int:
-        """Rows this process computed (the rest)."""
-        return self.shape[0] - self.resumed - self.rows_joined - sum(self.reused.values())
+        """Rows this process computed."""
+        return self.shape[0] - self.resumed - self.rows_joined
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The dead builds a fill may resume: build directories of dead builds of this user
+    that the caller claimed (the coordinator checks their owner and cachekit version).
+    ``done()`` is called once nothing more is read from them (the caller may then delete
+    them)."""
+
+    dead: Sequence[_fs.DirHandle] = ()
+    done: Optional[Callable[[], None]] = None
+
+    def release(self) -> None:
+        if self.done is not None:
+            self.done()
+
+
+NO_SOURCES = Sources()
 
 
 def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
-         rows: RowRun, sources: Sources = NO_SOURCES, report: Report = QUIET) -> Filled:
+         rows: RowRun, sources: Sources = NO_SOURCES, report: Report = QUIET,
+         todo: Optional[np.ndarray] = None) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
     ``rows`` says how rows run and what they make (:class:`RowRun`: the template, failures
     recorded or raised, the build's key, workers and executor). ``report`` is called after
     each chunk and shows the progress bar.
 
-    ``sources`` (:class:`~.copy_in.Sources`): the dead builds of this user that the caller
-    claimed, and donors, rows of committed entries. Dead builds whose plan has this key,
-    this row count and the template (if given) give their done chunks, copied only where
-    the bytes match the chunk's checksum; donors' rows are checked block by block. The rows
-    no source gives are computed, as the build's rest when anything was copied, which
-    joiners join.
+    ``todo`` (ascending rows of ``values``): compute only those, the others being held
+    elsewhere (a derived entry's parts); row ``j`` of the file is then ``values[todo[j]]``.
+    The journal names them (``todo.npy``) and the fill's key is made from the build's and
+    theirs (:func:`cachekit.keys.rest_key`), so joiners fill only those rows and a resume
+    takes only a dead fill of the same rows. Failures are reported in rows of ``values``.
+
+    ``sources``: the dead builds of this user that the caller claimed. Those whose plan
+    has this key, this row count and the template (if given) give their done chunks,
+    copied only where the bytes match the chunk's checksum.
     """
+    if todo is not None:
+        values = take(values, todo)
+        rows = replace(rows, key=rest_key(rows.key, todo))
     job = _Job(directory, name, values, RowTask(row_fn, rows.record), rows)
-    for leftover in (name, rest_name(name)):
-        directory.remove_tree(journal_name(leftover))
-        directory.unlink(leftover)
-    if sources.donors or has_rest(sources.dead, name):
-        filled = _fill_copying(job, sources, report)
-        if filled is not None:
-            return filled
+    directory.remove_tree(journal_name(name))
+    directory.unlink(name)
     n = len(values)
+    named = None if todo is None else (lambda journal: write_todo(journal.dir, todo))
     runner = make_runner(rows.executor, rows.workers, job.task, rows=n)  # first: it refuses
     try:                                                                  # what cannot run
-        resumed = resume(directory, name, n, sources.dead, rows.template, rows.key)
+        resumed = resume(directory, name, n, sources.dead, rows.template, rows.key,
+                         before_plan=named)
         sources.release()
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
         work = _Work(progress(n, report), report.on_chunk)
         if resumed is None:
             started = time.monotonic()  # without a template, rows run here until one succeeds
-            journal, array, head = _start(job, rows.template)
+            journal, array, head = _start(job, rows.template, before_plan=named)
             work.decode_seconds = time.monotonic() - started
             copied = 0
         else:
@@ -127,6 +143,8 @@ def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
             work.bar.close()
     finally:
         runner.close()
+    if todo is not None:
+        failures = [(int(todo[row]), path, reason) for row, path, reason in failures]
     return Filled(shape=array.shape, dtype=array.dtype, failures=failures, resumed=copied,
                   joined=work.joined, decode_seconds=round(work.decode_seconds, 3))
 
@@ -151,60 +169,6 @@ class _Work:
     on_chunk: Optional[ChunkCallback] = None
     decode_seconds: float = 0.0
     joined: dict[tuple[str, int], int] = field(default_factory=dict)
-
-
-def _fill_copying(job: _Job, sources: Sources, report: Report) -> Optional[Filled]:
-    """A fill that first copies the rows dead builds and donors hold (:mod:`.copy_in`),
-    then computes only the rest; None when the row shape and dtype are not known yet (no
-    template, no donor, no usable dead build), so that the caller fills as usual."""
-    n, rows = len(job.values), job.rows
-    template = template_for(rows.template, sources.donors, sources.dead, job.name, n,
-                            rows.key)
-    if template is None:
-        return None
-    if rows.executor is not None and rows.executor != "threads" and not isinstance(
-            rows.executor, ThreadPoolExecutor):
-        check_picklable(job.task, rows.executor)  # refuse what cannot run before any work
-    pre = prefill(job.directory, job.name, n, template, rows.key, sources)
-    sources.release()
-    todo = np.flatnonzero(~pre.covered)
-    copied = n - len(todo)
-    on_chunk = report.on_chunk
-    work = _Work(progress(n, report), None if on_chunk is None else
-                 lambda done, _: on_chunk(copied + done, n))
-    failures = list(pre.failures)
-    try:
-        work.bar.update(copied)
-        if on_chunk is not None:
-            on_chunk(copied, n)
-        if len(todo):
-            rest = replace(job, name=rest_name(job.name), values=take(job.values, todo),
-                           rows=replace(rows, template=template, key=rest_key(rows.key, todo)))
-            failures += _fill_rest(rest, todo, pre.array, work)
-    finally:
-        work.bar.close()
-    return Filled(shape=pre.array.shape, dtype=pre.array.dtype, failures=sorted(failures),
-                  resumed=pre.resumed, joined=work.joined,
-                  decode_seconds=round(work.decode_seconds, 3), reused=pre.copied.rows,
-                  refused=pre.copied.refused)
-
-
-def _fill_rest(rest: _Job, todo: np.ndarray, out: np.ndarray, work: _Work) -> list[Failure]:
-    """Compute rows ``todo`` as a fill of their own (``rest``, with joiners) and put them
-    into ``out``; return their failures, in rows of ``out``. ``work`` tallies what this
-    process and its joiners did."""
-    rows = rest.rows
-    runner = make_runner(rows.executor, rows.workers, rest.task, rows=len(todo))
-    try:
-        journal, array, _ = _start(rest, rows.template,
-                                   before_plan=lambda j: write_todo(j.dir, todo))
-        with journal:
-            done = _fill_all(journal, array, rest.values, lambda: runner, None, work)
-        scatter(out, array, todo)
-    finally:
-        runner.close()
-    return [(int(todo[row]), path, reason) for chunk in done.values()
-            for row, path, reason in chunk.failures]
 
 
 def _start(job: _Job, template: Any, before_plan: Optional[Callable[[Journal], None]] = None):

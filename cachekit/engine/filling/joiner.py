@@ -2,8 +2,8 @@
 own in the build's journal folder, never into the builder's data file; the builder copies
 each such chunk in once its bytes match their checksum (see :mod:`.builder`). A joiner on
 the builder's host joins only with the cores the build leaves free (see :mod:`.cores`). A
-build that copied some of its rows from other entries is joined in its rest (:mod:`.rest`):
-only the rows nobody copies.
+build that computes only some rows (a derived entry's new rows) is joined in those rows,
+which its journal names.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .cores import Seats, Spare
 from .journal import Journal
 from .plan import Plan
 from ...keys import rest_key
-from .plan import read_todo, rest_name, take
+from .plan import read_todo, take
 from .resume import plan_fits
 
 
@@ -60,26 +60,25 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
             return None  # not a private build directory of ours: never write there
     except OSError:
         return None
-    for part in (name, rest_name(name)):
-        try:
-            journal = Journal.open(directory, part)
-        except (OSError, ValueError):
-            continue
-        with journal:
-            return _join(journal, part != name, values, row_fn, rows, spare)
-    return None
+    try:
+        journal = Journal.open(directory, name)
+    except (OSError, ValueError):
+        return None
+    with journal:
+        return _join(journal, values, row_fn, rows, spare)
 
 
-def _join(journal: Journal, rest: bool, values: Sequence[Any], row_fn: RowFunction,
-          rows: RowRun, spare: Optional[Spare]) -> Optional[Joined]:
-    """Join the fill whose journal is ``journal``: the build's own, or (``rest``) the rest
-    of a build that copied its other rows, whose rows the journal names."""
+def _join(journal: Journal, values: Sequence[Any], row_fn: RowFunction, rows: RowRun,
+          spare: Optional[Spare]) -> Optional[Joined]:
+    """Join the fill whose journal is ``journal``: of every row of the build, or of the
+    rows its journal names (``todo.npy``)."""
     planned, template, key, workers = journal.plan, rows.template, rows.key, rows.workers
-    if planned.rows == 0 or (not rest and not plan_fits(planned, len(values), template, key)):
+    whole = planned.rows == len(values)
+    if planned.rows == 0 or (whole and not plan_fits(planned, len(values), template, key)):
         return None
     if not journal.pending()[1]:
         return Joined(0, 0, len(planned.chunks))  # nothing free: make no rows file
-    if rest:  # read only when there is work: a joiner looks every few tens of milliseconds
+    if not whole:  # read only when there is work: a joiner looks every few tens of ms
         todo = read_todo(journal.dir, len(values))
         if todo is None:
             return None

@@ -42,7 +42,6 @@ from typing import Any, Iterable, Iterator, Optional
 from ... import _fs, liveness, processes
 from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
-from .plan import is_rest_name
 
 SUFFIX = ".chunks"
 PLAN_FILE = "plan.json"
@@ -59,8 +58,8 @@ def journal_name(name: str) -> str:
 
 def is_journal_name(name: str) -> bool:
     """Whether ``name`` in a build directory is the engine's working state, never
-    published: a chunk journal folder, or the data file of a build's rest (:mod:`.rest`)."""
-    return name.endswith(SUFFIX) or is_rest_name(name)
+    published: a chunk journal folder."""
+    return name.endswith(SUFFIX)
 
 
 def digest(data: Any) -> str:

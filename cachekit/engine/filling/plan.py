@@ -148,30 +148,13 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-# The rest of a build whose other rows were copied.
-#
-# The rest of a build whose other rows were copied: the rows still to compute, as a fill of
-# their own.
-#
-# When a build copies some of its rows from committed entries (:mod:`.reuse`) or from dead
-# builds (:mod:`.resume`), the rows left are computed as a fill of just those rows, in a data
-# file ``NAME.rest`` next to the build's ``NAME`` with a chunk journal of its own. Its plan is
-# made only after the copies, and the journal names the rows it computes (``todo.npy``,
-# written before the plan), so joiners fill only rows that nobody copies. The builder then
-# puts each computed row into its place in ``NAME``. The rest's key is made from the build's
-# key and its rows, so a joiner or a resumer checks that the plan is the one of those rows.
+# The rows of a fill that computes only some rows of a build (a derived entry's new rows):
+# its journal names them (``todo.npy``, written before the plan), so that joiners and
+# resumers fill only those rows; the fill's key is made from the build's key and its rows
+# (:func:`cachekit.keys.rest_key`), so a joiner or a resumer checks that the plan is the one
+# of those rows.
 
-REST_SUFFIX = ".rest"
 TODO_FILE = "todo.npy"
-
-
-def rest_name(name: str) -> str:
-    """The data file of the rest of the fill of ``name``."""
-    return name + REST_SUFFIX
-
-
-def is_rest_name(name: str) -> bool:
-    return name.endswith(REST_SUFFIX)
 
 
 def write_todo(journal_dir: _fs.DirHandle, todo: np.ndarray) -> None:
@@ -179,7 +162,7 @@ def write_todo(journal_dir: _fs.DirHandle, todo: np.ndarray) -> None:
 
 
 def read_todo(journal_dir: _fs.DirHandle, rows: int) -> Optional[np.ndarray]:
-    """The rows a rest computes, or None when its record is missing or not rows of a build
+    """The rows a fill computes, or None when its record is missing or not rows of a build
     of ``rows`` rows (ascending, each once)."""
     try:
         todo = np.array(arrays.open_readonly(journal_dir, TODO_FILE))

@@ -1,6 +1,5 @@
 """What a partly filled data file holds (:func:`read_progress`), and starting a fill from the
-verified done chunks of dead builds (:func:`resume`), or taking their verified rows into a
-build that copies rows (:func:`copy_dead_rows`).
+verified done chunks of dead builds (:func:`resume`).
 
 A dead build's directory is claimed by the caller and read only: its plan must be one of
 this very fill (:func:`plan_fits`: the caller's key, row count and row template) before
@@ -12,17 +11,14 @@ checksum of its done record. Nothing in a dead build is ever written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ... import _fs, arrays
-from ...errors import Failure
 from .copying import open_checked, read_chunk
 from .journal import Journal
 from .plan import Plan
-from ...keys import rest_key
-from .plan import read_todo, rest_name
 
 
 @dataclass(frozen=True)
@@ -62,12 +58,15 @@ def plan_fits(planned: Plan, n: int, template: Any, key: str) -> bool:
 
 
 def resume(directory: _fs.DirHandle, name: str, n: int, sources: Sequence[_fs.DirHandle],
-           template: Any, key: str) -> Optional[tuple[Journal, np.ndarray, int]]:
+           template: Any, key: str,
+           before_plan: Optional[Callable[[Journal], None]] = None
+           ) -> Optional[tuple[Journal, np.ndarray, int]]:
     """Start a fill of ``name`` from the verified done chunks of the partial fills of
     ``name`` in ``sources``: (journal, writable array, rows copied), or None when no
     source has a usable plan. The first source whose plan fits (:func:`plan_fits`) and
     whose layout this host makes alike gives the plan; sources of another plan are
-    skipped. The plan is written last (from then on the build may be joined)."""
+    skipped. ``before_plan(journal)`` runs just before the plan is written, which is last
+    (from then on the build may be joined)."""
     journal: Optional[Journal] = None
     array: Any = None
     copied = 0
@@ -98,6 +97,8 @@ def resume(directory: _fs.DirHandle, name: str, n: int, sources: Sequence[_fs.Di
                     copied += _copy_done(dead, data, journal, array)
         if journal is None:
             return None
+        if before_plan is not None:
+            before_plan(journal)
         journal.write_plan(journal.plan)
     except BaseException:
         if journal is not None:
@@ -156,89 +157,3 @@ class _DoneChunks:
         for f in self.files.values():
             if f is not None:
                 f.close()
-
-
-def has_rest(sources: Sequence[_fs.DirHandle], name: str) -> bool:
-    """Whether a dead build of ``sources`` computed the rest of a fill that copied rows."""
-    for source in sources:
-        try:
-            source.lstat(rest_name(name))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def dead_template(sources: Sequence[_fs.DirHandle], name: str, n: int, key: str
-                  ) -> Optional[tuple[tuple[int, ...], np.dtype]]:
-    """The row shape and dtype of the first dead fill of ``sources`` that is one of this
-    build (its plan's), for a build that does not know them yet; None when there is none."""
-    for source in sources:
-        for planned, _ in _dead_parts(source, name, n, None, key):
-            return planned.row_shape, planned.dtype
-    return None
-
-
-def copy_dead_rows(sources: Sequence[_fs.DirHandle], name: str, n: int, template: Any,
-                   key: str, out: np.ndarray, covered: np.ndarray) -> tuple[list[Failure], int]:
-    """Copy into ``out`` the rows of every verified done chunk of the dead fills of ``name``
-    in ``sources`` (whole fills, and the rests of fills that copied rows), where ``covered``
-    is not yet True, and set it True there: (the failures recorded for those rows, in rows
-    of ``out``; the rows copied). As :func:`resume`, a fill is read only once its plan is
-    one of this build, and a chunk only where its bytes match its checksum."""
-    failures: dict[int, Failure] = {}
-    copied = 0
-    for source in sources:
-        for planned, todo in _dead_parts(source, name, n, template, key):
-            part = name if todo is None else rest_name(name)
-            if planned.offset != arrays.data_offset(planned.shape, planned.dtype,
-                                                    align=planned.page):
-                continue  # a layout this host would not make (another page size)
-            with Journal.open(source, part) as dead:
-                copied += _copy_rows(source, part, dead, planned, todo, out, covered, failures)
-    return [failures[row] for row in sorted(failures)], copied
-
-
-def _dead_parts(source: _fs.DirHandle, name: str, n: int, template: Any, key: str):
-    """(plan, rows it computes or None for all) of each fill of ``source`` that is one of
-    this build: the whole fill of ``name``, or the rest of one that copied rows."""
-    for part in (name, rest_name(name)):
-        try:
-            dead = Journal.open(source, part)
-        except (OSError, ValueError):
-            continue
-        with dead:
-            planned = dead.plan
-            todo = None if part == name else read_todo(dead.dir, n)
-            if part != name and todo is None:
-                continue
-            fits = (plan_fits(planned, n, template, key) if todo is None else
-                    plan_fits(planned, len(todo), template, rest_key(key, todo)))
-        if fits and planned.rows:
-            yield planned, todo
-
-
-def _copy_rows(source: _fs.DirHandle, part: str, dead: Journal, planned: Plan,
-               todo: Optional[np.ndarray], out: np.ndarray, covered: np.ndarray,
-               failures: dict[int, Failure]) -> int:
-    data = open_checked(source, part, planned)
-    if data is None:
-        return 0  # its data file disagrees with its plan: trust neither
-    copied = 0
-    with data, _DoneChunks(dead, data) as chunks:
-        for index, record in dead.done(drop_bad=False).items():
-            chunk = planned.chunks[index]
-            rows = (np.arange(chunk.start, chunk.stop) if todo is None
-                    else todo[chunk.start:chunk.stop])
-            if covered[rows].all():
-                continue
-            got = chunks.verified(chunk, record)
-            if got is None:
-                continue
-            copied += int((~covered[rows]).sum())
-            out[rows] = got
-            covered[rows] = True
-            for row, path, reason in record.failures:
-                at = int(rows[row - chunk.start])
-                failures[at] = (at, path, reason)
-    return copied

@@ -1,0 +1,252 @@
+"""Storing a row once: what folds, an append and a retry cost on disk and in time, and what
+reading a derived entry costs, as ratios in one run.
+
+    python benchmarks/bench_storage.py                   # 4,000 covers at 64x64, 3 rounds
+    python benchmarks/bench_storage.py --covers 2000
+    python benchmarks/bench_storage.py --quick           # 200 covers: checks the script
+
+Every round works in roots of its own (``Cache(workers=2)``, exact pixels, 64x64 RGB):
+
+- "folds": a fresh build of the N covers (the full entry), then the 5 training and 5
+  validation columns of a shuffled 5-fold split, each a call in the same root. Disk is the
+  root's entries counted as ``du`` counts them (each file once, however many entries link
+  it) against the full entry alone (the issue asks at most 1.05x; copies made it 6x), and
+  the time of the 10 calls against the fresh build (at most 0.05x).
+- "append": the N covers plus 1% more, in a root holding the full entry: how much the root
+  grows, against the full entry (at most 1.2%).
+- "retry": N covers of which one is a broken file build and fail (the good rows are
+  kept), the file is fixed and the call retried: what the retry adds to the root, against
+  one row plus the row map (the issue: at most the failed rows plus the map).
+- "read": a shuffled ``DataLoader`` epoch (batch 256) and a sequential one over a fold entry
+  (its rows in the full entry's file) against the same rows as a contiguous entry
+  (``contiguous=True``): throughput ratios (the issue asks at least 0.9x and 0.8x).
+- "hit": the first hit, in a fresh interpreter, of a derived entry of ``--hit-rows`` rows
+  against the contiguous entry of the same column.
+
+A figure is the median of the rounds, with every round's value shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
+
+SIZE = 64
+BATCH = 256
+HIT = """
+import sys, time
+started = time.perf_counter()
+import pandas as pd, cachekit
+paths = [line.rstrip("\\n") for line in open(sys.argv[2])]
+entry = cachekit.Cache(sys.argv[1], progress=False).images(pd.Series(paths), 8, backend="pil")
+assert entry.hit and entry.contiguous == (sys.argv[3] == "contiguous"), entry
+print(time.perf_counter() - started)
+"""
+
+
+def say(text: str) -> None:
+    print(f"[bench_storage] {text}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def disk(root: Path) -> int:
+    """Bytes of the root's entries, each file once (as ``du`` counts hard links)."""
+    seen: dict[tuple[int, int], int] = {}
+    for folder, _, names in os.walk(root / "entries"):
+        for name in names:
+            st = os.lstat(os.path.join(folder, name))
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def cache(root: Path, **options: Any):
+    import cachekit
+
+    return cachekit.Cache(root, workers=2, progress=False, **options)
+
+
+def folds(paths: list[str], work: Path) -> dict[str, float]:
+    import numpy as np
+    import pandas as pd
+
+    root = work / "folds"
+    fresh_s, _ = timed(lambda: cache(root).images(pd.Series(paths), SIZE))
+    alone = disk(root)
+    order = np.random.default_rng(0).permutation(len(paths))
+    splits = np.array_split(order, 5)
+    columns = []
+    for k in range(5):
+        train = np.sort(np.concatenate([s for j, s in enumerate(splits) if j != k]))
+        columns += [[paths[i] for i in train], [paths[i] for i in np.sort(splits[k])]]
+    calls_s, _ = timed(lambda: [cache(root).images(pd.Series(c), SIZE) for c in columns])
+    return {"folds disk / full entry alone": disk(root) / alone,
+            "10 fold calls s / fresh build s": calls_s / fresh_s,
+            "fresh build s": fresh_s, "10 fold calls s": calls_s}
+
+
+def append(paths: list[str], extra: list[str], work: Path) -> dict[str, float]:
+    import pandas as pd
+
+    root = work / "append"
+    cache(root).images(pd.Series(paths), SIZE)
+    before = disk(root)
+    grown = cache(root).images(pd.Series(paths + extra), SIZE)
+    assert grown.rows_decoded == len(extra), grown.rows_decoded
+    return {"append 1%: root growth / full entry": (disk(root) - before) / before}
+
+
+def retry(paths: list[str], work: Path) -> dict[str, float]:
+    import cachekit
+    import pandas as pd
+
+    root = work / "retry"
+    bad = work / "bad.jpg"
+    bad.write_bytes(b"not a jpeg")
+    column = pd.Series(paths[:-1] + [str(bad)])
+    try:
+        cache(root).images(column, SIZE)
+        raise AssertionError("the build with a broken file succeeded")
+    except cachekit.ImageDecodeError:
+        pass
+    before = disk(root)
+    shutil.copyfile(paths[-1], bad)
+    entry = cache(root).images(column, SIZE)
+    row = 3 * SIZE * SIZE
+    map_bytes = 8 * len(column)
+    added = disk(root) - before
+    assert entry.rows_decoded == 1, entry.rows_decoded
+    return {"retry: bytes added / (1 row + row map)": added / (row + map_bytes),
+            "retry: bytes added / full entry": added / before}
+
+
+def read(paths: list[str], work: Path, rounds: int = 3) -> dict[str, float]:
+    import numpy as np
+    import pandas as pd
+    import torch
+    from torch.utils.data import DataLoader
+
+    shared, whole = work / "read-shared", work / "read-whole"
+    cache(shared).images(pd.Series(paths), SIZE)
+    keep = np.sort(np.random.default_rng(1).permutation(len(paths))[: len(paths) * 4 // 5])
+    fold = pd.Series([paths[i] for i in keep])
+    derived = cache(shared).images(fold, SIZE)
+    contiguous = cache(whole).images(fold, SIZE, contiguous=True)
+    assert not derived.contiguous and contiguous.contiguous
+
+    def epoch(entry: Any, shuffle: bool) -> float:
+        torch.manual_seed(0)
+        loader = DataLoader(entry.dataset(), batch_size=BATCH, shuffle=shuffle)
+        seconds, _ = timed(lambda: sum(int(batch.shape[0]) for batch in loader))
+        return seconds
+
+    out: dict[str, list[float]] = {"shuffled": [], "sequential": []}
+    for _ in range(rounds):  # warm, then alternate
+        for name, shuffle in (("shuffled", True), ("sequential", False)):
+            epoch(derived, shuffle), epoch(contiguous, shuffle)
+            out[name].append(epoch(contiguous, shuffle) / epoch(derived, shuffle))
+    return {"shuffled epoch: fold speed / contiguous": statistics.median(out["shuffled"]),
+            "sequential epoch: fold speed / contiguous": statistics.median(out["sequential"])}
+
+
+def hit(rows: int, images: Path, work: Path) -> dict[str, float]:
+    """First hit in a fresh interpreter: a derived entry against the contiguous one of the
+    same column (tiny PNGs: the hit's cost is the key, the lookup and the open)."""
+    import numpy as np
+    import pandas as pd
+    from PIL import Image
+
+    one = images / "tiny.png"
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(one)
+    folder = work / "many"
+    folder.mkdir()
+    paths = []
+    for i in range(rows + rows // 100):
+        path = folder / f"{i:07d}.png"
+        os.link(one, path)
+        paths.append(str(path))
+    column, full = paths[:rows], paths
+    listing = work / "column.txt"
+    listing.write_text("\n".join(column) + "\n")
+    derived_root, whole_root = work / "hit-derived", work / "hit-whole"
+    cache(derived_root).images(pd.Series(full), 8, backend="pil")
+    cache(derived_root).images(pd.Series(column), 8, backend="pil")
+    cache(whole_root).images(pd.Series(column), 8, backend="pil")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+
+    def first_hit(root: Path, kind: str) -> float:
+        done = subprocess.run([sys.executable, "-c", HIT, str(root), str(listing), kind],
+                              env=env, capture_output=True, text=True, check=True)
+        return float(done.stdout.split()[-1])
+
+    first_hit(derived_root, "derived"), first_hit(whole_root, "contiguous")
+    ratios = []
+    for _ in range(5):
+        ratios.append(first_hit(derived_root, "derived") / first_hit(whole_root, "contiguous"))
+    return {"first hit: derived s / contiguous s": statistics.median(ratios)}
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--covers", type=int, default=4000)
+    parser.add_argument("--hit-rows", type=int, default=130_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="200 covers, 1 round")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.covers, args.hit_rows, args.rounds = 200, 2_000, 1
+    from cachekit.samples import write_sample_images
+
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="cachekit-bench-storage-") as scratch:
+        base = Path(scratch)
+        extra_count = max(1, args.covers // 100)
+        say(f"writing {args.covers + extra_count} covers")
+        every = write_sample_images(base / "covers", args.covers + extra_count, seed=11)
+        paths, extra = every[:args.covers], every[args.covers:]
+        for i in range(args.rounds):
+            work = base / f"round-{i}"
+            work.mkdir()
+            say(f"round {i + 1}: folds, append, retry, read")
+            figures = {**folds(paths, work), **append(paths, extra, work),
+                       **retry(paths, work), **read(paths, work)}
+            if i == 0:
+                say(f"the first hit of {args.hit_rows:,} rows")
+                figures.update(hit(args.hit_rows, base, work))
+            rounds.append(figures)
+            shutil.rmtree(work)
+    lines = [f"{args.covers:,} covers at {SIZE}x{SIZE} ({args.rounds} round"
+             f"{'s' if args.rounds > 1 else ''}; medians, every round in brackets)", "",
+             "| figure | value |", "| --- | --- |"]
+    for name in rounds[0]:
+        values = [r[name] for r in rounds if name in r]
+        each = ", ".join(f"{v:.3g}" for v in values)
+        lines.append(f"| {name} | {statistics.median(values):.3g} ({each}) |")
+    table = "\n".join(lines)
+    print(table)
+    result = {"table": table, "rounds": rounds, "covers": args.covers}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

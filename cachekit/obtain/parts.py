@@ -1,0 +1,153 @@
+"""A derived entry's parts: the rows a build shares with committed entries of its recipe,
+referenced instead of copied.
+
+For the rows that donors hold (:mod:`.donors`), the build hard-links each donor data file
+that holds any of them into its own directory, named by its checksum
+(:func:`~cachekit.store.manifest.part_name`, so every entry names the same bytes alike),
+and records (file, row) in its row map; only the rows no donor holds are decoded, into the
+build's own ``data.npy``. A linked file is the very inode the donor's manifest describes
+(opened through the donor's directory handle, its size and header checked, linked from
+the open file), and data files never change once written: the filesystem counts who uses
+each, so clearing or pruning any entry never breaks another.
+
+Only this user's files are linked: a group member's file stays writable by its owner alone,
+and a link would let them change this user's entry. Where a file is another user's, or
+cannot be linked (another filesystem, a file removed meanwhile), or the caller asks for a
+contiguous entry, the rows are copied instead (:meth:`Parts.materialize`), from the files
+opened: the entry is then one data file, as a fresh build makes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from .. import _fs, arrays
+from ..engine.filling.plan import PAGE_BYTES
+from ..store.manifest import DATA_FILE, FileRecord, part_name
+from ..store.row_view import GATHER_ROWS, RowView
+from .donors import Donors
+
+OWN_FILE = "data.npy.own"
+"""The build's decoded rows while :meth:`Parts.materialize` copies every row into place."""
+
+
+@dataclass
+class Parts:
+    """Where each row of a build is: ``where`` (rows, 2) holds (file, row), file 0 being
+    the build's own data file and file ``i`` the ``i``-th of ``names`` (-1: decoded by the
+    build, placed by :meth:`own`). ``opened``: each part's donor file, open, and the byte
+    its rows start at; ``linked``: whether every part is linked into the build directory;
+    ``shared``: rows referenced, by donor key."""
+
+    where: np.ndarray
+    names: list[str] = field(default_factory=list)
+    records: list[FileRecord] = field(default_factory=list)
+    opened: list[tuple[BinaryIO, int]] = field(default_factory=list)
+    linked: bool = True
+    shared: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def todo(self) -> np.ndarray:
+        """The rows the build decodes (no donor holds them), ascending."""
+        return np.flatnonzero(self.where[:, 0] < 0)
+
+    @property
+    def derived(self) -> bool:
+        """Whether any row is another entry's."""
+        return bool(self.names)
+
+    def own(self) -> None:
+        """Number the decoded rows (``todo``) as the rows of the build's own data file, and
+        the parts in name order, the order the manifest lists them."""
+        todo = self.todo
+        self.where[todo, 0] = 0
+        self.where[todo, 1] = np.arange(len(todo))
+        order = np.argsort(self.names, kind="stable")
+        renumber = np.zeros(len(order) + 1, dtype=np.int64)
+        renumber[order + 1] = np.arange(1, len(order) + 1)
+        self.where[:, 0] = renumber[self.where[:, 0]]
+        self.names = [self.names[i] for i in order]
+        self.records = [self.records[i] for i in order]
+        self.opened = [self.opened[i] for i in order]
+
+    def row_map(self) -> np.ndarray:
+        return np.ascontiguousarray(self.where, dtype="<u4")
+
+    def materialize(self, directory: _fs.DirHandle) -> None:
+        """Copy every row into a new ``data.npy`` of the build in row order, from its own
+        decoded rows and the parts' open files, and unlink the parts it linked: a
+        contiguous entry, as a fresh build makes (call after :meth:`own`)."""
+        directory.rename(DATA_FILE, directory, OWN_FILE)
+        own = arrays.open_readonly(directory, OWN_FILE)
+        files = [own] + [_mapped(f, offset, record) for (f, offset), record
+                         in zip(self.opened, self.records)]
+        view = RowView(files, self.where)
+        out = arrays.create_array(directory, DATA_FILE, view.shape, view.dtype,
+                                  align=PAGE_BYTES)
+        for start in range(0, len(view), GATHER_ROWS):
+            stop = min(len(view), start + GATHER_ROWS)
+            out[start:stop] = view.take(np.arange(start, stop))
+        arrays.flush(out)
+        del out, view, files, own
+        directory.unlink(OWN_FILE)
+        for name in self.names:
+            directory.unlink(name)
+        self.names, self.records, self.linked = [], [], True
+        self.close()
+
+    def close(self) -> None:
+        for f, _ in self.opened:
+            f.close()
+        self.opened.clear()
+
+
+def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
+    return np.memmap(f, dtype=record.np_dtype, mode="r", offset=offset, shape=record.shape)
+
+
+def reference(directory: _fs.DirHandle, found: Donors, rows: int, *, link: bool) -> Parts:
+    """Where each of the build's ``rows`` rows is held by ``found``'s donors, each donor
+    data file that holds any opened and (``link``) hard-linked into ``directory``: once a
+    link fails, no more are tried (the caller materializes). A data file that cannot be
+    opened or fails its checks gives no rows: they are decoded."""
+    parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
+    index_of: dict[str, int] = {}
+    try:
+        for donor in found.donors:
+            files, at = donor.source.locate(donor.src)
+            for k in np.unique(files):
+                record = donor.source.manifest.data_files[int(k)]
+                name = part_name(record.checksum)
+                if name not in index_of:
+                    if not _add(parts, directory, donor.source, int(k), name):
+                        continue
+                    index_of[name] = len(parts.names) - 1
+                here = files == k
+                parts.where[donor.dst[here]] = np.stack(
+                    [np.full(int(here.sum()), index_of[name] + 1), at[here]], axis=1)
+                key = donor.source.key
+                parts.shared[key] = parts.shared.get(key, 0) + int(here.sum())
+    except BaseException:
+        parts.close()
+        raise
+    return parts
+
+
+def _add(parts: Parts, directory: _fs.DirHandle, source: Any, index: int, name: str) -> bool:
+    """Open data file ``index`` of ``source`` as the part ``name`` (linked while links
+    work); False when it cannot be opened or fails its checks."""
+    try:
+        f, offset = source.open_data(index)
+    except (OSError, ValueError):
+        return False
+    parts.names.append(name)
+    parts.records.append(source.manifest.data_files[index])
+    parts.opened.append((f, offset))
+    if parts.linked:  # only this user's files: no other member can change what we share
+        parts.linked = (os.fstat(f.fileno()).st_uid == os.geteuid()
+                        and directory.link_open_file(f, name))
+    return True

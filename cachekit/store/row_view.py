@@ -1,0 +1,163 @@
+"""An entry's rows as a reader sees them: the data file's memmap for a contiguous entry,
+a read-only :class:`RowView` for a derived one.
+
+A derived entry (docs/incremental.md) holds the rows it decoded in its own ``data.npy``
+and links the data files of the entries it shares rows with (its parts); its row map says,
+for each row, which file holds it and where. The map is read whole and checked against
+its checksum and against the files' row counts before anything is read through it, so a
+map that points outside its files is a :class:`~cachekit.errors.CacheCorruptError`, never
+wrong pixels.
+"""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Any, Iterator, Sequence, Union
+
+import numpy as np
+
+from .. import _fs, arrays
+from ..errors import CacheCorruptError
+from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, Manifest
+
+GATHER_ROWS = 4096
+"""Rows gathered per step when the whole view is read (memory stays flat)."""
+
+
+class RowView:
+    """Read-only rows held by several data files, in the entry's row order.
+
+    ``len``, ``shape``, ``dtype`` and ``ndim`` are the entry's; an integer gives a row,
+    and a slice, a boolean mask or an array of integers gives a new numpy array of those
+    rows; ``numpy.asarray(view)`` gathers every row."""
+
+    def __init__(self, files: Sequence[np.ndarray], where: np.ndarray) -> None:
+        # Plain ndarray views (each keeps its mapping alive): np.memmap's
+        # __array_finalize__ is a large share of a batch's fancy index.
+        self._files = [np.asarray(f) for f in files]
+        self._file = where[:, 0].astype(np.intp)
+        self._row = where[:, 1].astype(np.intp)
+        first = self._files[0]
+        self.shape: tuple[int, ...] = (len(where), *first.shape[1:])
+        self.dtype: np.dtype = first.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"<cachekit.RowView {self.dtype}{list(self.shape)} over {len(self._files)} files>"
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.take(np.arange(len(self)))
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, tuple):
+            if not index:
+                return np.asarray(self)
+            head, rest = index[0], index[1:]
+            if head is Ellipsis:
+                return np.asarray(self)[index]
+            rows = self[head]
+            return rows[rest] if _is_integer(head) else rows[(slice(None), *rest)]
+        if _is_integer(index):
+            i = operator.index(index)
+            if not -len(self) <= i < len(self):
+                raise IndexError(f"index {i} is out of range for {len(self)} rows")
+            i %= len(self)
+            return self._files[self._file[i]][self._row[i]]
+        if isinstance(index, slice):
+            return self.take(np.arange(len(self))[index])
+        wanted = np.asarray(index)
+        if wanted.dtype == bool:
+            if wanted.shape != (len(self),):
+                raise IndexError(f"a boolean index of {len(self)} rows has shape "
+                                 f"{wanted.shape}")
+            return self.take(np.flatnonzero(wanted))
+        if wanted.dtype.kind not in "iu":
+            raise IndexError("only integers, slices, boolean masks and integer arrays index "
+                             "the rows of an entry")
+        return self.take(wanted)
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """A new array of ``rows`` (integers, negative from the end), read file by file."""
+        rows = np.asarray(rows, dtype=np.intp)
+        n = len(self)
+        if rows.size and (rows.min() < -n or rows.max() >= n):
+            bad = rows[(rows < -n) | (rows >= n)].flat[0]
+            raise IndexError(f"index {int(bad)} is out of range for {n} rows")
+        flat = np.where(rows < 0, rows + n, rows).reshape(-1)
+        out = np.empty((len(flat), *self.shape[1:]), dtype=self.dtype)
+        for start in range(0, len(flat), GATHER_ROWS):
+            part = flat[start:start + GATHER_ROWS]
+            files, at, into = self._file[part], self._row[part], out[start:start + len(part)]
+            first = files[0] if len(files) else 0
+            if (files == first).all():  # the common case: one file serves the whole step
+                np.take(self._files[first], at, axis=0, out=into)
+                continue
+            for f in np.unique(files):
+                here = np.flatnonzero(files == f)
+                into[here] = self._files[f][at[here]]
+        return out.reshape((*rows.shape, *self.shape[1:]))
+
+
+def _is_integer(index: Any) -> bool:
+    return isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+
+
+Rows = Union[np.ndarray, RowView]
+"""An entry's rows: a read-only memmap (contiguous) or a :class:`RowView` (derived)."""
+
+
+def open_rows(entry_dir: Path, manifest: Manifest, mode: str = "r") -> Rows:
+    """The rows of the published entry ``manifest`` describes in ``entry_dir``: its data
+    file mapped read-only (``"r"``) or copy-on-write (``"c"``), or for a derived entry a
+    :class:`RowView` over its data files, through its checked row map."""
+    if manifest.contiguous:
+        return arrays.open_record(entry_dir, manifest.files[0], mode)
+    files = [arrays.open_record(entry_dir, record) for record in manifest.data_files]
+    return RowView(files, read_row_map(entry_dir, manifest))
+
+
+def read_row_map(entry_dir: Path, manifest: Manifest) -> np.ndarray:
+    """The derived entry's (rows, 2) row map, read whole, its checksum and every pair
+    checked against its files' rows; CacheCorruptError when any is wrong."""
+    record = manifest.row_file(ROW_MAP_FILE)
+    assert record is not None
+    try:
+        with _fs.DirHandle.open(entry_dir) as directory:
+            where = arrays.read_small(directory, record.name, record.shape, record.np_dtype,
+                                      record.bytes, record.checksum, ROW_FILES_LIMIT)
+    except OSError as e:
+        if e.errno not in _fs.NOT_A_FILE_ERRNOS:
+            raise
+        raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
+    check_row_map(where, [f.shape[0] for f in manifest.data_files], entry_dir / record.name)
+    return where
+
+
+def check_row_map(where: np.ndarray, rows: Sequence[int], path: Any) -> None:
+    """CacheCorruptError unless every (file, row) pair of ``where`` names a row of one of
+    the files, whose row counts are ``rows``."""
+    counts = np.asarray(rows, dtype=np.int64)
+    files = where[:, 0].astype(np.int64)
+    if len(files) and (files.max() >= len(counts) or
+                       (where[:, 1].astype(np.int64) >= counts[files]).any()):
+        raise CacheCorruptError(path, "the row map points outside the entry's data files")

@@ -1,0 +1,338 @@
+"""A row is stored once per recipe on a root: an entry whose rows committed entries hold
+links their data files and maps its rows (cachekit/obtain/parts.py), reads them through a
+row view (cachekit/store/row_view.py), and clearing, pruning or a budget never breaks
+another entry. File counts and inode link counts say what is stored, never timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit import _fs
+from cachekit.cli.main import main as cli_main
+from cachekit.store import manifest as manifests
+from cachekit.store.row_view import RowView
+
+N = 120
+
+
+@pytest.fixture
+def pictures(tmp_path: Path) -> list[str]:
+    from PIL import Image
+
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    paths = []
+    for i in range(N):
+        rng = np.random.default_rng(i)
+        path = folder / f"p{i:04d}.png"
+        Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture
+def cache(cache_root: Path) -> cachekit.Cache:
+    return cachekit.Cache(cache_root, workers=2, executor="threads", progress=False)
+
+
+def column(paths: list[str], rows) -> pd.Series:
+    return pd.Series([paths[i] for i in rows], name="img_path")
+
+
+def fresh(tmp_path: Path, col: pd.Series) -> np.ndarray:
+    root = tmp_path / f"fresh-{len(list(tmp_path.glob('fresh-*')))}"
+    entry = cachekit.Cache(root, workers=1, progress=False).images(col, 8)
+    assert entry.contiguous and entry.rows_reused == 0
+    return np.array(entry.array)
+
+
+def data_files(entry: cachekit.Entry) -> dict[str, os.stat_result]:
+    """The entry's data files (its own data.npy and its parts), by name, with their stat."""
+    return {p.name: p.stat() for p in entry.path.iterdir()
+            if p.name == manifests.DATA_FILE or manifests.is_part_name(p.name)}
+
+
+def own_rows(entry: cachekit.Entry) -> int:
+    return int(np.load(entry.path / manifests.DATA_FILE, mmap_mode="r").shape[0])
+
+
+# --- what a fold, an append and a retry store -----------------------------------------------
+
+
+def test_folds_and_an_append_store_only_their_new_rows_and_link_the_full_entry(
+        cache, pictures, tmp_path):
+    full = cache.images(column(pictures, range(N)), 8)
+    assert full.contiguous and isinstance(full.array, np.memmap)
+    inode = (full.path / manifests.DATA_FILE).stat().st_ino
+    folds = [cache.images(column(pictures, [i for i in range(N) if i % 5 != k]), 8)
+             for k in range(5)]
+    for fold in folds:
+        assert not fold.contiguous and isinstance(fold.array, RowView)
+        assert (fold.rows_decoded, fold.rows_reused) == (0, len(fold))
+        files = data_files(fold)
+        assert own_rows(fold) == 0 and len(files) == 2
+        (part,) = [st for name, st in files.items() if name != manifests.DATA_FILE]
+        assert part.st_ino == inode
+    assert (full.path / manifests.DATA_FILE).stat().st_nlink == 6  # the full entry + 5 folds
+    extra = tmp_path / "extra.png"
+    from PIL import Image
+    Image.fromarray(np.full((10, 12, 3), 7, np.uint8)).save(extra)
+    appended = cache.images(pd.Series([*pictures, str(extra)]), 8)
+    assert (appended.rows_decoded, appended.rows_reused) == (1, N) and own_rows(appended) == 1
+    np.testing.assert_array_equal(np.asarray(appended.array),
+                                  fresh(tmp_path, pd.Series([*pictures, str(extra)])))
+    np.testing.assert_array_equal(np.asarray(folds[2].array),
+                                  np.asarray(full.array)[[i for i in range(N) if i % 5 != 2]])
+
+
+def test_a_retry_after_one_bad_file_stores_only_that_row(cache, pictures, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a picture")
+    col = pd.Series([*pictures[:40], str(bad)])
+    with pytest.raises(cachekit.ImageDecodeError):
+        cache.images(col, 8)
+    (kept,) = [e for e in cache.entries() if e.failed_build is not None]
+    kept_inode = (kept.path / manifests.DATA_FILE).stat().st_ino
+    from PIL import Image
+    Image.fromarray(np.full((10, 12, 3), 9, np.uint8)).save(bad)
+    retry = cache.images(col, 8)
+    assert (retry.rows_decoded, retry.rows_reused) == (1, 40) and own_rows(retry) == 1
+    parts = [st for name, st in data_files(retry).items() if name != manifests.DATA_FILE]
+    assert [st.st_ino for st in parts] == [kept_inode]
+    assert parts[0].st_nlink == 1  # the kept rows' entry is gone; the retry holds its file
+    np.testing.assert_array_equal(np.asarray(retry.array), fresh(tmp_path, col))
+
+
+def test_a_derived_entry_of_a_derived_entry_links_the_same_files(cache, pictures, tmp_path):
+    cache.images(column(pictures, range(0, 80)), 8)
+    middle = cache.images(column(pictures, range(40, 120)), 8)  # 40 linked, 40 decoded
+    assert (middle.rows_decoded, middle.rows_reused) == (40, 40)
+    odd = cache.images(column(pictures, range(1, 120, 2)), 8)  # rows of both files
+    assert odd.rows_decoded == 0 and own_rows(odd) == 0
+    assert {st.st_ino for st in data_files(odd).values()} >= {
+        st.st_ino for name, st in data_files(middle).items()}  # middle's own and its part
+    np.testing.assert_array_equal(np.asarray(odd.array),
+                                  fresh(tmp_path, column(pictures, range(1, 120, 2))))
+
+
+# --- the row view ---------------------------------------------------------------------------
+
+
+def test_the_row_view_indexes_like_the_contiguous_array(cache, pictures, tmp_path):
+    cache.images(column(pictures, range(N)), 8)
+    rows = list(range(N - 1, -1, -3))  # reversed, every third
+    view = cache.images(column(pictures, rows), 8)
+    assert not view.contiguous
+    a, b = view.array, fresh(tmp_path, column(pictures, rows))
+    assert (len(a), a.shape, a.dtype, a.ndim) == (len(b), b.shape, b.dtype, b.ndim)
+    mask = np.arange(len(b)) % 3 == 1
+    for index in (0, -1, 7, slice(None), slice(3, None, 4), slice(-5, None), mask,
+                  np.array([5, 0, 5, -2]), [1, 2], (3, 1), (slice(0, 4), 0, 2), (mask, 2)):
+        np.testing.assert_array_equal(a[index], b[index], err_msg=repr(index))
+    np.testing.assert_array_equal(np.asarray(a), b)
+    np.testing.assert_array_equal(np.stack(list(a)), b)
+    for bad in (len(b), -len(b) - 1, [0, len(b)]):
+        with pytest.raises(IndexError):
+            a[bad]
+    with pytest.raises(IndexError):
+        a[np.ones(3, dtype=bool)]
+    np.testing.assert_array_equal(view.tensor().numpy(), b)
+    loader = __import__("torch").utils.data.DataLoader(view.dataset(targets=np.arange(len(b))),
+                                                       batch_size=7, shuffle=True)
+    for batch, targets in loader:
+        np.testing.assert_array_equal(batch.numpy(), b[targets.numpy()])
+
+
+def test_contiguous_true_copies_a_derived_entry_into_one_file(cache, pictures, tmp_path):
+    cache.images(column(pictures, range(N)), 8)
+    col = column(pictures, range(0, N, 2))
+    derived = cache.images(col, 8)
+    assert not derived.contiguous
+    again = cache.images(col, 8, contiguous=True)
+    assert again.contiguous and isinstance(again.array, np.memmap) and again.rows_decoded == 0
+    assert own_rows(again) == len(col) and len(data_files(again)) == 1
+    np.testing.assert_array_equal(np.asarray(again.array), fresh(tmp_path, col))
+    assert cache.images(col, 8).contiguous  # the key's entry is the contiguous one now
+    fold = column(pictures, range(1, N, 2))
+    assert cli_main(["--root", str(cache.root), "build", _csv(tmp_path, fold), "--column",
+                     "img_path", "--size", "8", "--contiguous"]) == 0
+    assert cache.images(fold, 8).contiguous
+
+
+def _csv(tmp_path: Path, col: pd.Series) -> str:
+    path = tmp_path / "fold.csv"
+    col.to_frame().to_csv(path, index=False)
+    return str(path)
+
+
+def test_when_links_fail_the_rows_are_copied_and_the_call_succeeds(
+        cache, pictures, tmp_path, monkeypatch):
+    full = cache.images(column(pictures, range(N)), 8)
+    monkeypatch.setattr(_fs.DirHandle, "link_open_file", lambda self, f, name: False)
+    fold = cache.images(column(pictures, range(10, 60)), 8)
+    assert fold.contiguous and fold.rows_decoded == 0 and own_rows(fold) == 50
+    assert (full.path / manifests.DATA_FILE).stat().st_nlink == 1
+    np.testing.assert_array_equal(np.asarray(fold.array),
+                                  fresh(tmp_path, column(pictures, range(10, 60))))
+
+
+# --- a map that lies ------------------------------------------------------------------------
+
+
+def _replant_map(entry: cachekit.Entry, where: np.ndarray) -> None:
+    """Write ``where`` as the entry's row map with a manifest that agrees with it (size,
+    checksum): only the bounds check can tell it is wrong."""
+    from cachekit import arrays
+
+    path = entry.path / manifests.ROW_MAP_FILE
+    os.chmod(path, 0o644)
+    np.save(path, np.ascontiguousarray(where, dtype="<u4"))
+    size, checksum = arrays.checksum(path)
+    raw = json.loads((entry.path / manifests.MANIFEST_FILE).read_text())
+    next(f for f in raw["files"] if f["name"] == manifests.ROW_MAP_FILE).update(
+        bytes=size, checksum=checksum)
+    manifest = manifests.Manifest.from_json(raw, entry.path)
+    (entry.path / manifests.MANIFEST_FILE).write_bytes(manifests.dumps(manifest))
+
+
+@pytest.mark.parametrize("lie", ["row past its file", "file past the parts"])
+def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, pictures, lie):
+    cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, 30)), 8)
+    where = np.array(np.load(fold.path / manifests.ROW_MAP_FILE))
+    where[5] = (1, N) if lie == "row past its file" else (2, 0)
+    _replant_map(fold, where)
+    with pytest.raises(cachekit.CacheCorruptError, match="outside"):
+        cachekit.Entry(fold.path, manifests.read(fold.path), source="local")
+    with pytest.raises(cachekit.CacheCorruptError, match="clear"):  # the call says the fix
+        cache.images(column(pictures, range(0, 30)), 8)
+
+
+def test_a_part_not_named_by_its_checksum_is_corrupt(cache, pictures):
+    cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, 30)), 8)
+    raw = json.loads((fold.path / manifests.MANIFEST_FILE).read_text())
+    part = next(f for f in raw["files"] if manifests.is_part_name(f["name"]))
+    part["checksum"] = "blake2b-128:" + "0" * 32
+    with pytest.raises(cachekit.CacheCorruptError, match="named by its checksum"):
+        manifests.Manifest.from_json(raw, fold.path)
+
+
+# --- accounting: ls, verify, the budget -----------------------------------------------------
+
+
+def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
+        cache, pictures, capsys):
+    full = cache.images(column(pictures, range(N)), 8)
+    folds = [cache.images(column(pictures, range(k, N, 3)), 8) for k in range(3)]
+    listed = {e.key: e for e in cache.entries()}
+    data = (full.path / manifests.DATA_FILE).stat().st_size
+    assert listed[full.key].shared_bytes == data
+    for fold in folds:
+        assert listed[fold.key].shared_bytes == data
+        assert listed[fold.key].own_bytes < data / 4
+    unique = {}
+    for path in (cache.root / "entries").rglob("*"):
+        if path.is_file():
+            st = path.lstat()
+            unique[(st.st_dev, st.st_ino)] = st.st_size
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache.root), "ls", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert sum(e["own_bytes"] for e in shown) + data == sum(unique.values())
+    assert cli_main(["--root", str(cache.root), "ls"]) == 0
+    from cachekit import units
+    assert f"{units.format_size(sum(unique.values()))} on disk" in capsys.readouterr().out
+    assert cli_main(["--root", str(cache.root), "verify"]) == 0
+
+
+def test_the_budget_counts_shared_bytes_once_and_keeps_what_folds_link(
+        cache_root, pictures, tmp_path):
+    full = cachekit.Cache(cache_root, workers=1, progress=False).images(
+        column(pictures, range(N)), 8)
+    budget = sum(e.bytes for e in cachekit.Cache(cache_root).entries()) + 64 * 4096
+    tight = cachekit.Cache(cache_root, workers=1, progress=False, max_size=budget)
+    folds = [tight.images(column(pictures, range(k, N, 4)), 8) for k in range(4)]
+    assert {e.key for e in tight.entries()} == {full.key} | {f.key for f in folds}
+    for fold in folds:  # each reads its rows whatever went
+        np.testing.assert_array_equal(np.asarray(fold.array),
+                                      np.asarray(full.array)[fold_rows(fold, pictures)])
+
+
+def fold_rows(entry: cachekit.Entry, pictures: list[str]) -> list[int]:
+    return [pictures.index(p) for p in entry._labels]
+
+
+# --- racing processes -----------------------------------------------------------------------
+
+
+RACER = textwrap.dedent('''
+    import json, os, sys
+    import numpy as np, pandas as pd
+    import cachekit
+    root, paths, me, stop = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    cache = cachekit.Cache(root, workers=1, progress=False)
+    rng = np.random.default_rng(me)
+    checked = 0
+    while not os.path.exists(stop) or checked < 6:
+        rows = np.sort(rng.choice(len(paths), size=40, replace=False))
+        entry = cache.images(pd.Series([paths[i] for i in rows]), 8)
+        want = np.load(os.path.join(os.path.dirname(stop), "truth.npy"))[rows]
+        if not np.array_equal(np.asarray(entry.array), want):
+            raise SystemExit(f"wrong bytes for rows {rows.tolist()}")
+        checked += 1
+    print(json.dumps({"checked": checked}))
+''')
+
+CLEARER = textwrap.dedent('''
+    import os, sys, time, cachekit
+    root, stop = sys.argv[1], sys.argv[2]
+    cache = cachekit.Cache(root, progress=False)
+    rounds = 0
+    while not os.path.exists(stop):
+        if rounds % 2:
+            cache.clear()
+        else:
+            cache.prune(30000)  # about the full entry: the least recently used go
+        rounds += 1
+        time.sleep(0.05)
+    print(rounds)
+''')
+
+
+def test_clear_and_prune_racing_derived_builds_and_reads_never_break_them(
+        cache_root, pictures, tmp_path):
+    truth = fresh(tmp_path, column(pictures, range(N)))
+    np.save(tmp_path / "truth.npy", truth)
+    cachekit.Cache(cache_root, workers=1, progress=False).images(column(pictures, range(N)), 8)
+    stop = tmp_path / "stop"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(cache_root),
+                                json.dumps(pictures), str(me), str(stop)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for me in range(2)]
+    clearer = subprocess.Popen([sys.executable, "-c", CLEARER, str(cache_root), str(stop)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        import time
+        time.sleep(8)
+    finally:
+        stop.touch()
+        results = [p.communicate(timeout=180) for p in racers]
+        rounds = clearer.communicate(timeout=60)
+    for proc, (out, err) in zip(racers, results):
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.splitlines()[-1])["checked"] >= 6
+    assert clearer.returncode == 0 and int(rounds[0]) > 5, rounds[1][-2000:]
