@@ -354,14 +354,15 @@ def stat_signature(paths: Sequence[str]) -> np.ndarray:
     """(size, mtime_ns) of each file as an int64 (N, 2) array; (-1, -1) where stat fails,
     or where the path is no file name at all (a NUL byte): that row fails alone when it is
     decoded, never the whole call."""
-    out = np.full((len(paths), 2), -1, dtype="<i8")
-    for row, path in enumerate(paths):
+    found = []
+    for path in paths:
         try:
             st = os.stat(path)
         except (OSError, ValueError):
+            found.append((-1, -1))
             continue
-        out[row] = (st.st_size, st.st_mtime_ns)
-    return out
+        found.append((st.st_size, st.st_mtime_ns))
+    return np.array(found, dtype="<i8").reshape(len(paths), 2)
 
 
 def content_signature(paths: Sequence[str], workers: int) -> np.ndarray:

@@ -37,6 +37,8 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
                    settings: Optional[urls.FetchSettings] = None) -> np.ndarray:
     """(size, mtime_ns) of each local file, (size, tag) of each remote object, as an
     int64 (N, 2) array; (-1, -1) where there is none."""
+    if all(isinstance(v, str) and "://" not in v for v in values):  # plain local paths
+        return keys.stat_signature(values)
     remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
     if not remote:
         return keys.stat_signature([urls.local_path(v) if isinstance(v, str) else v

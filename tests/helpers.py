@@ -163,3 +163,19 @@ def build_journal(root: Path) -> Path:
     journals = list(root.glob("tmp/*/data.npy.chunks"))
     assert len(journals) == 1, journals
     return journals[0]
+
+
+def write_pictures(folder: Path, count: int, shape: tuple[int, int] = (10, 12)) -> list[str]:
+    """``count`` small PNGs in the new folder ``folder``, picture ``i`` of its own random
+    pixels (seed ``i``), named in order: what incremental builds are tested on."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir()
+    paths = []
+    for i in range(count):
+        rng = np.random.default_rng(i)
+        path = folder / f"p{i:04d}.png"
+        Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths

@@ -161,3 +161,20 @@ def test_the_failures_benchmark_prints_every_figure(tmp_path: Path, monkeypatch)
         assert f"| {figure} |" in result["table"]
     assert all(value > 0 for value in result["rounds"][0].values())
     assert (tmp_path / "f.json").exists()
+
+
+def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    storage = importlib.import_module("bench_storage")
+    result = storage.main(["--quick", "--covers", "60", "--hit-rows", "300",
+                           "--json", str(tmp_path / "s.json")])
+    for figure in ("folds disk / full entry alone", "10 fold calls s / fresh build s",
+                   "append 1%: root growth / full entry",
+                   "retry: bytes added / (1 row + row map)",
+                   "shuffled epoch: fold speed / contiguous",
+                   "sequential epoch: fold speed / contiguous",
+                   "first hit: derived s / contiguous s"):
+        assert f"| {figure} |" in result["table"]
+    assert all(value > 0 for value in result["rounds"][0].values())
+    assert result["rounds"][0]["folds disk / full entry alone"] < 1.5  # the folds link it
+    assert (tmp_path / "s.json").exists()

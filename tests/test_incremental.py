@@ -23,6 +23,7 @@ from cachekit.cli.main import main as cli_main
 from cachekit.engine.decoding import images
 from cachekit.errors import StaleEntryWarning
 from cachekit.store import manifest as manifests
+from helpers import write_pictures
 
 N = 600
 
@@ -37,14 +38,7 @@ def _write_picture(path: Path, seed: int) -> None:
 @pytest.fixture
 def pictures(tmp_path: Path) -> list[str]:
     """N small PNGs, each of its own random pixels."""
-    folder = tmp_path / "pictures"
-    folder.mkdir()
-    paths = []
-    for i in range(N):
-        path = folder / f"p{i:04d}.png"
-        _write_picture(path, i)
-        paths.append(str(path))
-    return paths
+    return write_pictures(tmp_path / "pictures", N)
 
 
 class Decodes:

@@ -22,6 +22,7 @@ import pandas as pd
 import pytest
 
 import cachekit
+from helpers import write_pictures
 
 AGENT = textwrap.dedent('''
     import json, os, sys, time
@@ -126,22 +127,9 @@ def test_a_build_that_dies_in_its_rest_is_resumed_without_computing_it_again(
     assert not list((root / "tmp").glob(f"{after['key']}.*"))
 
 
-def _pictures(folder: Path, count: int) -> list[str]:
-    from PIL import Image
-
-    folder.mkdir()
-    paths = []
-    for i in range(count):
-        rng = np.random.default_rng(i)
-        path = folder / f"p{i:03d}.png"
-        Image.fromarray(rng.integers(0, 256, (9, 11, 3), dtype=np.uint8)).save(path)
-        paths.append(str(path))
-    return paths
-
-
 @pytest.mark.parametrize("executor", ["threads", "processes", "pool"])
 def test_every_executor_copies_and_decodes_the_same_rows(tmp_path: Path, executor: str) -> None:
-    paths = _pictures(tmp_path / "pictures", 160)
+    paths = write_pictures(tmp_path / "pictures", 160, (9, 11))
     pool = ProcessPoolExecutor(2) if executor == "pool" else None
     try:
         cache = cachekit.Cache(tmp_path / "cache", workers=2, progress=False,

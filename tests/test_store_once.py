@@ -22,23 +22,14 @@ from cachekit import _fs
 from cachekit.cli.main import main as cli_main
 from cachekit.store import manifest as manifests
 from cachekit.store.row_view import RowView
+from helpers import write_pictures
 
 N = 120
 
 
 @pytest.fixture
 def pictures(tmp_path: Path) -> list[str]:
-    from PIL import Image
-
-    folder = tmp_path / "pictures"
-    folder.mkdir()
-    paths = []
-    for i in range(N):
-        rng = np.random.default_rng(i)
-        path = folder / f"p{i:04d}.png"
-        Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(path)
-        paths.append(str(path))
-    return paths
+    return write_pictures(tmp_path / "pictures", N)
 
 
 @pytest.fixture
@@ -124,6 +115,29 @@ def test_a_derived_entry_of_a_derived_entry_links_the_same_files(cache, pictures
         st.st_ino for name, st in data_files(middle).items()}  # middle's own and its part
     np.testing.assert_array_equal(np.asarray(odd.array),
                                   fresh(tmp_path, column(pictures, range(1, 120, 2))))
+
+
+def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_path):
+    import warnings
+
+    from cachekit.obtain import staleness
+
+    col = column(pictures, range(N))
+    first = cache.images(col, 8)
+    inode = (first.path / manifests.DATA_FILE).stat().st_ino
+    from PIL import Image
+    Image.fromarray(np.full((10, 12, 3), 200, np.uint8)).save(pictures[7])  # rewritten
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cache.images(col, 8).hit  # its check finds the file changed
+        staleness.wait_for_checks(timeout=60)
+    healed = cache.images(col, 8)
+    assert (healed.outcome, healed.rows_decoded, healed.rows_reused) == ("built", 1, N - 1)
+    assert own_rows(healed) == 1 and not healed.contiguous
+    parts = [st for name, st in data_files(healed).items() if name != manifests.DATA_FILE]
+    assert [st.st_ino for st in parts] == [inode] and parts[0].st_nlink == 1
+    assert not list((cache.root / "tmp").iterdir())  # the entry set aside is gone
+    np.testing.assert_array_equal(np.asarray(healed.array), fresh(tmp_path, col))
 
 
 # --- the row view ---------------------------------------------------------------------------
@@ -336,3 +350,133 @@ def test_clear_and_prune_racing_derived_builds_and_reads_never_break_them(
         assert proc.returncode == 0, err[-3000:]
         assert json.loads(out.splitlines()[-1])["checked"] >= 6
     assert clearer.returncode == 0 and int(rounds[0]) > 5, rounds[1][-2000:]
+
+
+# --- a derived build killed, resumed --------------------------------------------------------
+
+
+DERIVED_BUILDER = textwrap.dedent('''
+    import json, os, signal, sys
+    import numpy as np, pandas as pd
+    import cachekit
+    root, die_at = sys.argv[1], int(sys.argv[2])
+
+    def row(v):
+        if v == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a killed sweep agent would
+        with open(os.path.join(root, "..", "computed.txt"), "a") as f:
+            f.write(f"{v}\\n")
+        return np.full(8, v, dtype=np.int64)
+
+    cache = cachekit.Cache(root, workers=1, progress=False)
+    entry = cache.map(row, pd.Series(range(int(sys.argv[3]))), version="1")
+    print(json.dumps({"counts": [entry.rows_decoded, entry.rows_joined, entry.rows_reused],
+                      "contiguous": entry.contiguous,
+                      "right": bool((np.asarray(entry.array)[:, 0] == np.arange(len(entry))).all())}))
+''')
+
+
+def test_a_derived_build_killed_mid_fill_resumes_its_new_rows_and_links_the_rest(
+        cache_root, tmp_path):
+    script = tmp_path / "derived_builder.py"
+    script.write_text(DERIVED_BUILDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def run(die_at: int, rows: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), str(cache_root), str(die_at),
+                               str(rows)], env=env, capture_output=True, text=True,
+                              timeout=180)
+
+    first = run(-1, 64)
+    assert first.returncode == 0, first.stderr
+    computed = tmp_path / "computed.txt"
+    computed.unlink()
+    killed = run(150, 192)  # 128 new rows in two chunks of 64: dies in the second
+    assert killed.returncode == -9, killed.stderr
+    assert sorted(map(int, computed.read_text().split())) == list(range(64, 150))
+    computed.unlink()
+    resumed = run(-1, 192)
+    assert resumed.returncode == 0, resumed.stderr
+    got = json.loads(resumed.stdout.splitlines()[-1])
+    assert got["right"] and not got["contiguous"]
+    assert got["counts"] == [64, 64, 64]  # decoded, resumed from the dead build, shared
+    assert sorted(map(int, computed.read_text().split())) == list(range(128, 192))
+
+
+# --- a group root: another member's rows ----------------------------------------------------
+
+
+MEMBER = textwrap.dedent('''
+    import hashlib, json, os, sys
+    import numpy as np, pandas as pd
+    import cachekit
+    root, action, rows = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    cache = cachekit.Cache(root, workers=1, progress=False)
+    values = pd.Series(rows)
+    fn = lambda v: np.full(16, v, dtype=np.int32)
+    if action == "clear":
+        cache.clear(rows)  # (keys)
+        print(json.dumps({}))
+        raise SystemExit
+    entry = cache.map(fn, values, version="1")
+    inodes = sorted(os.stat(os.path.join(entry.path, name)).st_ino for name in os.listdir(entry.path)
+                    if name == "data.npy" or name.startswith("part_"))
+    print(json.dumps({"key": entry.key, "contiguous": entry.contiguous, "inodes": inodes,
+                      "decoded": entry.rows_decoded, "reused": entry.rows_reused,
+                      "right": bool((np.asarray(entry.array)[:, 0] == np.asarray(rows)).all())}))
+''')
+
+
+@pytest.mark.parametrize("signing", [False, True])
+def test_a_group_members_rows_are_copied_never_linked_and_their_clear_breaks_nothing(
+        shared_root, signing):
+    """Without signing the other member's rows are copied; with it, another uid's row index
+    is not trusted (it is unsigned), so they are decoded: never linked either way."""
+    from hosts import finish
+
+    script = shared_root.script(MEMBER)
+    env = {"CACHEKIT_SIGNING_KEY": "team-key-" + "k" * 24} if signing else {}
+
+    def member(user, action: str, rows: list) -> dict:
+        return finish(user.python(script, shared_root.root, action, json.dumps(rows),
+                                  env=env)).report()
+
+    full = member(shared_root.victim, "build", list(range(200)))
+    own_fold = member(shared_root.victim, "build", list(range(0, 200, 2)))
+    assert not own_fold["contiguous"] and set(full["inodes"]) < set(own_fold["inodes"])
+    theirs = member(shared_root.attacker, "build", list(range(1, 200, 2)))
+    assert theirs["contiguous"] and theirs["decoded"] == (100 if signing else 0)
+    assert theirs["reused"] == 100 - theirs["decoded"]
+    assert not set(theirs["inodes"]) & set(full["inodes"])  # copied, not linked
+    assert theirs["right"] and own_fold["right"]
+    entries = shared_root.root / "entries"
+    victims_file = entries / full["key"] / manifests.DATA_FILE
+    assert victims_file.stat().st_uid == shared_root.victim.uid
+    assert victims_file.stat().st_mode & 0o022 == 0  # no file mode was loosened to share
+    member(shared_root.victim, "clear", [full["key"], own_fold["key"]])
+    again = member(shared_root.attacker, "build", list(range(1, 200, 2)))
+    assert again["right"] and again["key"] == theirs["key"] and again["decoded"] == 0
+
+
+# --- the remote tier ------------------------------------------------------------------------
+
+
+def _int_row(v: int) -> np.ndarray:
+    return np.full(16, v, dtype=np.int32)
+
+
+def test_a_derived_entry_is_pushed_and_pulled_whole_and_verifies(s3_env, tmp_path, capsys):
+    from cachekit.obtain import background
+
+    here = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    here.map(_int_row, list(range(300)), version="1")
+    fold = here.map(_int_row, list(range(0, 300, 3)), version="1")
+    assert not fold.contiguous
+    background.wait_all()
+    there = cachekit.Cache(tmp_path / "b", workers=1, progress=False)
+    pulled = there.map(_int_row, list(range(0, 300, 3)), version="1")
+    assert pulled.source == "remote" and not pulled.contiguous
+    np.testing.assert_array_equal(np.asarray(pulled.array)[:, 0], np.arange(0, 300, 3))
+    capsys.readouterr()
+    assert cli_main(["--root", str(tmp_path / "b"), "verify"]) == 0
+    assert cli_main(["--root", str(tmp_path / "b"), "verify", "--remote"]) == 0

@@ -6,14 +6,16 @@ every byte, to compare each data file with the checksum its manifest recorded.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .. import arrays
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
-from .inspect import Problem, list_entries, resolve_keys
+from .inspect import Problem, list_entries, resolve_keys, stored_bytes
 from ..store import LocalStore
+from ..store.row_view import read_row_map
 
 
 def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
@@ -23,8 +25,9 @@ def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
     problems found, [] when all is well. Without ``keys``, items in ``entries/`` that are
     not entries count as problems too.
 
-    ``on_start(entries, bytes)`` is called once with what is about to be checked, and
-    ``on_bytes(n)`` after each entry with its size, for a progress bar.
+    ``on_start(entries, bytes)`` is called once with what is about to be checked (each
+    file once, however many entries link it), and ``on_bytes(n)`` after each entry with
+    the bytes of its files not counted before, for a progress bar.
     """
     entries, problems = list_entries(store)
     if keys is not None:
@@ -32,24 +35,38 @@ def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
         entries = [e for e in entries if e.key in wanted]
         problems = [p for p in problems if p.key in wanted]
     if on_start is not None:
-        on_start(len(entries), sum(e.bytes for e in entries))
+        on_start(len(entries), stored_bytes(entries))
+    hashed: dict[tuple[int, ...], str] = {}
+    counted: set[tuple[int, int, int]] = set()
     for entry in entries:
         if entry.problem is None:  # else list_entries reported it already
-            problem = check_entry(entry.path)
+            problem = check_entry(entry.path, hashed)
             if problem is not None:
                 problems.append(problem)
         if on_bytes is not None:
-            on_bytes(entry.bytes)
+            on_bytes(sum(f[2] for f in set(entry.files) - counted))
+            counted.update(entry.files)
     return problems
 
 
-def check_entry(path: Path) -> Optional[Problem]:
-    """The problem with the entry at ``path``, or None when every file matches its manifest."""
+def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None
+                ) -> Optional[Problem]:
+    """The problem with the entry at ``path``, or None when every file matches its manifest
+    (and a derived entry's row map points inside its files). ``hashed``: checksums of files
+    read already, by (device, inode, size, mtime), so a file that several entries link is
+    read once, and each of them is told when it does not match."""
+    hashed = {} if hashed is None else hashed
     try:
         manifest = manifests.read(path)
+        if not manifest.contiguous:
+            read_row_map(path, manifest)
         for record in manifest.files:
             arrays.open_record(path, record)  # checks the .npy header and the size
-            _, actual = arrays.checksum(path / record.name)
+            st = os.lstat(path / record.name)
+            seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if seen not in hashed:
+                hashed[seen] = arrays.checksum(path / record.name)[1]
+            actual = hashed[seen]
             if actual != record.checksum:
                 return Problem(path.name, path, f"checksum mismatch in {record.name}: manifest "
                                                 f"says {record.checksum}, the file has {actual}")

@@ -91,7 +91,9 @@ class RowBuild:
         which files failed) rather than propagated."""
         self._values: Optional[np.ndarray] = None
         self._healed: Optional[RowSource] = None
-        """The stale entry of the key, opened before it was removed to be built again."""
+        """The entry of the key, opened before it was set aside to be built again."""
+        self._aside: Optional[str] = None
+        """Its name under ``tmp/`` until the build has linked what it shares of it."""
 
     @property
     def expected(self) -> Expected:
@@ -115,10 +117,14 @@ class RowBuild:
         builder = _decoders() if call.kind == "images" else None
         rows = self._rows(builder)
         healed, self._healed = self._healed, None
-        with donors.find(self.store, self.key, rows, call.template, healed) as found:
-            if runner.announce:
-                donors.announce(self.key, found, len(values))
-            held = parts.reference(current.dir, found, len(values), link=not call.contiguous)
+        try:
+            with donors.find(self.store, self.key, rows, call.template, healed) as found:
+                if runner.announce:
+                    donors.announce(self.key, found, len(values))
+                held = parts.reference(current.dir, found, len(values),
+                                       link=not call.contiguous)
+        finally:
+            self._drop_aside()
         with contextlib.closing(held):
             if held.derived and not len(held.todo):  # nothing to decode: no fill at all
                 filled = _no_rows(current.dir, found.template)
@@ -132,7 +138,7 @@ class RowBuild:
                                      report=report, todo=held.todo if held.derived else None)
             held.own()
             if held.derived and not held.linked:
-                if runner.announce and not call.contiguous and healed is None:
+                if runner.announce and not call.contiguous:
                     say(f"entry {self.key[:12]}: the files of the rows it shares cannot be "
                         "linked here (another filesystem or another user's files); copied "
                         "its rows into one file instead")
@@ -168,6 +174,10 @@ class RowBuild:
         serve later builds; a hit of images keyed by paths alone samples its files' stats
         (:mod:`cachekit.obtain.staleness`); a derived entry where a contiguous one was asked
         for is built again as one file."""
+        if self._healed is not None:  # another process built the key meanwhile
+            self._healed.close()
+            self._healed = None
+            self._drop_aside()
         if outcome.source == "remote":
             index_entry(self.store, outcome.entry)
         call = self.call
@@ -204,29 +214,38 @@ class RowBuild:
                           "decoding only their rows", forget=STALE)
 
     def _build_again(self, entry: Published, why: str, forget: Optional[str] = None) -> None:
-        """Open the rows of ``entry`` to build from, remove it, and raise FileNotFoundError,
-        so that the call obtains the key again and builds it, taking every row it can from
-        the removed entry (:func:`.donors.find`'s ``healed``). Returns when another process
+        """Open the rows of ``entry`` to build from, set it aside, and raise
+        FileNotFoundError, so that the call obtains the key again and builds it, sharing
+        every row it can with the entry set aside (:func:`.donors.find`'s ``healed``),
+        which is removed once the build has linked its files. Returns when another process
         did so first, or this one may not remove it. ``forget``: the record to drop."""
         if entry.manifest.reuse is None:
             return
         source = open_row_source(self.store, self.key, entry.manifest.reuse.recipe)
         try:
-            if source is not None:
-                source.hold()
-            removed = self.store.still_published(entry) and self.store.remove_entry(self.key)
-        except (OSError, ValueError):
-            removed = False
-        if not removed:
+            aside = self.store.set_aside(self.key) if self.store.still_published(entry) \
+                else None
+        except OSError:
+            aside = None
+        if aside is None:
             if source is not None:
                 source.close()
             return
         if forget is not None:
             self.store.forget_record(forget, self.key)
-        self._healed = source
+        self._healed, self._aside = source, aside
         if self.runner.announce:
             say(f"entry {self.key[:12]}: {why}")
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
+
+    def _drop_aside(self) -> None:
+        """Remove the entry set aside to be built again (its files live on where linked)."""
+        if self._aside is not None:
+            aside, self._aside = self._aside, None
+            try:
+                self.store.remove_temp(aside, self.key)
+            except OSError:
+                pass  # an interrupted removal: `cachekit clear` finishes it
 
     def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
         """The build's recipe and each row's identity under it, plus for images each file's

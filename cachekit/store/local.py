@@ -332,6 +332,24 @@ class LocalStore:
             self.row_index.forget(key)  # its rows are no longer there to copy
         return removed
 
+    def set_aside(self, key: str) -> Optional[str]:
+        """Take the published entry ``key`` out of ``entries/`` (renamed into
+        ``tmp/deleting.*``, where it is a removal under way) and return its name there, for
+        :meth:`remove_temp` once its files are no longer needed: a handle opened on it
+        before still reads them, and a build may link them meanwhile. None when it was
+        already gone."""
+        with self.layout.open_folder("entries") as entries, \
+                self.layout.open_folder("tmp", create=True) as tmp:
+            try:
+                if not stat.S_ISDIR(entries.lstat(key).st_mode):
+                    return None
+                aside = trash_name(key)
+                entries.rename(key, tmp, aside)
+            except FileNotFoundError:
+                return None
+        self.row_index.forget(key)
+        return aside
+
     def remove_temp(self, name: str, key: str) -> bool:
         """Remove the build directory or leftover ``tmp/NAME`` the same way."""
         with self.layout.open_folder("tmp") as tmp:

@@ -15,7 +15,7 @@ be cleared or pruned at any moment and no path is followed that another process 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, BinaryIO, Optional
 
@@ -42,8 +42,6 @@ class RowSource:
     ids: np.ndarray
     stats: Optional[np.ndarray]
     where: Optional[np.ndarray] = None
-    held: dict[int, tuple[BinaryIO, int]] = field(default_factory=dict)
-    """Data files opened by :meth:`hold`, by index."""
 
     @cached_property
     def failed(self) -> np.ndarray:
@@ -61,9 +59,6 @@ class RowSource:
         """Data file ``index`` (of ``manifest.data_files``) open, its size and header the
         manifest's: (the file, the byte its rows start at). OSError or CacheCorruptError
         when it is gone or differs."""
-        if index in self.held:
-            f, offset = self.held[index]
-            return os.fdopen(os.dup(f.fileno()), "rb"), offset
         record = self.manifest.data_files[index]
         f = self.directory.open_file(record.name)
         try:
@@ -77,17 +72,7 @@ class RowSource:
             raise
         return f, offset
 
-    def hold(self) -> None:
-        """Open every data file now, so that the rows stay readable once the entry is
-        removed (a stale entry healed: it is removed before it is built again)."""
-        for index in range(len(self.manifest.data_files)):
-            if index not in self.held:
-                self.held[index] = self.open_data(index)
-
     def close(self) -> None:
-        for f, _ in self.held.values():
-            f.close()
-        self.held.clear()
         self.directory.close()
 
     def __enter__(self) -> "RowSource":

@@ -110,7 +110,8 @@ class RowView:
             files, at, into = self._file[part], self._row[part], out[start:start + len(part)]
             first = files[0] if len(files) else 0
             if (files == first).all():  # the common case: one file serves the whole step
-                np.take(self._files[first], at, axis=0, out=into)
+                # ("clip": rows were checked against the files; "raise" buffers the copy)
+                np.take(self._files[first], at, axis=0, out=into, mode="clip")
                 continue
             for f in np.unique(files):
                 here = np.flatnonzero(files == f)

@@ -16,6 +16,8 @@ with a second entry point that fills a whole piece of rows at once; see docs/usa
 
 from __future__ import annotations
 
+import functools
+
 import importlib
 from typing import Optional, Protocol
 
@@ -88,7 +90,13 @@ def decoder_versions() -> dict[str, Optional[str]]:
     """The versions of what decodes the images: Pillow, its libjpeg (the libjpeg API level,
     e.g. "6.2" or "8.0") and libjpeg-turbo when that is the implementation, torch and
     torchvision (None when not installed). Recorded in an images entry's manifest
-    (``builder.decoders``), not in its key: see docs/object-stores.md."""
+    (``builder.decoders``), not in its key: see docs/object-stores.md. Read once per
+    process (package metadata costs milliseconds, and a fold builds in tens of them)."""
+    return dict(_decoder_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _decoder_versions() -> dict[str, Optional[str]]:
     from importlib import metadata
 
     import PIL
