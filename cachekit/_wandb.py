@@ -16,8 +16,10 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .messages import prefix
-from .store.manifest import ROW_FILES
+from .store.manifest import MEMOIZE_KIND
 
 if TYPE_CHECKING:
     from .obtain import Outcome
@@ -116,7 +118,8 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
         "wait_seconds": waited,
         "rows": manifest.rows,
         "shape": list(manifest.shape),
-        "bytes": sum(f.data_bytes for f in manifest.files if f.name not in ROW_FILES),
+        "bytes": int(np.prod(manifest.shape)) * manifest.dtype.itemsize if manifest.kind !=
+        MEMOIZE_KIND else sum(f.data_bytes for f in manifest.files),  # the rows, once
         "entries": _totals["entries"],
         "build_seconds_total": round(_totals["build"], 3),
         "decode_seconds_total": round(_totals["decode"], 3),

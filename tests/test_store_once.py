@@ -66,6 +66,7 @@ def test_folds_and_an_append_store_only_their_new_rows_and_link_the_full_entry(
     full = cache.images(column(pictures, range(N)), 8)
     assert full.contiguous and isinstance(full.array, np.memmap)
     inode = (full.path / manifests.DATA_FILE).stat().st_ino
+    inodes = {p.stat().st_ino for p in full.path.iterdir()}
     folds = [cache.images(column(pictures, [i for i in range(N) if i % 5 != k]), 8)
              for k in range(5)]
     for fold in folds:
@@ -73,6 +74,11 @@ def test_folds_and_an_append_store_only_their_new_rows_and_link_the_full_entry(
         assert (fold.rows_decoded, fold.rows_reused) == (0, len(fold))
         files = data_files(fold)
         assert own_rows(fold) == 0 and len(files) == 2
+        assert np.load(fold.path / manifests.ROW_IDS_FILE).shape == (0, 2)  # own rows only
+        assert {p.name for p in fold.path.iterdir() if p.stat().st_ino in inodes} == {
+            *files.keys() - {manifests.DATA_FILE},
+            *(manifests.sidecar_name(next(n for n in files if n != manifests.DATA_FILE), r)
+              for r in manifests.SIDECARS)}  # the full entry's data, ids and stats, linked
         (part,) = [st for name, st in files.items() if name != manifests.DATA_FILE]
         assert part.st_ino == inode
     assert (full.path / manifests.DATA_FILE).stat().st_nlink == 6  # the full entry + 5 folds
@@ -233,6 +239,15 @@ def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, p
         cache.images(column(pictures, range(0, 30)), 8)
 
 
+def test_a_part_without_its_row_files_is_corrupt(cache, pictures):
+    cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, 30)), 8)
+    raw = json.loads((fold.path / manifests.MANIFEST_FILE).read_text())
+    raw["files"] = [f for f in raw["files"] if not f["name"].endswith(".stats.npy")]
+    with pytest.raises(cachekit.CacheCorruptError, match="missing or extra"):
+        manifests.Manifest.from_json(raw, fold.path)
+
+
 def test_a_part_not_named_by_its_checksum_is_corrupt(cache, pictures):
     cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, 30)), 8)
@@ -251,7 +266,9 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     full = cache.images(column(pictures, range(N)), 8)
     folds = [cache.images(column(pictures, range(k, N, 3)), 8) for k in range(3)]
     listed = {e.key: e for e in cache.entries()}
-    data = (full.path / manifests.DATA_FILE).stat().st_size
+    data = sum((full.path / name).stat().st_size  # the data and the row files it describe
+               for name in (manifests.DATA_FILE, manifests.ROW_IDS_FILE,
+                            manifests.ROW_STATS_FILE))
     assert listed[full.key].shared_bytes == data
     for fold in folds:
         assert listed[fold.key].shared_bytes == data

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO, Sequence
 
 import numpy as np
 
 from .. import _fs, arrays
 from ..engine.filling.plan import PAGE_BYTES
-from ..store.manifest import DATA_FILE, FileRecord, part_name
+from ..store.manifest import DATA_FILE, FileRecord, part_name, sidecar_name
+from ..store.row_source import RowSource
 from ..store.row_view import GATHER_ROWS, RowView
 from .donors import Donors
 
@@ -49,11 +50,18 @@ class Parts:
     opened: list[tuple[BinaryIO, int]] = field(default_factory=list)
     linked: bool = True
     shared: dict[str, int] = field(default_factory=dict)
+    sidecars: dict[str, FileRecord] = field(default_factory=dict)
+    """Each part's row files (identities, stats) by their name here, with their record."""
 
     @property
     def todo(self) -> np.ndarray:
         """The rows the build decodes (no donor holds them), ascending."""
         return np.flatnonzero(self.where[:, 0] < 0)
+
+    @property
+    def own_rows(self) -> np.ndarray:
+        """The rows of the build's own data file, in its order (after :meth:`own`)."""
+        return np.flatnonzero(self.where[:, 0] == 0)
 
     @property
     def derived(self) -> bool:
@@ -94,9 +102,9 @@ class Parts:
         arrays.flush(out)
         del out, view, files, own
         directory.unlink(OWN_FILE)
-        for name in self.names:
+        for name in [*self.names, *self.sidecars]:
             directory.unlink(name)
-        self.names, self.records, self.linked = [], [], True
+        self.names, self.records, self.sidecars, self.linked = [], [], {}, True
         self.close()
 
     def close(self) -> None:
@@ -109,11 +117,13 @@ def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
     return np.memmap(f, dtype=record.np_dtype, mode="r", offset=offset, shape=record.shape)
 
 
-def reference(directory: _fs.DirHandle, found: Donors, rows: int, *, link: bool) -> Parts:
+def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Sequence[str],
+              *, link: bool) -> Parts:
     """Where each of the build's ``rows`` rows is held by ``found``'s donors, each donor
-    data file that holds any opened and (``link``) hard-linked into ``directory``: once a
-    link fails, no more are tried (the caller materializes). A data file that cannot be
-    opened or fails its checks gives no rows: they are decoded."""
+    data file that holds any opened and (``link``) hard-linked into ``directory`` with its
+    ``row_files`` (:data:`~cachekit.store.manifest.SIDECARS`): once a link fails, no more
+    are tried (the caller materializes). A data file that cannot be opened, fails its
+    checks or lacks one of those row files gives no rows: they are decoded."""
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
     index_of: dict[str, int] = {}
     try:
@@ -123,7 +133,7 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, *, link: bool)
                 record = donor.source.manifest.data_files[int(k)]
                 name = part_name(record.checksum)
                 if name not in index_of:
-                    if not _add(parts, directory, donor.source, int(k), name):
+                    if not _add(parts, directory, donor.source, int(k), name, row_files):
                         continue
                     index_of[name] = len(parts.names) - 1
                 here = files == k
@@ -137,17 +147,44 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, *, link: bool)
     return parts
 
 
-def _add(parts: Parts, directory: _fs.DirHandle, source: Any, index: int, name: str) -> bool:
-    """Open data file ``index`` of ``source`` as the part ``name`` (linked while links
-    work); False when it cannot be opened or fails its checks."""
+def _add(parts: Parts, directory: _fs.DirHandle, source: RowSource, index: int, name: str,
+         row_files: Sequence[str]) -> bool:
+    """Open data file ``index`` of ``source`` as the part ``name`` with its ``row_files``
+    (linked while links work); False when it cannot be opened, fails its checks or lacks
+    one of those row files."""
+    manifest = source.manifest
+    theirs = {row_file: row_file if index == 0 else
+              sidecar_name(manifest.data_files[index].name, row_file) for row_file in row_files}
+    records = {row_file: manifest.row_file(name_there) for row_file, name_there
+               in theirs.items()}
+    if any(record is None for record in records.values()):
+        return False
     try:
         f, offset = source.open_data(index)
     except (OSError, ValueError):
         return False
     parts.names.append(name)
-    parts.records.append(source.manifest.data_files[index])
+    parts.records.append(manifest.data_files[index])
     parts.opened.append((f, offset))
+    mine = {sidecar_name(name, row_file): (theirs[row_file], records[row_file])
+            for row_file in row_files}
+    parts.sidecars.update((here, record) for here, (_, record) in mine.items())
     if parts.linked:  # only this user's files: no other member can change what we share
-        parts.linked = (os.fstat(f.fileno()).st_uid == os.geteuid()
-                        and directory.link_open_file(f, name))
+        parts.linked = _link(directory, f, name) and all(
+            _link_row_file(directory, source, there, record, here)
+            for here, (there, record) in mine.items())
     return True
+
+
+def _link(directory: _fs.DirHandle, f: BinaryIO, name: str) -> bool:
+    return os.fstat(f.fileno()).st_uid == os.geteuid() and directory.link_open_file(f, name)
+
+
+def _link_row_file(directory: _fs.DirHandle, source: RowSource, there: str,
+                   record: FileRecord, here: str) -> bool:
+    """Link the row file ``there`` of ``source`` as ``here``, if its size is its record's."""
+    try:
+        with source.directory.open_file(there) as f:
+            return os.fstat(f.fileno()).st_size == record.bytes and _link(directory, f, here)
+    except OSError:
+        return False

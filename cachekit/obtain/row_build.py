@@ -121,7 +121,9 @@ class RowBuild:
             with donors.find(self.store, self.key, rows, call.template, healed) as found:
                 if runner.announce:
                     donors.announce(self.key, found, len(values))
-                held = parts.reference(current.dir, found, len(values),
+                row_files = (manifests.ROW_IDS_FILE,) + (
+                    (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
+                held = parts.reference(current.dir, found, len(values), row_files,
                                        link=not call.contiguous)
         finally:
             self._drop_aside()
@@ -227,7 +229,7 @@ class RowBuild:
                 else None
         except OSError:
             aside = None
-        if aside is None:
+        if not aside:
             if source is not None:
                 source.close()
             return
@@ -291,20 +293,21 @@ def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
     whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
-    arrays.write_small(directory, manifests.ROW_IDS_FILE, rows.ids)
+    own = held.own_rows if held.derived else slice(None)  # they describe data.npy's rows
+    arrays.write_small(directory, manifests.ROW_IDS_FILE, np.ascontiguousarray(rows.ids[own]))
     arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
     files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
     digests = {manifests.DATA_FILE: whole}
     if rows.stats is not None:
         arrays.write_small(directory, manifests.ROW_STATS_FILE,
-                           np.ascontiguousarray(rows.stats, dtype="<i8"))
+                           np.ascontiguousarray(rows.stats[own], dtype="<i8"))
         files.append((manifests.ROW_STATS_FILE, "numpy"))
     if held.derived:
         arrays.write_small(directory, manifests.ROW_MAP_FILE, held.row_map())
         files.append((manifests.ROW_MAP_FILE, "numpy"))
-        files += [(name, "numpy") for name in held.names]
-        digests.update((name, record.checksum) for name, record in zip(held.names,
-                                                                        held.records))
+        shared = {**dict(zip(held.names, held.records)), **held.sidecars}
+        files += [(name, "numpy") for name in sorted(shared)]
+        digests.update((name, record.checksum) for name, record in shared.items())
     reused = sorted(((k, n) for k, n in held.shared.items() if n), key=lambda kn: -kn[1])
     origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
     return _RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin)

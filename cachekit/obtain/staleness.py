@@ -37,10 +37,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import arrays, redaction, urls
+from .. import _fs, arrays, redaction, urls
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
+from ..store.row_view import read_row_file
 
 SAMPLE_ROWS = 16
 START_DELAY = 0.05
@@ -74,7 +75,11 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
     if mode == "off" or record is None or manifest.key in _warned or not manifest.rows:
         return
     try:
-        recorded = np.asarray(arrays.open_record(entry_path, record))
+        if manifest.contiguous:
+            recorded = np.asarray(arrays.open_record(entry_path, record))
+        else:  # a derived entry's: its own rows' and its parts' (read whole)
+            with _fs.DirHandle.open(entry_path) as directory:
+                recorded = read_row_file(directory, manifest, ROW_STATS_FILE)
     except (OSError, CacheCorruptError):
         return  # a hit does not stop for an advisory record
     if recorded.shape != (manifest.rows, 2):

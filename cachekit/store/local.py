@@ -325,53 +325,45 @@ class LocalStore:
         """Remove a published entry: renamed into ``tmp/deleting.*`` first (readers see all
         of it or none; processes that mapped it keep their bytes), then deleted. False when
         it was already gone. A planted symlink is unlinked, never followed."""
-        with self.layout.open_folder("entries") as entries, \
-                self.layout.open_folder("tmp", create=True) as tmp:
-            removed = self._move_out_and_delete(entries, key, tmp, key)
-        if removed:
-            self.row_index.forget(key)  # its rows are no longer there to copy
-        return removed
+        aside = self.set_aside(key)
+        if aside:
+            self.remove_temp(aside, key)
+        return aside is not None
 
     def set_aside(self, key: str) -> Optional[str]:
-        """Take the published entry ``key`` out of ``entries/`` (renamed into
-        ``tmp/deleting.*``, where it is a removal under way) and return its name there, for
-        :meth:`remove_temp` once its files are no longer needed: a handle opened on it
-        before still reads them, and a build may link them meanwhile. None when it was
-        already gone."""
+        """Rename the entry ``key`` into ``tmp/deleting.*`` (a removal under way) and return
+        that name, for :meth:`remove_temp` once a handle opened on it before (a build
+        linking its files) is done. None when it was gone; "" for a symlink or file there
+        (unlinked)."""
         with self.layout.open_folder("entries") as entries, \
                 self.layout.open_folder("tmp", create=True) as tmp:
-            try:
-                if not stat.S_ISDIR(entries.lstat(key).st_mode):
-                    return None
-                aside = trash_name(key)
-                entries.rename(key, tmp, aside)
-            except FileNotFoundError:
-                return None
-        self.row_index.forget(key)
+            aside = self._move_out(entries, key, tmp, key)
+        if aside is not None:
+            self.row_index.forget(key)  # its rows are no longer there to share
         return aside
 
     def remove_temp(self, name: str, key: str) -> bool:
         """Remove the build directory or leftover ``tmp/NAME`` the same way."""
         with self.layout.open_folder("tmp") as tmp:
-            return self._move_out_and_delete(tmp, name, tmp, key)
+            trash = self._move_out(tmp, name, tmp, key)
+            if trash:
+                tmp.remove_tree(trash)
+            return trash is not None
 
     @staticmethod
-    def _move_out_and_delete(parent: _fs.DirHandle, name: str, tmp: _fs.DirHandle,
-                             key: str) -> bool:
+    def _move_out(parent: _fs.DirHandle, name: str, tmp: _fs.DirHandle,
+                  key: str) -> Optional[str]:
+        """Rename the directory ``parent/NAME`` to a fresh ``tmp/deleting.*`` name, returned;
+        "" for a symlink or file there (unlinked, never followed); None when it is gone."""
         try:
-            st = parent.lstat(name)
-        except FileNotFoundError:
-            return False
-        if not stat.S_ISDIR(st.st_mode):
-            parent.unlink(name)  # a symlink or file where a directory belongs: just the link
-            return True
-        trash = trash_name(key)
-        try:
+            if not stat.S_ISDIR(parent.lstat(name).st_mode):
+                parent.unlink(name)
+                return ""
+            trash = trash_name(key)
             parent.rename(name, tmp, trash)
         except FileNotFoundError:
-            return False
-        tmp.remove_tree(trash)
-        return True
+            return None
+        return trash
 
     # Scan --------------------------------------------------------------------------------
 

@@ -38,13 +38,14 @@ from ..keys import FORMAT_VERSION, is_key
 from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, MEMOIZE_KIND,
                       ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_MAP_FILE, ROW_STATS_FILE,
                       FileRecord, Origin, RowReuse, allowed_file_name, count_field,
-                      failed_mask_text, file_name, get_field, is_number, is_part_name,
-                      parse_failed_mask, parse_failure, parse_file_record, parse_origin,
-                      parse_reuse, part_name)
+                      failed_mask_text, file_name, get_field, is_number, is_part_file,
+                      is_part_name, parse_failed_mask, parse_failure, parse_file_record,
+                      parse_origin, parse_reuse, part_name, sidecar_name, SIDECARS)
 
 __all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT", "MEMOIZE_KIND",
            "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "FAILURE_DETAILS", "ROW_IDS_FILE",
-           "ROW_MAP_FILE", "ROW_STATS_FILE", "is_part_name", "part_name",
+           "ROW_MAP_FILE", "ROW_STATS_FILE", "SIDECARS", "is_part_file", "is_part_name",
+           "part_name", "sidecar_name",
            "FileRecord", "Manifest", "Origin", "RowReuse", "allowed_file_name", "dumps",
            "failed_fields",
            "file_name", "loads", "read", "read_at", "write_at"]
@@ -267,7 +268,8 @@ def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:
 def _check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
                       fail: Any) -> None:
     """A contiguous entry's data file holds its rows; a derived entry's row map has one
-    (file, row) pair a row, and its parts rows of the data file's shape and dtype."""
+    (file, row) pair a row, and its parts rows of the data file's shape and dtype, each
+    named by its checksum and with the row files the entry has, of its rows."""
     first = files[0]
     scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
     row_map = next((f for f in files if f.name == ROW_MAP_FILE), None)
@@ -281,12 +283,29 @@ def _check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, deriv
     if row_map.shape != (rows, 2) or row_map.dtype != "<u4" or not first.shape:
         raise fail(f"the row map holds {row_map.dtype} {list(row_map.shape)}, not <u4 "
                    f"[{rows}, 2]")
-    for part in files:
-        if is_part_name(part.name) and (
-                part.shape[1:] != first.shape[1:] or part.dtype != first.dtype
-                or not part.shape or part.name != part_name(part.checksum)):
+    by_name = {f.name: f for f in files}
+    data_parts = [f for f in files if is_part_name(f.name)]
+    wanted = {sidecar_name(p.name, n) for p in data_parts for n in SIDECARS if n in by_name}
+    extra = {f.name for f in files if is_part_file(f.name) and not is_part_name(f.name)}
+    if extra != wanted:
+        raise fail(f"the parts' row files {sorted(extra ^ wanted)[:3]} are missing or extra")
+    for part in data_parts:
+        if (part.shape[1:] != first.shape[1:] or part.dtype != first.dtype or not part.shape
+                or part.name != part_name(part.checksum)):
             raise fail(f"part {part.name} is not rows of the data's shape and dtype, or "
                        "not named by its checksum")
+        for row_file in SIDECARS:
+            if row_file in by_name and not _describes(
+                    by_name[sidecar_name(part.name, row_file)], part.shape[0], row_file):
+                raise fail(f"the {row_file} of part {part.name} is not of its rows")
+
+
+def _describes(record: FileRecord, rows: int, row_file: str) -> bool:
+    """Whether ``record`` holds row identities (two or four words) or file stats of
+    ``rows`` rows, as ``row_file`` (:data:`ROW_IDS_FILE`, :data:`ROW_STATS_FILE`) does."""
+    if row_file == ROW_IDS_FILE:
+        return record.dtype == "<u8" and record.shape in ((rows, 2), (rows, 4))
+    return record.dtype == "<i8" and record.shape == (rows, 2)
 
 
 def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
@@ -307,13 +326,15 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     rows = count_field(raw.get("rows"), "rows", fail)
     files_raw = get_field(raw, "files", list, fail)
     if not files_raw or (kind != MEMOIZE_KIND
-                         and len(files_raw) > 1 + len(ROW_FILES) + MAX_PARTS):
+                         and len(files_raw) > 1 + len(ROW_FILES) + 3 * MAX_PARTS):
         raise fail(f"a {kind} entry has {len(files_raw)} files")
     files = tuple(parse_file_record(i, item, fail) for i, item in enumerate(files_raw))
     names = [f.name for f in files]
-    parts = [n for n in names if is_part_name(n)] if kind != MEMOIZE_KIND else []
+    part_files = [n for n in names if is_part_file(n)] if kind != MEMOIZE_KIND else []
+    parts = [n for n in part_files if is_part_name(n)]
     expected = ([file_name(i) for i in range(len(files))] if kind == MEMOIZE_KIND else
-                [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]] + sorted(set(parts)))
+                [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]]
+                + sorted(set(part_files)))
     if names != expected:
         raise fail(f"a {kind} entry's files must be {expected[:8]}, not {names[:8]}")
     first = files[0]

@@ -37,9 +37,12 @@ ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE, ROW_MAP_FILE)
 """The files a per-row entry may list after its data, in this order: what lets a later
 build reference its rows (:mod:`cachekit.store.row_index`), a hit check its files' stats,
 and a derived entry find its rows in its parts."""
-_PART = re.compile(r"part_[0-9a-f]{32}\.npy")
+_PART = re.compile(r"part_[0-9a-f]{32}(\.ids|\.stats)?\.npy")
 MAX_PARTS = 4096
 """Parts a derived entry may list at most: each is a file a reader opens and maps."""
+SIDECARS = {ROW_IDS_FILE: "ids", ROW_STATS_FILE: "stats"}
+"""The row files that describe the rows of one data file, and the suffix a part's copy of
+each has: a derived entry links a part's row identities and stats with its data."""
 
 
 def part_name(checksum: str) -> str:
@@ -48,7 +51,19 @@ def part_name(checksum: str) -> str:
     return f"part_{checksum.partition(':')[2]}.npy"
 
 
+def sidecar_name(part: str, row_file: str) -> str:
+    """The name of part ``part``'s ``row_file`` (:data:`ROW_IDS_FILE` or
+    :data:`ROW_STATS_FILE`): ``part_HEX.ids.npy``, ``part_HEX.stats.npy``."""
+    return f"{part[:-len('.npy')]}.{SIDECARS[row_file]}.npy"
+
+
 def is_part_name(name: str) -> bool:
+    """Whether ``name`` is a part's data file (not one of its row files)."""
+    return _PART.fullmatch(name) is not None and name.count(".") == 1
+
+
+def is_part_file(name: str) -> bool:
+    """Whether ``name`` is a part's data file or one of its row files."""
     return _PART.fullmatch(name) is not None
 
 
@@ -60,7 +75,7 @@ def file_name(index: int) -> str:
 def allowed_file_name(index: int, name: str) -> bool:
     """Whether an entry's ``index``-th file may be called ``name``: :func:`file_name`, or
     after the data of a per-row entry one of :data:`ROW_FILES` or a part."""
-    return name == file_name(index) or (index > 0 and (name in ROW_FILES or is_part_name(name)))
+    return name == file_name(index) or (index > 0 and (name in ROW_FILES or is_part_file(name)))
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from .. import _fs, arrays
 from ..errors import CacheCorruptError
 from . import manifest as manifests
 from .local import LocalStore
-from .manifest import FileRecord, Manifest
-from .row_view import check_row_map
+from .manifest import Manifest
+from .row_view import read_row_file, row_map_at
 
 
 @dataclass
@@ -93,21 +93,14 @@ def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSou
     try:
         manifest = manifests.read_at(entry, key)
         reuse = manifest.reuse
-        ids_record = manifest.row_file(manifests.ROW_IDS_FILE)
-        if reuse is None or reuse.recipe != recipe or ids_record is None:
+        if reuse is None or reuse.recipe != recipe:
             raise ValueError("not rows of this recipe")
-        rows = manifest.rows
-        words = ids_record.shape[1] if len(ids_record.shape) == 2 else 0
-        ids = _read(entry, ids_record, (rows, 4 if words == 4 else 2), "<u8")
-        stats_record = manifest.row_file(manifests.ROW_STATS_FILE)
-        stats = None if stats_record is None else _read(entry, stats_record, (rows, 2), "<i8")
-        where = None
-        if not manifest.contiguous:
-            map_record = manifest.row_file(manifests.ROW_MAP_FILE)
-            assert map_record is not None
-            where = _read(entry, map_record, (rows, 2), "<u4")
-            check_row_map(where, [f.shape[0] for f in manifest.data_files],
-                          entry.path / map_record.name)
+        where = None if manifest.contiguous else row_map_at(entry, manifest)
+        ids = read_row_file(entry, manifest, manifests.ROW_IDS_FILE, where)
+        stats = read_row_file(entry, manifest, manifests.ROW_STATS_FILE, where)
+        if ids is None or ids.shape[1] not in (2, 4) or ids.dtype != np.dtype("<u8") or (
+                stats is not None and (stats.shape[1] != 2 or stats.dtype != np.dtype("<i8"))):
+            raise ValueError("no row identities, or row files of another layout")
     except (OSError, ValueError):  # gone, a symlink, refused, corrupt (CacheCorruptError)
         entry.close()
         return None
@@ -115,10 +108,3 @@ def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSou
         entry.close()
         raise
     return RowSource(key, manifest, entry, ids, stats, where)
-
-def _read(entry: Any, record: FileRecord, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    if record.shape != shape or record.np_dtype != np.dtype(dtype):
-        raise CacheCorruptError(entry.path / record.name, f"holds {record.dtype} "
-                                f"{list(record.shape)}, not {dtype} {list(shape)}")
-    return arrays.read_small(entry, record.name, shape, np.dtype(dtype), record.bytes,
-                             record.checksum, manifests.ROW_FILES_LIMIT)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from .. import _fs, arrays
 from ..errors import CacheCorruptError
-from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, Manifest
+from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, Manifest, sidecar_name
 
 GATHER_ROWS = 4096
 """Rows gathered per step when the whole view is read (memory stays flat)."""
@@ -140,18 +140,58 @@ def open_rows(entry_dir: Path, manifest: Manifest, mode: str = "r") -> Rows:
 def read_row_map(entry_dir: Path, manifest: Manifest) -> np.ndarray:
     """The derived entry's (rows, 2) row map, read whole, its checksum and every pair
     checked against its files' rows; CacheCorruptError when any is wrong."""
-    record = manifest.row_file(ROW_MAP_FILE)
-    assert record is not None
     try:
         with _fs.DirHandle.open(entry_dir) as directory:
-            where = arrays.read_small(directory, record.name, record.shape, record.np_dtype,
-                                      record.bytes, record.checksum, ROW_FILES_LIMIT)
+            return row_map_at(directory, manifest)
     except OSError as e:
         if e.errno not in _fs.NOT_A_FILE_ERRNOS:
             raise
         raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file") from None
-    check_row_map(where, [f.shape[0] for f in manifest.data_files], entry_dir / record.name)
+
+
+def row_map_at(directory: _fs.DirHandle, manifest: Manifest) -> np.ndarray:
+    """:func:`read_row_map` of the open entry directory ``directory``."""
+    record = manifest.row_file(ROW_MAP_FILE)
+    assert record is not None
+    where = _read_small(directory, record)
+    check_row_map(where, [f.shape[0] for f in manifest.data_files],
+                  directory.path / record.name)
     return where
+
+
+def read_row_file(directory: _fs.DirHandle, manifest: Manifest, name: str,
+                  where: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+    """The row file ``name`` (row identities or file stats) of every row of the open entry
+    ``directory``, read whole and checked against its checksum; None when the entry has
+    none. A derived entry's are gathered through its row map (``where``, read when not
+    given) from its own file, of the rows it decoded, and its parts' copies of theirs;
+    identities keep the entry's own width (a part's may hold two more words)."""
+    own = manifest.row_file(name)
+    if own is None:
+        return None
+    if own.shape[:1] != manifest.files[0].shape[:1] or len(own.shape) != 2:
+        raise CacheCorruptError(directory.path / name, f"holds {list(own.shape)}, not a "
+                                "record of each row of the data file")
+    if manifest.contiguous:
+        return _read_small(directory, own)
+    where = row_map_at(directory, manifest) if where is None else where
+    pieces = [_read_small(directory, own)]
+    for part in manifest.data_files[1:]:
+        record = manifest.row_file(sidecar_name(part.name, name))
+        if record is None or record.shape[1] < own.shape[1] or record.dtype != own.dtype:
+            raise CacheCorruptError(directory.path / part.name, f"has no {name} of its rows")
+        pieces.append(_read_small(directory, record))
+    out = np.empty((manifest.rows, own.shape[1]), dtype=own.np_dtype)
+    files = where[:, 0]
+    for index, piece in enumerate(pieces):
+        here = np.flatnonzero(files == index)
+        out[here] = piece[where[here, 1].astype(np.intp), :own.shape[1]]
+    return out
+
+
+def _read_small(directory: _fs.DirHandle, record: Any) -> np.ndarray:
+    return arrays.read_small(directory, record.name, record.shape, record.np_dtype,
+                             record.bytes, record.checksum, ROW_FILES_LIMIT)
 
 
 def check_row_map(where: np.ndarray, rows: Sequence[int], path: Any) -> None:
