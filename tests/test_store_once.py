@@ -497,3 +497,34 @@ def test_a_derived_entry_is_pushed_and_pulled_whole_and_verifies(s3_env, tmp_pat
     capsys.readouterr()
     assert cli_main(["--root", str(tmp_path / "b"), "verify"]) == 0
     assert cli_main(["--root", str(tmp_path / "b"), "verify", "--remote"]) == 0
+
+
+def test_a_host_holding_the_full_entry_pulls_a_fold_without_its_rows(
+        s3_env, tmp_path, monkeypatch):
+    from cachekit.obtain import background
+    from cachekit.store import bucket
+
+    here = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    here.map(_int_row, list(range(300)), version="1")
+    here.map(_int_row, list(range(0, 300, 3)), version="1")
+    background.wait_all()
+    there = cachekit.Cache(tmp_path / "b", workers=1, progress=False)
+    full = there.map(_int_row, list(range(300)), version="1")
+    assert full.source == "remote"
+    read: list[tuple[str, int]] = []
+    real = bucket.Bucket.read_ranges
+
+    def counted(self, path: str, size: int):
+        read.append((path, size))
+        return real(self, path, size)
+
+    monkeypatch.setattr(bucket.Bucket, "read_ranges", counted)
+    fold = there.map(_int_row, list(range(0, 300, 3)), version="1")
+    assert fold.source == "remote" and not fold.contiguous
+    assert read and not [path for path, _ in read if "/part_" in path]
+    row_bytes = 16 * 4
+    assert sum(size for _, size in read) < 0.5 * len(fold) * row_bytes + 8192
+    np.testing.assert_array_equal(np.asarray(fold.array)[:, 0], np.arange(0, 300, 3))
+    linked = [p for p in fold.path.iterdir() if manifests.is_part_name(p.name)]
+    assert [p.stat().st_ino for p in linked] == [
+        (full.path / manifests.DATA_FILE).stat().st_ino]

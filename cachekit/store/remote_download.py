@@ -17,6 +17,7 @@ from ..errors import CacheCorruptError
 from .bucket import Bucket
 from .layout import Published
 from .local import LocalStore
+from .local_copies import link_local_copies
 from .manifest import FileRecord
 from .remote_entry import RemoteEntry, check_sizes, fix_for, upload_path
 from .remote_fs import progress_bar
@@ -29,15 +30,21 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
     """Download ``entry`` into a fresh build directory of ``local``, check every size
     and checksum against its manifest, then publish it with the local store's atomic
     commit. Returns (published entry, whether this call's commit won). On any failure
-    the build directory is discarded: nothing is published."""
+    the build directory is discarded: nothing is published. The parts of a derived entry
+    that local entries hold are linked, not downloaded (:mod:`.local_copies`)."""
     manifest = entry.manifest
     objects = [upload_path(bucket, entry.key, entry.upload, f.name) for f in manifest.files]
-    check_sizes(bucket, manifest.files, objects)
     build = local.begin(entry.key)
-    bar = progress_bar(progress, manifest.bytes, f"cachekit pull {entry.key[:12]}")
+    bar = None
     try:
-        done, digests = 0, {}
-        for record, path in zip(manifest.files, objects):
+        here = link_local_copies(local, build.dir, manifest)  # a derived entry's parts
+        fetched = [(f, o) for f, o in zip(manifest.files, objects) if f.name not in here]
+        check_sizes(bucket, [f for f, _ in fetched], [o for _, o in fetched])
+        bar = progress_bar(progress, sum(f.bytes for f, _ in fetched),
+                           f"cachekit pull {entry.key[:12]}")
+        done = 0
+        digests = {f.name: f.checksum for f in manifest.files if f.name in here}
+        for record, path in fetched:
             fd = build.dir.create(record.name)
             hasher = hashlib.blake2b(digest_size=16)  # as it arrives: no second read
             with os.fdopen(fd, "wb") as out, _Writeback(fd) as writeback:
