@@ -111,9 +111,12 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
         pairs += [(f"  {name}", json.dumps(value, sort_keys=True))
                   for name, value in sorted(e.params.items())]
     pairs += _origin_pairs(e.origin, published)
-    for record in manifest.get("files") or []:
-        pairs.append((record["name"], f"{record['bytes']} bytes, checksum {record['checksum']}"))
     fields(pairs)
+    files = manifest.get("files") or []
+    if files:  # aligned on their own: a derived entry's part names are long
+        say("files:")
+        fields([(f"  {f['name']}", f"{f['bytes']} bytes, checksum {f['checksum']}")
+                for f in files])
     failed = (manifest.get("failed_rows") or [])[:20]
     for row, path, reason in failed:
         say(f"  failed row {row}: {path}: {reason}")
