@@ -29,7 +29,7 @@ from .. import _fs, arrays
 from ..engine.filling.plan import PAGE_BYTES
 from ..store.manifest import DATA_FILE, FileRecord, part_name, sidecar_name
 from ..store.row_source import RowSource
-from ..store.row_view import GATHER_ROWS, RowView
+from ..store.row_view import RowView, copy_step
 from .donors import Donors
 
 OWN_FILE = "data.npy.own"
@@ -96,8 +96,9 @@ class Parts:
         view = RowView(files, self.where)
         out = arrays.create_array(directory, DATA_FILE, view.shape, view.dtype,
                                   align=PAGE_BYTES)
-        for start in range(0, len(view), GATHER_ROWS):
-            stop = min(len(view), start + GATHER_ROWS)
+        step = copy_step(view.nbytes // max(1, len(view)))
+        for start in range(0, len(view), step):
+            stop = min(len(view), start + step)
             out[start:stop] = view.take(np.arange(start, stop))
         arrays.flush(out)
         del out, view, files, own

@@ -22,7 +22,14 @@ from ..errors import CacheCorruptError
 from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, Manifest, sidecar_name
 
 GATHER_ROWS = 4096
-"""Rows gathered per step when the whole view is read (memory stays flat)."""
+"""Rows whose files are looked up per step of a gather."""
+COPY_BYTES = 64 << 20
+"""Bytes of rows copied per step when a view is written elsewhere (memory stays flat)."""
+
+
+def copy_step(row_bytes: int) -> int:
+    """Rows per step of a copy of rows of ``row_bytes`` bytes each: :data:`COPY_BYTES`."""
+    return max(1, COPY_BYTES // max(1, row_bytes))
 
 
 class RowView:
