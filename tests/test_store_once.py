@@ -528,3 +528,24 @@ def test_a_host_holding_the_full_entry_pulls_a_fold_without_its_rows(
     linked = [p for p in fold.path.iterdir() if manifests.is_part_name(p.name)]
     assert [p.stat().st_ino for p in linked] == [
         (full.path / manifests.DATA_FILE).stat().st_ino]
+
+
+def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_identities(
+        cache_root):
+    """Two data files may be byte for byte alike while their rows are of other values
+    (here every row is zeros): a part is named by its bytes, so the second entry's rows are
+    not taken through the first one's row identities; they are decoded."""
+    from cachekit import keys
+    from cachekit.store import LocalStore
+    from cachekit.store.row_source import open_row_source
+
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    zeros = lambda v: np.zeros(4, dtype=np.int64)  # noqa: E731
+    cache.map(zeros, pd.Series([1, 2, 3]), version="1")
+    cache.map(zeros, pd.Series([4, 5, 6]), version="1")
+    both = cache.map(zeros, pd.Series([1, 2, 3, 4, 5, 6]), version="1")
+    assert both.rows_reused + both.rows_decoded == 6 and both.rows_reused >= 3
+    recipe = manifests.read(both.path).reuse.recipe
+    with open_row_source(LocalStore(cache_root), both.key, recipe) as source:
+        expected, _ = keys.row_identities(pd.Series([1, 2, 3, 4, 5, 6]))
+        np.testing.assert_array_equal(source.ids[:, :2], expected[:, :2])

@@ -137,6 +137,8 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
                     if not _add(parts, directory, donor.source, int(k), name, row_files):
                         continue
                     index_of[name] = len(parts.names) - 1
+                elif not _same_row_files(parts, donor.source, int(k), name, row_files):
+                    continue  # the same bytes, rows of other files: decoded instead
                 here = files == k
                 parts.where[donor.dst[here]] = np.stack(
                     [np.full(int(here.sum()), index_of[name] + 1), at[here]], axis=1)
@@ -148,14 +150,32 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
     return parts
 
 
+def _row_file_names(source: RowSource, index: int, row_files: Sequence[str]
+                    ) -> dict[str, str]:
+    """The names ``source`` gives the ``row_files`` of its data file ``index``."""
+    part = source.manifest.data_files[index].name
+    return {row_file: row_file if index == 0 else sidecar_name(part, row_file)
+            for row_file in row_files}
+
+
+def _same_row_files(parts: Parts, source: RowSource, index: int, name: str,
+                    row_files: Sequence[str]) -> bool:
+    """Whether data file ``index`` of ``source``, whose bytes are the part ``name`` already
+    taken from another entry, has the same row files too: two data files may hold the same
+    pixels for rows of other files (other identities, other stats)."""
+    theirs = _row_file_names(source, index, row_files)
+    return all((record := source.manifest.row_file(theirs[row_file])) is not None
+               and record.checksum == parts.sidecars[sidecar_name(name, row_file)].checksum
+               for row_file in row_files)
+
+
 def _add(parts: Parts, directory: _fs.DirHandle, source: RowSource, index: int, name: str,
          row_files: Sequence[str]) -> bool:
     """Open data file ``index`` of ``source`` as the part ``name`` with its ``row_files``
     (linked while links work); False when it cannot be opened, fails its checks or lacks
     one of those row files."""
     manifest = source.manifest
-    theirs = {row_file: row_file if index == 0 else
-              sidecar_name(manifest.data_files[index].name, row_file) for row_file in row_files}
+    theirs = _row_file_names(source, index, row_files)
     records = {row_file: manifest.row_file(name_there) for row_file, name_there
                in theirs.items()}
     if any(record is None for record in records.values()):

@@ -36,7 +36,8 @@ from .expected import Expected
 from .flow import Outcome
 
 BLOCK_BYTES = 1 << 20
-"""Bytes of rows per checked block of an entry: a copy reads and checks whole blocks."""
+"""Bytes of rows per block digest of ``row_blocks.npy``. Rows are shared by link now, so
+no build reads them; the file stays in the format (``verify`` checks it like any other)."""
 
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
