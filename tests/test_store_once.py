@@ -549,3 +549,18 @@ def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_id
     with open_row_source(LocalStore(cache_root), both.key, recipe) as source:
         expected, _ = keys.row_identities(pd.Series([1, 2, 3, 4, 5, 6]))
         np.testing.assert_array_equal(source.ids[:, :2], expected[:, :2])
+
+
+def test_contiguous_true_says_so_when_the_derived_entry_cannot_be_replaced(
+        cache_root, pictures, monkeypatch, capsys):
+    from cachekit.store import LocalStore
+
+    loud = cachekit.Cache(cache_root, workers=1, progress=None)
+    loud.images(column(pictures, range(N)), 8)
+    loud.images(column(pictures, range(0, N, 2)), 8)
+    monkeypatch.setattr(LocalStore, "set_aside", lambda self, key: None)  # another user's
+    capsys.readouterr()
+    kept = loud.images(column(pictures, range(0, N, 2)), 8, contiguous=True)
+    assert kept.hit and not kept.contiguous
+    assert "a contiguous entry was asked for, but this one shares its rows" in " ".join(
+        capsys.readouterr().err.split())

@@ -187,6 +187,10 @@ class RowBuild:
         if call.contiguous and not outcome.entry.manifest.contiguous:
             self._build_again(outcome.entry, "its rows are shared with other entries and a "
                               "contiguous entry was asked for; copying them into one file")
+            if self.runner.announce:  # (it returns only when it could not set it aside)
+                say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
+                    "shares its rows and cannot be removed here (another user's, or a "
+                    "read-only root); returned as it is")
         checked = (outcome.source == "local" and call.kind == "images"
                    and call.params.get("validate") == "path")
         if checked:
