@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
+sys.path.insert(0, str(HERE))  # bench_report, next to this file
+from bench_report import median_table  # noqa: E402
 
 LONG = "d" * 240
 HIT = """
@@ -124,14 +125,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             work.mkdir()
             rounds.append(one_round(work, paths))
             shutil.rmtree(work)
-    lines = [f"{args.failed:,} failed rows among {args.failed + args.good:,} "
-             f"({args.rounds} round{'s' if args.rounds > 1 else ''}; medians, every round in "
-             "brackets)", "", "| figure | value |", "| --- | --- |"]
-    for name in rounds[0]:
-        values = [r[name] for r in rounds]
-        each = ", ".join(f"{v:.3g}" for v in values)
-        lines.append(f"| {name} | {statistics.median(values):.3g} ({each}) |")
-    table = "\n".join(lines)
+    table = median_table(f"{args.failed:,} failed rows among {args.failed + args.good:,} "
+                         f"({args.rounds} round{'s' if args.rounds > 1 else ''}; medians, "
+                         "every round in brackets)", rounds)
     print(table)
     result = {"table": table, "rounds": rounds, "failed": args.failed, "good": args.good}
     if args.json:

@@ -349,3 +349,15 @@ def versions(names: Sequence[str]) -> str:
         except metadata.PackageNotFoundError:
             parts.append(f"{name} (not installed)")
     return ", ".join(parts)
+
+
+def median_table(title: str, rounds: Sequence[dict[str, float]]) -> str:
+    """A markdown table of each figure of ``rounds`` (one dict a round): its median, then
+    every round's value in brackets, under ``title``."""
+    lines = [title, "", "| figure | value |", "| --- | --- |"]
+    for name in rounds[0]:
+        values = [r[name] for r in rounds if name in r]
+        each = ", ".join(f"{v:.3g}" for v in values)
+        lines.append(f"| {name} | {statistics.median(values):.3g} ({each}) |")
+    return "\n".join(lines)
+

@@ -42,6 +42,8 @@ from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
+sys.path.insert(0, str(HERE))  # bench_report, next to this file
+from bench_report import median_table  # noqa: E402
 
 SIZE = 64
 BATCH = 256
@@ -236,14 +238,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 figures.update(hit(args.hit_rows, base, work, 1 if args.quick else 5))
             rounds.append(figures)
             shutil.rmtree(work)
-    lines = [f"{args.covers:,} covers at {SIZE}x{SIZE} ({args.rounds} round"
-             f"{'s' if args.rounds > 1 else ''}; medians, every round in brackets)", "",
-             "| figure | value |", "| --- | --- |"]
-    for name in rounds[0]:
-        values = [r[name] for r in rounds if name in r]
-        each = ", ".join(f"{v:.3g}" for v in values)
-        lines.append(f"| {name} | {statistics.median(values):.3g} ({each}) |")
-    table = "\n".join(lines)
+    table = median_table(f"{args.covers:,} covers at {SIZE}x{SIZE} ({args.rounds} round"
+                         f"{'s' if args.rounds > 1 else ''}; medians, every round in brackets)",
+                         rounds)
     print(table)
     result = {"table": table, "rounds": rounds, "covers": args.covers}
     if args.json:
