@@ -564,3 +564,25 @@ def test_contiguous_true_says_so_when_the_derived_entry_cannot_be_replaced(
     assert kept.hit and not kept.contiguous
     assert "a contiguous entry was asked for, but this one shares its rows" in " ".join(
         capsys.readouterr().err.split())
+
+
+def test_a_hit_of_a_derived_entry_finds_a_changed_file_among_its_shared_rows(
+        cache, pictures):
+    """The stale check of a derived entry maps its stats through its row map: a file that
+    changed under a row the entry shares is found as under one it decoded."""
+    import warnings
+
+    from cachekit.errors import StaleEntryWarning
+    from cachekit.obtain import staleness
+
+    cache.images(column(pictures, range(N)), 8)
+    col = column(pictures, range(10, 50))
+    fold = cache.images(col, 8)
+    assert not fold.contiguous and fold.rows_decoded == 0
+    os.utime(pictures[30], ns=(7, 7))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.images(col, 8).hit
+        staleness.wait_for_checks(timeout=60)
+    assert [w.category for w in caught] == [StaleEntryWarning]
+    assert pictures[30] in str(caught[0].message) and pictures[29] not in str(caught[0].message)

@@ -37,11 +37,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import _fs, arrays, redaction, urls
+from .. import redaction, urls
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
-from ..store.row_view import read_row_file
+from ..store.row_view import open_row_file
 
 SAMPLE_ROWS = 16
 START_DELAY = 0.05
@@ -74,12 +74,8 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
     record = manifest.row_file(ROW_STATS_FILE)
     if mode == "off" or record is None or manifest.key in _warned or not manifest.rows:
         return
-    try:
-        if manifest.contiguous:
-            recorded = np.asarray(arrays.open_record(entry_path, record))
-        else:  # a derived entry's: its own rows' and its parts' (read whole)
-            with _fs.DirHandle.open(entry_path) as directory:
-                recorded = read_row_file(directory, manifest, ROW_STATS_FILE)
+    try:  # (mapped: the sample reads 16 rows of it, the background check all)
+        recorded = open_row_file(entry_path, manifest, ROW_STATS_FILE)
     except (OSError, CacheCorruptError):
         return  # a hit does not stop for an advisory record
     if recorded.shape != (manifest.rows, 2):
@@ -150,8 +146,9 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
              ) -> list[tuple[int, str, tuple[int, int], tuple[int, int]]]:
     """(row, path, stat then, stat now) of each of ``rows`` whose file differs."""
     values = paths.iloc[rows].to_numpy(dtype=object)
+    recorded = np.asarray(recorded[rows])  # one gather, whichever files hold them
     found = []
-    for row, path in zip(rows, values):
+    for at, (row, path) in enumerate(zip(rows, values)):
         if urls.is_remote(path):
             continue  # not checked: a hit makes no request (docs/object-stores.md)
         try:
@@ -159,7 +156,7 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
             now = (st.st_size, st.st_mtime_ns)
         except (OSError, TypeError, ValueError):
             now = (-1, -1)
-        then = (int(recorded[row, 0]), int(recorded[row, 1]))
+        then = (int(recorded[at, 0]), int(recorded[at, 1]))
         if now != then:
             found.append((int(row), redaction.value(path), then, now))
             if len(found) == stop_at:
@@ -190,7 +187,7 @@ def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, in
         what = f"{total} files changed since entry {key[:12]} was built ({shown}{more})"
     text = (f"{what}; this hit serves the pixels decoded then, because validate=\"path\" "
             "keys the paths only. The next call of this column builds the entry again, "
-            "decoding only the rows whose files changed (the others are copied); pass "
+            "decoding only the rows whose files changed (the others are shared); pass "
             "validate=\"stat\" to key each file's size and mtime as well")
     filename, lineno, module, registry = caller
     if _ignored(text, module, lineno):

@@ -8,8 +8,9 @@ signature too when ``CACHEKIT_SIGNING_KEY`` is set) and must name the recipe; it
 identities (and a derived entry's row map) are read whole and must match their checksums
 in the manifest. A data file is opened through that handle only when a build links it
 (:meth:`RowSource.open_data`), and its header and size must be the manifest's; the link is
-then made from the open file itself (:func:`cachekit._fs.link_open_file`), so the entry may
-be cleared or pruned at any moment and no path is followed that another process could swap.
+then made from the open file itself (:meth:`cachekit._fs.DirHandle.link_open_file`), so
+the entry may be cleared or pruned at any moment and no path is followed that another
+process could swap.
 """
 
 from __future__ import annotations

@@ -93,6 +93,8 @@ class RowView:
         if isinstance(index, slice):
             return self.take(np.arange(len(self))[index])
         wanted = np.asarray(index)
+        if wanted.size == 0:  # (an empty list is float64 to numpy)
+            wanted = wanted.astype(np.intp)
         if wanted.dtype == bool:
             if wanted.shape != (len(self),):
                 raise IndexError(f"a boolean index of {len(self)} rows has shape "
@@ -140,7 +142,31 @@ def open_rows(entry_dir: Path, manifest: Manifest, mode: str = "r") -> Rows:
     :class:`RowView` over its data files, through its checked row map."""
     if manifest.contiguous:
         return arrays.open_record(entry_dir, manifest.files[0], mode)
-    files = [arrays.open_record(entry_dir, record) for record in manifest.data_files]
+    return _view(entry_dir, manifest, manifest.data_files)
+
+
+def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Rows]:
+    """The row file ``name`` (row identities or file stats) of every row, mapped as the
+    rows are: the file itself for a contiguous entry, a :class:`RowView` over the
+    entry's own file and its parts' copies for a derived one; None when there is none.
+    Nothing is read until rows are asked for (a hit checks a sample of the stats)."""
+    own = manifest.row_file(name)
+    if own is None:
+        return None
+    if manifest.contiguous:
+        return arrays.open_record(entry_dir, own)
+    copies = [manifest.row_file(sidecar_name(part.name, name))
+              for part in manifest.data_files[1:]]
+    if any(c is None or c.shape[1:] != own.shape[1:] for c in copies):
+        raise CacheCorruptError(entry_dir / name, "a part's copy is missing or of another "
+                                "width")
+    return _view(entry_dir, manifest, [own, *copies])
+
+
+def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any]) -> RowView:
+    """A derived entry's :class:`RowView` over ``records`` (files numbered as its data
+    files are), through its checked row map."""
+    files = [arrays.open_record(entry_dir, record) for record in records]
     return RowView(files, read_row_map(entry_dir, manifest))
 
 
