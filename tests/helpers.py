@@ -179,3 +179,11 @@ def write_pictures(folder: Path, count: int, shape: tuple[int, int] = (10, 12)) 
         Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(path)
         paths.append(str(path))
     return paths
+
+
+def remote_object(remote, key: str, name: str) -> str:
+    """The object that holds file ``name`` of ``key``'s published remote entry: under its
+    upload, or in the pool."""
+    found = remote.lookup(key)
+    names = [f.name for f in found.manifest.files]
+    return remote.object_paths(found.manifest, found.upload)[names.index(name)]

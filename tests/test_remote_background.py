@@ -32,7 +32,7 @@ import cachekit
 import hosts
 import s3
 from cachekit import processes
-from cachekit.admin import remote as rm
+from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.obtain import background
 from cachekit.store import LocalStore
 from cachekit.store.remote import RemoteStore
@@ -150,8 +150,8 @@ def held_after_its_call(work: Path, proxy: s3.Proxy, process: hosts.HostProcess)
 def one_valid_entry(remote: RemoteStore, tmp_path: Path, sha: str) -> str:
     """Assert the remote holds exactly one entry, whole (every byte checked), with only its
     own upload, and that its pixels hash to ``sha``; its key."""
-    assert rm.verify(remote) == (1, [])
-    keys, unknown = remote.scan()
+    assert verify_remote(remote) == (1, [])
+    keys, unknown, _ = remote.scan()
     assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
     found = remote.lookup(keys[0].key)
     assert list(keys[0].uploads) == [found.upload]
@@ -244,11 +244,11 @@ def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, 
     assert re.match(rf"cachekit\[[^]]*\]: {failure}", report["warnings"][0]), report["warnings"]
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     assert remote.lookup(report["key"]) is None  # no manifest: nothing torn, a miss
-    assert rm.verify(remote) == (0, [])
+    assert verify_remote(remote) == (0, [])
     # The lease was released: another host takes it at once, builds, and publishes.
     after = hosts.finish(agent(work, tmp_path / "b", s3_env, "b")).report()
     assert after["source"] == "built" and decoded(work, "b") == ROWS
-    assert rm.verify(remote) == (1, [])
+    assert verify_remote(remote) == (1, [])
 
 
 def test_a_ctrl_c_while_the_process_waits_at_exit_cuts_the_upload_off_and_says_so(
@@ -272,7 +272,7 @@ def test_a_ctrl_c_while_the_process_waits_at_exit_cuts_the_upload_off_and_says_s
     assert any(re.match(rf"cachekit\[[^]]*\]: ERROR: cut off the upload of entry {key12} \(", line)
                and "no partial entry is published" in line for line in said), "".join(said)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    assert remote.lookup(returned(work, "a")["key"]) is None and rm.verify(remote) == (0, [])
+    assert remote.lookup(returned(work, "a")["key"]) is None and verify_remote(remote) == (0, [])
 
 
 def row(v):
@@ -295,6 +295,6 @@ def test_a_second_call_for_the_key_while_its_upload_runs_starts_no_second_upload
     background.wait_all()
     manifest = f"/{remote.manifest_path(first.key)}".encode()
     assert proxy.log.count((b"PUT", manifest)) == 1 and proxy.delayed == 1
-    [listed], _ = remote.scan()
+    [listed], _, _ = remote.scan()
     assert len(listed.uploads) == 1
     assert capfd.readouterr().err.count(f"uploading entry {first.key[:12]}") == 1

@@ -11,6 +11,7 @@ import cachekit
 from cachekit.cli import main
 from cachekit.store import LocalStore
 from cachekit.store.remote import RemoteStore
+from helpers import remote_object
 
 
 def row(v):
@@ -62,7 +63,7 @@ def test_push_pull_ls_info_verify_and_clear_a_remote(s3_env, local, tmp_path, ca
 
     assert run(capsys, "verify", "--remote")[0] == 0
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    data = remote.upload_path(mapped.key, remote.lookup(mapped.key).upload, "data.npy")
+    data = remote_object(remote, mapped.key, "data.npy")
     body = bytearray(remote.fs.cat_file(data))
     body[-1] ^= 0xFF
     remote.fs.pipe_file(data, bytes(body))

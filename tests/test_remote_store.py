@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import cachekit
 from cachekit.store import manifest as manifests
 import s3
-from cachekit.admin import remote as rm
+from helpers import remote_object
+from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
 from cachekit.obtain import background
 from cachekit.store import LocalStore, bucket, remote_upload
@@ -136,7 +137,7 @@ def test_two_uploads_of_one_key_leave_one_manifest_and_only_its_data(s3_env, tmp
     remote = remote_of(s3_env)
     assert remote.upload(published(tmp_path / "a", entry_a.key)) is True
     assert remote.upload(published(tmp_path / "b", entry_b.key)) is False
-    keys, unknown = remote.scan()
+    keys, unknown, _ = remote.scan()
     assert unknown == [] and [k.key for k in keys] == [entry_a.key]
     assert keys[0].manifest is not None and len(keys[0].uploads) == 1
 
@@ -157,7 +158,7 @@ def test_an_upload_checks_every_checksum_and_sends_no_damaged_entry(tmp_path, pa
                        r"manifest says .*nothing was uploaded"):
         remote.upload(published(tmp_path / "a", entry.key))
     assert remote.lookup(entry.key) is None  # no manifest was published
-    keys, _ = remote.scan()
+    keys, _, _ = remote.scan()
     assert all(not k.uploads for k in keys)  # and no data objects are left
 
 
@@ -179,7 +180,7 @@ def test_of_two_uploaders_racing_past_the_lookup_exactly_one_manifest_wins(s3_en
 
     monkeypatch.setattr(remote_upload, "lookup", miss_once)
     assert second_store.upload(published(tmp_path / "a", entry.key)) is False
-    keys, _ = remote.scan()
+    keys, _, _ = remote.scan()
     assert len(keys[0].uploads) == 1  # the loser removed its data objects
     assert remote.lookup(entry.key).upload in keys[0].uploads
 
@@ -209,8 +210,7 @@ def uploaded(s3_env, tmp_path):
     entry = local_entry(tmp_path / "a")
     remote = remote_of(s3_env)
     assert remote.upload(published(tmp_path / "a", entry.key))
-    found = remote.lookup(entry.key)
-    data = remote.upload_path(entry.key, found.upload, "data.npy")
+    data = remote_object(remote, entry.key, "data.npy")
     return remote, entry, data, remote.manifest_path(entry.key)
 
 
@@ -232,19 +232,22 @@ def built_in_place_of_broken(root: Path, env: dict[str, str], *names: str) -> ca
     assert entry.source == "built" and np.array_equal(entry.array, np.stack(
         [row(v) for v in VALUES]))
     assert list((root / "tmp").glob("*")) == []  # nothing of the broken download is left
-    assert rm.verify(remote) == (1, [])
+    assert verify_remote(remote) == (1, [])
     return entry
 
 
 def test_a_flipped_byte_in_a_data_object_is_a_miss_that_is_repaired(uploaded, s3_env,
                                                                     tmp_path):
     remote, entry, data, _ = uploaded
+    upload = remote.lookup(entry.key).upload
     body = bytearray(remote.fs.cat_file(data))
     body[-5] ^= 0x01
     remote.fs.pipe_file(data, bytes(body))
     built_in_place_of_broken(tmp_path / "b", s3_env, "checksum mismatch",
                              remote.object_url(data))
-    assert remote.lookup(entry.key).upload != data.split("/")[-2]  # a fresh upload
+    assert remote.lookup(entry.key).upload != upload  # a fresh upload
+    # The damaged pool object was removed by the reader, and sent again by the repair.
+    assert remote.fs.cat_file(data) != bytes(body)
     pulled = obtain_from_remote(tmp_path / "c", s3_env)  # the next host downloads it
     assert pulled.source == "remote"
 
@@ -272,7 +275,8 @@ def test_a_tampered_manifest_checksum_is_found_after_the_download(uploaded, s3_e
     remote, entry, data, manifest = uploaded
     edit_manifest(remote, manifest, lambda m: m["files"][0].update(
         checksum="blake2b-128:" + "0" * 32))
-    built_in_place_of_broken(tmp_path / "b", s3_env, "checksum mismatch")
+    # A data file lies in the pool under its checksum: the manifest names one not there.
+    built_in_place_of_broken(tmp_path / "b", s3_env, "is missing")
 
 
 def test_a_tampered_manifest_shape_is_found_before_any_download(uploaded, s3_env, tmp_path):
@@ -305,7 +309,7 @@ def test_an_oversized_manifest_is_a_miss(uploaded, s3_env, tmp_path, monkeypatch
     with pytest.warns(RemoteWarning, match="larger than 100 bytes"):
         assert obtain_from_remote(tmp_path / "b", s3_env).source == "built"
     monkeypatch.undo()
-    assert rm.verify(remote) == (1, [])
+    assert verify_remote(remote) == (1, [])
     assert remote.fs.cat_file(manifest) != original  # the repair's own manifest
 
 
@@ -349,7 +353,7 @@ def test_a_shared_folder_works_as_a_remote(tmp_path):
         row, VALUES)
     assert (built.source, pulled.source) == ("built", "remote")
     assert np.array_equal(built.array, pulled.array)
-    keys, unknown = RemoteStore(url).scan()
+    keys, unknown, _ = RemoteStore(url).scan()
     assert unknown == [] and len(keys) == 1 and len(keys[0].uploads) == 1
 
 
@@ -421,5 +425,5 @@ def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_e
     found = remote.lookup(entry.key)
     got, _ = remote.download(found, LocalStore(tmp_path / "b"))
     assert got.manifest == entry._manifest  # the last manifest names a complete upload
-    keys, _ = remote.scan()
+    keys, _, _ = remote.scan()
     assert len(keys[0].uploads) == 2  # the other upload is an orphan for clear --remote

@@ -123,7 +123,7 @@ def test_two_agents_on_each_of_two_hosts_build_once_across_hosts(s3_env, work, t
     assert len({r["sha"] for r in reports}) == 1 and len({r["key"] for r in reports}) == 1
     sources = sorted(r["source"] for r in reports)
     assert sources == ["built", "local", "local", "remote"]
-    keys, unknown = RemoteStore(s3_env["CACHEKIT_REMOTE"]).scan()
+    keys, unknown, _ = RemoteStore(s3_env["CACHEKIT_REMOTE"]).scan()
     assert unknown == [] and len(keys) == 1
     assert keys[0].manifest is not None and len(keys[0].uploads) == 1
 
@@ -153,7 +153,7 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
         hosts.wait_for(lambda: (work / "at-manifest").exists(), timeout=120,
                        what="the uploader to reach its manifest", watch=[uploader])
         remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-        keys, _ = remote.scan()
+        keys, _, _ = remote.scan()
         assert len(keys) == 1 and keys[0].manifest is None and len(keys[0].uploads) == 1
         os.killpg(uploader.pid, signal.SIGKILL)
     finally:
@@ -175,7 +175,7 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
     assert plan.entries == () and [x.what.split()[0] for x in plan.leftovers] == \
         ["orphaned", "lease"]
     assert plan.execute().failed == ()
-    keys, _ = remote.scan()
+    keys, _, _ = remote.scan()
     assert len(keys[0].uploads) == 1
     # The newest lease generation stays, so that generation numbers only rise.
     assert sorted(o.path.rsplit("/", 1)[-1] for o in keys[0].leases) == ["2.beat", "2.json"]

@@ -30,8 +30,10 @@ import pytest
 import cachekit
 import hosts
 import s3
+from helpers import remote_object
 from cachekit.cli import main
 from cachekit.admin import remote as rm
+from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.errors import RemoteWarning
 from cachekit.obtain import background
 from cachekit.store.remote import RemoteStore
@@ -164,8 +166,8 @@ def expected_sha() -> str:
 
 def one_valid_entry(remote: RemoteStore, capsys=None) -> str:
     """Assert the remote holds exactly one entry, valid, and only its upload; its key."""
-    assert rm.verify(remote) == (1, [])
-    keys, unknown = remote.scan()
+    assert verify_remote(remote) == (1, [])
+    keys, unknown, _ = remote.scan()
     assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
     assert list(keys[0].uploads) == [remote.lookup(keys[0].key).upload]
     if capsys is not None:
@@ -266,7 +268,7 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
     finally:
         proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
-    assert rm.verify(remote) == (0, [])
+    assert verify_remote(remote) == (0, [])
     with pytest.warns(RemoteWarning, match=f"background upload of entry {built.key[:12]} "
                       ".* failed: .*no answer within"):  # the next call with that remote
         again = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
@@ -283,7 +285,7 @@ def test_an_uploader_stopped_across_a_sweep_withdraws_its_torn_manifest_and_uplo
     uploader = agent(work, tmp_path / "a", s3_env, "a", "stop,before-manifest")
     reached(work, "at-manifest", uploader, stop=True)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    [listed], _ = remote.scan()
+    [listed], _, _ = remote.scan()
     [stale] = listed.uploads
     time.sleep(quiet(LEASE))  # upload and lease untouched for two leases: abandoned
     out = sweep(capsys, monkeypatch)
@@ -352,7 +354,7 @@ def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lea
     second = agent(work, tmp_path / "b", s3_env, "b", "barrier,before-upload")
     reached(work, "at-upload", first, stop=True)  # built, holding generation 1
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    [listed], _ = remote.scan()
+    [listed], _, _ = remote.scan()
     key = listed.key
     time.sleep(0.8)  # its lease is more than a lease old
     sweep(capsys, monkeypatch)
@@ -385,7 +387,7 @@ def test_readers_on_two_hosts_that_meet_a_torn_entry_build_it_once_and_repair_it
     key = hosts.finish(first).report()["key"]
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     torn = remote.lookup(key).upload
-    remote.fs.rm_file(remote.upload_path(key, torn, "data.npy"))
+    remote.fs.rm_file(remote_object(remote, key, "data.npy"))
     hosts.StartBarrier(work[0]).release(readers)
     done = [hosts.finish(r) for r in readers]
     reports = [d.report() for d in done]

@@ -40,7 +40,7 @@ def test_the_remote_store_lists_and_removes_its_entries_by_key(tmp_path):
     upload = remote.lookup(entry.key).upload
     assert remote.remove_entry(entry.key) is True
     assert remote.keys() == [] and remote.lookup(entry.key) is None
-    listed, unknown = remote.scan()
+    listed, unknown, _ = remote.scan()
     assert unknown == [] and all(upload not in item.uploads for item in listed)
     assert remote.remove_entry(entry.key) is False
 

@@ -10,6 +10,10 @@ Besides published entries, a remote holds what interrupted work left:
   cleaned up, an uploader that could not tell whether its manifest landed). It is removed
   once its objects and every lease object of its key are untouched for twice the lease:
   a builder beats its lease all through its upload, so a live one keeps its upload.
+- pool objects that no manifest names (``parts/HEX``: the row data that entries share, see
+  :mod:`cachekit.store.remote_entry`): those the removed entries named go with them, and
+  any other once untouched for twice the lease (an upload may be about to name it).
+  Just before they go, every manifest is read again, and a pool object one names stays.
 - old lease generations: ``leases/KEY/GEN.*`` below the key's newest generation. The newest
   generation's two small objects always stay, so that generation numbers only rise and a
   holder that wakes late never writes into another holder's lease.
@@ -28,13 +32,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Optional
+from typing import ClassVar, Iterable, Optional
 
 from .. import liveness, units
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from ..store.remote import (OTHERS, OURS, UNKNOWN, RemoteEntry, RemoteKey, RemoteObject,
     RemoteStore)
-from .inspect import SHORT_KEY, Problem, ago, resolve_keys
+from ..store.remote_entry import pooled
+from .inspect import SHORT_KEY, ago, resolve_keys
 from .removal import ENTRY, Item, Removal, Skipped
 
 
@@ -46,8 +51,12 @@ class RemoteEntryInfo:
     url: str
     entry: Optional[RemoteEntry]
     bytes: int
+    """Its manifest and every object it names (pool objects too)."""
     uploaded: Optional[float]
     problem: Optional[str] = None
+    pool: frozenset[str] = frozenset()
+    """The pool objects it names."""
+    pooled_bytes: int = 0
 
     @property
     def created(self) -> float:
@@ -76,6 +85,8 @@ class Leftover:
     removable: bool
     upload: Optional[str] = None
     """The upload id of an orphaned upload."""
+    pool: bool = False
+    """Objects of the pool (``key`` is empty)."""
     kept_because: str = ""
     """Why a leftover that is not removable stays."""
 
@@ -93,6 +104,15 @@ class RemoteScan:
     """Every key with any object, published or not."""
     now: Optional[float] = None
     """The store's time when the scan began (None: the store could not say)."""
+    pool: tuple[RemoteObject, ...] = ()
+    """Every object of the pool."""
+
+    def stored_bytes(self) -> int:
+        """The bytes of the entries on the store, each object counted once: their manifests
+        and uploads, and the pool objects they name."""
+        named = _pool_names(self.entries) or set()
+        return (sum(e.bytes - e.pooled_bytes for e in self.entries)
+                + sum(o.size for o in self.pool if o.path in named))
 
 
 RECENT = "recent: an upload or build may still be going on"
@@ -103,7 +123,7 @@ def scan(remote: RemoteStore) -> RemoteScan:
     """Describe the remote: each published entry (its manifest read and checked: it names
     the upload that holds its data), and the leftovers of interrupted uploads and builds."""
     now = remote.clock()  # before the listing: ages only come out too young
-    listed, unknown = remote.scan()
+    listed, unknown, pool = remote.scan()
     quiet = 2 * liveness.lease_from_env() + STORE_TIME_SLACK
     entries: list[RemoteEntryInfo] = []
     leftovers: list[Leftover] = []
@@ -123,8 +143,45 @@ def scan(remote: RemoteStore) -> RemoteScan:
         if old:
             leftovers.append(Leftover(item.key, "lease", tuple(old), True))
     entries.sort(key=lambda e: (e.created, e.key))
+    leftovers += _unnamed_pool(entries, pool, now, quiet)
     return RemoteScan(tuple(entries), tuple(leftovers), tuple(unknown),
-                      tuple(item.key for item in listed), now)
+                      tuple(item.key for item in listed), now, tuple(pool))
+
+
+def _pool_names(entries: Iterable[RemoteEntryInfo]) -> Optional[set[str]]:
+    """The pool objects that ``entries`` name; None when a manifest could not be read (it
+    may name any)."""
+    named: set[str] = set()
+    for info in entries:
+        if info.entry is None:
+            return None
+        named |= info.pool
+    return named
+
+
+UNREAD = "a manifest could not be read, and may name them"
+
+
+def _unnamed_pool(entries: list[RemoteEntryInfo], pool: list[RemoteObject],
+                  now: Optional[float], quiet: float) -> list[Leftover]:
+    """The pool objects that no manifest names: removable when untouched for ``quiet``
+    seconds, kept (with why) when recent."""
+    named = _pool_names(entries)
+    unnamed = [o for o in pool if named is None or o.path not in named]
+    if not unnamed:
+        return []
+    if named is None:
+        return [Leftover("", "unnamed pool objects", tuple(unnamed), False,
+                         kept_because=UNREAD, pool=True)]
+    out = []
+    old = tuple(o for o in unnamed if not _kept_because([o], [], now, quiet))
+    if old:
+        out.append(Leftover("", "unnamed pool objects", old, True, pool=True))
+    young = tuple(o for o in unnamed if o not in old)
+    if young:
+        out.append(Leftover("", "recent pool objects", young, False, pool=True,
+                            kept_because=_kept_because(list(young), [], now, quiet)))
+    return out
 
 
 STORE_TIME_SLACK = 1.0
@@ -174,56 +231,17 @@ def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
     except CacheCorruptError as e:
         problem = e.reason
     size = item.manifest.size
+    pool: frozenset[str] = frozenset()
+    pooled_bytes = 0
     if entry is not None:
         size += sum(o.size for o in item.uploads.get(entry.upload, []))
-    return RemoteEntryInfo(item.key, url, entry, size, item.manifest.modified, problem)
-
-
-# Verify -------------------------------------------------------------------------------------
-
-
-def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
-           on_start: Optional[Callable[[int, int], None]] = None,
-           on_bytes: Optional[Callable[[int], None]] = None) -> tuple[int, list[Problem]]:
-    """Check remote entries (all, or ``keys`` and unique prefixes): manifest, signature,
-    each object's size and checksum (every byte is read). (entries checked, problems)."""
-    found = scan(remote)
-    entries = list(found.entries)
-    if keys is not None:
-        wanted = set(resolve_keys(keys, [e.key for e in entries]))
-        entries = [e for e in entries if e.key in wanted]
-    if on_start is not None:
-        on_start(len(entries), sum(e.bytes for e in entries))
-    problems: list[Problem] = []
-    for info in entries:
-        problem = info.problem
-        if problem is None and info.entry is not None:
-            problem = _check(remote, info.entry, on_bytes)
-        if problem is not None:
-            problems.append(Problem(info.key, info.url, problem))  # type: ignore[arg-type]
-    return len(entries), problems
-
-
-def _check(remote: RemoteStore, entry: RemoteEntry,
-           on_bytes: Optional[Callable[[int], None]]) -> Optional[str]:
-    import hashlib
-
-    for record in entry.manifest.files:
-        path = remote.upload_path(entry.key, entry.upload, record.name)
-        try:
-            remote.check_sizes([record], [path])
-            hasher = hashlib.blake2b(digest_size=16)
-            for block in remote.read_ranges(path, record.bytes):
-                hasher.update(block)
-                if on_bytes is not None:
-                    on_bytes(len(block))
-        except CacheCorruptError as e:
-            return f"{record.name}: {e.reason}"
-        actual = "blake2b-128:" + hasher.hexdigest()
-        if actual != record.checksum:
-            return (f"checksum mismatch in {record.name}: the manifest says {record.checksum},"
-                    f" the object has {actual}")
-    return None
+        m = entry.manifest
+        in_pool = [(f, p) for f, p in zip(m.files, remote.object_paths(m, entry.upload))
+                   if pooled(m, f)]
+        pool = frozenset(p for _, p in in_pool)
+        pooled_bytes = sum(f.bytes for f, _ in in_pool)
+    return RemoteEntryInfo(item.key, url, entry, size + pooled_bytes, item.manifest.modified,
+                           problem, pool, pooled_bytes)
 
 
 # Clear --------------------------------------------------------------------------------------
@@ -259,6 +277,8 @@ class RemoteRemoval(Removal):
         leftover: Leftover = item.subject
         if leftover.upload is not None:
             return _remove_orphan(remote, leftover)
+        if leftover.pool:
+            return _remove_unnamed(remote, leftover)
         remote.remove([o.path for o in leftover.objects],
                       f"removing the {leftover.what} of {leftover.key}")
         return None
@@ -276,6 +296,19 @@ def _remove_orphan(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
     return None
 
 
+def _remove_unnamed(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
+    """Remove pool objects unless a manifest names them now (every manifest is read
+    again: an upload may have come to name one since the scan)."""
+    listed = remote.scan().keys
+    named = _pool_names(_entry_info(remote, item) for item in listed
+                        if item.manifest is not None)
+    if named is None:
+        return UNREAD
+    remote.remove([o.path for o in leftover.objects if o.path not in named],
+                  f"removing {leftover.what}")
+    return None
+
+
 def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
                       older_than: Optional[float] = None) -> RemoteRemoval:
     """Removing entries (all, ``keys``/prefixes, or those uploaded longer than
@@ -289,7 +322,9 @@ def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None,
         entries = [e for e in entries if e.key in wanted]
     if older_than is not None:
         entries = [e for e in entries if _age(e, found.now) > older_than]
-    leftovers = [x for x in found.leftovers if wanted is None or x.key in wanted]
+    leftovers = [x for x in found.leftovers
+                 if (wanted is None and not x.pool) or x.key in (wanted or ())]
+    leftovers += _pool_freed(found, entries, every=wanted is None)
     now = time.time()
     items = [Item(e.key, ENTRY, e.key, e.url, e.bytes,
                   f"{e.key[:SHORT_KEY]}  {e.entry.manifest.kind if e.entry else '?':<7} "
@@ -299,6 +334,21 @@ def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None,
     return RemoteRemoval(items=tuple(items), goal=f"in {remote.display}", remote=remote,
                          skipped=tuple(Skipped(_leftover_item(remote, x), x.kept_because)
                                        for x in leftovers if not x.removable))
+
+
+def _pool_freed(found: RemoteScan, removed: list[RemoteEntryInfo], *,
+                every: bool) -> list[Leftover]:
+    """The pool objects to remove with ``removed``: those they name that no other entry
+    names, and (``every``) the old ones that none names."""
+    gone = {e.key for e in removed}
+    kept = _pool_names(e for e in found.entries if e.key not in gone)
+    if kept is None:
+        return [x for x in found.leftovers if x.pool and not x.removable]  # says why
+    theirs = set().union(*(e.pool for e in removed)) - kept
+    freed = tuple(o for o in found.pool if o.path in theirs)
+    out = [Leftover("", "pool objects of removed entries", freed, True, pool=True)
+           ] if freed else []
+    return out + [x for x in found.leftovers if x.pool and every]
 
 
 def _leftover_item(remote: RemoteStore, leftover: Leftover) -> Item:

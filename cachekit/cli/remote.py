@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import units
 from ..admin import remote as admin
+from ..admin.remote_verify import verify as verify_remote
 from ..admin.inspect import list_entries, resolve_keys
 from ..errors import CacheCorruptError, UsageError
 from ..obtain.remote import Tier, pull as pull_entry
@@ -95,7 +96,7 @@ def ls(args: argparse.Namespace) -> int:
                          (f"column {m.column}" if m and m.column else "")))
         table(rows, right=(2, 5))
         say(f"{count(len(entries), 'entry', 'entries')}, "
-            f"{units.format_size(sum(e.bytes for e in entries))} in {remote.display}")
+            f"{units.format_size(found.stored_bytes())} in {remote.display}")
     _report_leftovers(found)
     return 0
 
@@ -107,6 +108,10 @@ def _report_leftovers(found: admin.RemoteScan, out: Any = None) -> None:
         if x.what == "lease" and x.key in published:
             continue  # the lease of a finished build: clear --remote KEY removes it
         state = "removable" if x.removable else x.kept_because
+        if x.pool:
+            say(f"{x.what}: {len(x.objects)} object(s), {units.format_size(x.bytes)} "
+                f"({state}); `cachekit clear --remote` removes them", file=out)
+            continue
         say(f"{x.what} of {x.key[:SHORT_KEY]}: {len(x.objects)} object(s), "
             f"{units.format_size(x.bytes)} ({state}); `cachekit clear --remote "
             f"{x.key[:SHORT_KEY]}` removes it", file=out)
@@ -162,7 +167,7 @@ def _print_entry(remote: RemoteStore, entry: RemoteEntry, info: admin.RemoteEntr
 def verify(args: argparse.Namespace) -> int:
     remote = remote_store(args)
     with ByteProgress("cachekit verify") as progress, key_errors():
-        checked, problems = admin.verify(remote, args.keys or None, on_start=progress.start,
+        checked, problems = verify_remote(remote, args.keys or None, on_start=progress.start,
                                          on_bytes=progress.advance)
     for problem in problems:
         say(f"{problem.key}: {problem.message}")

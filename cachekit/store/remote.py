@@ -7,8 +7,10 @@ conditional operation, the create-only write (``If-None-Match: *``, fsspec
 
     PREFIX/entries/KEY/manifest.json        the commit point: written create-only, last;
                                             names its upload ("upload": UPLOAD)
-    PREFIX/entries/KEY/UPLOAD/data.npy ...  the data objects of one upload (UPLOAD: 32 hex
+    PREFIX/entries/KEY/UPLOAD/row_map.npy   the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
+    PREFIX/parts/HEX                        a row data file, named by its checksum: stored
+                                            once, whatever entries name it
     PREFIX/leases/KEY/GEN.json, GEN.beat    build leases (see :mod:`.lease`)
     PREFIX/clock/PROBE                      for a moment: the store's time (:meth:`clock`)
 
@@ -17,7 +19,7 @@ one key at once never write the same object; then each tries to create the manif
 the store lets exactly one succeed (:mod:`.remote_upload`). The loser removes its objects.
 An uploader killed at any moment leaves objects that no manifest names (or nothing at all):
 never a manifest naming missing or partial data. ``cachekit clear --remote`` lists them
-(:mod:`.remote_listing`) and removes them. Without working conditional writes (a store
+(:mod:`.remote_listing`) and removes them, with the pool objects that no manifest names. Without working conditional writes (a store
 that lets both creates succeed), the last manifest written wins and names a complete
 upload of its own: still one valid entry.
 
@@ -64,6 +66,7 @@ class RemoteStore(Bucket):
 
     manifest_path = remote_entry.manifest_path
     upload_path = remote_entry.upload_path
+    object_paths = remote_entry.object_paths
     lookup = remote_entry.lookup
     parse_manifest = staticmethod(remote_entry.parse_manifest)
     check_sizes = remote_entry.check_sizes
@@ -77,14 +80,14 @@ class RemoteStore(Bucket):
 
     def keys(self) -> list[str]:
         """The keys that have a manifest under the prefix, sorted (one listing)."""
-        listed, _ = self.scan()
-        return [item.key for item in listed if item.manifest is not None]
+        return [item.key for item in self.scan().keys if item.manifest is not None]
 
     def remove_entry(self, key: str) -> bool:
         """Remove the entry of ``key``: its manifest first (readers stop finding it at
         once, and never find it without its data), then the upload it named. False when
         there was no manifest. A manifest too broken to name its upload leaves that upload
-        to ``cachekit clear --remote``."""
+        to ``cachekit clear --remote``, which also removes the pool objects no manifest
+        names."""
         try:
             found = self.lookup(key)
         except CacheCorruptError:

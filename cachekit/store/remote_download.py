@@ -13,13 +13,13 @@ import os
 import threading
 from typing import Any, Optional
 
-from ..errors import CacheCorruptError
+from ..errors import CacheCorruptError, RemoteUnavailableError
 from .bucket import Bucket
 from .layout import Published
 from .local import LocalStore
 from .local_copies import link_local_copies
 from .manifest import FileRecord
-from .remote_entry import RemoteEntry, check_sizes, fix_for, upload_path
+from .remote_entry import RemoteEntry, check_sizes, fix_for, object_paths, pooled
 from .remote_fs import progress_bar
 
 WRITEBACK_BYTES = 64 << 20
@@ -33,13 +33,13 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
     the build directory is discarded: nothing is published. The parts of a derived entry
     that local entries hold are linked, not downloaded (:mod:`.local_copies`)."""
     manifest = entry.manifest
-    objects = [upload_path(bucket, entry.key, entry.upload, f.name) for f in manifest.files]
+    objects = object_paths(bucket, manifest, entry.upload)
     build = local.begin(entry.key)
     bar = None
     try:
         here = link_local_copies(local, build.dir, manifest)  # a derived entry's parts
         fetched = [(f, o) for f, o in zip(manifest.files, objects) if f.name not in here]
-        check_sizes(bucket, [f for f, _ in fetched], [o for _, o in fetched])
+        check_sizes(bucket, entry.key, [f for f, _ in fetched], [o for _, o in fetched])
         bar = progress_bar(progress, sum(f.bytes for f, _ in fetched),
                            f"cachekit pull {entry.key[:12]}")
         done = 0
@@ -58,6 +58,13 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
                     build.progress(manifest.rows * done // max(manifest.bytes, 1),
                                    manifest.rows)
             digests[record.name] = "blake2b-128:" + hasher.hexdigest()
+            if digests[record.name] != record.checksum and pooled(manifest, record):
+                # Named by its checksum, a pool object of other bytes is of use to nobody:
+                # it goes, so that the upload that repairs the entry sends it again.
+                try:
+                    bucket.remove([path], f"removing {bucket.object_url(path)}")
+                except RemoteUnavailableError:
+                    pass  # the sweep of `cachekit verify --remote` reports it
         try:
             sealed = local.seal(build, [(f.name, f.kind) for f in manifest.files], digests)
         except CacheCorruptError as e:

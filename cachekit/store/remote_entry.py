@@ -5,8 +5,15 @@ its manifest is read: the layer that upload, download and listing share.
 
     PREFIX/entries/KEY/manifest.json        the commit point: names its upload
                                             ("upload": UPLOAD)
-    PREFIX/entries/KEY/UPLOAD/data.npy ...  the data objects of one upload (UPLOAD: 32 hex
+    PREFIX/entries/KEY/UPLOAD/row_map.npy   the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
+    PREFIX/parts/HEX                        a row data file, named by its checksum's HEX
+                                            digits: stored once, whatever entries name it
+
+The row data files of an images or map entry (its ``data.npy`` with its row identities and
+stats, and the parts of a derived entry) lie in the pool, ``PREFIX/parts/``: a file that
+several entries hold, a fold and the full entry it shares rows with, is uploaded once.
+Their other files (the row map, the manifest) are their own.
 
 Remote data are untrusted: a manifest is read with a size cap and checked field by field
 (:func:`cachekit.store.manifest.loads`), and each object's size is checked before a byte
@@ -25,12 +32,16 @@ from . import manifest as manifests
 from ..errors import CacheCorruptError, UnsignedEntryError
 from ..keys import is_key
 from .bucket import Bucket
-from .manifest import MANIFEST_FILE, FileRecord, Manifest
+from .manifest import (DATA_FILE, MANIFEST_FILE, ROW_IDS_FILE, ROW_STATS_FILE, FileRecord,
+                       Manifest, is_part_file)
 
 UPLOAD_FIELD = "upload"
 """The manifest field that names the upload holding the entry's data objects."""
+POOL_FOLDER = "parts"
+"""The folder of the row data files that entries share, each named by its checksum."""
 MANIFEST_RETRY_SECONDS = 0.2
-_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_ROW_DATA = (DATA_FILE, ROW_IDS_FILE, ROW_STATS_FILE)
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ class RemoteEntry:
 
 
 def is_upload_id(text: Any) -> bool:
-    return isinstance(text, str) and _UPLOAD_ID.fullmatch(text) is not None
+    return isinstance(text, str) and _HEX32.fullmatch(text) is not None
 
 
 def manifest_path(bucket: Bucket, key: str) -> str:
@@ -64,6 +75,29 @@ def upload_path(bucket: Bucket, key: str, upload: str, name: str = "") -> str:
     if not is_key(key) or not is_upload_id(upload):
         raise ValueError(f"not a cache key and upload id: {key!r} {upload!r}")
     return bucket.path("entries", key, upload, *([name] if name else []))
+
+
+def pooled(manifest: Manifest, record: FileRecord) -> bool:
+    """Whether ``manifest``'s file ``record`` lies in the pool: a row data file (its own or a
+    part) of an entry whose rows other entries may share."""
+    return manifest.reuse is not None and (record.name in _ROW_DATA
+                                           or is_part_file(record.name))
+
+
+def pool_path(bucket: Bucket, checksum: str) -> str:
+    """The pool object of the file whose checksum is ``checksum`` (checked by the manifest:
+    ``blake2b-128:`` and 32 hex digits)."""
+    digits = checksum.partition(":")[2]
+    if _HEX32.fullmatch(digits) is None:
+        raise ValueError(f"not a checksum: {checksum!r}")
+    return bucket.path(POOL_FOLDER, digits)
+
+
+def object_paths(bucket: Bucket, manifest: Manifest, upload: str) -> list[str]:
+    """Where each file of ``manifest`` lies when ``upload`` holds the entry: in the pool, or
+    under the upload."""
+    return [pool_path(bucket, f.checksum) if pooled(manifest, f)
+            else upload_path(bucket, manifest.key, upload, f.name) for f in manifest.files]
 
 
 def fix_for(key: str) -> str:
@@ -107,19 +141,20 @@ def parse_manifest(raw: bytes, url: str, key: str) -> RemoteEntry:
     return RemoteEntry(manifest, upload, url)
 
 
-def check_sizes(bucket: Bucket, records: Sequence[FileRecord], objects: Sequence[str]) -> None:
-    """Each object's size against its record, before reading a byte of it (objects are
-    paths of :func:`upload_path`: the key is the third part from the end)."""
+def check_sizes(bucket: Bucket, key: str, records: Sequence[FileRecord],
+                objects: Sequence[str]) -> None:
+    """Each object of ``key``'s entry against its record, its size read before a byte of it
+    is."""
     for record, path in zip(records, objects):
         url = bucket.object_url(path)
         try:
             size = bucket.size(path)
         except FileNotFoundError:
             raise CacheCorruptError(url, "a data object the manifest lists is missing",
-                                    fix_for(path.split("/")[-3])) from None
+                                    fix_for(key)) from None
         if size != record.bytes:
             raise CacheCorruptError(url, f"object is {size} bytes, the manifest says "
-                                         f"{record.bytes}", fix_for(path.split("/")[-3]))
+                                         f"{record.bytes}", fix_for(key))
 
 
 def remove_upload(bucket: Bucket, key: str, upload: str, *, quiet: bool = False) -> None:

@@ -1,5 +1,5 @@
-"""Listing a remote prefix: every key's objects (manifest, uploads, lease objects), objects
-cachekit never writes, and the store's own time (:func:`clock`), which ``cachekit ls
+"""Listing a remote prefix: every key's objects (manifest, uploads, lease objects), the pool's
+objects, objects cachekit never writes, and the store's own time (:func:`clock`), which ``cachekit ls
 --remote`` and ``clear --remote`` judge ages by.
 
 The functions work on a :class:`~cachekit.store.bucket.Bucket`;
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..errors import RemoteUnavailableError
 from ..keys import is_key
 from .bucket import Bucket
 from .manifest import MANIFEST_FILE
-from .remote_entry import is_upload_id
+from .remote_entry import POOL_FOLDER, is_upload_id
 from .remote_fs import modified
 
 CLOCK_FOLDER = "clock"
@@ -45,15 +45,27 @@ class RemoteKey:
     """Objects under the key that cachekit never writes."""
 
 
-def scan(bucket: Bucket) -> tuple[list[RemoteKey], list[RemoteObject]]:
-    """Every key's objects under the prefix, and objects cachekit does not know."""
+class Listing(NamedTuple):
+    """What one listing of the prefix found."""
+
+    keys: list[RemoteKey]
+    unknown: list[RemoteObject]
+    """Objects cachekit does not know."""
+    pool: list[RemoteObject]
+    """The pool's objects (see :mod:`.remote_entry`)."""
+
+
+def scan(bucket: Bucket) -> Listing:
+    """Every key's objects under the prefix, the pool's, and objects cachekit does not
+    know."""
     root = bucket.root
     try:
         found = bucket.find(root)
     except FileNotFoundError:
-        return [], []
+        return Listing([], [], [])
     keys: dict[str, RemoteKey] = {}
     unknown: list[RemoteObject] = []
+    pool: list[RemoteObject] = []
     for path, info in sorted(found.items()):
         if info.get("type") == "directory":
             continue
@@ -61,6 +73,9 @@ def scan(bucket: Bucket) -> tuple[list[RemoteKey], list[RemoteObject]]:
         parts = path[len(root):].strip("/").split("/")
         if parts[0] == CLOCK_FOLDER and len(parts) == 2:
             continue  # a probe of :func:`clock`
+        if parts[0] == POOL_FOLDER and len(parts) == 2 and is_upload_id(parts[1]):
+            pool.append(obj)
+            continue
         if len(parts) < 3 or parts[0] not in ("entries", "leases") or not is_key(parts[1]):
             unknown.append(obj)
             continue
@@ -73,7 +88,7 @@ def scan(bucket: Bucket) -> tuple[list[RemoteKey], list[RemoteObject]]:
             item.uploads.setdefault(parts[2], []).append(obj)
         else:
             item.strays.append(obj)
-    return sorted(keys.values(), key=lambda k: k.key), unknown
+    return Listing(sorted(keys.values(), key=lambda k: k.key), unknown, pool)
 
 
 def clock(bucket: Bucket) -> Optional[float]:

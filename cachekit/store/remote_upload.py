@@ -1,9 +1,11 @@
 """Uploading a local entry to a bucket, and telling whose upload a remote manifest names.
 
 Every upload writes its data objects under an upload id of its own (32 hex digits, fresh
-per upload), then tries to create the manifest naming it (``"upload": UPLOAD``),
-create-only; the store lets exactly one succeed, and the loser removes its objects. No
-uploader removes objects that a manifest may name: a create that fails without saying
+per upload), and its row data files into the pool (each once: one that is there, of its
+size, is not sent again), then tries to create the manifest naming it (``"upload": UPLOAD``),
+create-only; the store lets exactly one succeed, and the loser removes its upload's objects (never pool
+objects, which other entries may name: ``cachekit clear --remote`` removes those that none
+names). No uploader removes objects that a manifest may name: a create that fails without saying
 "exists" may have landed, so the manifest is read back first. An uploader paused between
 its data and its manifest may find, once its manifest wins, that a sweep removed its data:
 it checks after every win and withdraws its manifest then.
@@ -26,8 +28,8 @@ from ..errors import CacheCorruptError, RemoteUnavailableError
 from .bucket import Bucket
 from .layout import Published
 from .manifest import FileRecord
-from .remote_entry import (UPLOAD_FIELD, check_sizes, lookup, manifest_path, remove_upload,
-                           upload_path)
+from .remote_entry import (UPLOAD_FIELD, check_sizes, lookup, manifest_path, object_paths,
+                           pooled, remove_upload)
 from .remote_fs import progress_bar
 
 PUBLISH_ATTEMPTS = 2
@@ -54,9 +56,9 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False) -> b
         won = _publish(bucket, published, upload_id, progress)
         if not won:
             return False
-        objects = [upload_path(bucket, key, upload_id, f.name) for f in manifest.files]
+        objects = object_paths(bucket, manifest, upload_id)
         try:
-            check_sizes(bucket, manifest.files, objects)
+            check_sizes(bucket, key, manifest.files, objects)
             return True
         except CacheCorruptError as e:
             if not withdraw(bucket, key, upload_id) and lookup(bucket, key) is not None:
@@ -76,11 +78,15 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
     key = manifest.key
     bar = progress_bar(progress, manifest.bytes, f"cachekit push {key[:12]}")
     try:
-        objects = [upload_path(bucket, key, upload_id, f.name) for f in manifest.files]
+        objects = object_paths(bucket, manifest, upload_id)
         try:
             for record, path in zip(manifest.files, objects):
+                if pooled(manifest, record) and _holds(bucket, path, record):
+                    if bar is not None:
+                        bar.update(record.bytes)
+                    continue
                 _put(bucket, published, record, path, bar)
-            check_sizes(bucket, manifest.files, objects)  # all there before the commit
+            check_sizes(bucket, key, manifest.files, objects)  # all there before the commit
         except BaseException:
             remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
             raise
@@ -92,7 +98,7 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
             # manifest after a sweep took our data, withdraw it.
             try:
                 if named(bucket, key, upload_id) == OURS:
-                    check_sizes(bucket, manifest.files, objects)
+                    check_sizes(bucket, key, manifest.files, objects)
             except CacheCorruptError:
                 withdraw(bucket, key, upload_id)
 
@@ -143,6 +149,15 @@ def withdraw(bucket: Bucket, key: str, upload: str) -> bool:
     bucket.remove([path], f"withdrawing {bucket.object_url(path)}")
     remove_upload(bucket, key, upload, quiet=True)
     return True
+
+
+def _holds(bucket: Bucket, path: str, record: FileRecord) -> bool:
+    """Whether the pool object ``path`` is there with ``record``'s size: named by its
+    checksum, it holds the record's bytes (a download checks them all the same)."""
+    try:
+        return bucket.size(path) == record.bytes
+    except FileNotFoundError:
+        return False
 
 
 def _put(bucket: Bucket, published: Published, record: FileRecord, path: str,

@@ -1,0 +1,65 @@
+"""Checking a remote tier's entries byte by byte: what ``cachekit verify --remote`` does."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Iterable, Optional
+
+from ..errors import CacheCorruptError
+from ..store.remote import RemoteEntry, RemoteStore
+from .inspect import Problem, resolve_keys
+from .remote import scan
+
+
+def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
+           on_start: Optional[Callable[[int, int], None]] = None,
+           on_bytes: Optional[Callable[[int], None]] = None) -> tuple[int, list[Problem]]:
+    """Check remote entries (all, or ``keys`` and unique prefixes): manifest, signature,
+    each object's size and checksum (every byte is read; a pool object that several
+    entries name, once). (entries checked, problems)."""
+    found = scan(remote)
+    entries = list(found.entries)
+    if keys is not None:
+        wanted = set(resolve_keys(keys, [e.key for e in entries]))
+        entries = [e for e in entries if e.key in wanted]
+    if on_start is not None:
+        pool = set().union(*(e.pool for e in entries))
+        on_start(len(entries), sum(e.bytes - e.pooled_bytes for e in entries)
+                 + sum(o.size for o in found.pool if o.path in pool))
+    problems: list[Problem] = []
+    digests: dict[str, str] = {}
+    for info in entries:
+        problem = info.problem
+        if problem is None and info.entry is not None:
+            problem = _check(remote, info.entry, digests, on_bytes)
+        if problem is not None:
+            problems.append(Problem(info.key, info.url, problem))  # type: ignore[arg-type]
+    return len(entries), problems
+
+
+def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
+           on_bytes: Optional[Callable[[int], None]]) -> Optional[str]:
+    """What is wrong with ``entry``'s objects, or None; ``digests`` holds the checksums of
+    the objects read so far."""
+    m = entry.manifest
+    for record, path in zip(m.files, remote.object_paths(m, entry.upload)):
+        if path not in digests:
+            try:
+                remote.check_sizes(entry.key, [record], [path])
+                digests[path] = _digest(remote, path, record.bytes, on_bytes)
+            except CacheCorruptError as e:
+                return f"{record.name}: {e.reason}"
+        if digests[path] != record.checksum:
+            return (f"checksum mismatch in {record.name}: the manifest says {record.checksum},"
+                    f" the object has {digests[path]}")
+    return None
+
+
+def _digest(remote: RemoteStore, path: str, size: int,
+            on_bytes: Optional[Callable[[int], None]]) -> str:
+    hasher = hashlib.blake2b(digest_size=16)
+    for block in remote.read_ranges(path, size):
+        hasher.update(block)
+        if on_bytes is not None:
+            on_bytes(len(block))
+    return "blake2b-128:" + hasher.hexdigest()

@@ -1,0 +1,91 @@
+"""The remote pool: a row data file that several entries hold (a fold and the full entry
+it shares rows with) is uploaded once, under its checksum, and ``cachekit clear --remote``
+removes the pool objects that no manifest names, never one that a manifest names."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+import cachekit
+from cachekit.admin.remote import removal_for_clear
+from cachekit.admin.remote_verify import verify as verify_remote
+from cachekit.cli.main import main as cli_main
+from cachekit.obtain import background
+from cachekit.store import manifest as manifests
+from cachekit.store.remote import RemoteStore
+from cachekit.store.remote_entry import pool_path, pooled
+
+
+def _int_row(v: int) -> np.ndarray:
+    return np.full(16, v, dtype=np.int32)
+
+
+def _pushed(root: Path, *columns: list[int]) -> list[cachekit.Entry]:
+    cache = cachekit.Cache(root, workers=1, progress=False)
+    entries = [cache.map(_int_row, column, version="1") for column in columns]
+    background.wait_all()
+    return entries
+
+
+def _pooled_files(remote: RemoteStore, key: str) -> dict[str, int]:
+    """The pool objects ``key``'s remote manifest names, with their sizes."""
+    found = remote.lookup(key)
+    m = found.manifest
+    return {path: f.bytes for f, path in zip(m.files, remote.object_paths(m, found.upload))
+            if pooled(m, f)}
+
+
+def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_names(
+        s3_env, tmp_path, capsys):
+    full, *folds = _pushed(tmp_path / "a", list(range(300)),
+                           *[list(range(k, 300, 3)) for k in range(3)])
+    assert not any(f.contiguous for f in folds)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    named = {}
+    for entry in (full, *folds):
+        named.update(_pooled_files(remote, entry.key))
+    pool = {o.path: o.size for o in remote.scan().pool}
+    assert pool == named  # each distinct file once, and nothing else
+    data = full._manifest.files[0]
+    assert list(pool.values()).count(data.bytes) == 1  # the full entry's rows, sent once
+    for fold in folds:
+        parts = [f for f in fold._manifest.files if manifests.is_part_name(f.name)]
+        assert [p.checksum for p in parts] == [data.checksum]
+    capsys.readouterr()
+    assert cli_main(["verify", "--remote"]) == 0
+
+    assert cli_main(["clear", "--remote", folds[0].key[:12], "--yes"]) == 0
+    assert {o.path for o in remote.scan().pool} == set(named)  # the others name them all
+    assert verify_remote(remote) == (3, [])
+    assert cli_main(["clear", "--remote", full.key[:12], "--yes"]) == 0
+    assert pool_path(remote, data.checksum) in {o.path for o in remote.scan().pool}
+    assert verify_remote(remote) == (2, [])  # the folds still name the full entry's rows
+
+    assert cli_main(["clear", "--remote", "--all", "--yes"]) == 0
+    listing = remote.scan()
+    assert listing.keys == [] or all(k.manifest is None for k in listing.keys)
+    assert listing.pool == []
+
+
+def test_a_pool_object_that_a_manifest_came_to_name_since_the_scan_is_spared(
+        s3_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")  # untouched for 2 s: old
+    [entry] = _pushed(tmp_path / "a", list(range(50)))
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    theirs = _pooled_files(remote, entry.key)
+    assert theirs and remote.remove_entry(entry.key)  # its pool objects stay, unnamed
+    stray = pool_path(remote, "blake2b-128:" + "ab" * 16)
+    remote.write(stray, b"left by an upload killed before its manifest")
+    time.sleep(3.5)
+    plan = removal_for_clear(remote, older_than=10 ** 9)  # leftovers only
+    planned = {o.path for x in plan.leftovers for o in x.objects}
+    assert planned == {stray, *theirs}
+    # An upload of the entry meets its row files in the pool, and names them again.
+    local = cachekit.store.LocalStore(tmp_path / "a")
+    assert remote.upload(local.lookup(entry.key))
+    assert plan.execute().failed == ()
+    assert {o.path for o in remote.scan().pool} == set(theirs)
+    assert verify_remote(remote) == (1, [])
