@@ -25,8 +25,10 @@ def _int_row(v: int) -> np.ndarray:
 
 def _pushed(root: Path, *columns: list[int]) -> list[cachekit.Entry]:
     cache = cachekit.Cache(root, workers=1, progress=False)
-    entries = [cache.map(_int_row, column, version="1") for column in columns]
-    background.wait_all()
+    entries = []
+    for column in columns:
+        entries.append(cache.map(_int_row, column, version="1"))
+        background.wait_all()  # one upload after the other
     return entries
 
 
@@ -43,6 +45,8 @@ def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_name
     full, *folds = _pushed(tmp_path / "a", list(range(300)),
                            *[list(range(k, 300, 3)) for k in range(3)])
     assert not any(f.contiguous for f in folds)
+    said = capsys.readouterr().err
+    assert said.count("sent, the rest was in the bucket already") == len(folds)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     named = {}
     for entry in (full, *folds):

@@ -19,7 +19,7 @@ from ..admin.remote_verify import verify as verify_remote
 from ..admin.inspect import list_entries, resolve_keys
 from ..errors import CacheCorruptError, UsageError
 from ..obtain.remote import Tier, pull as pull_entry
-from ..store.remote import RemoteEntry, RemoteStore
+from ..store.remote import RemoteEntry, RemoteStore, sent_note
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, ByteProgress, ago, count, fields, joined_by, say, shape, table, \
     when
@@ -42,8 +42,10 @@ def push(args: argparse.Namespace) -> int:
             say(f"{key[:SHORT_KEY]}: removed locally meanwhile", file=sys.stderr)
             status = 1
             continue
-        if remote.upload(published, progress=sys.stderr.isatty()):
-            say(f"pushed {key} ({units.format_size(published.manifest.bytes)})")
+        sent: list[int] = []
+        if remote.upload(published, progress=sys.stderr.isatty(), sent=sent.append):
+            say(f"pushed {key} ({units.format_size(published.manifest.bytes)}"
+                f"{sent_note(sum(sent), published.manifest.bytes)})")
         else:
             say(f"{key}: already on {remote.display}")
     return status

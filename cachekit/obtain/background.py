@@ -133,12 +133,15 @@ def wait_all() -> None:
 
 
 def _run(upload: _Upload) -> None:
+    from ..store.remote import sent_note  # loaded already: upload.remote is a RemoteStore
+
     say(f"uploading {upload.what()} in the background; the process waits for it "
          "before exiting")
     started = time.monotonic()
     try:
         upload.lease.uploading()
-        won = upload.remote.upload(upload.published)
+        sent: list[int] = []
+        won = upload.remote.upload(upload.published, sent=sent.append)
     except Exception as e:  # whatever it is, it is said, not lost with the thread
         upload.error = e
         with _lock:
@@ -148,7 +151,8 @@ def _run(upload: _Upload) -> None:
              f"written last, only once all of its data is there); {upload.retry()}")
     else:
         if won:
-            say(f"uploaded {upload.what()} in {time.monotonic() - started:.1f} s")
+            say(f"uploaded {upload.what()} in {time.monotonic() - started:.1f} s"
+                f"{sent_note(sum(sent), upload.published.manifest.bytes)}")
         else:
             say(f"entry {upload.key[:12]} was on {upload.remote.display} already; "
                  "nothing uploaded")

@@ -48,11 +48,11 @@ from .remote_entry import RemoteEntry
 from .remote_fs import (CHECK, EXISTS, OTHER, REMOTE_ENV, TIMEOUT_ENV, classify_failed_create,
                         redact, timeout_from_env, url_from_env)
 from .remote_listing import RemoteKey, RemoteObject
-from .remote_upload import NONE, OTHERS, OURS, UNKNOWN
+from .remote_upload import NONE, OTHERS, OURS, UNKNOWN, sent_note
 
 __all__ = ["CHECK", "EXISTS", "NONE", "OTHER", "OTHERS", "OURS", "REMOTE_ENV", "TIMEOUT_ENV",
            "UNKNOWN", "RemoteEntry", "RemoteKey", "RemoteObject", "RemoteStore",
-           "classify_failed_create", "redact", "timeout_from_env", "url_from_env"]
+           "classify_failed_create", "redact", "sent_note", "timeout_from_env", "url_from_env"]
 
 
 class RemoteStore(Bucket):

@@ -20,11 +20,12 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .. import _fs
 from . import manifest as manifests
 from ..errors import CacheCorruptError, RemoteUnavailableError
+from ..units import format_size
 from .bucket import Bucket
 from .layout import Published
 from .manifest import FileRecord
@@ -36,7 +37,8 @@ PUBLISH_ATTEMPTS = 2
 OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
 
 
-def upload(bucket: Bucket, published: Published, *, progress: bool = False) -> bool:
+def upload(bucket: Bucket, published: Published, *, progress: bool = False,
+           sent: Optional[Callable[[int], None]] = None) -> bool:
     """Upload a local entry: its data objects under a fresh upload id, then the manifest,
     create-only. True when this call published the remote entry; False when one was
     there already (its own objects are then removed).
@@ -46,14 +48,15 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False) -> b
     first, and an upload that may still be named is left for ``cachekit clear
     --remote``. After a win, the objects are checked once more: a sweep that judged a
     paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
-    and the entry uploaded again under a fresh id (once)."""
+    and the entry uploaded again under a fresh id (once). ``sent(n)`` is told the size of
+    each file sent (not of those the pool held already)."""
     manifest = published.manifest
     key = manifest.key
     if lookup(bucket, key) is not None:
         return False
     for attempt in range(1, PUBLISH_ATTEMPTS + 1):
         upload_id = uuid.uuid4().hex
-        won = _publish(bucket, published, upload_id, progress)
+        won = _publish(bucket, published, upload_id, progress, sent or (lambda n: None))
         if not won:
             return False
         objects = object_paths(bucket, manifest, upload_id)
@@ -71,7 +74,7 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False) -> b
 
 
 def _publish(bucket: Bucket, published: Published, upload_id: str,
-             progress: bool) -> bool:
+             progress: bool, sent: Callable[[int], None]) -> bool:
     """Data objects under ``upload_id``, then the manifest naming them, create-only: True
     when ours is the key's manifest now, False when another one is (ours removed)."""
     manifest = published.manifest
@@ -86,6 +89,7 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
                         bar.update(record.bytes)
                     continue
                 _put(bucket, published, record, path, bar)
+                sent(record.bytes)
             check_sizes(bucket, key, manifest.files, objects)  # all there before the commit
         except BaseException:
             remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
@@ -126,6 +130,13 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
     if whose in (OTHERS, NONE):
         remove_upload(bucket, key, upload_id, quiet=True)
     return whose == OURS
+
+
+def sent_note(sent: int, total: int) -> str:
+    """What a message about an upload of ``total`` bytes adds when it sent only ``sent``."""
+    if sent >= total:
+        return ""
+    return f"; {format_size(sent)} sent, the rest was in the bucket already"
 
 
 def named(bucket: Bucket, key: str, upload: str) -> str:
