@@ -173,8 +173,11 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
                    "retry: bytes added / (1 row + row map)",
                    "shuffled epoch: fold speed / contiguous",
                    "sequential epoch: fold speed / contiguous",
+                   "remote: bucket bytes / the host's root",
+                   "remote: a fold pulled, bytes read / its rows",
                    "first hit: derived s / contiguous s"):
         assert f"| {figure} |" in result["table"]
     assert all(value > 0 for value in result["rounds"][0].values())
     assert result["rounds"][0]["folds disk / full entry alone"] < 1.5  # the folds link it
+    assert result["rounds"][0]["remote: a fold pulled, bytes read / its rows"] < 0.5
     assert (tmp_path / "s.json").exists()
