@@ -71,7 +71,7 @@ READER = textwrap.dedent('''
 
 def _leaks(where: str, text: str) -> list[str]:
     """The secrets in ``text``, and for text (not a data file) a raw control character."""
-    binary = where.endswith(".npy") or where.endswith(".lock")
+    binary = where.endswith((".npy", ".lock")) or "/parts/" in where  # pool: .npy bytes
     return [s for s in SECRETS if s in text] + (
         ["a raw control character"] if not binary and RAW_CONTROL.search(text) else [])
 
