@@ -21,17 +21,29 @@ def load_run_module():
     return module
 
 
-def test_a_tiny_quick_run_measures_every_phase(tmp_path: Path) -> None:
+def test_a_tiny_quick_run_measures_every_phase_and_leaves_the_published_figures_alone(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    import subprocess
+    import tempfile
+
     # Every phase, and every peer but the seed's two caches: each of their jobs is a fresh
     # interpreter that imports torchvision, which would make most of this test's time.
     # The seed's Dataset still runs in the DataLoader phase.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its output folder goes here
+    repo = RUN_PY.parent.parent
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
+                            text=True).stdout
     run = load_run_module()
-    out = tmp_path / "docs"
     # The smallest sizes that still give every figure: two rows per build worker, one
     # DataLoader batch (256 rows); the time is interpreters starting, not rows.
     report = run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
                        "--hit-rows", "20", "--dataloader-rows", "256", "--repeats", "1",
-                       "--contestants", "joblib,datasets,cachekit", "--out", str(out)])
+                       "--contestants", "joblib,datasets,cachekit"])
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
+                           text=True).stdout
+    assert after == before
+    assert "the published ones in docs/ and README.md stay" in capsys.readouterr().err
+    [out] = [p.parent for p in tmp_path.glob("cachekit-bench-quick-*/benchmarks.md")]
 
     sections = {row.section for row in report.rows}
     assert sections == {"build", "rss", "hit", "agents_wall", "agents_cpu", "dataloader", "pss"}
@@ -50,25 +62,6 @@ def test_a_tiny_quick_run_measures_every_phase(tmp_path: Path) -> None:
     assert "cachekit exact, 2 workers" in text and "joblib.Memory, object" in text
     assert "## DataLoader epoch throughput" in text
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_a_quick_run_leaves_the_published_figures_alone(tmp_path: Path, capsys,
-                                                        monkeypatch) -> None:
-    import subprocess
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its output folder goes here
-    repo = RUN_PY.parent.parent
-    before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
-                            text=True).stdout
-    run = load_run_module()
-    run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
-              "--hit-rows", "20", "--repeats", "1", "--only", "hit",
-              "--contestants", "cachekit"])
-    after = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
-                           text=True).stdout
-    assert after == before
-    assert "the published ones in docs/ and README.md stay" in capsys.readouterr().err
 
 
 def test_a_replot_fills_the_generated_parts_and_keeps_the_prose(tmp_path: Path) -> None:

@@ -55,6 +55,8 @@ class Built:
     """Seconds the build spent computing rows here (None: all of its time)."""
     digests: Optional[dict[str, str]] = None
     """Checksums of data files that the build function computed as it read them, by name."""
+    durable: frozenset[str] = frozenset()
+    """Data files linked from committed entries: their commit fsynced them."""
     reuse: Optional[RowReuse] = None
     """How later builds may copy the rows of a per-row entry (its recipe, its blocks)."""
     origin: Optional[Origin] = None
@@ -93,7 +95,7 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         current.drop_resumed()
         if not current.still_ours():
             raise BuildGone(str(current.path))
-        files = store.seal(current, made.files, made.digests)
+        files = store.seal(current, made.files, made.digests, made.durable)
         published_key = key if made.failure is None else keys.kept_key(key)
         if made.failure is not None:
             _remove_kept(store, key)  # its good rows were copied into this build

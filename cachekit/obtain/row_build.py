@@ -158,6 +158,7 @@ class RowBuild:
             column=call.column.name if isinstance(call.column.name, str) else None,
             builder={**(builder or {}), **_joiners(filled.joined)},
             decode_seconds=filled.decode_seconds, digests=extra.digests,
+            durable=extra.linked,
             reuse=extra.reuse, origin=extra.origin,
             committed=lambda published: index_entry(self.store, published, rows.ids),
             failure=failure)
@@ -288,6 +289,8 @@ class _RowFiles:
     digests: dict[str, str]
     reuse: RowReuse
     origin: Origin
+    linked: frozenset[str] = frozenset()
+    """The parts: links to files of committed entries."""
 
 
 def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
@@ -303,6 +306,7 @@ def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
     arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
     files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
     digests = {manifests.DATA_FILE: whole}
+    linked: frozenset[str] = frozenset()
     if rows.stats is not None:
         arrays.write_small(directory, manifests.ROW_STATS_FILE,
                            np.ascontiguousarray(rows.stats[own], dtype="<i8"))
@@ -313,9 +317,10 @@ def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
         shared = {**dict(zip(held.names, held.records)), **held.sidecars}
         files += [(name, "numpy") for name in sorted(shared)]
         digests.update((name, record.checksum) for name, record in shared.items())
+        linked = frozenset(shared)
     reused = sorted(((k, n) for k, n in held.shared.items() if n), key=lambda kn: -kn[1])
     origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
-    return _RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin)
+    return _RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)
 
 
 def _no_rows(directory: _fs.DirHandle, template: Any) -> engine.Filled:

@@ -26,15 +26,19 @@ RENAME_ATTEMPTS = 3
 
 
 def seal(build: BuildDir, files: Iterable[tuple[str, str]],
-         digests: Optional[dict[str, str]] = None) -> tuple[FileRecord, ...]:
+         digests: Optional[dict[str, str]] = None,
+         durable: Iterable[str] = ()) -> tuple[FileRecord, ...]:
     """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in order;
     their shape and dtype come from (and are checked against) each .npy header.
-    ``digests``: checksums the writer computed as it wrote (a download), by name."""
+    ``digests``: checksums the writer computed as it wrote (a download), by name.
+    ``durable``: the names of links to files of committed entries (not fsynced again)."""
+    durable = frozenset(durable)
     records = []
     for index, (name, kind) in enumerate(files):
         if not manifests.allowed_file_name(index, name):
             raise ValueError(f"file {index} of a build must be {manifests.file_name(index)}")
-        shape, dtype, size, digest = arrays.seal(build.dir, name, (digests or {}).get(name))
+        shape, dtype, size, digest = arrays.seal(build.dir, name, (digests or {}).get(name),
+                                                 durable=name in durable)
         records.append(FileRecord(name, shape, dtype.str, size, digest, kind))
     return tuple(records)
 

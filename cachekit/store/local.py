@@ -271,11 +271,13 @@ class LocalStore:
             pass  # another user's: `cachekit clear` reports it, and its owner can remove it
 
     def seal(self, build: BuildDir, files: Iterable[tuple[str, str]],
-             digests: Optional[dict[str, str]] = None) -> tuple[FileRecord, ...]:
+             digests: Optional[dict[str, str]] = None,
+             durable: Iterable[str] = ()) -> tuple[FileRecord, ...]:
         """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in
         order; their shape and dtype come from (and are checked against) each .npy header.
-        ``digests``: checksums the writer computed as it wrote (a download), by name."""
-        return commits.seal(build, files, digests)
+        ``digests``: checksums the writer computed as it wrote (a download), by name.
+        ``durable``: the names of links to files of committed entries (not fsynced again)."""
+        return commits.seal(build, files, digests, durable)
 
     def commit(self, build: BuildDir, manifest: Manifest, *,
                scratch: Callable[[str], bool] = lambda name: False) -> tuple[Published, bool]:

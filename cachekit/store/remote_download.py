@@ -66,7 +66,8 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
                 except RemoteUnavailableError:
                     pass  # the sweep of `cachekit verify --remote` reports it
         try:
-            sealed = local.seal(build, [(f.name, f.kind) for f in manifest.files], digests)
+            sealed = local.seal(build, [(f.name, f.kind) for f in manifest.files], digests,
+                                durable=here)
         except CacheCorruptError as e:
             raise CacheCorruptError(bucket.object_url(objects[0]), e.reason,
                                     fix_for(entry.key)) from None
