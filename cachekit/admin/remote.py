@@ -12,7 +12,8 @@ Besides published entries, a remote holds what interrupted work left:
   a builder beats its lease all through its upload, so a live one keeps its upload.
 - pool objects that no manifest names (``parts/HEX``: the row data that entries share, see
   :mod:`cachekit.store.remote_entry`): those the removed entries named go with them, and
-  any other once untouched for twice the lease (an upload may be about to name it).
+  (whatever the selection) any other once untouched for twice the lease (an upload may be
+  about to name it).
   Just before they go, every manifest is read again, and a pool object one names stays.
 - old lease generations: ``leases/KEY/GEN.*`` below the key's newest generation. The newest
   generation's two small objects always stay, so that generation numbers only rise and a
@@ -324,7 +325,7 @@ def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None,
         entries = [e for e in entries if _age(e, found.now) > older_than]
     leftovers = [x for x in found.leftovers
                  if (wanted is None and not x.pool) or x.key in (wanted or ())]
-    leftovers += _pool_freed(found, entries, every=wanted is None)
+    leftovers += _pool_freed(found, entries)
     now = time.time()
     items = [Item(e.key, ENTRY, e.key, e.url, e.bytes,
                   f"{e.key[:SHORT_KEY]}  {e.entry.manifest.kind if e.entry else '?':<7} "
@@ -336,19 +337,20 @@ def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None,
                                        for x in leftovers if not x.removable))
 
 
-def _pool_freed(found: RemoteScan, removed: list[RemoteEntryInfo], *,
-                every: bool) -> list[Leftover]:
+def _pool_freed(found: RemoteScan, removed: list[RemoteEntryInfo]) -> list[Leftover]:
     """The pool objects to remove with ``removed``: those they name that no other entry
-    names, and (``every``) the old ones that none names."""
+    names, and the old ones that none names (whatever the selection: they belong to no
+    key)."""
     gone = {e.key for e in removed}
     kept = _pool_names(e for e in found.entries if e.key not in gone)
+    unnamed = [x for x in found.leftovers if x.pool]
     if kept is None:
-        return [x for x in found.leftovers if x.pool and not x.removable]  # says why
+        return unnamed  # kept, and says why: a manifest could not be read
     theirs = set().union(*(e.pool for e in removed)) - kept
     freed = tuple(o for o in found.pool if o.path in theirs)
     out = [Leftover("", "pool objects of removed entries", freed, True, pool=True)
            ] if freed else []
-    return out + [x for x in found.leftovers if x.pool and every]
+    return out + unnamed
 
 
 def _leftover_item(remote: RemoteStore, leftover: Leftover) -> Item:

@@ -112,7 +112,7 @@ def _report_leftovers(found: admin.RemoteScan, out: Any = None) -> None:
         state = "removable" if x.removable else x.kept_because
         if x.pool:
             say(f"{x.what}: {len(x.objects)} object(s), {units.format_size(x.bytes)} "
-                f"({state}); `cachekit clear --remote` removes them", file=out)
+                f"({state}); any `cachekit clear --remote` removes them", file=out)
             continue
         say(f"{x.what} of {x.key[:SHORT_KEY]}: {len(x.objects)} object(s), "
             f"{units.format_size(x.bytes)} ({state}); `cachekit clear --remote "
