@@ -92,9 +92,9 @@ ZYGOTE = textwrap.dedent(r'''
             decoded.append(row)
             return real["load"](path, *args, **kwargs)
 
-        def seal(directory, name, digest=None):  # fsyncs, then checksums, each data file
+        def seal(directory, name, digest=None, **kw):  # fsyncs, then checksums, each file
             reach("fsync")
-            return real["seal"](directory, name, digest)
+            return real["seal"](directory, name, digest, **kw)
 
         def checksum(f):
             reach("checksum")

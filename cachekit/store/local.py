@@ -273,10 +273,8 @@ class LocalStore:
     def seal(self, build: BuildDir, files: Iterable[tuple[str, str]],
              digests: Optional[dict[str, str]] = None,
              durable: Iterable[str] = ()) -> tuple[FileRecord, ...]:
-        """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in
-        order; their shape and dtype come from (and are checked against) each .npy header.
-        ``digests``: checksums the writer computed as it wrote (a download), by name.
-        ``durable``: the names of links to files of committed entries (not fsynced again)."""
+        """:func:`cachekit.store.commit.seal`: fsync and checksum the data files of
+        ``build``, checked against their .npy headers."""
         return commits.seal(build, files, digests, durable)
 
     def commit(self, build: BuildDir, manifest: Manifest, *,
