@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import CacheCorruptError, InvalidArgument
+from .store import manifest as manifests
 from .store.manifest import Manifest
 from .store.row_view import Rows, open_rows
 
@@ -126,8 +127,20 @@ class Entry:
                 f" {self.source}>")
 
     def _map(self, mode: str = "r") -> Rows:
-        """Open the entry's rows again: mapped read-only ("r") or copy-on-write ("c")."""
-        return open_rows(self.path, self._manifest, mode)
+        """Open the entry's rows again: mapped read-only ("r") or copy-on-write ("c").
+
+        When the key was built again in place since this entry was opened (made contiguous,
+        or healed after a file changed), the files of its manifest are gone: the key's
+        current manifest, of the same rows, is taken up instead (a DataLoader worker opens
+        the entry it was shipped long after the call that returned it)."""
+        try:
+            return open_rows(self.path, self._manifest, mode)
+        except CacheCorruptError:
+            current = _rebuilt(self.path, self._manifest)
+            if current is None:
+                raise
+            self._manifest, self.manifest = current, current.to_json()
+            return open_rows(self.path, current, mode)
 
     def tensor(self):
         """A torch.Tensor of the entry's rows.
@@ -148,6 +161,18 @@ class Entry:
         from .dataset import EntryDataset
 
         return EntryDataset(self, targets=targets, transform=transform)
+
+
+def _rebuilt(path: Path, manifest: Manifest) -> Optional[Manifest]:
+    """The manifest of the entry at ``path`` when it is another build of ``manifest``'s
+    key with the same rows (shape, dtype, failed rows); None otherwise."""
+    try:
+        current = manifests.read(path, manifest.key)
+    except (OSError, CacheCorruptError):
+        return None
+    same = (current.shape, current.dtype, current.failed_count) == (
+        manifest.shape, manifest.dtype, manifest.failed_count)
+    return current if same and current != manifest else None
 
 
 def _valid_rows(manifest: Manifest) -> np.ndarray:

@@ -191,6 +191,21 @@ def test_contiguous_true_copies_a_derived_entry_into_one_file(cache, pictures, t
     assert cache.images(fold, 8).contiguous
 
 
+def test_a_dataset_opened_before_its_key_was_made_contiguous_reads_the_new_files(
+        cache, pictures, tmp_path):
+    import pickle
+
+    cache.images(column(pictures, range(N)), 8)
+    col = column(pictures, range(0, N, 2))
+    derived = cache.images(col, 8)
+    shipped = pickle.dumps(derived.dataset())  # as a DataLoader ships it to its workers
+    cache.images(col, 8, contiguous=True)  # the derived entry's files are gone now
+    dataset = pickle.loads(shipped)
+    expected = fresh(tmp_path, col)
+    for i in (0, len(col) - 1):
+        np.testing.assert_array_equal(dataset[i].numpy(), expected[i])
+
+
 def _csv(tmp_path: Path, col: pd.Series) -> str:
     path = tmp_path / "fold.csv"
     col.to_frame().to_csv(path, index=False)
