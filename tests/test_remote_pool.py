@@ -61,6 +61,13 @@ def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_name
     capsys.readouterr()
     assert cli_main(["verify", "--remote"]) == 0
 
+    there = str(tmp_path / "b")  # a host holding the full entry pulls a fold
+    assert cli_main(["--root", there, "pull", full.key[:12]]) == 0
+    capsys.readouterr()
+    assert cli_main(["--root", there, "pull", folds[0].key[:12]]) == 0
+    said = capsys.readouterr().out
+    assert f"of it linked from entries here, not downloaded) into {there}" in said
+
     assert cli_main(["clear", "--remote", folds[0].key[:12], "--yes"]) == 0
     assert {o.path for o in remote.scan().pool} == set(named)  # the others name them all
     assert verify_remote(remote) == (3, [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from ..admin.remote_verify import verify as verify_remote
 from ..admin.inspect import list_entries, resolve_keys
 from ..errors import CacheCorruptError, UsageError
 from ..obtain.remote import Tier, pull as pull_entry
+from ..store import Published
 from ..store.remote import RemoteEntry, RemoteStore, sent_note
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, ByteProgress, ago, count, fields, joined_by, say, shape, table, \
@@ -71,9 +73,24 @@ def pull(args: argparse.Namespace) -> int:
         elif got[1] == "local":
             say(f"{key}: already in {local.root}")
         else:
-            say(f"pulled {key} ({units.format_size(got[0].manifest.bytes)}) into "
-                f"{local.root}")
+            say(f"pulled {key} ({units.format_size(got[0].manifest.bytes)}"
+                f"{_linked_note(got[0])}) into {local.root}")
     return status
+
+
+def _linked_note(published: Published) -> str:
+    """What a pull message adds when files of the pulled entry were linked from entries
+    of this root rather than downloaded (:mod:`cachekit.store.local_copies`)."""
+    linked = 0
+    for record in published.manifest.files:
+        try:
+            if os.stat(published.path / record.name).st_nlink > 1:
+                linked += record.bytes
+        except OSError:
+            pass  # removed meanwhile: the message is all that is at stake
+    if not linked:
+        return ""
+    return f"; {units.format_size(linked)} of it linked from entries here, not downloaded"
 
 
 def ls(args: argparse.Namespace) -> int:
