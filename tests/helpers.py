@@ -186,4 +186,4 @@ def remote_object(remote, key: str, name: str) -> str:
     upload, or in the pool."""
     found = remote.lookup(key)
     names = [f.name for f in found.manifest.files]
-    return remote.object_paths(found.manifest, found.upload)[names.index(name)]
+    return found.objects(remote)[names.index(name)]

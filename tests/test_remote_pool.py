@@ -16,7 +16,7 @@ from cachekit.cli.main import main as cli_main
 from cachekit.obtain import background
 from cachekit.store import manifest as manifests
 from cachekit.store.remote import RemoteStore
-from cachekit.store.remote_entry import pool_path, pooled
+from cachekit.store.remote_entry import pool_path
 
 
 def _int_row(v: int) -> np.ndarray:
@@ -35,9 +35,8 @@ def _pushed(root: Path, *columns: list[int]) -> list[cachekit.Entry]:
 def _pooled_files(remote: RemoteStore, key: str) -> dict[str, int]:
     """The pool objects ``key``'s remote manifest names, with their sizes."""
     found = remote.lookup(key)
-    m = found.manifest
-    return {path: f.bytes for f, path in zip(m.files, remote.object_paths(m, found.upload))
-            if pooled(m, f)}
+    return {path: f.bytes for f, path in zip(found.manifest.files, found.objects(remote))
+            if found.pooled(f)}
 
 
 def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_names(
@@ -100,3 +99,27 @@ def test_a_pool_object_that_a_manifest_came_to_name_since_the_scan_is_spared(
     assert plan.execute().failed == ()
     assert {o.path for o in remote.scan().pool} == set(theirs)
     assert verify_remote(remote) == (1, [])
+
+
+def test_an_entry_uploaded_before_the_pool_existed_is_still_pulled_and_verified(
+        s3_env, tmp_path):
+    import json
+
+    [entry] = _pushed(tmp_path / "a", list(range(40)))
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    found = remote.lookup(entry.key)
+    for record, path in zip(found.manifest.files, found.objects(remote)):  # the old layout
+        if found.pooled(record):
+            remote.fs.pipe_file(remote.upload_path(entry.key, found.upload, record.name),
+                                remote.fs.cat_file(path))
+            remote.fs.rm_file(path)
+    manifest = remote.manifest_path(entry.key)
+    fields = json.loads(remote.fs.cat_file(manifest))
+    del fields["pool"]
+    remote.fs.pipe_file(manifest, json.dumps(fields).encode())
+    assert not remote.lookup(entry.key).pool and remote.scan().pool == []
+    assert verify_remote(remote) == (1, [])
+    there = cachekit.Cache(tmp_path / "b", workers=1, progress=False)
+    pulled = there.map(_int_row, list(range(40)), version="1")
+    assert pulled.source == "remote"
+    np.testing.assert_array_equal(np.asarray(pulled.array)[:, 0], np.arange(40))

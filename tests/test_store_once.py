@@ -539,8 +539,7 @@ def test_a_host_holding_the_full_entry_pulls_a_fold_without_its_rows(
     assert fold.source == "remote" and not fold.contiguous
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     found = remote.lookup(fold.key)
-    parts = {path for f, path in zip(found.manifest.files,
-                                     remote.object_paths(found.manifest, found.upload))
+    parts = {path for f, path in zip(found.manifest.files, found.objects(remote))
              if manifests.is_part_file(f.name)}
     assert read and parts and not parts & {path for path, _ in read}
     row_bytes = 16 * 4

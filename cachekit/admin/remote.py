@@ -39,7 +39,6 @@ from .. import liveness, units
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from ..store.remote import (OTHERS, OURS, UNKNOWN, RemoteEntry, RemoteKey, RemoteObject,
     RemoteStore)
-from ..store.remote_entry import pooled
 from .inspect import SHORT_KEY, ago, resolve_keys
 from .removal import ENTRY, Item, Removal, Skipped
 
@@ -237,8 +236,7 @@ def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
     if entry is not None:
         size += sum(o.size for o in item.uploads.get(entry.upload, []))
         m = entry.manifest
-        in_pool = [(f, p) for f, p in zip(m.files, remote.object_paths(m, entry.upload))
-                   if pooled(m, f)]
+        in_pool = [(f, p) for f, p in zip(m.files, entry.objects(remote)) if entry.pooled(f)]
         pool = frozenset(p for _, p in in_pool)
         pooled_bytes = sum(f.bytes for f, _ in in_pool)
     return RemoteEntryInfo(item.key, url, entry, size + pooled_bytes, item.manifest.modified,

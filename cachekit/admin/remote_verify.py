@@ -42,7 +42,7 @@ def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
     """What is wrong with ``entry``'s objects, or None; ``digests`` holds the checksums of
     the objects read so far."""
     m = entry.manifest
-    for record, path in zip(m.files, remote.object_paths(m, entry.upload)):
+    for record, path in zip(m.files, entry.objects(remote)):
         if path not in digests:
             try:
                 remote.check_sizes(entry.key, [record], [path])

@@ -19,7 +19,7 @@ from .layout import Published
 from .local import LocalStore
 from .local_copies import link_local_copies
 from .manifest import FileRecord
-from .remote_entry import RemoteEntry, check_sizes, fix_for, object_paths, pooled
+from .remote_entry import RemoteEntry, check_sizes, fix_for
 from .remote_fs import progress_bar
 
 WRITEBACK_BYTES = 64 << 20
@@ -33,7 +33,7 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
     the build directory is discarded: nothing is published. The parts of a derived entry
     that local entries hold are linked, not downloaded (:mod:`.local_copies`)."""
     manifest = entry.manifest
-    objects = object_paths(bucket, manifest, entry.upload)
+    objects = entry.objects(bucket)
     build = local.begin(entry.key)
     bar = None
     try:
@@ -58,7 +58,7 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
                     build.progress(manifest.rows * done // max(manifest.bytes, 1),
                                    manifest.rows)
             digests[record.name] = "blake2b-128:" + hasher.hexdigest()
-            if digests[record.name] != record.checksum and pooled(manifest, record):
+            if digests[record.name] != record.checksum and entry.pooled(record):
                 # Named by its checksum, a pool object of other bytes is of use to nobody:
                 # it goes, so that the upload that repairs the entry sends it again.
                 try:

@@ -37,6 +37,9 @@ from .manifest import (DATA_FILE, MANIFEST_FILE, ROW_IDS_FILE, ROW_STATS_FILE, F
 
 UPLOAD_FIELD = "upload"
 """The manifest field that names the upload holding the entry's data objects."""
+POOL_FIELD = "pool"
+"""The manifest field that says the entry's row data files lie in the pool (true). An
+entry uploaded before the pool existed has none: all of its objects are its upload's."""
 POOL_FOLDER = "parts"
 """The folder of the row data files that entries share, each named by its checksum."""
 MANIFEST_RETRY_SECONDS = 0.2
@@ -52,6 +55,16 @@ class RemoteEntry:
     upload: str
     url: str
     """The manifest object's URL, for messages."""
+    pool: bool = True
+    """Whether its row data files lie in the pool (:data:`POOL_FIELD`)."""
+
+    def objects(self, bucket: Bucket) -> list[str]:
+        """Where each of its files lies (:func:`object_paths`)."""
+        return object_paths(bucket, self.manifest, self.upload, self.pool)
+
+    def pooled(self, record: FileRecord) -> bool:
+        """Whether its file ``record`` lies in the pool."""
+        return self.pool and pooled(self.manifest, record)
 
     @property
     def key(self) -> str:
@@ -93,10 +106,11 @@ def pool_path(bucket: Bucket, checksum: str) -> str:
     return bucket.path(POOL_FOLDER, digits)
 
 
-def object_paths(bucket: Bucket, manifest: Manifest, upload: str) -> list[str]:
-    """Where each file of ``manifest`` lies when ``upload`` holds the entry: in the pool, or
-    under the upload."""
-    return [pool_path(bucket, f.checksum) if pooled(manifest, f)
+def object_paths(bucket: Bucket, manifest: Manifest, upload: str, pool: bool = True
+                 ) -> list[str]:
+    """Where each file of ``manifest`` lies when ``upload`` holds the entry: in the pool
+    (``pool``: an entry uploaded since the pool exists), or under the upload."""
+    return [pool_path(bucket, f.checksum) if pool and pooled(manifest, f)
             else upload_path(bucket, manifest.key, upload, f.name) for f in manifest.files]
 
 
@@ -134,11 +148,12 @@ def parse_manifest(raw: bytes, url: str, key: str) -> RemoteEntry:
     """A remote manifest's bytes checked (size cap, schema, signature) as ``key``'s entry,
     with the upload it names."""
     manifest = manifests.loads(raw, url, key)
-    upload = json.loads(raw).get(UPLOAD_FIELD)
+    fields = json.loads(raw)
+    upload = fields.get(UPLOAD_FIELD)
     if not is_upload_id(upload):
         raise CacheCorruptError(url, f"the manifest names no valid upload ({upload!r})",
                                 f"remove it with `cachekit clear --remote {key[:12]}`")
-    return RemoteEntry(manifest, upload, url)
+    return RemoteEntry(manifest, upload, url, fields.get(POOL_FIELD) is True)
 
 
 def check_sizes(bucket: Bucket, key: str, records: Sequence[FileRecord],

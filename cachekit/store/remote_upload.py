@@ -29,7 +29,7 @@ from ..units import format_size
 from .bucket import Bucket
 from .layout import Published
 from .manifest import FileRecord
-from .remote_entry import (UPLOAD_FIELD, check_sizes, lookup, manifest_path, object_paths,
+from .remote_entry import (POOL_FIELD, UPLOAD_FIELD, check_sizes, lookup, manifest_path, object_paths,
                            pooled, remove_upload)
 from .remote_fs import progress_bar
 
@@ -94,7 +94,7 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
         except BaseException:
             remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
             raise
-        body = manifests.dumps(manifest, {UPLOAD_FIELD: upload_id})
+        body = manifests.dumps(manifest, {UPLOAD_FIELD: upload_id, POOL_FIELD: True})
         path = manifest_path(bucket, key)
 
         def settle() -> None:
