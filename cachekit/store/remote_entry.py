@@ -4,7 +4,7 @@ its manifest is read: the layer that upload, download and listing share.
 ::
 
     PREFIX/entries/KEY/manifest.json        the commit point: names its upload
-                                            ("upload": UPLOAD)
+                                            ("upload": UPLOAD, "pool": true)
     PREFIX/entries/KEY/UPLOAD/row_map.npy   the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
     PREFIX/parts/HEX                        a row data file, named by its checksum's HEX
