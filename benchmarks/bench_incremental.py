@@ -42,22 +42,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
+sys.path.insert(0, str(HERE))  # bench_report, next to this file
+from bench_report import timed  # noqa: E402
 
 SIZE = 32
 
 
 def say(text: str) -> None:
     print(f"[bench_incremental] {text}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
 
 
 class Roots:

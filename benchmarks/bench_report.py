@@ -12,9 +12,10 @@ import os
 import platform
 import statistics
 import textwrap
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -361,3 +362,9 @@ def median_table(title: str, rounds: Sequence[dict[str, float]]) -> str:
         lines.append(f"| {name} | {statistics.median(values):.3g} ({each}) |")
     return "\n".join(lines)
 
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``."""
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result

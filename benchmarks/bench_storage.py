@@ -41,15 +41,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
 sys.path.insert(0, str(HERE))  # bench_report, next to this file
 sys.path.insert(0, str(HERE.parent / "tests"))  # s3.py: the server the tests use
-from bench_report import median_table  # noqa: E402
+from bench_report import median_table, timed  # noqa: E402
 import s3  # noqa: E402
 
 SIZE = 64
@@ -67,12 +66,6 @@ print(time.perf_counter() - started)
 
 def say(text: str) -> None:
     print(f"[bench_storage] {text}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
 
 
 def disk(root: Path) -> int:

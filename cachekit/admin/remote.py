@@ -107,11 +107,12 @@ class RemoteScan:
     pool: tuple[RemoteObject, ...] = ()
     """Every object of the pool."""
 
-    def stored_bytes(self) -> int:
-        """The bytes of the entries on the store, each object counted once: their manifests
-        and uploads, and the pool objects they name."""
-        named = _pool_names(self.entries) or set()
-        return (sum(e.bytes - e.pooled_bytes for e in self.entries)
+    def stored_bytes(self, entries: Optional[Iterable[RemoteEntryInfo]] = None) -> int:
+        """The bytes of ``entries`` (default: every entry) on the store, each object
+        counted once: their manifests and uploads, and the pool objects they name."""
+        entries = list(self.entries if entries is None else entries)
+        named = _pool_names(entries) or set()
+        return (sum(e.bytes - e.pooled_bytes for e in entries)
                 + sum(o.size for o in self.pool if o.path in named))
 
 
@@ -345,10 +346,12 @@ def _pool_freed(found: RemoteScan, removed: list[RemoteEntryInfo]) -> list[Lefto
     if kept is None:
         return unnamed  # kept, and says why: a manifest could not be read
     theirs = set().union(*(e.pool for e in removed)) - kept
-    freed = tuple(o for o in found.pool if o.path in theirs)
-    out = [Leftover("", "pool objects of removed entries", freed, True, pool=True)
-           ] if freed else []
-    return out + unnamed
+    # One removable leftover, so that its removal reads the manifests again only once.
+    going = tuple(o for o in found.pool if o.path in theirs) + tuple(
+        o for x in unnamed if x.removable for o in x.objects)
+    out = [Leftover("", "pool objects no entry names", going, True, pool=True)
+           ] if going else []
+    return out + [x for x in unnamed if not x.removable]
 
 
 def _leftover_item(remote: RemoteStore, leftover: Leftover) -> Item:

@@ -23,9 +23,7 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
     if on_start is not None:
-        pool = set().union(*(e.pool for e in entries))
-        on_start(len(entries), sum(e.bytes - e.pooled_bytes for e in entries)
-                 + sum(o.size for o in found.pool if o.path in pool))
+        on_start(len(entries), found.stored_bytes(entries))
     problems: list[Problem] = []
     digests: dict[str, str] = {}
     for info in entries:
