@@ -12,6 +12,7 @@ import io
 import math
 import mmap
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Optional
 
@@ -274,8 +275,22 @@ def check_header(f: BinaryIO, path: Path, shape: tuple[int, ...], dtype: np.dtyp
     return _validated_offset(f, path, shape, dtype, None)
 
 
+_PLAIN_HEADER = re.compile(rb"\{'descr': '([<>|=][a-z]\d{1,2})', 'fortran_order': False, "
+                           rb"'shape': \(((?:\d+, )*\d+,?|)\), \} *\n")
+"""The header numpy writes for a plain dtype, parsed without ``ast.literal_eval`` (a build
+and an open read a few dozen headers); any other header goes to numpy's parser."""
+
+
 def _header(f: BinaryIO, path: Path) -> tuple[tuple[int, ...], np.dtype]:
     try:
+        f.seek(0)
+        start = f.read(10)
+        if start[:8] == b"\x93NUMPY\x01\x00":
+            length = int.from_bytes(start[8:10], "little")
+            plain = _PLAIN_HEADER.fullmatch(f.read(length))
+            if plain is not None:
+                shape = tuple(int(n) for n in plain[2].split(b",") if n.strip())
+                return shape, np.dtype(plain[1].decode("ascii"))
         f.seek(0)
         version = np.lib.format.read_magic(f)
         if version == (1, 0):

@@ -42,6 +42,8 @@ def _pid_namespace() -> Optional[str]:
 
 
 _PIDNS = _pid_namespace()
+_STARTS: dict[int, Optional[int]] = {}
+"""This process's start time by pid: it never changes while the pid is ours."""
 
 
 def owner() -> dict[str, Any]:
@@ -51,9 +53,10 @@ def owner() -> dict[str, Any]:
     live one across containers (same host name, other pid numbering) and pid reuse.
     """
     pid = os.getpid()
-    fields = _proc_stat(pid)
-    return {"host": _fs.host(), "pid": pid, "pidns": _PIDNS,
-            "start": fields[1] if fields else None}
+    if pid not in _STARTS:  # (a forked child is another pid: read its own)
+        fields = _proc_stat(pid)
+        _STARTS[pid] = fields[1] if fields else None
+    return {"host": _fs.host(), "pid": pid, "pidns": _PIDNS, "start": _STARTS[pid]}
 
 
 def owner_state(record: Mapping[str, Any]) -> str:

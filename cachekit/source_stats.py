@@ -37,7 +37,7 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
                    settings: Optional[urls.FetchSettings] = None) -> np.ndarray:
     """(size, mtime_ns) of each local file, (size, tag) of each remote object, as an
     int64 (N, 2) array; (-1, -1) where there is none."""
-    if all(isinstance(v, str) and "://" not in v for v in values):  # plain local paths
+    if _plain_paths(values):
         return keys.stat_signature(values)
     remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
     if not remote:
@@ -69,6 +69,21 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
                                 thread_name_prefix="cachekit-list") as pool:
             list(pool.map(run, jobs))
     return out
+
+
+def _plain_paths(values: Sequence[Any]) -> bool:
+    """Whether every value is a str without ``://``: local paths (checked in C for a
+    column's object array; a Python loop for other sequences)."""
+    if isinstance(values, np.ndarray) and values.dtype == object:
+        import pandas as pd
+
+        if pd.api.types.infer_dtype(values, skipna=False) != "string":
+            return False
+        try:
+            return "://" not in "\0".join(values)
+        except TypeError:
+            return False
+    return all(isinstance(v, str) and "://" not in v for v in values)
 
 
 def signature(info: dict[str, Any]) -> tuple[int, int]:

@@ -199,6 +199,32 @@ def test_a_written_manifest_reads_back_equal(manifest):
         assert [p.name for p in entry_dir.iterdir()] == [manifests.MANIFEST_FILE]
 
 
+# --- .npy headers -------------------------------------------------------------------------------
+
+npy_dtypes = st.sampled_from(["|u1", "<u2", ">u4", "<i8", "<f4", ">f8", "|b1", "<c16", "<U3",
+                              "|S2", "<m8[s]", [("a", "<i4"), ("b", "|u1")]])
+
+
+@given(npy_dtypes, st.lists(st.integers(0, 3), max_size=4), st.booleans())
+def test_every_header_reads_as_numpy_reads_it(dtype, shape, version_2):
+    """The plain headers cachekit parses itself (a fast path) and all others, which numpy
+    parses, give numpy's shape, dtype and data offset."""
+    import io
+
+    from cachekit import arrays
+
+    array = np.zeros(shape, dtype)
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, version=(2, 0) if version_2 else (1, 0))
+    buffer.seek(0)
+    np.lib.format.read_magic(buffer)
+    read = (np.lib.format.read_array_header_2_0 if version_2
+            else np.lib.format.read_array_header_1_0)
+    want_shape, _, want_dtype = read(buffer)
+    assert arrays._header(buffer, Path("x.npy")) == (tuple(want_shape), want_dtype)
+    assert buffer.tell() == len(buffer.getvalue()) - array.nbytes
+
+
 # --- resuming a fill from any row --------------------------------------------------------------
 
 class Stop(KeyboardInterrupt):

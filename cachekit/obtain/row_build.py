@@ -263,7 +263,7 @@ class RowBuild:
         ``validate``, so entries built with others lend their good rows; what ``validate``
         asks of a file is checked row by row instead (:class:`Rows`)."""
         call = self.call
-        ids, dtype = keys.row_identities(call.column)
+        ids, dtype = keys.row_identities(call.column, material=call.material.get("column"))
         recipe = keys.reuse_recipe(call.kind, call.params, dtype, builder)
         if call.kind != "images":
             return Rows(recipe, ids)

@@ -103,15 +103,23 @@ class Layout:
         through such handles, so no planted symlink is ever written or deleted through.
 
         FileNotFoundError when it does not exist; CacheCorruptError when it is a symlink or
-        not a directory."""
-        if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+        not a directory. (Opened first and made only when missing: the folders exist on every
+        call but the first, and making one costs a read of the umask.)"""
+        try:
+            return self._open_child(name)
+        except FileNotFoundError:
+            if not create:
+                raise
+        self.root.mkdir(parents=True, exist_ok=True)
         with _fs.DirHandle.open(self.root, follow=True) as root:
-            if create:
-                try:
-                    root.mkdir(name, _fs.shared_dir_mode())
-                except FileExistsError:
-                    pass
+            try:
+                root.mkdir(name, _fs.shared_dir_mode())
+            except FileExistsError:
+                pass
+        return self._open_child(name)
+
+    def _open_child(self, name: str) -> _fs.DirHandle:
+        with _fs.DirHandle.open(self.root, follow=True) as root:
             try:
                 return root.child(name)
             except OSError as e:

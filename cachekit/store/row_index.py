@@ -84,11 +84,7 @@ class RowIndex:
             raise ValueError("a recipe and a key are 32 hex digits")
         try:
             with self.layout.open_folder(INDEX_FOLDER, create=True) as index:
-                try:
-                    index.mkdir(recipe, _fs.shared_dir_mode())
-                except FileExistsError:
-                    pass
-                with index.child(recipe) as folder:
+                with _recipe_folder(index, recipe) as folder:
                     _write(folder, f"{key}.npy", _index_array(hashes, skip))
         except OSError:
             pass
@@ -214,6 +210,19 @@ class _Needles:
         if log2_bits not in self._tops:
             self._tops[log2_bits] = (self.sorted >> np.uint64(64 - log2_bits)).astype(np.intp)
         return self._tops[log2_bits]
+
+
+def _recipe_folder(index: _fs.DirHandle, recipe: str) -> _fs.DirHandle:
+    """The index's folder of ``recipe``, made when missing."""
+    try:
+        return index.child(recipe)
+    except FileNotFoundError:
+        pass
+    try:
+        index.mkdir(recipe, _fs.shared_dir_mode())
+    except FileExistsError:
+        pass
+    return index.child(recipe)
 
 
 def _published(entries: _fs.DirHandle, key: str) -> bool:
