@@ -96,14 +96,6 @@ def flush_bytes(array: np.ndarray, first: int, end: int) -> None:
     mapped.flush(low, min(end - base, len(mapped)) - low)
 
 
-def open_writable(directory: _fs.DirHandle, name: str) -> np.ndarray:
-    """Map an existing .npy file of ``directory`` (a checkpointed partial fill) for writing."""
-    with directory.open_file(name, writable=True) as f:
-        shape, dtype = _header(f, directory.path / name)
-        offset = _validated_offset(f, directory.path / name, shape, dtype, None)
-        return _map(f, shape, dtype, "r+", offset)
-
-
 def _map(f: BinaryIO, shape: tuple[int, ...], dtype: np.dtype, mode: str,
          offset: int) -> np.ndarray:
     if 0 in shape:  # mmap cannot map zero bytes; there is nothing to read or write

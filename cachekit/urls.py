@@ -94,11 +94,6 @@ def protocol(value: Any) -> Optional[str]:
     return match.group(1).lower() if match else None
 
 
-def is_url(value: Any) -> bool:
-    """Whether ``value`` is a URL (local ``file://`` ones included)."""
-    return protocol(value) is not None
-
-
 def is_remote(value: Any) -> bool:
     """Whether ``value`` is a URL read through fsspec (not ``file://``)."""
     name = protocol(value)

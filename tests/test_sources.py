@@ -230,7 +230,7 @@ def test_failed_requests_are_classified():
     assert urls.classify(PermissionError()) == urls.FINAL
     assert urls.classify(ValueError("bad")) == urls.FINAL
     assert urls.is_remote("s3://b/k") and not urls.is_remote("file:///a") \
-        and not urls.is_url("C:\\data\\a.jpg")
+        and urls.protocol("C:\\data\\a.jpg") is None
     assert urls.local_path("file:///data/a%20b.jpg") == "/data/a b.jpg"
 
 

@@ -193,11 +193,6 @@ class LocalRemoval(Removal):
     def temp_dirs(self) -> tuple[TempDir, ...]:
         return self.subjects(LEFTOVER_DIRECTORY)
 
-    @property
-    def failure_records(self) -> tuple[str, ...]:
-        """Keys whose recorded build failure (``locks/KEY.failed.json``) goes."""
-        return self.subjects(FAILURE_RECORD)
-
     def remove(self, item: Item) -> Optional[str]:
         if item.noun == ENTRY:
             return _remove_entry(self.store, item.subject, self.unused_since.get(item.key or ""))

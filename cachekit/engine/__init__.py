@@ -2,8 +2,7 @@
 threads, processes or a cluster, so that a crashed build resumes and other processes join.
 
 Public surface: :func:`fill` (a builder), :func:`join` (a helper of another process's
-build), :func:`read_progress` (how far a partly filled file is), and what they take and
-return. Inside, a subpackage per job: ``filling`` (the plan, the chunk journal, the
+build), and what they take and return. Inside, a subpackage per job: ``filling`` (the plan, the chunk journal, the
 builder and joiners, resuming dead builds and copying rows in), ``running`` (running rows
 on threads, cachekit's worker processes or any Executor) and ``decoding`` (the image
 pipelines). The engine knows nothing of stores: it works in a directory handle it is given.
@@ -20,15 +19,13 @@ if _typing.TYPE_CHECKING:
     from .filling.cores import Spare, runs_at_once, spare_cores
     from .filling.joiner import Joined, join
     from .filling.journal import is_journal_name
-    from .filling.resume import Progress, read_progress
 
 _HOMES = {"ChunkCallback": "filling.claimed", "Filled": "filling.builder",
           "RowFunction": "filling.claimed", "RowRun": "filling.claimed",
           "Report": "filling.claimed", "Sources": "filling.builder", "fill": "filling.builder",
           "Joined": "filling.joiner", "join": "filling.joiner", "Spare": "filling.cores",
           "runs_at_once": "filling.cores", "spare_cores": "filling.cores",
-          "is_journal_name": "filling.journal", "Progress": "filling.resume",
-          "read_progress": "filling.resume"}
+          "is_journal_name": "filling.journal"}
 """Where each public name lives: imported on first use (PEP 562), so that a worker
 process, which imports only ``cachekit.engine.running._worker_main``, does not load the engine."""
 

@@ -11,7 +11,6 @@ through which joiners of the same user fill chunks of it too). Its name is
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -19,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import _fs, liveness
+from .. import _fs, liveness, small_json
 from ..messages import printable
 from . import manifest as manifests
 from .._version import __version__
 from ..errors import BuildGone
+from ..small_json import is_count
 
 STATE_FILE = "state.json"
 """The build's record (owner, key, versions, progress). Build directories of older
@@ -72,19 +72,15 @@ class BuildState:
         says; None until the builder has said (see :meth:`BuildDir.record_cpus`)."""
         record = self.record or {}
         cpus, workers = record.get("cpus"), record.get("workers")
-        if not (isinstance(cpus, list) and cpus and all(map(_is_count, cpus))
-                and _is_count(workers) and workers > 0):
+        if not (isinstance(cpus, list) and cpus and all(map(is_count, cpus))
+                and is_count(workers) and workers > 0):
             return None
         return frozenset(cpus), workers
 
     def describe(self) -> str:
         """``pid 4242 on node7 (2048/10000 rows, 20%)``, for people."""
         record = self.record or {}
-        done, total = record.get("done"), record.get("total")
-        if _is_count(done) and _is_count(total) and total:
-            progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
-        else:
-            progress = "starting"
+        progress = small_json.progress(record.get("done"), record.get("total"))
         return printable(f"pid {self.owner.get('pid')} on {self.owner.get('host')} "
                          f"({progress})")  # from a file another member may write
 
@@ -201,10 +197,9 @@ def read_state(directory: _fs.DirHandle) -> Optional[dict[str, Any]]:
     or unreadable."""
     try:
         with directory.open_file(STATE_FILE) as f:
-            record = json.loads(f.read(_STATE_LIMIT))
-    except (OSError, ValueError, RecursionError):
+            return small_json.read_dict(f, _STATE_LIMIT)
+    except OSError:
         return None
-    return record if isinstance(record, dict) else None
 
 
 def is_build_state(name: str) -> bool:
@@ -213,5 +208,3 @@ def is_build_state(name: str) -> bool:
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

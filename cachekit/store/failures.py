@@ -10,11 +10,10 @@ a call.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
-from .. import _fs
+from .. import _fs, small_json
 from . import signing
 
 LIMIT = 64 << 20
@@ -46,8 +45,8 @@ def read(locks: _fs.DirHandle, name: str, key: str) -> tuple[Optional[dict[str, 
     if len(data) > LIMIT:
         return None, f"it is larger than {LIMIT} bytes"
     try:
-        record = json.loads(data)
-    except (ValueError, RecursionError):
+        record = small_json.load(data)
+    except ValueError:
         return None, "it is not valid JSON"
     if not isinstance(record, dict) or record.get("key") != key:
         return None, "it does not name this entry"

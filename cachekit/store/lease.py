@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .. import liveness, processes
+from .. import liveness, processes, small_json
 from ..messages import printable
 from ..errors import RemoteUnavailableError
 from ..keys import is_key
@@ -158,12 +158,8 @@ class Watch:
         holder, beat = self._seen.holder, self._seen.beat
         done = beat.get("done") if isinstance(beat, dict) else None
         total = beat.get("total") if isinstance(beat, dict) else None
-        if isinstance(beat, dict) and beat.get("state") == UPLOADING:
-            progress = "built, uploading"
-        elif _is_count(done) and _is_count(total) and total:
-            progress = f"{done}/{total} rows, {100 * done / total:.0f}%"
-        else:
-            progress = "starting"
+        uploading = isinstance(beat, dict) and beat.get("state") == UPLOADING
+        progress = "built, uploading" if uploading else small_json.progress(done, total)
         return printable(f"pid {holder.get('pid')} on {holder.get('host')} "
                          f"({progress})")  # from a bucket object
 
@@ -187,12 +183,8 @@ class Watch:
         try:
             raw = self.remote.call(f"reading {self.remote.object_url(path)}",
                                    self.remote.fs.cat_file, path, start=0, end=_RECORD_LIMIT)
-            return json.loads(raw)
-        except FileNotFoundError:
-            return None
-        except (ValueError, RecursionError):
+            return small_json.load(raw)
+        except (FileNotFoundError, ValueError):
             return None
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

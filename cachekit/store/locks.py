@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import filelock
 
-from .. import _fs, liveness, processes
+from .. import _fs, liveness, processes, small_json
 from ..errors import CacheCorruptError
 
 LOCK_ENV = "CACHEKIT_LOCK"
@@ -131,10 +131,10 @@ class OsLock(BuildLock):
             with _fs.DirHandle.open(self.path.parent) as folder:
                 with folder.open_file(self.holder_path.name) as f:
                     beat = os.fstat(f.fileno()).st_mtime
-                    record = json.loads(f.read(_RECORD_LIMIT))
-        except (OSError, ValueError):
+                    record = small_json.read_dict(f, _RECORD_LIMIT)
+        except OSError:
             return False
-        return liveness.is_alive(record if isinstance(record, dict) else None, beat)
+        return liveness.is_alive(record, beat)
 
     def holder_is_ours(self) -> bool:
         try:
@@ -229,10 +229,9 @@ class SoftLock(BuildLock):
         """The record of the current holder, or None when free or unreadable."""
         try:
             with _fs.open_regular(self.path) as f:
-                record = json.loads(f.read(_RECORD_LIMIT))
-        except (OSError, ValueError):
+                return small_json.read_dict(f, _RECORD_LIMIT)
+        except OSError:
             return None
-        return record if isinstance(record, dict) else None
 
     def _try_create(self) -> bool:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)

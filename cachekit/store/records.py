@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import CacheCorruptError, Failure
 from ..keys import is_key
+from ..small_json import is_count, is_number
 
 Fail = Callable[[str], CacheCorruptError]
 """Makes the error of a manifest field that fails its check, naming the manifest."""
@@ -268,10 +269,3 @@ def count_field(value: Any, name: str, fail: Fail) -> int:
         raise fail(f"{name} must be a whole number >= 0, not {value!r}")
     return value
 
-
-def is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Optional
 
-from ... import _fs, processes
+from ... import _fs, processes, small_json
 from ..running.executors import executor_size
 
 SEAT_PREFIX = "seat."
@@ -116,12 +116,13 @@ class Seats:
     def _owner_dead(self, name: str) -> bool:
         try:
             with self.folder.open_file(name) as f:
-                owner = json.loads(f.read(4096))
+                owner = small_json.read_dict(f, 4096)
         except FileNotFoundError:
             return True  # released since: take it
-        except (OSError, ValueError):
-            return False  # being written right now, or damaged: leave it
-        return isinstance(owner, dict) and processes.owner_state(owner) == "dead"
+        except OSError:
+            return False
+        # None: being written right now, or damaged: leave it
+        return owner is not None and processes.owner_state(owner) == "dead"
 
     def release(self) -> None:
         """Give every seat up (idempotent)."""

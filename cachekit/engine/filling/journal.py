@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from ... import _fs, liveness, processes
+from ... import _fs, liveness, processes, small_json
 from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
 
@@ -291,10 +291,7 @@ class Journal:
 
     def _read(self, name: str) -> Any:
         with self.dir.open_file(name) as f:
-            try:
-                return json.loads(f.read(_RECORD_LIMIT))
-            except RecursionError:
-                raise ValueError(f"{name} is nested too deeply") from None
+            return small_json.load(f.read(_RECORD_LIMIT))
 
 
 def _newest_claims(names: list[str]) -> dict[int, int]:

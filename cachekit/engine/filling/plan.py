@@ -25,6 +25,7 @@ import numpy as np
 
 from ... import _fs, arrays
 from ...errors import CacheCorruptError
+from ...small_json import is_count
 
 PAGE_BYTES = max(4096, mmap.PAGESIZE)
 """The alignment of the data start and of every chunk boundary (a memory page)."""
@@ -105,7 +106,7 @@ class Plan:
         shape = raw.get("row_shape")
         numbers = [raw.get(k) for k in ("rows", "chunk_rows", "offset", "page")]
         if not (isinstance(raw.get("key"), str) and isinstance(shape, list)
-                and all(_is_count(n) for n in shape) and all(_is_count(n) for n in numbers)
+                and all(map(is_count, shape)) and all(map(is_count, numbers))
                 and isinstance(raw.get("dtype"), str)):
             raise ValueError("malformed plan")
         rows, chunk_rows, offset, page = numbers
@@ -142,10 +143,6 @@ def chunk_rows(rows: int, row_bytes: int, workers: int, *, page: Optional[int] =
     share = max(1, rows // (CHUNKS_PER_WORKER * max(1, workers)))
     wanted = min(cap, share)
     return max(unit, wanted // unit * unit if wanted >= unit else unit)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # The rows of a fill that computes only some rows of a build (a derived entry's new rows):

@@ -1,5 +1,4 @@
-"""What a partly filled data file holds (:func:`read_progress`), and starting a fill from the
-verified done chunks of dead builds (:func:`resume`).
+"""Starting a fill from the verified done chunks of dead builds (:func:`resume`).
 
 A dead build's directory is claimed by the caller and read only: its plan must be one of
 this very fill (:func:`plan_fits`: the caller's key, row count and row template) before
@@ -10,7 +9,6 @@ checksum of its done record. Nothing in a dead build is ever written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -19,33 +17,6 @@ from ... import _fs, arrays
 from .copying import open_checked, read_chunk
 from .journal import Journal
 from .plan import Plan
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A partly filled data file: its plan and which of its chunks are done."""
-
-    plan: Plan
-    done: tuple[int, ...]
-
-    @property
-    def rows_done(self) -> int:
-        chunks = self.plan.chunks
-        return sum(chunks[i].rows for i in self.done)
-
-
-def read_progress(directory: _fs.DirHandle, name: str) -> Optional[Progress]:
-    """The journal of the partly filled file ``name`` of ``directory``, or None when there is
-    no usable one (no plan, or a data file whose header and size disagree with it)."""
-    try:
-        with Journal.open(directory, name) as journal:
-            data = open_checked(directory, name, journal.plan)
-            if data is None:
-                return None
-            data.close()
-            return Progress(journal.plan, tuple(journal.done(drop_bad=False)))
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 def plan_fits(planned: Plan, n: int, template: Any, key: str) -> bool:
