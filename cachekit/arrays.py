@@ -148,6 +148,27 @@ def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None, *,
     return shape, dtype, size, digest
 
 
+CHECKSUM_PREFIX = "blake2b-128:"
+"""How every checksum cachekit records begins (a manifest's files, a chunk's done record)."""
+
+
+def hasher() -> Any:
+    """A fresh hasher of the checksums cachekit records (16-byte BLAKE2b)."""
+    return hashlib.blake2b(digest_size=16)
+
+
+def hex_checksum(done: Any) -> str:
+    """The recorded form of a :func:`hasher`'s digest: ``blake2b-128:`` and 32 hex digits."""
+    return CHECKSUM_PREFIX + done.hexdigest()
+
+
+def checksum_of_bytes(data: Any) -> str:
+    """The checksum of ``data`` (any C-contiguous buffer)."""
+    whole = hasher()
+    whole.update(data)
+    return hex_checksum(whole)
+
+
 def block_checksums(directory: _fs.DirHandle, name: str, block_rows: int
                     ) -> tuple[str, np.ndarray]:
     """(the whole file's checksum, a (B, 16) uint8 array of each block's digest) of the
@@ -155,7 +176,7 @@ def block_checksums(directory: _fs.DirHandle, name: str, block_rows: int
     (b + 1) * block_rows). One read of the file: a reader that copies some rows out of it
     checks only the blocks it reads (:func:`block_digest`)."""
     path = directory.path / name
-    whole = hashlib.blake2b(digest_size=16)
+    whole = hasher()
     with directory.open_file(name) as f:
         shape, dtype = _header(f, path)
         offset = _validated_offset(f, path, shape, dtype, None)
@@ -172,7 +193,7 @@ def block_checksums(directory: _fs.DirHandle, name: str, block_rows: int
             whole.update(data)
             blocks[b] = np.frombuffer(block_digest(data), dtype=np.uint8)
             position += size
-    return "blake2b-128:" + whole.hexdigest(), blocks
+    return hex_checksum(whole), blocks
 
 
 def block_digest(data: Any) -> bytes:
@@ -209,7 +230,7 @@ def read_small(directory: _fs.DirHandle, name: str, shape: tuple[int, ...], dtyp
         data = f.read(size + 1)
     if len(data) != size:
         raise CacheCorruptError(path, f"file is {len(data)} bytes, expected {size}")
-    if "blake2b-128:" + hashlib.blake2b(data, digest_size=16).hexdigest() != digest:
+    if checksum_of_bytes(data) != digest:
         raise CacheCorruptError(path, "checksum mismatch")
     f = io.BytesIO(data)
     file_shape, file_dtype = _header(f, path)
@@ -242,13 +263,13 @@ def checksum(path: Path) -> tuple[int, str]:
 
 
 def _checksum_of(f: BinaryIO) -> tuple[int, str]:
-    hasher = hashlib.blake2b(digest_size=16)
+    whole = hasher()
     size = 0
     f.seek(0)
     for block in iter(lambda: f.read(CHECKSUM_BLOCK), b""):
-        hasher.update(block)
+        whole.update(block)
         size += len(block)
-    return size, "blake2b-128:" + hasher.hexdigest()
+    return size, hex_checksum(whole)
 
 
 def _open_data(path: Path) -> BinaryIO:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Iterable, Optional
 
+from .. import arrays
 from ..errors import CacheCorruptError
 from ..store.remote import RemoteEntry, RemoteStore
 from .inspect import Problem, resolve_keys
@@ -55,9 +55,9 @@ def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
 
 def _digest(remote: RemoteStore, path: str, size: int,
             on_bytes: Optional[Callable[[int], None]]) -> str:
-    hasher = hashlib.blake2b(digest_size=16)
+    whole = arrays.hasher()
     for block in remote.read_ranges(path, size):
-        hasher.update(block)
+        whole.update(block)
         if on_bytes is not None:
             on_bytes(len(block))
-    return "blake2b-128:" + hasher.hexdigest()
+    return arrays.hex_checksum(whole)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..errors import CacheCorruptError, Failure
+from ..arrays import CHECKSUM_PREFIX
 from ..keys import is_key
 from ..small_json import is_count, is_number
 
@@ -23,7 +24,7 @@ DATA_FILE = "data.npy"
 KINDS = ("images", "map", "memoize")
 MEMOIZE_KIND = "memoize"
 LEAF_KINDS = ("numpy", "torch")
-_CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
+_CHECKSUM = re.compile(re.escape(CHECKSUM_PREFIX) + "[0-9a-f]{32}")
 
 ROW_IDS_FILE = "row_ids.npy"
 """A per-row entry's row identities: (rows, 2) ``<u8``, see :func:`cachekit.keys.row_identities`."""

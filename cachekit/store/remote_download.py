@@ -8,11 +8,11 @@ local store's own atomic commit, so a download that fails anywhere publishes not
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from typing import Any, Optional
 
+from .. import arrays
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from .bucket import Bucket
 from .layout import Published
@@ -46,7 +46,7 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
         digests = {f.name: f.checksum for f in manifest.files if f.name in here}
         for record, path in fetched:
             fd = build.dir.create(record.name)
-            hasher = hashlib.blake2b(digest_size=16)  # as it arrives: no second read
+            hasher = arrays.hasher()  # as it arrives: no second read
             with os.fdopen(fd, "wb") as out, _Writeback(fd) as writeback:
                 for block in bucket.read_ranges(path, record.bytes):
                     out.write(block)
@@ -57,7 +57,7 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
                         bar.update(len(block))
                     build.progress(manifest.rows * done // max(manifest.bytes, 1),
                                    manifest.rows)
-            digests[record.name] = "blake2b-128:" + hasher.hexdigest()
+            digests[record.name] = arrays.hex_checksum(hasher)
             if digests[record.name] != record.checksum and entry.pooled(record):
                 # Named by its checksum, a pool object of other bytes is of use to nobody:
                 # it goes, so that the upload that repairs the entry sends it again.

@@ -17,12 +17,11 @@ The functions work on a :class:`~cachekit.store.bucket.Bucket` and the entry lay
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 from typing import Any, Callable, Optional
 
-from .. import _fs
+from .. import _fs, arrays
 from . import manifest as manifests
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from ..units import format_size
@@ -193,7 +192,7 @@ class _Checked:
 
     def __init__(self, f: Any, local: Any, record: FileRecord) -> None:
         self.f, self.local, self.record = f, local, record
-        self.hasher = hashlib.blake2b(digest_size=16)
+        self.hasher = arrays.hasher()
         self.seen = 0
 
     def read(self, n: int = -1) -> bytes:
@@ -206,7 +205,7 @@ class _Checked:
 
 
 def _check_checksum(local: Any, record: FileRecord, hasher: Any) -> None:
-    got = "blake2b-128:" + hasher.hexdigest()
+    got = arrays.hex_checksum(hasher)
     if got != record.checksum:
         raise CacheCorruptError(local, f"checksum mismatch: the manifest says "
                                 f"{record.checksum}, the file has {got}; nothing was uploaded")

@@ -33,13 +33,12 @@ folder, and never by a path that another process could swap.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from ... import _fs, liveness, processes, small_json
+from ... import _fs, arrays, liveness, processes, small_json
 from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
 
@@ -47,7 +46,6 @@ SUFFIX = ".chunks"
 PLAN_FILE = "plan.json"
 ROWS_PREFIX = "rows."
 _RECORD_LIMIT = 64 << 20
-_DIGEST = "blake2b-128:"
 _GONE = (errno.ENOENT, errno.ESTALE)
 
 
@@ -64,7 +62,7 @@ def is_journal_name(name: str) -> bool:
 
 def digest(data: Any) -> str:
     """The checksum of a chunk's bytes (any C-contiguous buffer) in its done record."""
-    return _DIGEST + hashlib.blake2b(data, digest_size=16).hexdigest()
+    return arrays.checksum_of_bytes(data)
 
 
 @dataclass(frozen=True)
@@ -323,7 +321,7 @@ def _done_record(raw: Any, chunk: Chunk) -> Done:
     if not (isinstance(raw, dict) and raw.get("chunk") == chunk.index
             and raw.get("start") == chunk.start and raw.get("stop") == chunk.stop
             and isinstance(raw.get("failures"), list)
-            and isinstance(raw.get("digest"), str) and raw["digest"].startswith(_DIGEST)):
+            and isinstance(raw.get("digest"), str) and raw["digest"].startswith(arrays.CHECKSUM_PREFIX)):
         raise ValueError("a done record that does not match the plan")
     file = raw.get("file")
     if not (file is None or (isinstance(file, str) and is_rows_file(file))):
