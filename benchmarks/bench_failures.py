@@ -107,14 +107,15 @@ def one_round(work: Path, paths: list[str]) -> dict[str, float]:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--failed", type=int, default=50_000)
-    parser.add_argument("--good", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="2,000 failed rows, 1 round")
+    parser.add_argument("--failed", type=int, help="default 50,000 (--quick: 2,000)")
+    parser.add_argument("--good", type=int, help="default 200 (--quick: 20)")
+    parser.add_argument("--rounds", type=int, help="default 3 (--quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: checks the script")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.failed, args.good, args.rounds = 2_000, 20, 1
+    args.failed = args.failed or (2_000 if args.quick else 50_000)
+    args.good = args.good or (20 if args.quick else 200)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="cachekit-bench-failures-") as scratch:
         images = Path(scratch) / "images"

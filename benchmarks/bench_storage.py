@@ -277,14 +277,15 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--covers", type=int, default=4000)
-    parser.add_argument("--hit-rows", type=int, default=130_000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="200 covers, 1 round")
+    parser.add_argument("--covers", type=int, help="default 4,000 (--quick: 200)")
+    parser.add_argument("--hit-rows", type=int, help="default 130,000 (--quick: 2,000)")
+    parser.add_argument("--rounds", type=int, help="default 3 (--quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: checks the script")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.covers, args.hit_rows, args.rounds = 200, 2_000, 1
+    args.covers = args.covers or (200 if args.quick else 4000)
+    args.hit_rows = args.hit_rows or (2_000 if args.quick else 130_000)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     from cachekit.samples import write_sample_images
 
     with tempfile.TemporaryDirectory(prefix="cachekit-bench-storage-") as scratch:

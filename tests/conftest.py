@@ -3,6 +3,8 @@ plain users sharing one cache root, a real S3 server on loopback."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +18,13 @@ import hosts
 from hostile_http import HostileServer
 import s3
 import users
+
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+"""The interpreters a test starts cache bytecode, as users' interpreters do: where
+``PYTHONDONTWRITEBYTECODE`` is set (the development machines set it), each of the suite's
+hundreds of interpreters compiled cachekit anew, about 0.25 CPU-s each (``__pycache__`` is
+ignored by git)."""
 
 settings.register_profile("shared-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -20,8 +20,8 @@ from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidA
                       UsageError)
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, joined_by, say, shape, \
-    table, when
+from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, joined_by, listing, say, \
+    shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
@@ -39,23 +39,19 @@ def ls(args: argparse.Namespace) -> int:
     found = inspect.scan(store)
     listed = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
     entries = [e for e in listed if e.failed_build is None]
-    if args.json:
-        print(json.dumps([e.to_json() for e in listed], indent=1))
-    elif not entries:
-        say(f"no entries in {store.root}")
-    else:
-        now = time.time()
-        rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED", "CREATED",
-                 "LAST USED", "MADE WITH", "")]
-        rows += [(e.key[:SHORT_KEY], e.kind or "?", "?" if e.rows is None else str(e.rows),
-                  _row_shape(e), e.dtype or "?", units.format_size(e.own_bytes),
-                  units.format_size(e.shared_bytes) if e.shared_bytes else "-",
-                  ago(e.created, now), ago(e.last_used, now), made_with(e.kind, e.params),
-                  _note(e)) for e in entries]
-        table(rows, right=(2, 5, 6))
-        say(f"{count(len(entries), 'entry', 'entries')}, "
-            f"{units.format_size(inspect.stored_bytes(listed))} on disk in {store.root} "
-            "(a shared file counted once)")
+    now = time.time()
+    listing(entries, listed, args.json, f"no entries in {store.root}",
+            ("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED", "CREATED", "LAST USED",
+             "MADE WITH", ""),
+            lambda e: (e.key[:SHORT_KEY], e.kind or "?", "?" if e.rows is None else str(e.rows),
+                       _row_shape(e), e.dtype or "?", units.format_size(e.own_bytes),
+                       units.format_size(e.shared_bytes) if e.shared_bytes else "-",
+                       ago(e.created, now), ago(e.last_used, now), made_with(e.kind, e.params),
+                       _note(e)),
+            right=(2, 5, 6),
+            total=lambda: f"{count(len(entries), 'entry', 'entries')}, "
+                          f"{units.format_size(inspect.stored_bytes(listed))} on disk in "
+                          f"{store.root} (a shared file counted once)")
     if not args.json:
         _report_failed_builds([e for e in listed if e.failed_build is not None],
                               store.failure_keys())

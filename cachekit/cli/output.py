@@ -6,15 +6,16 @@ raw. ``--json`` output is JSON, whose strings escape control characters anyway.
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .. import units
 from ..admin.inspect import SHORT_KEY, ago, local_time
 from ..messages import printable
 
 __all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
-           "printable", "say", "shape", "table", "when"]
+           "listing", "printable", "say", "shape", "table", "when"]
 
 def say(text: Any = "", **kwargs: Any) -> None:
     """``print`` one line (``kwargs`` as for print) with control characters escaped."""
@@ -36,6 +37,21 @@ def table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
         cells = [cell.rjust(w) if i in right else cell.ljust(w)
                  for i, (cell, w) in enumerate(zip(row, widths))]
         say("  ".join(cells).rstrip())
+
+
+def listing(shown: Sequence[Any], as_json: Sequence[Any], json_wanted: bool, empty: str,
+            heading: tuple[str, ...], row: Callable[[Any], tuple[str, ...]],
+            right: tuple[int, ...], total: Callable[[], str]) -> None:
+    """What ``ls`` prints, of a root or a bucket: ``as_json`` as JSON when ``json_wanted``;
+    else ``empty`` when nothing is ``shown``, or a table of ``row`` of each entry shown
+    under ``heading`` (``right``: its columns aligned right) and the ``total`` line."""
+    if json_wanted:
+        print(json.dumps([e.to_json() for e in as_json], indent=1))
+    elif not shown:
+        say(empty)
+    else:
+        table([heading, *(row(e) for e in shown)], right=right)
+        say(total())
 
 
 def fields(pairs: Sequence[tuple[str, Any]]) -> None:

@@ -23,8 +23,8 @@ from ..obtain.remote import Tier, pull as pull_entry
 from ..store import Published
 from ..store.remote import RemoteEntry, RemoteStore, sent_note
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fields, joined_by, say, shape, table, \
-    when
+from .output import SHORT_KEY, ByteProgress, ago, count, fields, joined_by, listing, say, \
+    shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store, remote_store
 
@@ -98,24 +98,21 @@ def ls(args: argparse.Namespace) -> int:
     found = admin.scan(remote)
     sort = {"used": "created", "created": "created", "size": "bytes"}[args.sort]
     entries = sorted(found.entries, key=lambda e: getattr(e, sort), reverse=True)
-    if args.json:
-        print(json.dumps([e.to_json() for e in entries], indent=1))
-    elif not entries:
-        say(f"no entries in {remote.display}")
-    else:
-        now = time.time()
-        rows = [("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", "")]
-        for e in entries:
-            m = e.entry.manifest if e.entry is not None else None
-            rows.append((e.key[:SHORT_KEY], m.kind if m else "?", str(m.rows) if m else "?",
-                         shape(m.shape[1:]) or "-" if m else "?",
-                         m.dtype.name if m else "?", units.format_size(e.bytes),
-                         ago(e.created, now),
-                         f"PROBLEM: {e.problem}" if e.problem else
-                         (f"column {m.column}" if m and m.column else "")))
-        table(rows, right=(2, 5))
-        say(f"{count(len(entries), 'entry', 'entries')}, "
-            f"{units.format_size(found.stored_bytes())} in {remote.display}")
+    now = time.time()
+
+    def row(e: admin.RemoteEntryInfo) -> tuple[str, ...]:
+        m = e.entry.manifest if e.entry is not None else None
+        return (e.key[:SHORT_KEY], m.kind if m else "?", str(m.rows) if m else "?",
+                shape(m.shape[1:]) or "-" if m else "?", m.dtype.name if m else "?",
+                units.format_size(e.bytes), ago(e.created, now),
+                f"PROBLEM: {e.problem}" if e.problem else
+                (f"column {m.column}" if m and m.column else ""))
+
+    listing(entries, entries, args.json, f"no entries in {remote.display}",
+            ("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", ""), row,
+            right=(2, 5), total=lambda: f"{count(len(entries), 'entry', 'entries')}, "
+                                        f"{units.format_size(found.stored_bytes())} in "
+                                        f"{remote.display}")
     _report_leftovers(found)
     return 0
 

@@ -2,10 +2,11 @@
 threads, processes or a cluster, so that a crashed build resumes and other processes join.
 
 Public surface: :func:`fill` (a builder), :func:`join` (a helper of another process's
-build), and what they take and return. Inside, a subpackage per job: ``filling`` (the plan, the chunk journal, the
-builder and joiners, resuming dead builds and copying rows in), ``running`` (running rows
-on threads, cachekit's worker processes or any Executor) and ``decoding`` (the image
-pipelines). The engine knows nothing of stores: it works in a directory handle it is given.
+build), and what they take and return. Inside, a subpackage per job: ``filling`` (the plan,
+the chunk journal, the builder and joiners, resuming dead builds from their verified
+chunks), ``running`` (running rows on threads, cachekit's worker processes or any Executor)
+and ``decoding`` (the image pipelines). The engine knows nothing of stores: it works in a
+directory handle it is given.
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ caller's build function on a miss; :func:`obtain_and_open` also checks it agains
 call expects and opens it. Modules: ``flow`` (obtain), ``wait`` (the one wait loop, bounded
 by ``lock_timeout``), ``local_wait`` (the build lock, live builders, joining), ``commit``
 (building in a private directory and the atomic commit), ``accounting`` (the seconds a
-call spent on its own work, not waiting), ``reuse`` (the rows a build copies from committed
-entries, and what its entry records for later builds), ``remote`` (the remote tier),
-``background`` (its uploads after the call returns) and ``expected`` (what a call knows of
-its entry).
+call spent on its own work, not waiting), ``row_build`` (the per-row build: its rows'
+identities, the entry's row files), ``donors`` (the committed entries that hold a build's
+rows) and ``parts`` (linking their files in, the row map), ``staleness`` (did a hit's files
+change), ``remote`` (the remote tier), ``background`` (its uploads after the call returns)
+and ``expected`` (what a call knows of its entry).
 """
 
 from __future__ import annotations

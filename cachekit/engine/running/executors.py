@@ -26,11 +26,11 @@ docs/build-engine.md for the measurements behind it.
 
 from __future__ import annotations
 
-import os
 import pickle
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Union
 
+from ... import _fs
 from ...errors import InvalidArgument, InvalidArgumentType
 from .compute import ChunkRunner, InlineRunner, RowTask
 from .pieces import CLUSTER_SIZES, PROCESS_SIZES, THREAD_SIZES, PieceRunner
@@ -51,11 +51,8 @@ decoding backend), whose worker interpreters each import torch first."""
 
 
 def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    """How many CPUs this process may run on (:func:`cachekit._fs.cpu_affinity`)."""
+    return len(_fs.cpu_affinity())
 
 
 def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) -> str:
