@@ -23,8 +23,8 @@ from .engine.decoding.images import backend_for
 from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
 from .errors import InvalidArgument, InvalidArgumentType
-from .obtain import (BuildFunction, Expected, JoinFunction, Outcome, RowBuild, RowCall, Runner,
-                     check_lock_timeout, obtain_and_open)
+from .obtain import (BuildFunction, BuildSettings, Expected, JoinFunction, Outcome, RowBuild,
+                     RowCall, check_lock_timeout, obtain_and_open)
 from .store import LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -114,7 +114,7 @@ class Cache:
         it is not part of the key.
         """
         paths = _path_column(paths)
-        values, fetching = _sources(paths, storage_options)
+        values, fetching = _column_values(paths, storage_options)
         height, width = _image_size(size)
         _choose("mode", mode, tuple(options.MODES))
         _choose("fit", fit, options.FITS)
@@ -224,10 +224,10 @@ class Cache:
 
     def _rows(self, call: RowCall) -> Entry:
         """Hand a per-row call to the coordinator: its :class:`RowBuild` builds, joins and
-        opens the entry (copying the rows committed entries of its recipe hold)."""
-        runner = Runner(self.workers, self.executor, progress=self._show_progress(),
-                        announce=self.progress is not False)
-        build = RowBuild(self._store, call, runner, Entry.from_outcome)
+        opens the entry (sharing the rows committed entries of its recipe hold)."""
+        settings = BuildSettings(self.workers, self.executor, progress=self._show_progress(),
+                                 announce=self.progress is not False)
+        build = RowBuild(self._store, call, settings, Entry.from_outcome)
         return self._obtain(build.key, build.build, build.open, build.join,
                             expect=build.expected, raise_failures=call.on_error == "raise")
 
@@ -289,7 +289,7 @@ def _budget(max_size: Optional[Union[int, str]]) -> Optional[int]:
     return byte_count(max_size)
 
 
-def _sources(paths: Any, storage_options: Any) -> tuple[Any, Optional[urls.FetchSettings]]:
+def _column_values(paths: Any, storage_options: Any) -> tuple[Any, Optional[urls.FetchSettings]]:
     """The column's values, and for a column with remote URLs the fetch settings of
     ``$CACHEKIT_SOURCE_*`` (None otherwise), once fsspec and the stores' filesystems are
     known to import (:class:`cachekit.urls.MissingRemoteSupport` naming the extra)."""

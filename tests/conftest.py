@@ -48,7 +48,9 @@ def cover_paths(tmp_path: Path) -> list[str]:
 
 @pytest.fixture
 def cache(cache_root: Path) -> cachekit.Cache:
-    return cachekit.Cache(cache_root, workers=2, progress=False)
+    """Two workers on threads: the executor never depends on a test's row count (the
+    executors are tested one by one in test_executors.py)."""
+    return cachekit.Cache(cache_root, workers=2, executor="threads", progress=False)
 
 
 @pytest.fixture

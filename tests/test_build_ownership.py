@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from cachekit import _fs
-from cachekit import engine
+from cachekit.engine.filling.builder import DeadBuilds, fill as fill_build
+from cachekit.engine.filling.claimed import RowRun
+from cachekit.engine.filling.joiner import join as join_build
 from cachekit.engine.filling import journal as journals
 
 from helpers import small_chunks
@@ -65,10 +67,10 @@ def folders(tmp_path, monkeypatch):
 def stopped_and_joined(dead: _fs.DirHandle, stop: int) -> None:
     """A builder stopped at row ``stop``, then a joiner that filled every free chunk."""
     with pytest.raises(Stop):
-        engine.fill(dead, "data.npy", list(range(ROWS)), stopping_at(stop, []),
-                    rows=engine.RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
-    joined = engine.join(dead, "data.npy", list(range(ROWS)), row,
-                         rows=engine.RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+        fill_build(dead, "data.npy", list(range(ROWS)), stopping_at(stop, []),
+                   rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+    joined = join_build(dead, "data.npy", list(range(ROWS)), row,
+                        rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
     assert joined is not None and joined.chunks == (ROWS - stop) // CHUNK
 
 
@@ -81,11 +83,11 @@ def records(folder: Path) -> dict[int, dict]:
 def test_a_joiner_never_writes_the_builders_data_file(folders):
     tmp, dead, _ = folders
     with pytest.raises(Stop):
-        engine.fill(dead, "data.npy", list(range(ROWS)), stopping_at(8, []),
-                    rows=engine.RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+        fill_build(dead, "data.npy", list(range(ROWS)), stopping_at(8, []),
+                   rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
     before = (tmp / "dead" / "data.npy").read_bytes()
-    engine.join(dead, "data.npy", list(range(ROWS)), row,
-                rows=engine.RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+    join_build(dead, "data.npy", list(range(ROWS)), row,
+               rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
     assert (tmp / "dead" / "data.npy").read_bytes() == before
     done = records(tmp / "dead")
     assert sorted(done) == list(range(ROWS // CHUNK))
@@ -106,9 +108,9 @@ def test_a_resume_copies_verified_chunks_and_recomputes_a_tampered_one(folders):
         data[-(ROWS - done[index]["start"]) * 12] ^= 0xFF  # first byte of the chunk
         path.write_bytes(bytes(data))
     computed: list[int] = []
-    filled = engine.fill(fresh, "data.npy", list(range(ROWS)), counting(computed),
-                         rows=engine.RowRun(workers=1, record=False, template=TEMPLATE, key=KEY),
-                         sources=engine.Sources(dead=[dead]))
+    filled = fill_build(fresh, "data.npy", list(range(ROWS)), counting(computed),
+                        rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY),
+                        resuming=DeadBuilds(dead=[dead]))
     assert sorted(computed) == [*range(0, 4), *range(12, 16)]  # the two tampered chunks
     assert filled.resumed == ROWS - 2 * CHUNK
     np.testing.assert_array_equal(np.load(tmp / "fresh" / "data.npy"), EXPECTED)
@@ -127,9 +129,9 @@ def test_a_plan_of_another_fill_is_never_copied(folders, change):
         computed.append(value)
         return np.full(template[0], value, dtype=np.int32)
 
-    filled = engine.fill(fresh, "data.npy", values, fn,
-                         rows=engine.RowRun(workers=1, record=False, template=template, key=key),
-                         sources=engine.Sources(dead=[dead]))
+    filled = fill_build(fresh, "data.npy", values, fn,
+                        rows=RowRun(workers=1, record=False, template=template, key=key),
+                        resuming=DeadBuilds(dead=[dead]))
     assert filled.resumed == 0 and sorted(computed) == values
 
 
@@ -143,8 +145,8 @@ def test_a_huge_planned_file_is_never_allocated_for_another_rows_count(folders):
     plan["rows"] = 1 << 40
     plan_path.unlink()
     plan_path.write_text(json.dumps(plan))
-    filled = engine.fill(fresh, "data.npy", list(range(ROWS)), row,
-                         rows=engine.RowRun(workers=1, record=False, template=TEMPLATE, key=KEY),
-                         sources=engine.Sources(dead=[dead]))
+    filled = fill_build(fresh, "data.npy", list(range(ROWS)), row,
+                        rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY),
+                        resuming=DeadBuilds(dead=[dead]))
     assert filled.resumed == 0
     assert (tmp / "fresh" / "data.npy").stat().st_size < 4096

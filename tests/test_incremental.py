@@ -130,11 +130,6 @@ def counts(entry: cachekit.Entry) -> tuple[int, int, int]:
     return entry.rows_decoded, entry.rows_joined, entry.rows_reused
 
 
-@pytest.fixture
-def cache(cache_root: Path) -> cachekit.Cache:
-    return cachekit.Cache(cache_root, workers=2, executor="threads", progress=False)
-
-
 # --- the cases of the issue ---------------------------------------------------------------
 
 

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachekit import _fs, keys
-from cachekit import engine
+from cachekit.engine.filling.builder import DeadBuilds, fill as fill_build
+from cachekit.engine.filling.claimed import RowRun
 from cachekit.engine.filling import plan
 from cachekit.store import manifest as manifests
 
@@ -272,19 +273,19 @@ def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):
             mock.patch.object(plan, "PAGE_BYTES", 1), \
             mock.patch.object(plan, "CHUNKS_PER_WORKER", 1), \
             _fs.DirHandle.open(tmp) as directory:
-        rows = engine.RowRun(workers=workers, record=True, template=template, key="k")
-        straight = engine.fill(directory, "straight.npy", list(range(n)), row, rows=rows)
+        rows = RowRun(workers=workers, record=True, template=template, key="k")
+        straight = fill_build(directory, "straight.npy", list(range(n)), row, rows=rows)
         for name in ("stopped", "resumed"):
             directory.mkdir(name, 0o700)
         with directory.child("stopped") as stopped, directory.child("resumed") as fresh:
             with pytest.raises(Stop):
-                engine.fill(stopped, "data.npy", list(range(n)), lambda v: row(v, stop), rows=rows)
+                fill_build(stopped, "data.npy", list(range(n)), lambda v: row(v, stop), rows=rows)
             progress = _progress(stopped)
             source = Path(tmp) / "stopped" / "data.npy"
             before = source.read_bytes() if source.exists() else None
             computed.clear()
-            resumed = engine.fill(fresh, "data.npy", list(range(n)), row, rows=rows,
-                                  sources=engine.Sources(dead=[stopped]))
+            resumed = fill_build(fresh, "data.npy", list(range(n)), row, rows=rows,
+                                 resuming=DeadBuilds(dead=[stopped]))
             if before is not None:  # the dead fill is read, never written
                 assert source.read_bytes() == before
         out = Path(tmp) / "resumed" / "data.npy"

@@ -33,11 +33,6 @@ def pictures(tmp_path: Path) -> list[str]:
     return write_pictures(tmp_path / "pictures", N)
 
 
-@pytest.fixture
-def cache(cache_root: Path) -> cachekit.Cache:
-    return cachekit.Cache(cache_root, workers=2, executor="threads", progress=False)
-
-
 def column(paths: list[str], rows) -> pd.Series:
     return pd.Series([paths[i] for i in rows], name="img_path")
 

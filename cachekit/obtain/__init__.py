@@ -19,8 +19,8 @@ from .commit import BuildFunction, Built, ChunkCallback
 from .expected import Expected
 from .flow import Outcome, obtain, obtain_and_open
 from .local_wait import JoinFunction
-from .row_build import RowBuild, RowCall, Runner
+from .row_build import BuildSettings, RowBuild, RowCall
 from .wait import check_lock_timeout
 
-__all__ = ["BuildFunction", "Built", "ChunkCallback", "Expected", "JoinFunction", "Outcome",
-           "RowBuild", "RowCall", "Runner", "check_lock_timeout", "obtain", "obtain_and_open"]
+__all__ = ["BuildFunction", "BuildSettings", "Built", "ChunkCallback", "Expected", "JoinFunction",
+           "Outcome", "RowBuild", "RowCall", "check_lock_timeout", "obtain", "obtain_and_open"]

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _fs, keys, processes
 from .._version import __version__
-from .. import engine
+from ..engine.filling.claimed import ChunkCallback
 from ..engine.filling.journal import is_journal_name
 from ..errors import BuildGone, Failure, ImageDecodeError
 from ..messages import say
@@ -34,7 +34,6 @@ from ..store.manifest import (FAILURE_DETAILS, Manifest, Origin, RowReuse, faile
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
-ChunkCallback = engine.ChunkCallback
 
 
 @dataclass(frozen=True)

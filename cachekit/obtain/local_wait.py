@@ -10,12 +10,12 @@ not waited for at all.
 
 While it waits, a process given a join function (a per-row build, ``Cache(join=True)``)
 joins a live build of the key made by its own user, on this host or another: it fills the
-chunks nobody holds (see :func:`cachekit.engine.join`), then goes on waiting for the
-builder's commit, and says that it joined and how many chunks it filled. Another user's
-build is never joined. A build of this host is joined only with the cores it leaves free
-(its builder records its CPUs and workers; see :mod:`cachekit.engine.filling.cores`): where the
-builder and the joiners before us use every core, we only wait, at a waiter's pace, and
-say so.
+chunks nobody holds (see :func:`cachekit.engine.filling.joiner.join`), then goes on
+waiting for the builder's commit, and says that it joined and how many chunks it filled.
+Another user's build is never joined. A build of this host is joined only with the cores
+it leaves free (its builder records its CPUs and workers; see
+:mod:`cachekit.engine.filling.cores`): where the builder and the joiners before us use
+every core, we only wait, at a waiter's pace, and say so.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import time
 from typing import Callable, Optional, Union
 
 from .. import _fs, liveness
-from .. import engine
+from ..engine.filling.cores import Spare, spare_cores
+from ..engine.filling.joiner import Joined, join as join_build
 from ..messages import say
 from ..store import BuildState, LocalStore, Published, locks
 from .wait import POLL_SECONDS, WAITING, Awaited, Wait, Waiting
@@ -40,7 +41,7 @@ it waits for belongs to another user (a teammate's build, or what a group member
 then it builds in a directory of its own and publishes atomically (a duplicate build at
 worst). Builds and lock holders of its own user are waited for as long as they beat."""
 
-JoinFunction = Callable[[_fs.DirHandle, Optional[engine.Spare]], Optional[engine.Joined]]
+JoinFunction = Callable[[_fs.DirHandle, Optional[Spare]], Optional[Joined]]
 """Fills free chunks of another process's live build, given its directory by handle and,
 for a build of this host, the cores we may add to it (None: a build of another host)."""
 
@@ -158,7 +159,7 @@ class LocalWait:
                 if recorded is None:
                     may_help = True
                     continue  # its builder has not yet said which CPUs it uses
-                spare = engine.spare_cores(*recorded)
+                spare = spare_cores(*recorded)
                 if not spare.count:
                     self._say_no_core(state, "the build already uses every core here")
                     continue

@@ -21,7 +21,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import _fs, arrays, engine, keys, source_stats
+from .. import _fs, arrays, keys, source_stats
+from ..engine.filling.builder import DeadBuilds, Filled, fill as fill_build
+from ..engine.filling.claimed import Report, RowRun
+from ..engine.filling.cores import Spare, runs_at_once
+from ..engine.filling.joiner import Joined, join as join_build
 from ..errors import ImageDecodeError
 from ..store import STALE, BuildDir, LocalStore, Published
 from ..store import manifest as manifests
@@ -44,7 +48,7 @@ Template = Optional[tuple[tuple[int, ...], Any]]
 
 
 @dataclass(frozen=True)
-class Runner:
+class BuildSettings:
     """Where and how a build's rows run, as the :class:`cachekit.Cache` was configured."""
 
     workers: int
@@ -83,9 +87,9 @@ class RowBuild:
     ``opener`` makes the caller's value (an :class:`cachekit.Entry`) from an outcome.
     """
 
-    def __init__(self, store: LocalStore, call: RowCall, runner: Runner,
+    def __init__(self, store: LocalStore, call: RowCall, settings: BuildSettings,
                  opener: Callable[[Outcome], Any]) -> None:
-        self.store, self.call, self.runner, self.opener = store, call, runner, opener
+        self.store, self.call, self.settings, self.opener = store, call, settings, opener
         self.key = call.key
         self.record = call.kind == "images" or call.on_error == "zero"
         """Whether a row that raises is recorded as a failure (images always: they say
@@ -113,14 +117,14 @@ class RowBuild:
         recipe hold (:mod:`.parts`), compute the others, then write the row files (and a
         derived entry's row map). Rows that fail under ``on_error="raise"`` make it a
         failed build, whose good rows the commit keeps (:attr:`Built.failure`)."""
-        call, runner, values = self.call, self.runner, self.values()
-        current.record_cpus(engine.runs_at_once(runner.executor, runner.workers))
+        call, settings, values = self.call, self.settings, self.values()
+        current.record_cpus(runs_at_once(settings.executor, settings.workers))
         builder = _decoders() if call.kind == "images" else None
         rows = self._rows(builder)
         healed, self._healed = self._healed, None
         try:
             with donors.find(self.store, self.key, rows, call.template, healed) as found:
-                if runner.announce:
+                if settings.announce:
                     donors.announce(self.key, found, len(values))
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
@@ -132,16 +136,16 @@ class RowBuild:
             if held.derived and not len(held.todo):  # nothing to decode: no fill at all
                 filled = _no_rows(current.dir, found.template)
             else:
-                report = engine.Report(on_chunk, runner.progress, f"cachekit {call.kind}",
-                                       lines=runner.announce and not runner.progress)
-                filled = engine.fill(current.dir, manifests.DATA_FILE, values, call.row_fn,
-                                     rows=self._row_run(call.template or found.template),
-                                     sources=engine.Sources(current.resume_from,
-                                                            current.drop_resumed),
-                                     report=report, todo=held.todo if held.derived else None)
+                report = Report(on_chunk, settings.progress, f"cachekit {call.kind}",
+                                lines=settings.announce and not settings.progress)
+                filled = fill_build(current.dir, manifests.DATA_FILE, values, call.row_fn,
+                                    rows=self._row_run(call.template or found.template),
+                                    resuming=DeadBuilds(current.resume_from,
+                                                        current.drop_resumed),
+                                    report=report, todo=held.todo if held.derived else None)
             held.own()
             if held.derived and not held.linked:
-                if runner.announce and not call.contiguous:
+                if settings.announce and not call.contiguous:
                     say(f"entry {self.key[:12]}: the files of the rows it shares cannot be "
                         "linked here (another filesystem or another user's files); copied "
                         "its rows into one file instead")
@@ -163,15 +167,15 @@ class RowBuild:
             committed=lambda published: index_entry(self.store, published, rows.ids),
             failure=failure)
 
-    def join(self, directory: _fs.DirHandle, spare: Optional[engine.Spare]
-             ) -> Optional[engine.Joined]:
+    def join(self, directory: _fs.DirHandle, spare: Optional[Spare]
+             ) -> Optional[Joined]:
         """Fill free chunks of another process's live build of the key (step 3)."""
-        return engine.join(directory, manifests.DATA_FILE, self.values(), self.call.row_fn,
-                           rows=self._row_run(), spare=spare)
+        return join_build(directory, manifests.DATA_FILE, self.values(), self.call.row_fn,
+                          rows=self._row_run(), spare=spare)
 
-    def _row_run(self, template: Template = None) -> engine.RowRun:
-        return engine.RowRun(self.runner.workers, self.record, template or self.call.template,
-                             self.key, self.runner.executor)
+    def _row_run(self, template: Template = None) -> RowRun:
+        return RowRun(self.settings.workers, self.record, template or self.call.template,
+                      self.key, self.settings.executor)
 
     def open(self, outcome: Outcome) -> Any:
         """Open the entry (step 8). A downloaded one is indexed first, so that its rows may
@@ -188,7 +192,7 @@ class RowBuild:
         if call.contiguous and not outcome.entry.manifest.contiguous:
             self._build_again(outcome.entry, "its rows are shared with other entries and a "
                               "contiguous entry was asked for; copying them into one file")
-            if self.runner.announce:  # (it returns only when it could not set it aside)
+            if self.settings.announce:  # (it returns only when it could not set it aside)
                 say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
                     "shares its rows and cannot be removed here (another user's, or a "
                     "read-only root); returned as it is")
@@ -242,7 +246,7 @@ class RowBuild:
         if forget is not None:
             self.store.forget_record(forget, self.key)
         self._healed, self._aside = source, aside
-        if self.runner.announce:
+        if self.settings.announce:
             say(f"entry {self.key[:12]}: {why}")
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
 
@@ -293,7 +297,7 @@ class _RowFiles:
     """The parts: links to files of committed entries."""
 
 
-def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
+def _row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
                held: parts.Parts) -> _RowFiles:
     """Write the row identities, the data's block digests, (images) the file stats and (a
     derived entry) the row map into the build directory next to its data file."""
@@ -323,11 +327,11 @@ def _row_files(directory: _fs.DirHandle, rows: Rows, filled: engine.Filled,
     return _RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)
 
 
-def _no_rows(directory: _fs.DirHandle, template: Any) -> engine.Filled:
+def _no_rows(directory: _fs.DirHandle, template: Any) -> Filled:
     """An empty own data file: every row of the build is another entry's."""
     shape, dtype = (0, *template[0]), np.dtype(template[1])
     arrays.write_small(directory, manifests.DATA_FILE, np.zeros(shape, dtype))
-    return engine.Filled(shape=shape, dtype=dtype)
+    return Filled(shape=shape, dtype=dtype)
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

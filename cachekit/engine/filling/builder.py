@@ -77,7 +77,7 @@ class Filled:
 
 
 @dataclass(frozen=True)
-class Sources:
+class DeadBuilds:
     """The dead builds a fill may resume: build directories of dead builds of this user
     that the caller claimed (the coordinator checks their owner and cachekit version).
     ``done()`` is called once nothing more is read from them (the caller may then delete
@@ -91,11 +91,11 @@ class Sources:
             self.done()
 
 
-NO_SOURCES = Sources()
+NO_DEAD_BUILDS = DeadBuilds()
 
 
 def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
-         rows: RowRun, sources: Sources = NO_SOURCES, report: Report = QUIET,
+         rows: RowRun, resuming: DeadBuilds = NO_DEAD_BUILDS, report: Report = QUIET,
          todo: Optional[np.ndarray] = None) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
@@ -109,7 +109,7 @@ def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
     theirs (:func:`cachekit.keys.rest_key`), so joiners fill only those rows and a resume
     takes only a dead fill of the same rows. Failures are reported in rows of ``values``.
 
-    ``sources``: the dead builds of this user that the caller claimed. Those whose plan
+    ``resuming``: the dead builds of this user that the caller claimed. Those whose plan
     has this key, this row count and the template (if given) give their done chunks,
     copied only where the bytes match the chunk's checksum.
     """
@@ -123,9 +123,9 @@ def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
     named = None if todo is None else (lambda journal: write_todo(journal.dir, todo))
     runner = make_runner(rows.executor, rows.workers, job.task, rows=n)  # first: it refuses
     try:                                                                  # what cannot run
-        resumed = resume(directory, name, n, sources.dead, rows.template, rows.key,
+        resumed = resume(directory, name, n, resuming.dead, rows.template, rows.key,
                          before_plan=named)
-        sources.release()
+        resuming.release()
         head: Optional[tuple[Claim, Chunk, list[Failure]]] = None
         work = _Work(progress(n, report), report.on_chunk)
         if resumed is None:

@@ -106,7 +106,7 @@ def _fill(journal: Journal, planned: Plan, values: Sequence[Any], task: RowTask,
         rows_file = RowsFile.create(journal, planned)
     except (OSError, ValueError):
         return None
-    runner = _LazyRunner(executor, workers, task, len(values))
+    runner = _RunnerOnFirstChunk(executor, workers, task, len(values))
     filled = rows = 0
     try:
         for chunk in run_claimed(journal, rows_file.array, values, runner,
@@ -122,7 +122,7 @@ def _fill(journal: Journal, planned: Plan, values: Sequence[Any], task: RowTask,
     return Joined(filled, rows, len(planned.chunks))
 
 
-class _LazyRunner:
+class _RunnerOnFirstChunk:
     """The chunk runner of a joiner, made only once it has claimed a chunk (a joiner looks
     for free chunks every few tens of milliseconds, and a process pool is costly to start)."""
 
