@@ -289,7 +289,8 @@ def _budget(max_size: Optional[Union[int, str]]) -> Optional[int]:
     return byte_count(max_size)
 
 
-def _column_values(paths: Any, storage_options: Any) -> tuple[Any, Optional[urls.FetchSettings]]:
+def _column_values(paths: Any, storage_options: Any
+                   ) -> tuple[Any, Optional[urls.FetchSettings]]:
     """The column's values, and for a column with remote URLs the fetch settings of
     ``$CACHEKIT_SOURCE_*`` (None otherwise), once fsspec and the stores' filesystems are
     known to import (:class:`cachekit.urls.MissingRemoteSupport` naming the extra)."""

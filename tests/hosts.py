@@ -124,8 +124,51 @@ class HostProcess(subprocess.Popen):
             pass  # unkillable (stuck in the kernel): nothing more a test can do
 
 
+def kill_all(processes: Sequence[HostProcess]) -> None:
+    """Kill every one of ``processes`` still running, then reap them all (fixture teardown)."""
+    for process in processes:
+        process.kill_group()
+    for process in processes:
+        process.reap()
+
+
+class Launcher:
+    """What starts the processes of a host or of a user, and records them in ``processes``:
+    :meth:`popen`, :meth:`python`, :meth:`run_cli`. Each says only how a command runs there
+    (:meth:`_launch`: the argv and environment that wrap it)."""
+
+    name: str
+    processes: list[HostProcess]
+
+    def _launch(self, command: list[str], env: Optional[Mapping[str, str]]
+                ) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    def popen(self, argv: Sequence[Any], *,
+              env: Optional[Mapping[str, str]] = None) -> HostProcess:
+        """Start ``argv`` here (stdout and stderr piped, as text, own session)."""
+        command = [str(a) for a in argv]
+        process = HostProcess(self.name, command, *self._launch(command, env))
+        self.processes.append(process)
+        return process
+
+    def python(self, script: Path, *args: object,
+               env: Optional[Mapping[str, str]] = None) -> HostProcess:
+        """Run the Python script file ``script`` here."""
+        return self.popen([sys.executable, script, *args], env=env)
+
+    def run_cli(self, root: Path, *args: object,
+                env: Optional[Mapping[str, str]] = None) -> HostProcess:
+        """Run ``python -m cachekit --root ROOT ARGS...`` here."""
+        return self.popen([sys.executable, "-m", "cachekit", "--root", root, *args], env=env)
+
+    def kill_all(self) -> None:
+        """Kill every process started here that is still running (fixture teardown)."""
+        kill_all(self.processes)
+
+
 @dataclass
-class Host:
+class Host(Launcher):
     """One simulated machine: a hostname and a private lock directory over ``root/locks``.
 
     ``work`` is a scratch directory shared by every host (scripts, barriers, counters).
@@ -142,36 +185,22 @@ class Host:
         for directory in (self.root / "locks", self.private_locks, self.work):
             directory.mkdir(parents=True, exist_ok=True)  # a bind mount needs its target
 
-    def popen(self, argv: Sequence[str], *,
-              env: Optional[Mapping[str, str]] = None) -> HostProcess:
-        """Start ``argv`` on this host (stdout and stderr piped, as text)."""
-        command = [str(a) for a in argv]
-        process = HostProcess(self.name, command,
-                              namespace_argv(self.name, self.private_locks,
-                                             self.root / "locks", command),
-                              child_env(env))
-        self.processes.append(process)
-        return process
+    def _launch(self, command: list[str], env: Optional[Mapping[str, str]]
+                ) -> tuple[list[str], dict[str, str]]:
+        return (namespace_argv(self.name, self.private_locks, self.root / "locks", command),
+                child_env(env))
 
-    def python(self, script: Union[Path, str], *args: object,
+    def python(self, script: Union[Path, str], *args: object,  # type: ignore[override]
                env: Optional[Mapping[str, str]] = None) -> HostProcess:
         """Run a Python script on this host: ``script`` is a file when it is a ``Path`` and
         source text when it is a ``str`` (written to a file under ``work`` named by its hash,
         so every host runs the same file and functions defined in it key alike)."""
         path = script if isinstance(script, Path) else self._script_file(script)
-        return self.popen([sys.executable, str(path), *map(str, args)], env=env)
+        return super().python(path, *args, env=env)
 
     def cli(self, *args: object, env: Optional[Mapping[str, str]] = None) -> HostProcess:
-        """Run ``python -m cachekit --root ROOT ARGS...`` on this host."""
-        return self.popen([sys.executable, "-m", "cachekit", "--root", str(self.root),
-                           *map(str, args)], env=env)
-
-    def kill_all(self) -> None:
-        """Kill every process of this host that is still running (fixture teardown)."""
-        for process in self.processes:
-            process.kill_group()
-        for process in self.processes:
-            process.reap()
+        """Run ``python -m cachekit --root ROOT ARGS...`` on this host, on its root."""
+        return self.run_cli(self.root, *args, env=env)
 
     def _script_file(self, source: str) -> Path:
         digest = hashlib.sha256(source.encode()).hexdigest()[:16]

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from hosts import CHECKOUT, HostProcess, child_env
+from hosts import CHECKOUT, HostProcess, Launcher, child_env, kill_all
 
 GID = 50000
 VICTIM_UID = 50001
@@ -139,7 +139,7 @@ def launch_argv(uid: int, gid: int, home: Path, argv: Sequence[str],
 
 
 @dataclass
-class User:
+class User(Launcher):
     """One team member: a bare uid in group :data:`GID`, with a home of its own under the
     test's directory. Every process it starts is recorded in ``processes``."""
 
@@ -150,27 +150,17 @@ class User:
     processes: list[HostProcess]
     gid: int = GID
 
-    def popen(self, argv: Sequence[Any], *,
-              env: Optional[Mapping[str, str]] = None) -> HostProcess:
-        """Start ``argv`` as this user (stdout and stderr piped, as text, own session)."""
-        command = [str(a) for a in argv]
+    def _launch(self, command: list[str], env: Optional[Mapping[str, str]]
+                ) -> tuple[list[str], dict[str, str]]:
         extra = {"HOME": str(self.home), "USER": self.name, "LOGNAME": self.name,
                  **(env or {})}
-        process = HostProcess(self.name, command,
-                              launch_argv(self.uid, self.gid, self.home, command, [self.base]),
-                              child_env(extra))
-        self.processes.append(process)
-        return process
-
-    def python(self, script: Path, *args: object,
-               env: Optional[Mapping[str, str]] = None) -> HostProcess:
-        """Run the Python script file ``script`` (see :meth:`SharedRoot.script`)."""
-        return self.popen([sys.executable, script, *args], env=env)
+        return (launch_argv(self.uid, self.gid, self.home, command, [self.base]),
+                child_env(extra))
 
     def cli(self, root: Path, *args: object,
             env: Optional[Mapping[str, str]] = None) -> HostProcess:
         """Run ``python -m cachekit --root ROOT ARGS...`` as this user."""
-        return self.popen([sys.executable, "-m", "cachekit", "--root", root, *args], env=env)
+        return self.run_cli(root, *args, env=env)
 
 
 @dataclass
@@ -205,10 +195,7 @@ class SharedRoot:
 
     def kill_all(self) -> None:
         """Kill every child still running, then reap them all (fixture teardown)."""
-        for process in self.processes:
-            process.kill_group()
-        for process in self.processes:
-            process.reap()
+        kill_all(self.processes)
 
 
 def make_shared_root(tmp_path: Path) -> SharedRoot:

@@ -321,7 +321,8 @@ def _done_record(raw: Any, chunk: Chunk) -> Done:
     if not (isinstance(raw, dict) and raw.get("chunk") == chunk.index
             and raw.get("start") == chunk.start and raw.get("stop") == chunk.stop
             and isinstance(raw.get("failures"), list)
-            and isinstance(raw.get("digest"), str) and raw["digest"].startswith(arrays.CHECKSUM_PREFIX)):
+            and isinstance(raw.get("digest"), str)
+            and raw["digest"].startswith(arrays.CHECKSUM_PREFIX)):
         raise ValueError("a done record that does not match the plan")
     file = raw.get("file")
     if not (file is None or (isinstance(file, str) and is_rows_file(file))):
