@@ -181,6 +181,24 @@ def write_pictures(folder: Path, count: int, shape: tuple[int, int] = (10, 12)) 
     return paths
 
 
+def lines_in(path: Path) -> list[str]:
+    """The lines of a marker file that children append to (who decoded which row, ...);
+    [] while none has written it."""
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def one_valid_entry(remote) -> str:
+    """Assert that the remote store holds exactly one entry, whole (``verify --remote``'s
+    check of every byte), and only that entry's upload; its key."""
+    from cachekit.admin.remote_verify import verify
+
+    assert verify(remote) == (1, [])
+    keys, unknown, _ = remote.scan()
+    assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
+    assert list(keys[0].uploads) == [remote.lookup(keys[0].key).upload]
+    return keys[0].key
+
+
 def remote_object(remote, key: str, name: str) -> str:
     """The object that holds file ``name`` of ``key``'s published remote entry: under its
     upload, or in the pool."""

@@ -31,6 +31,7 @@ import pytest
 import cachekit
 import hosts
 import s3
+from helpers import lines_in, one_valid_entry
 from cachekit import processes
 from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.obtain import background
@@ -132,8 +133,7 @@ def agent(work: Path, root: Path, env: dict[str, str], me: str, mode: str = "run
 
 
 def decoded(work: Path, me: str) -> int:
-    path = work / f"decoded.{me}"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(lines_in(work / f"decoded.{me}"))
 
 
 def returned(work: Path, me: str) -> dict:
@@ -147,18 +147,13 @@ def held_after_its_call(work: Path, proxy: s3.Proxy, process: hosts.HostProcess)
                    "reach the manifest", watch=[process])
 
 
-def one_valid_entry(remote: RemoteStore, tmp_path: Path, sha: str) -> str:
-    """Assert the remote holds exactly one entry, whole (every byte checked), with only its
-    own upload, and that its pixels hash to ``sha``; its key."""
-    assert verify_remote(remote) == (1, [])
-    keys, unknown, _ = remote.scan()
-    assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
-    found = remote.lookup(keys[0].key)
-    assert list(keys[0].uploads) == [found.upload]
-    published, _ = remote.download(found, LocalStore(tmp_path / "check"))
+def one_entry_of(remote: RemoteStore, tmp_path: Path, sha: str) -> str:
+    """:func:`helpers.one_valid_entry`, whose pixels hash to ``sha``; its key."""
+    key = one_valid_entry(remote)
+    published, _ = remote.download(remote.lookup(key), LocalStore(tmp_path / "check"))
     data = np.load(published.path / "data.npy", mmap_mode="r")
     assert hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest() == sha
-    return keys[0].key
+    return key
 
 
 def test_the_call_returns_before_its_upload_ends_and_the_process_waits_for_it_to_exit(
@@ -184,7 +179,7 @@ def test_the_call_returns_before_its_upload_ends_and_the_process_waits_for_it_to
     assert f"]: waiting for the upload of entry {key12}" in done.stderr
     assert f"]: uploaded entry {key12}" in done.stderr and "ERROR" not in done.stderr
     assert proxy.late_forwarded == 1
-    assert one_valid_entry(remote, tmp_path, report["sha"]) == report["key"]
+    assert one_entry_of(remote, tmp_path, report["sha"]) == report["key"]
 
 
 def test_a_process_that_exits_right_after_the_call_completes_its_upload(
@@ -194,7 +189,7 @@ def test_a_process_that_exits_right_after_the_call_completes_its_upload(
     assert report["source"] == "built" and "ERROR" not in done.stderr
     assert f"]: uploaded entry {report['key'][:12]}" in done.stderr, done.stderr
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    assert one_valid_entry(remote, tmp_path, report["sha"]) == report["key"]
+    assert one_entry_of(remote, tmp_path, report["sha"]) == report["key"]
 
 
 def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_builds(
@@ -219,7 +214,7 @@ def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_b
     assert decoded(work, "a") == ROWS and decoded(work, "b") == 0  # one build
     assert second["key"] == first["key"] and second["sha"] == first["sha"]
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    assert one_valid_entry(remote, tmp_path, first["sha"]) == first["key"]
+    assert one_entry_of(remote, tmp_path, first["sha"]) == first["key"]
 
 
 def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, tmp_path,

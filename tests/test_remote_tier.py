@@ -23,7 +23,7 @@ import pytest
 import cachekit
 import hosts
 import s3
-from helpers import rewrite_entry
+from helpers import lines_in, rewrite_entry
 from cachekit import _wandb
 from cachekit.obtain import Outcome, background, remote as remote_tier
 from cachekit.errors import RemoteWarning
@@ -99,8 +99,7 @@ def agent(work: Path, root: Path, env: dict[str, str], me: str, mode: str = "run
 
 
 def decoded(work: Path, name: str = "decoded") -> int:
-    path = work / name
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(lines_in(work / name))
 
 
 def reap(*processes: hosts.HostProcess) -> None:

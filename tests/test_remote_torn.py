@@ -30,7 +30,7 @@ import pytest
 import cachekit
 import hosts
 import s3
-from helpers import remote_object
+from helpers import lines_in, one_valid_entry, remote_object
 from cachekit.cli import main
 from cachekit.admin import remote as rm
 from cachekit.admin.remote_verify import verify as verify_remote
@@ -144,8 +144,7 @@ def agent(work, root: Path, env: dict[str, str], me: str, mode: str = "run", *,
 
 def decoded(work) -> list[str]:
     """Who decoded each row so far."""
-    path = work[0] / "decoded"
-    return path.read_text().splitlines() if path.exists() else []
+    return lines_in(work[0] / "decoded")
 
 
 def stopped(process: hosts.HostProcess) -> bool:
@@ -164,16 +163,13 @@ def expected_sha() -> str:
                                     for v in range(ROWS)]).tobytes()).hexdigest()
 
 
-def one_valid_entry(remote: RemoteStore, capsys=None) -> str:
-    """Assert the remote holds exactly one entry, valid, and only its upload; its key."""
-    assert verify_remote(remote) == (1, [])
-    keys, unknown, _ = remote.scan()
-    assert unknown == [] and len(keys) == 1 and keys[0].manifest is not None
-    assert list(keys[0].uploads) == [remote.lookup(keys[0].key).upload]
-    if capsys is not None:
-        assert main(["verify", "--remote"]) == 0
-        assert "no problems" in capsys.readouterr().out
-    return keys[0].key
+def one_entry_of(remote: RemoteStore, capsys) -> str:
+    """:func:`helpers.one_valid_entry`, which ``cachekit verify --remote`` finds whole too;
+    its key."""
+    key = one_valid_entry(remote)
+    assert main(["verify", "--remote"]) == 0
+    assert "no problems" in capsys.readouterr().out
+    return key
 
 
 def read_json(remote: RemoteStore, path: str):
@@ -230,7 +226,7 @@ def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
     assert "ERROR" not in capsys.readouterr().err
-    assert one_valid_entry(remote, capsys) == built.key
+    assert one_entry_of(remote, capsys) == built.key
     pulled = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
         row, list(range(ROWS)))
     assert pulled.source == "remote" and np.array_equal(pulled.array, built.array)
@@ -274,7 +270,7 @@ def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         again = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
             row, list(range(ROWS)))
     background.wait_all()
-    assert again.source == "built" and one_valid_entry(remote, capsys) == built.key
+    assert again.source == "built" and one_entry_of(remote, capsys) == built.key
 
 
 # 2. A paused uploader ---------------------------------------------------------------------
@@ -296,7 +292,7 @@ def test_an_uploader_stopped_across_a_sweep_withdraws_its_torn_manifest_and_uplo
     # withdraws the manifest and uploads again under a fresh id.
     report = hosts.finish(uploader).report()
     assert report["source"] == "built" and report["sha"] == expected_sha()
-    assert one_valid_entry(remote, capsys) == report["key"]
+    assert one_entry_of(remote, capsys) == report["key"]
     assert remote.lookup(report["key"]).upload != stale
     assert len(decoded(work)) == ROWS
 
@@ -313,7 +309,7 @@ def test_a_sweep_that_judged_an_upload_orphaned_spares_it_once_its_manifest_name
     os.kill(uploader.pid, signal.SIGCONT)  # ...and the uploader publishes before it acts
     report = hosts.finish(uploader).report()
     assert plan.execute().failed == ()
-    assert one_valid_entry(remote, capsys) == report["key"]
+    assert one_entry_of(remote, capsys) == report["key"]
     assert report["source"] == "built" and len(decoded(work)) == ROWS
 
 
@@ -341,7 +337,7 @@ def test_a_sweep_with_its_clock_30_s_ahead_spares_a_beating_lease_and_its_upload
     reports = [hosts.finish(p).report() for p in (builder, waiter)]
     assert [r["source"] for r in reports] == ["built", "remote"]
     assert len(decoded(work)) == ROWS  # the waiter never took the live lease over
-    assert one_valid_entry(remote, capsys) == reports[0]["key"]
+    assert one_entry_of(remote, capsys) == reports[0]["key"]
     assert after_sweep == [(1, [1])] and "skipping the orphaned upload" in done.stdout
 
 
@@ -373,7 +369,7 @@ def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lea
     assert hosts.finish(second).report()["source"] == "built"
     assert sorted(set(decoded(work))) == ["a", "b"]  # two builds: the first lease expired
     assert len(decoded(work)) == 2 * ROWS
-    assert one_valid_entry(remote, capsys) == key
+    assert one_entry_of(remote, capsys) == key
 
 
 # 5. A reader meets a torn entry -----------------------------------------------------------
@@ -400,4 +396,4 @@ def test_readers_on_two_hosts_that_meet_a_torn_entry_build_it_once_and_repair_it
     # The rest of the torn upload (its row files) is left for `cachekit clear --remote`:
     # only its manifest is removed when it is found broken.
     remote.remove_upload(key, torn)
-    assert one_valid_entry(remote, capsys) == key
+    assert one_entry_of(remote, capsys) == key
