@@ -157,9 +157,9 @@ def hasher() -> Any:
     return hashlib.blake2b(digest_size=16)
 
 
-def hex_checksum(done: Any) -> str:
+def hex_checksum(hashed: Any) -> str:
     """The recorded form of a :func:`hasher`'s digest: ``blake2b-128:`` and 32 hex digits."""
-    return CHECKSUM_PREFIX + done.hexdigest()
+    return CHECKSUM_PREFIX + hashed.hexdigest()
 
 
 def checksum_of_bytes(data: Any) -> str:

@@ -22,9 +22,8 @@ import users
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 """The interpreters a test starts cache bytecode, as users' interpreters do: where
-``PYTHONDONTWRITEBYTECODE`` is set (the development machines set it), each of the suite's
-hundreds of interpreters compiled cachekit anew, about 0.25 CPU-s each (``__pycache__`` is
-ignored by git)."""
+``PYTHONDONTWRITEBYTECODE`` is set (the development machines set it), each of them would
+compile cachekit anew (``__pycache__`` is ignored by git)."""
 
 settings.register_profile("shared-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -190,7 +190,7 @@ class Host(Launcher):
         return (namespace_argv(self.name, self.private_locks, self.root / "locks", command),
                 child_env(env))
 
-    def python(self, script: Union[Path, str], *args: object,  # type: ignore[override]
+    def python(self, script: Union[Path, str], *args: object,
                env: Optional[Mapping[str, str]] = None) -> HostProcess:
         """Run a Python script on this host: ``script`` is a file when it is a ``Path`` and
         source text when it is a ``str`` (written to a file under ``work`` named by its hash,
