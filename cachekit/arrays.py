@@ -14,16 +14,13 @@ import mmap
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
 from . import _fs
 from .errors import CacheCorruptError
 from ._fs import NOT_A_FILE_ERRNOS
-
-if TYPE_CHECKING:
-    from .store.manifest import FileRecord
 
 CHECKSUM_BLOCK = 16 << 20
 HEADER_ALIGN = np.lib.format.ARRAY_ALIGN
@@ -103,12 +100,6 @@ def _map(f: BinaryIO, shape: tuple[int, ...], dtype: np.dtype, mode: str,
         empty.flags.writeable = mode != "r"
         return empty
     return np.memmap(f, dtype=dtype, mode=mode, offset=offset, shape=shape)
-
-
-def open_record(entry_dir: Path, record: FileRecord, mode: str = "r") -> np.ndarray:
-    """Map the entry file ``record`` describes, read-only (``"r"``) or copy-on-write (``"c"``)."""
-    return open_file(entry_dir / record.name, record.shape, record.np_dtype, mode,
-                     expected_bytes=record.bytes)
 
 
 def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "r", *,

@@ -1,10 +1,11 @@
 """``Cache``: the public face of cachekit.
 
 ``Cache.images``, ``Cache.map`` and ``@Cache.memoize`` check their arguments, make the
-key material and hand over to the coordinator on one path, :meth:`Cache._obtain`:
-:func:`cachekit.obtain.obtain_and_open` looks the key up, waits, joins or builds (a per-row
-call through its :class:`cachekit.obtain.RowBuild`), and opens the entry; the use is then
-reported to an active W&B run.
+key material and a request (:class:`cachekit.obtain.RowRequest`, memoize's own), and take
+one path, :meth:`Cache._obtain`: :func:`cachekit.obtain.obtain` looks the key up and
+returns what it found, or waits, joins or builds (the request's build, made on a miss
+only); this module then opens the entry (for images keyed by paths, checking a sample of
+their files for changes), reports the use to an active W&B run and keeps to the budget.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -22,12 +23,13 @@ from .engine.running import executors
 from .engine.decoding.images import backend_for
 from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
-from .errors import InvalidArgument, InvalidArgumentType
-from .obtain import (BuildFunction, BuildSettings, Expected, JoinFunction, Outcome, RowBuild,
-                     RowCall, check_lock_timeout, obtain_and_open)
+from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
+from .obtain import (BuildSettings, Outcome, Request, RowCall, RowRequest, check_lock_timeout,
+                     obtain, staleness)
 from .store import LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
+Opened = TypeVar("Opened")
 
 
 class Cache:
@@ -179,41 +181,32 @@ class Cache:
 
         return memoize(self._obtain, fn, version=version, ignore=ignore)
 
-    def _obtain(self, key: str, build_fn: BuildFunction,
-                open_entry: Callable[[Outcome], Any],
-                join_fn: Optional[JoinFunction] = None, *,
-                expect: Expected, raise_failures: bool = True) -> Any:
-        """The one path every entry takes: obtain it (building on a miss, or joining the
-        build under way with ``join_fn``), check it against the call (``expect``), open it,
-        and report the use to an active W&B run."""
-        outcome, opened = obtain_and_open(
-            self._store, key, build_fn, open_entry, lock_timeout=self.lock_timeout,
-            announce=self.progress is not False, join=join_fn if self.join else None,
-            remote=self._remote_tier(), expect=expect, raise_failures=raise_failures)
-        _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
-        if self.max_size is not None and outcome.word in ("built", "pulled"):
-            self._keep_budget(outcome.entry.manifest)
-        return opened
+    def _obtain(self, request: Request, open_entry: Callable[[Outcome], Opened]) -> Opened:
+        """The one path every entry takes: obtain it (a hit, or waiting for, joining or
+        building it: :func:`cachekit.obtain.obtain`), open it, report the use to an active
+        W&B run, and keep to the budget.
 
-    def _keep_budget(self, returned: Any) -> None:
-        """Remove the least recently used entries until the root fits ``max_size``, never
-        the entry of manifest ``returned``; say what went, and when that entry alone is
-        larger than the budget."""
-        from .admin.removal import removal_for_prune
-        from .messages import say
-        from .units import format_size
+        ``cachekit clear`` may remove the entry between reading its manifest and opening
+        its data, and ``open_entry`` may set it aside to be built again (FileNotFoundError):
+        neither is corruption, so it is obtained again (a rebuild) instead of raising."""
+        for attempt in range(3):
+            outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
+                             announce=self.progress is not False, join=self.join,
+                             remote=self._remote_tier())
+            try:
+                opened = open_entry(outcome)
+            except (CacheCorruptError, FileNotFoundError):
+                if attempt == 2 or self._store.still_published(outcome.entry):
+                    raise
+                continue
+            _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
+            if self.max_size is not None and outcome.word in ("built", "pulled"):
+                from .admin.removal import keep_to_budget
 
-        key = returned.key
-        report = removal_for_prune(self._store, self.max_size, keep=[key]).execute()
-        removed = [item for item in report.removed if item.noun == "entry"]
-        announce = self.progress is not False
-        if removed and announce:
-            say(f"cache budget {format_size(self.max_size)}: removed {len(removed)} least "
-                f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
-                f"({format_size(sum(item.bytes for item in removed))})")
-        if returned.bytes > self.max_size and announce:
-            say(f"entry {key[:12]} alone ({format_size(returned.bytes)}) is larger than the "
-                f"cache budget of {format_size(self.max_size)}; it is returned all the same")
+                keep_to_budget(self._store, self.max_size, outcome.entry.manifest,
+                               announce=self.progress is not False)
+            return opened
+        raise AssertionError("unreachable")
 
     def _remote_tier(self) -> Any:
         if self._remote_store is None:
@@ -223,13 +216,22 @@ class Cache:
         return Tier(self._remote_store, progress=self._show_progress())
 
     def _rows(self, call: RowCall) -> Entry:
-        """Hand a per-row call to the coordinator: its :class:`RowBuild` builds, joins and
-        opens the entry (sharing the rows committed entries of its recipe hold)."""
+        """Obtain the entry of a per-row call (its rows shared with the committed entries
+        of its recipe that hold them), settle it, open it and, for images keyed by their
+        paths alone, check a sample of their files for changes."""
         settings = BuildSettings(self.workers, self.executor, progress=self._show_progress(),
                                  announce=self.progress is not False)
-        build = RowBuild(self._store, call, settings, Entry.from_outcome)
-        return self._obtain(build.key, build.build, build.open, build.join,
-                            expect=build.expected, raise_failures=call.on_error == "raise")
+        request = RowRequest(self._store, call, settings)
+
+        def open_entry(outcome: Outcome) -> Entry:
+            request.settle(outcome)
+            entry = Entry.from_outcome(outcome)
+            if request.checks_staleness(outcome):
+                staleness.check(outcome.entry.path, outcome.entry.manifest, call.column,
+                                request.record_stale)
+            return entry
+
+        return self._obtain(request, open_entry)
 
     # Inspection and maintenance: thin wrappers over cachekit.admin.inspect/removal/integrity.
 

@@ -35,7 +35,7 @@ from .store import BuildDir
 
 Node = dict  # a JSON structure node, see the module docstring
 Obtain = Callable[..., Any]
-"""``Cache._obtain``: (key, build function, open function, expect=...) -> the opened entry."""
+"""``Cache._obtain``: (request, open function) -> the opened entry."""
 EXPECTED = Expected(MEMOIZE_KIND, leaves=True)
 """What every memoize call knows of its entry before reading it: the kind, and that its
 files are the leaves its structure names (the shapes and dtypes are the function's)."""
@@ -77,8 +77,7 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         key, arguments = key_of(args, kwargs)
 
-        def build_entry(current: BuildDir, on_chunk: ChunkCallback) -> Built:
-            current.drop_resumed()  # a whole-call build resumes nothing: free their disk now
+        def run(current: BuildDir) -> Built:
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
             first = _write_leaves(current.dir, leaves)
@@ -87,9 +86,8 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
                 files=tuple((file_name(i), kind) for i, (_, kind) in enumerate(leaves)),
                 params={"function": identity, "arguments": arguments}, structure=structure)
 
-        return obtain(key, build_entry,
-                      lambda outcome: load(outcome.entry.path, outcome.entry.manifest),
-                      expect=EXPECTED)
+        return obtain(_Call(key, run),
+                      lambda outcome: load(outcome.entry.path, outcome.entry.manifest))
 
     def cache_key(*args: Any, **kwargs: Any) -> str:
         """The entry key these arguments map to, without calling the function."""
@@ -97,6 +95,39 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
 
     wrapper.cache_key = cache_key  # type: ignore[attr-defined]
     return wrapper
+
+
+class _Call:
+    """One memoize call as a :class:`cachekit.obtain.Request`; its build (on a miss) runs
+    the function with ``run`` and writes its leaves."""
+
+    expected = EXPECTED
+    raise_failures = True
+
+    def __init__(self, key: str, run: Callable[[BuildDir], Built]) -> None:
+        self.key, self.run = key, run
+
+    def start(self) -> "_Build":
+        return _Build(self.run)
+
+
+class _Build:
+    """The build of a memoize entry: one whole call of the function, never joined."""
+
+    joinable = False
+
+    def __init__(self, run: Callable[[BuildDir], Built]) -> None:
+        self.run = run
+
+    def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
+        current.drop_resumed()  # a whole-call build resumes nothing: free their disk now
+        return self.run(current)
+
+    def join(self, directory: Any, spare: Any) -> None:
+        return None
+
+    def committed(self, published: Any) -> None:
+        pass
 
 
 def _ignored_names(ignore: Union[str, Iterable[str]], signature: inspect.Signature,
@@ -191,9 +222,9 @@ def load(entry_dir: Path, manifest: Manifest) -> Any:
             if record.kind == "torch":
                 import torch
 
-                opened[index] = torch.from_numpy(arrays.open_record(entry_dir, record, "c"))
+                opened[index] = torch.from_numpy(record.open(entry_dir, "c"))
             else:
-                opened[index] = arrays.open_record(entry_dir, record)
+                opened[index] = record.open(entry_dir)
         return opened[index]
 
     def build(node: Any) -> Any:

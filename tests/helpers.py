@@ -205,3 +205,27 @@ def remote_object(remote, key: str, name: str) -> str:
     found = remote.lookup(key)
     names = [f.name for f in found.manifest.files]
     return found.objects(remote)[names.index(name)]
+
+
+class FunctionRequest:
+    """A request (``cachekit.obtain.Request``) whose build is the one function
+    ``build_fn(current, on_chunk) -> Built``, for tests that drive ``obtain`` directly: it is
+    its own build, never joined."""
+
+    raise_failures = True
+    joinable = False
+
+    def __init__(self, key: str, build_fn, expected=None) -> None:
+        self.key, self.build_fn, self.expected = key, build_fn, expected
+
+    def start(self) -> "FunctionRequest":
+        return self
+
+    def build(self, current, on_chunk):
+        return self.build_fn(current, on_chunk)
+
+    def join(self, directory, spare) -> None:
+        return None
+
+    def committed(self, published) -> None:
+        pass

@@ -515,7 +515,7 @@ def test_clear_all_while_another_process_builds(tmp_path, cache_root):
     assert keys_in(cache_root) == {key}
     assert cachekit_cmd("verify", root=cache_root).returncode == 0
     entry = cachekit.Cache(cache_root).entries()[0]
-    data = arrays.open_record(entry.path, manifests.read(entry.path).files[0])
+    data = manifests.read(entry.path).files[0].open(entry.path)
     np.testing.assert_array_equal(data, np.repeat(np.arange(GATED_ROWS)[:, None], 8, axis=1))
 
 

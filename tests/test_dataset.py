@@ -21,6 +21,7 @@ from cachekit.store import manifest as manifests
 from cachekit.obtain import Built, obtain
 from cachekit.store import LocalStore
 from cachekit.dataset import DatasetCorruptError, EntryDataset
+from helpers import FunctionRequest
 
 ROWS = 300
 DATA = np.random.default_rng(4).integers(0, 256, size=(ROWS, 3, 4, 5), dtype=np.uint8)
@@ -222,8 +223,8 @@ def test_pickle_is_small_whatever_the_rows(cache_root):
                             np.dtype(np.uint8))
         return Built(kind="map", rows=rows, files=((manifests.DATA_FILE, "numpy"),))
 
-    outcome = obtain(LocalStore(cache_root), "0" * 32, build_zeros, lock_timeout=None,
-                     announce=False)
+    outcome = obtain(LocalStore(cache_root), FunctionRequest("0" * 32, build_zeros),
+                     lock_timeout=None, announce=False)
     entry = cachekit.Entry(outcome.entry.path, outcome.entry.manifest, source="local")
     dataset = entry.dataset()
     dataset[rows - 1]  # once mapped, the mapping still is not pickled

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit.obtain import Built, Expected, obtain_and_open
+from cachekit.obtain import Built, Expected, obtain
 from cachekit.store.manifest import FileRecord, Manifest
 from cachekit.store import LocalStore
-from helpers import rewrite_entry
+from helpers import FunctionRequest, rewrite_entry
 
 SIGNING = {"unsigned": None, "signed": "a key every writer of this root holds"}
 
@@ -137,7 +137,7 @@ def test_an_entry_that_disagrees_again_after_its_removal_is_corrupt(cache_root, 
         return Built(kind="map", rows=2, files=((DATA_FILE, "numpy"),))
 
     with pytest.raises(cachekit.CacheCorruptError, match="again after it was removed"):
-        obtain_and_open(store, "1" * 32, build_wrong, lambda outcome: None,
-                        lock_timeout=None, expect=Expected("map", rows=3))
+        obtain(store, FunctionRequest("1" * 32, build_wrong, Expected("map", rows=3)),
+               lock_timeout=None)
     assert len(builds) == 2
     assert capfd.readouterr().err.count("does not match the call") == 1

@@ -320,7 +320,7 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
     (info,) = cache.entries()
     assert info.key == key and info.rows == GATED_ROWS
     assert cache.verify() == []
-    opened = arrays.open_record(info.path, manifests.read(info.path).files[0])
+    opened = manifests.read(info.path).files[0].open(info.path)
     np.testing.assert_array_equal(opened[:, 0], np.arange(GATED_ROWS))
 
 

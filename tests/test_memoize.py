@@ -305,7 +305,7 @@ def test_every_leaf_file_is_checksummed_in_the_manifest(cache, cache_root):
     assert [f.name for f in manifest.files] == ["data.npy", "leaf_1.npy", "leaf_2.npy"]
     for record in manifest.files:
         assert arrays.checksum(entry_dir / record.name) == (record.bytes, record.checksum)
-        assert arrays.open_record(entry_dir, record).shape == record.shape
+        assert record.open(entry_dir).shape == record.shape
     assert manifest.params["function"]["qualname"].endswith("produce")
 
 

@@ -236,7 +236,7 @@ def assert_nothing_partial(root: Path, key: str, reference: np.ndarray) -> None:
 def assert_valid_entry(entry_dir: Path, reference: np.ndarray) -> None:
     manifest = manifests.read(entry_dir)
     assert arrays.checksum(entry_dir / manifests.DATA_FILE)[1] == manifest.files[0].checksum
-    np.testing.assert_array_equal(np.asarray(arrays.open_record(entry_dir, manifest.files[0])), reference)
+    np.testing.assert_array_equal(np.asarray(manifest.files[0].open(entry_dir)), reference)
     assert sorted(p.name for p in entry_dir.iterdir()) == sorted(
         [manifests.MANIFEST_FILE, *(f.name for f in manifest.files)])  # its data and row files
     for record in manifest.files[1:]:

@@ -4,6 +4,7 @@ cachekit writes is signed with HMAC-SHA256 and an entry without a valid signatur
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from cachekit.messages import prefix
 from cachekit.store import signing
 from cachekit.store import manifest as manifests
 from cachekit.cli.main import main
-from cachekit.store import LocalStore
+from cachekit.store import LocalStore, Published, Refused
 
 KEY = "team key \u00e9 0xC0FFEE-7f3a9b"  # not ASCII: the key is the variable's UTF-8 bytes
 VALUES = pd.Series([1, 2, 3, 4])
@@ -213,11 +214,27 @@ def test_a_signed_entry_put_in_place_meanwhile_is_kept(cache_root, monkeypatch):
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", KEY)
     entry = make(cache_root)
     store = LocalStore(cache_root)
-    store._remove_refused(entry.key,
-                          UnsignedEntryError(entry.path, "read before it was replaced"))
+    store.remove_refused(Refused(entry.key, UnsignedEntryError(
+        entry.path, "read before it was replaced")))
     assert entry_names(cache_root) == [entry.key]
     assert_signed(entry.path)
     assert make(cache_root).source == "local"
+
+
+def test_a_lookup_writes_nothing_and_returns_what_it_refused(cache_root, monkeypatch):
+    """The store's lookup only reads: an unsigned entry comes back as Refused and stays in
+    place, and a good entry's last use is not moved (the caller records both)."""
+    entry = make(cache_root)  # unsigned
+    store = LocalStore(cache_root)
+    os.utime(entry.path, (1_000_000, 1_000_000))
+    assert isinstance(store.lookup(entry.key), Published)
+    assert entry.path.stat().st_mtime == 1_000_000
+    monkeypatch.setenv("CACHEKIT_SIGNING_KEY", KEY)
+    refused = store.lookup(entry.key)
+    assert isinstance(refused, Refused) and refused.key == entry.key
+    assert entry_names(cache_root) == [entry.key] and entry.path.stat().st_mtime == 1_000_000
+    store.remove_refused(refused)
+    assert entry_names(cache_root) == []
 
 
 def test_a_refused_entry_that_cannot_be_removed_raises(cache_root, monkeypatch):

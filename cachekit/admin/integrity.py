@@ -61,7 +61,7 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None
         if not manifest.contiguous:
             read_row_map(path, manifest)
         for record in manifest.files:
-            arrays.open_record(path, record)  # checks the .npy header and the size
+            record.open(path)  # checks the .npy header and the size
             st = os.lstat(path / record.name)
             seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             if seen not in hashed:

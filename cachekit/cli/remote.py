@@ -40,8 +40,10 @@ def push(args: argparse.Namespace) -> int:
     status = 0
     for key in keys:
         published = local.lookup(key)
-        if published is None:
-            say(f"{key[:SHORT_KEY]}: removed locally meanwhile", file=sys.stderr)
+        if not isinstance(published, Published):
+            why = "removed locally meanwhile" if published is None else \
+                f"not pushed: {published.error.reason}"
+            say(f"{key[:SHORT_KEY]}: {why}", file=sys.stderr)
             status = 1
             continue
         sent: list[int] = []

@@ -1,26 +1,29 @@
 """Getting an entry: look it up, wait for or join another process's build, or build it.
 
 The coordinator between the public face (:class:`cachekit.Cache`, memoize) and the engine
-and the store: :func:`obtain` returns the published entry of a key, building it with the
-caller's build function on a miss; :func:`obtain_and_open` also checks it against what the
-call expects and opens it. Modules: ``flow`` (obtain), ``wait`` (the one wait loop, bounded
-by ``lock_timeout``), ``local_wait`` (the build lock, live builders, joining), ``commit``
-(building in a private directory and the atomic commit), ``accounting`` (the seconds a
-call spent on its own work, not waiting), ``row_build`` (the per-row build: its rows'
-identities, the entry's row files), ``donors`` (the committed entries that hold a build's
-rows) and ``parts`` (linking their files in, the row map), ``staleness`` (did a hit's files
-change), ``remote`` (the remote tier), ``background`` (its uploads after the call returns)
-and ``expected`` (what a call knows of its entry).
+and the store. The face hands :func:`obtain` a request (``build``: the key and what its
+entry must look like; on a miss only, the :class:`Build` that makes it) and gets back an
+:class:`Outcome`: the published entry, checked, and how this call came by it; the face then
+opens it. Modules, in the order a call meets them: ``build`` (the seam: request and build),
+``flow`` (obtain), ``lookup`` (a hit: the store reads, the call records the use),
+``local_wait`` (the build lock, live builders, joining), ``wait`` (the one wait loop,
+bounded by ``lock_timeout``), ``remote`` (the remote tier: download or lease, then share),
+``commit`` (building in a private directory and the atomic commit), ``accounting`` (the
+seconds a call spent on its own work, not waiting), ``background`` (uploads after the call
+returns), ``expected`` (what a call knows of its entry). The per-row calls:
+``row_request`` (their request, and settling an entry before it is opened), ``row_build``
+(their build), ``donors`` (the committed entries that hold a build's rows), ``parts``
+(linking their files in, the row map) and ``staleness`` (did a hit's files change).
 """
 
 from __future__ import annotations
 
-from .commit import BuildFunction, Built, ChunkCallback
+from .build import Build, Built, ChunkCallback, Request
 from .expected import Expected
-from .flow import Outcome, obtain, obtain_and_open
-from .local_wait import JoinFunction
+from .flow import Outcome, obtain
 from .row_build import BuildSettings, RowBuild, RowCall
+from .row_request import RowRequest
 from .wait import check_lock_timeout
 
-__all__ = ["BuildFunction", "BuildSettings", "Built", "ChunkCallback", "Expected", "JoinFunction",
-           "Outcome", "RowBuild", "RowCall", "check_lock_timeout", "obtain", "obtain_and_open"]
+__all__ = ["Build", "BuildSettings", "Built", "ChunkCallback", "Expected", "Outcome", "Request",
+           "RowBuild", "RowCall", "RowRequest", "check_lock_timeout", "obtain"]

@@ -9,11 +9,7 @@ waiting (or, with a remote tier, downloading).
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Optional
-
-from ..store import BuildDir, Published
-from .commit import BuildFunction, Built, ChunkCallback
+from typing import Optional
 
 
 class OwnWork:
@@ -34,29 +30,7 @@ class OwnWork:
         """The part of ``seconds`` since the call's wait began that was not spent joining."""
         return round(max(0.0, seconds - self.joined_seconds), 3)
 
-    def timed(self, commit: Callable[[BuildFunction], Published]
-              ) -> Callable[[BuildFunction], Published]:
-        """``commit`` (build with the build function it is given, then commit), counting
-        its seconds as building, and the seconds the build function says it computed rows
-        (all of its own time when it does not say) as decoding."""
-
-        def timed_commit(build_fn: BuildFunction) -> Published:
-            said: list[Optional[float]] = []
-            timed: list[float] = []
-
-            def build(current: BuildDir, on_chunk: ChunkCallback) -> Built:
-                started = time.monotonic()
-                made = build_fn(current, on_chunk)
-                timed.append(time.monotonic() - started)
-                said.append(made.decode_seconds)
-                return made
-
-            started = time.monotonic()
-            try:
-                return commit(build)
-            finally:
-                self.build_seconds += time.monotonic() - started
-                if timed:
-                    self.decode_seconds += timed[-1] if said[-1] is None else said[-1]
-
-        return timed_commit
+    def decoded(self, said: Optional[float], seconds: float) -> None:
+        """Count as decoding the seconds a build said it computed rows (``said``; None:
+        all of the ``seconds`` it took)."""
+        self.decode_seconds += seconds if said is None else said

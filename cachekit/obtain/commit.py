@@ -17,66 +17,40 @@ from __future__ import annotations
 import errno
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from .. import _fs, keys, processes
 from .._version import __version__
-from ..engine.filling.claimed import ChunkCallback
 from ..engine.filling.journal import is_journal_name
 from ..errors import BuildGone, Failure, ImageDecodeError
 from ..messages import say
 from ..store import FAILED, BuildDir, LocalStore, Published
-from ..store.manifest import (FAILURE_DETAILS, Manifest, Origin, RowReuse, failed_fields,
-                              parse_failed_mask)
+from ..store.manifest import FAILURE_DETAILS, Manifest, failed_fields, parse_failed_mask
+from .accounting import OwnWork
+from .build import Build, ChunkCallback
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-
-@dataclass(frozen=True)
-class Built:
-    """What a build function made in its directory, for the manifest."""
-
-    kind: str
-    rows: int
-    files: tuple[tuple[str, str], ...]
-    """(file name, leaf kind) of each data file, in order: ``(("data.npy", "numpy"),)``."""
-    failed_rows: tuple = ()
-    params: Optional[dict[str, Any]] = None
-    column: Optional[str] = None
-    structure: Optional[dict[str, Any]] = None
-    builder: Optional[dict[str, Any]] = None
-    """More about what built it, for the manifest's ``builder``: e.g. decoder versions."""
-    decode_seconds: Optional[float] = None
-    """Seconds the build spent computing rows here (None: all of its time)."""
-    digests: Optional[dict[str, str]] = None
-    """Checksums of data files that the build function computed as it read them, by name."""
-    durable: frozenset[str] = frozenset()
-    """Data files linked from committed entries: their commit fsynced them."""
-    reuse: Optional[RowReuse] = None
-    """How later builds may copy the rows of a per-row entry (its recipe, its blocks)."""
-    origin: Optional[Origin] = None
-    """Where a per-row entry's rows came from."""
-    committed: Optional[Callable[[Published], None]] = None
-    """Called once this build's commit published the entry (to index its rows)."""
-    failure: Optional[ImageDecodeError] = None
-    """Rows failed under ``on_error="raise"``: the rows that decoded are committed as the
-    key's kept rows (:func:`cachekit.keys.kept_key`), a source for later builds, and this
-    error is raised."""
-
-
-BuildFunction = Callable[[BuildDir, ChunkCallback], Built]
-"""Fills the build's directory, reporting (rows done, rows total) after each chunk."""
-
-
-def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
-                     announce: bool) -> Published:
-    """Build ``key`` with ``build_fn`` in a new build directory, resuming this user's dead
+def build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
+                     announce: bool, also_report: Optional[ChunkCallback] = None
+                     ) -> Published:
+    """Build ``key`` with ``build`` in a new build directory, resuming this user's dead
     builds of it, and commit it: the published entry (another builder's, if its commit won
-    the race). BuildGone when another process took the directory over meanwhile."""
+    the race). Its seconds count as ``work``; ``also_report`` hears the progress too (a
+    remote lease's heartbeat). BuildGone when another process took the directory over
+    meanwhile."""
+    started = time.monotonic()
+    try:
+        return _build_and_commit(store, key, build, work, announce, also_report)
+    finally:
+        work.build_seconds += time.monotonic() - started
+
+
+def _build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
+                      announce: bool, also_report: Optional[ChunkCallback]) -> Published:
     try:
         current = store.begin(key)
     except OSError as e:
@@ -90,7 +64,11 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
             say(f"resuming the build of entry {key[:12]} from {claimed} dead build(s) of "
                 "this user: their done chunks whose bytes match their checksums are "
                 "copied, only the other chunks are filled")
-        made = build_fn(current, current.progress)
+        on_chunk = current.progress if also_report is None else _both(current.progress,
+                                                                      also_report)
+        building = time.monotonic()
+        made = build.build(current, on_chunk)
+        work.decoded(made.decode_seconds, time.monotonic() - building)
         current.drop_resumed()
         if not current.still_ours():
             raise BuildGone(str(current.path))
@@ -123,8 +101,8 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
             raise _disk_full(e, store, key) from e
         raise
-    if won and made.committed is not None:
-        made.committed(published)
+    if won:
+        build.committed(published)
     if made.failure is not None:
         if announce:
             say(f"entry {key[:12]}: kept the {made.rows - len(made.failure.failures)} rows "
@@ -139,6 +117,14 @@ def build_and_commit(store: LocalStore, key: str, build_fn: BuildFunction,
         if announce:
             _say_who_joined(manifest)
     return published
+
+
+def _both(first: ChunkCallback, second: ChunkCallback) -> ChunkCallback:
+    def report(done: int, total: int) -> None:
+        first(done, total)
+        second(done, total)
+
+    return report
 
 
 def _remove_kept(store: LocalStore, key: str) -> None:

@@ -6,7 +6,7 @@ for: ``images`` returning uint16, or another number of rows. :class:`Expected` h
 the call knows before any entry is read (``images``: kind, rows, row shape and uint8;
 ``map``: kind and rows; ``memoize``: kind, and that its files are the leaves its structure
 names), and :meth:`Expected.check` says what disagrees.
-:func:`cachekit.obtain.flow.obtain_and_open` checks every entry, whatever its source; a
+:func:`cachekit.obtain.flow.obtain` checks every entry, whatever its source; a
 mismatch is removed and built again locally, and refused (a miss) from a remote.
 """
 

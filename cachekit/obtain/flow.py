@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Optional
 
 from .. import liveness
 from ..errors import BuildGone, CacheCorruptError
@@ -29,9 +29,10 @@ from ..store import LocalStore, Published, locks
 from ..store.manifest import MANIFEST_FILE
 from . import background
 from .accounting import OwnWork
-from .commit import BuildFunction, build_and_commit, raise_failure_seen_while_waiting
-from .expected import Expected
-from .local_wait import JoinFunction, LocalWait
+from .build import Request
+from .commit import build_and_commit, raise_failure_seen_while_waiting
+from .local_wait import LocalWait
+from .lookup import find_entry
 from .wait import Wait
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 _TAKEOVERS = 3
 """Times a call goes back to waiting after its own build was taken over."""
-Opened = TypeVar("Opened")
 
 
 @dataclass(frozen=True)
@@ -98,129 +98,152 @@ def outcome_word(source: str, waited_for_build: bool = False) -> str:
     return {"remote": "pulled"}.get(source, source)
 
 
-def obtain(store: LocalStore, key: str, build_fn: BuildFunction, *,
-           lock_timeout: Optional[float], announce: bool = True,
-           join: Optional[JoinFunction] = None,
-           remote: Optional["remote_tier.Tier"] = None,
-           expect: Optional[Expected] = None, raise_failures: bool = True) -> Outcome:
-    """Return the entry for ``key``, building it with ``build_fn`` if no process has yet.
+def obtain(store: LocalStore, request: Request, *, lock_timeout: Optional[float],
+           announce: bool = True, join: bool = True,
+           remote: Optional["remote_tier.Tier"] = None) -> Outcome:
+    """The entry of ``request.key``, checked against ``request.expected``; built with the
+    request's build (:meth:`Request.start`, on a miss only) if no process has yet.
 
     With ``join``, fill chunks of a live build of the key while waiting for it. With
     ``remote``, a local miss looks the key up there before building, and a build is
     uploaded in the background after its local commit (:mod:`cachekit.obtain.remote`); a
     local hit never touches the remote (it only warns of this process's background uploads
-    to it that failed). A remote entry that disagrees with ``expect`` is refused before
-    its download (a miss); the local entry returned is checked by :func:`obtain_and_open`.
-    ``raise_failures``: whether a failure of the build this call waited for, recorded by
-    this user, is raised here (False for builds that store failed rows as zeros, which
-    never record one).
-
-    A build of ours that another process took over (we were paused past the lease, and it
-    claimed our directory) stops writing at once: we then wait for, or join, the build that
-    took it over, as any waiter does, and return its entry."""
-    work = OwnWork()  # a build taken over was work of this process all the same
-    for attempt in range(_TAKEOVERS):
-        try:
-            return _obtain_once(store, key, build_fn, lock_timeout=lock_timeout,
-                                announce=announce, join=join, remote=remote, expect=expect,
-                                work=work, raise_failures=raise_failures)
-        except BuildGone:
-            if attempt == _TAKEOVERS - 1:
-                raise
-            if announce:
-                say(f"this process's build of entry {key[:12]} was taken over by another "
-                    "process while this one was paused past the lease "
-                    f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
-                    "waits for that build's entry")
-    raise AssertionError("unreachable")
-
-
-def _obtain_once(store: LocalStore, key: str, build_fn: BuildFunction, *,
-                 lock_timeout: Optional[float], announce: bool,
-                 join: Optional[JoinFunction],
-                 remote: Optional["remote_tier.Tier"],
-                 expect: Optional[Expected], work: OwnWork,
-                 raise_failures: bool) -> Outcome:
-    asked = time.time()
-    if remote is not None:
-        background.warn_failed(remote.store)
-    found = store.lookup(key)
-    if found is not None:
-        return _outcome(found, "local", 0.0, work)
-    store.ensure_writable(key)
-    build_lock = locks.make_lock(store.layout.lock_path(key))
-    wait = Wait(key, lock_timeout, announce)
-    local = LocalWait(store, key, wait, build_lock, join)
-    found = local.for_lock()
-    try:
-        if found is None:
-            found = local.for_live_builders()
-        work.joined(local.join_seconds)
-        if found is not None:
-            return _outcome(found, local.source(found), wait.seconds, work, local.rows_filled,
-                            waited_for_build=True)
-        if raise_failures:
-            raise_failure_seen_while_waiting(store, key, asked)
-        waited = wait.seconds  # before the build: waiting, not building
-        commit = work.timed(lambda fn: build_and_commit(store, key, fn, announce))
-        if remote is not None:
-            from . import remote as remote_tier
-
-            published, source = remote_tier.obtain(
-                remote, store, key, build_fn, commit, wait=wait,
-                expect=None if expect is None else expect.check)
-            return _outcome(published, source, waited, work)
-        # "built" even when another builder's rename won the race: this call did the work.
-        return _outcome(commit(build_fn), "built", waited, work)
-    finally:
-        if local.locked:
-            build_lock.release()
-
-
-def _outcome(entry: Published, source: str, waited: float, work: OwnWork,
-             rows_filled: int = 0, waited_for_build: bool = False) -> Outcome:
-    """The outcome of a call that waited ``waited`` seconds in all (joins included) and
-    computed ``rows_filled`` rows of another process's build."""
-    return Outcome(entry, source, work.waited(waited), build_seconds=round(work.build_seconds, 3),
-                   decode_seconds=round(work.decode_seconds, 3), rows_filled=rows_filled,
-                   join_seconds=round(work.joined_seconds, 3),
-                   waited_for_build=waited_for_build)
-
-
-def obtain_and_open(store: LocalStore, key: str, build_fn: BuildFunction,
-                    open_entry: Callable[[Outcome], Opened], *,
-                    expect: Optional[Expected] = None, **options: Any
-                    ) -> tuple[Outcome, Opened]:
-    """:func:`obtain`, the entry checked against the call's ``expect``, then
-    ``open_entry(outcome)``.
+    to it that failed). A remote entry that disagrees with the request is refused before
+    its download (a miss).
 
     Every entry is checked, whatever its source. One that disagrees (a manifest of another
     dtype, shape or row count, written by another process, user or host) is removed, with
     a note on stderr, and obtained again, once: built, unless another process published a
-    good entry meanwhile. A second mismatch is CacheCorruptError.
+    good entry meanwhile. A second mismatch is CacheCorruptError."""
+    options = _Options(lock_timeout, announce, join, remote)
+    outcome = _get(store, request, options)
+    problem = _problem(request, outcome)
+    if problem is None:
+        return outcome
+    _remove_mismatch(store, outcome.entry, problem)
+    outcome = _get(store, request, options)
+    problem = _problem(request, outcome)
+    if problem is not None:
+        raise CacheCorruptError(outcome.entry.path / MANIFEST_FILE, "the entry does not "
+                                f"match the call, again after it was removed: {problem}",
+                                "see who writes under the cache root")
+    return outcome
 
-    ``cachekit clear`` may remove the entry between reading its manifest and opening its
-    data; that is not corruption, so obtain it again (a rebuild) instead of raising.
-    """
-    removed = False
-    for attempt in range(3):
-        outcome = obtain(store, key, build_fn, expect=expect, **options)
-        problem = None if expect is None else expect.check(outcome.entry.manifest)
-        if problem is not None and not removed:
-            _remove_mismatch(store, outcome.entry, problem)
-            removed = True
-            outcome = obtain(store, key, build_fn, expect=expect, **options)
-            problem = expect.check(outcome.entry.manifest) if expect is not None else None
-        if problem is not None:
-            raise CacheCorruptError(outcome.entry.path / MANIFEST_FILE, "the entry does not "
-                                    f"match the call, again after it was removed: {problem}",
-                                    "see who writes under the cache root")
+
+@dataclass(frozen=True)
+class _Options:
+    lock_timeout: Optional[float]
+    announce: bool
+    join: bool
+    remote: Optional["remote_tier.Tier"]
+
+
+def _problem(request: Request, outcome: Outcome) -> Optional[str]:
+    expected = request.expected
+    return None if expected is None else expected.check(outcome.entry.manifest)
+
+
+def _get(store: LocalStore, request: Request, options: _Options) -> Outcome:
+    """A hit, or on a miss what :class:`_Miss` comes by."""
+    if options.remote is not None:
+        background.warn_failed(options.remote.store)
+    found = find_entry(store, request.key)
+    if found is not None:
+        return Outcome(found, "local")
+    return _Miss(store, request, options).obtain()
+
+
+class _Miss:
+    """One call's way from a miss to a published entry: wait for the lock and the live
+    builders (joining them), then, with a remote tier, download or take its lease, then
+    build and commit; what the call spent on its own work counted in ``work``."""
+
+    def __init__(self, store: LocalStore, request: Request, options: _Options) -> None:
+        self.store, self.request, self.options = store, request, options
+        self.key = request.key
+        self.build = request.start()
+        self.work = OwnWork()  # a build taken over was work of this process all the same
+
+    def obtain(self) -> Outcome:
+        """The entry. A build of ours that another process took over (we were paused past
+        the lease, and it claimed our directory) stops writing at once: we then wait for,
+        or join, the build that took it over, as any waiter does, and return its entry."""
+        for attempt in range(_TAKEOVERS):
+            try:
+                return self._once()
+            except BuildGone:
+                if attempt == _TAKEOVERS - 1:
+                    raise
+                if self.options.announce:
+                    say(f"this process's build of entry {self.key[:12]} was taken over by "
+                        "another process while this one was paused past the lease "
+                        f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
+                        "waits for that build's entry")
+        raise AssertionError("unreachable")
+
+    def _once(self) -> Outcome:
+        store, key, options = self.store, self.key, self.options
+        asked = time.time()
+        store.ensure_writable(key)
+        build_lock = locks.make_lock(store.layout.lock_path(key))
+        wait = Wait(key, options.lock_timeout, options.announce)
+        join = self.build.join if options.join and self.build.joinable else None
+        local = LocalWait(store, key, wait, build_lock, join)
+        found = local.for_lock()
         try:
-            return outcome, open_entry(outcome)
-        except (CacheCorruptError, FileNotFoundError):
-            if attempt == 2 or store.still_published(outcome.entry):
-                raise
-    raise AssertionError("unreachable")
+            if found is None:
+                found = local.for_live_builders()
+            self.work.joined(local.join_seconds)
+            if found is not None:
+                return self._outcome(found, local.source(found), wait.seconds,
+                                     local.rows_filled, waited_for_build=True)
+            if self.request.raise_failures:
+                raise_failure_seen_while_waiting(store, key, asked)
+            waited = wait.seconds  # before the build: waiting, not building
+            return self._download_or_build(wait, waited)
+        finally:
+            if local.locked:
+                build_lock.release()
+
+    def _download_or_build(self, wait: Wait, waited: float) -> Outcome:
+        """Holding the lock with no live local builder left: with a remote tier, its entry
+        or its lease (:func:`remote_tier.download_or_lease`); then build and commit (under
+        the lease, uploading afterwards)."""
+        remote, announce = self.options.remote, self.options.announce
+        if remote is None:
+            # "built" even when another builder's rename won the race: this call did the work.
+            return self._outcome(build_and_commit(self.store, self.key, self.build, self.work,
+                                                  announce), "built", waited)
+        from . import remote as remote_tier
+
+        expected = self.request.expected
+        got = remote_tier.download_or_lease(remote, self.store, self.key, wait=wait,
+                                            expect=None if expected is None else
+                                            expected.check)
+        if isinstance(got, Published):
+            return self._outcome(got, "remote", waited)
+        lease = got
+        try:
+            published = build_and_commit(self.store, self.key, self.build, self.work,
+                                         announce, None if lease is None else lease.progress)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None:
+            remote_tier.share(remote, self.store, published, lease)
+        return self._outcome(published, "built", waited)
+
+    def _outcome(self, entry: Published, source: str, waited: float, rows_filled: int = 0,
+                 waited_for_build: bool = False) -> Outcome:
+        """The outcome of a call that waited ``waited`` seconds in all (joins included) and
+        computed ``rows_filled`` rows of another process's build."""
+        work = self.work
+        return Outcome(entry, source, work.waited(waited),
+                       build_seconds=round(work.build_seconds, 3),
+                       decode_seconds=round(work.decode_seconds, 3), rows_filled=rows_filled,
+                       join_seconds=round(work.joined_seconds, 3),
+                       waited_for_build=waited_for_build)
 
 
 def _remove_mismatch(store: LocalStore, entry: Published, problem: str) -> None:

@@ -29,6 +29,7 @@ from ..engine.filling.cores import Spare, spare_cores
 from ..engine.filling.joiner import Joined, join as join_build
 from ..messages import say
 from ..store import BuildState, LocalStore, Published, locks
+from .lookup import find_entry
 from .wait import POLL_SECONDS, WAITING, Awaited, Wait, Waiting
 
 JOIN_POLL_SECONDS = 0.05
@@ -78,7 +79,7 @@ class LocalWait:
         if self.lock.acquire(timeout=seconds):
             self.locked = True
             return None
-        found = self.store.lookup(self.key)
+        found = find_entry(self.store, self.key)
         if found is not None:
             return found
         states = self.store.builds(self.key)
@@ -131,7 +132,7 @@ class LocalWait:
         return self.wait.until(self._look_at_builders, self.awaited, lambda: self.poll)
 
     def _look_at_builders(self, seconds: float) -> Union[Optional[Published], Waiting]:
-        found = self.store.lookup(self.key)
+        found = find_entry(self.store, self.key)
         if found is not None:
             return found
         states = self.store.builds(self.key)

@@ -1,15 +1,16 @@
 """The remote tier's part of getting an entry, after a local miss (docs/object-stores.md).
 
-:func:`cachekit.obtain.flow.obtain` calls :func:`obtain` holding the key's local build lock,
-once no live local builder is left, so the agents of one host share one download or one
-build. Then: look the key up remotely, and download it when it is there (source
-``"remote"``); otherwise take the key's remote lease (:mod:`cachekit.store.lease`) or wait
-while another host holds it, saying whom we wait for, until its entry is published
+:func:`cachekit.obtain.flow.obtain` calls :func:`download_or_lease` holding the key's local
+build lock, once no live local builder is left, so the agents of one host share one
+download or one build. It looks the key up remotely, and downloads it when it is there
+(source ``"remote"``); otherwise it takes the key's remote lease (:mod:`cachekit.store.lease`)
+or waits while another host holds it, saying whom we wait for, until its entry is published
 (download) or its lease dies (take over), within what is left of the call's
-``lock_timeout`` (:mod:`cachekit.obtain.wait`); holding the lease, build and commit locally
-(source ``"built"``). The call returns the local entry then, while the upload (data first,
-manifest last, create-only) runs in a background thread that keeps the lease until it is
-done, and that the process waits for before it exits (:mod:`cachekit.obtain.background`).
+``lock_timeout`` (:mod:`cachekit.obtain.wait`). Holding the lease, the caller builds and
+commits locally (source ``"built"``) and hands what it built to :func:`share`: the call
+returns the local entry then, while the upload (data first, manifest last, create-only)
+runs in a background thread that keeps the lease until it is done, and that the process
+waits for before it exits (:mod:`cachekit.obtain.background`).
 
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building
@@ -28,15 +29,16 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from ..errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
 from ..messages import prefix
 from ..store import LocalStore, Published, locks
 from ..store.manifest import Manifest
 from ..store.remote import RemoteEntry, RemoteStore
-from ..store.lease import Watch, lease_path
+from ..store.lease import Lease, Watch, lease_path
 from . import background
+from .lookup import find_entry
 from .wait import WAITING, Awaited, Wait
 
 _warned: set[str] = set()
@@ -54,47 +56,54 @@ class Tier:
     progress: bool = False
 
 
-def obtain(tier: Tier, local: LocalStore, key: str, build_fn: Any,
-           build: Callable[[Any], Published], *, wait: Wait,
-           expect: Optional[Expect] = None) -> tuple[Published, str]:
-    """(entry, source) for ``key`` after a local miss, holding the local build lock.
+def download_or_lease(tier: Tier, local: LocalStore, key: str, *, wait: Wait,
+                      expect: Optional[Expect] = None) -> Union[Published, Lease, None]:
+    """After a local miss, holding the local build lock: the key's remote entry downloaded
+    and published locally, else the key's remote lease for this process to build under,
+    or None when the remote failed (warned once: build locally, sharing nothing).
 
-    ``build(build_fn)`` builds and commits locally (resuming dead local builds); the upload
-    of what it built is left running in the background, holding the lease (in this thread
-    only when this process is already shutting down);
     ``wait``: the call's wait, whose ``lock_timeout`` the local wait began to use;
     ``expect(manifest)``: what disagrees with the call in a remote entry's manifest, or
-    None; one that disagrees is refused before it is downloaded, as a miss.
+    None; one that disagrees is refused before it is downloaded, as a miss. The caller
+    releases the lease, or hands it to :func:`share` with what it built.
     """
-    remote = tier.store
     reader = _Reader(tier, local, key, expect)
-    handed_over = False
     try:
         got = reader.fetch()
         if got is not None:
-            return got, "remote"
+            return got
         lease = _wait_for_lease(tier, reader, wait)
         if isinstance(lease, Published):
-            return lease, "remote"
+            return lease
     except RemoteUnavailableError as e:
-        warn_once(remote, e)
-        return build(build_fn), "built"
+        warn_once(tier.store, e)
+        return None
     try:
         got = reader.fetch()  # published between our last look and the takeover?
-        if got is not None:
-            return got, "remote"
-        reader.remove_broken()
-        published = build(_reporting(build_fn, lease))
-        handed_over = background.start(remote, published, lease, local.root)
-        if not handed_over:
-            try:
-                remote.upload(published, progress=tier.progress)
-            except (RemoteUnavailableError, CacheCorruptError) as e:
-                warn_once(remote, e)  # the local entry is good; only the sharing failed
-        return published, "built"
+        if got is None:
+            reader.remove_broken()
+            return lease
     except RemoteUnavailableError as e:
-        warn_once(remote, e)
-        return build(build_fn), "built"
+        warn_once(tier.store, e)
+        got = None
+    except BaseException:
+        lease.release()
+        raise
+    lease.release()
+    return got
+
+
+def share(tier: Tier, local: LocalStore, published: Published, lease: Lease) -> None:
+    """Upload ``published``, built under ``lease``: in a background thread that keeps the
+    lease until it is done (in this thread only when this process is already shutting
+    down). A failed upload warns once: the local entry is good; only the sharing failed."""
+    handed_over = False
+    try:
+        handed_over = background.start(tier.store, published, lease, local.root)
+        if not handed_over:
+            tier.store.upload(published, progress=tier.progress)
+    except (RemoteUnavailableError, CacheCorruptError) as e:
+        warn_once(tier.store, e)
     finally:
         if not handed_over:
             lease.release()
@@ -172,14 +181,14 @@ def pull(tier: Tier, local: LocalStore, key: str) -> Optional[tuple[Published, s
     ``local``, ``"remote"`` when downloaded; None when the remote has no entry of the key.
     Holds the key's local build lock, so the agents of one host share one download. A
     broken remote entry raises CacheCorruptError (an explicit pull is told, not warned)."""
-    found = local.lookup(key)
+    found = find_entry(local, key)
     if found is not None:
         return found, "local"
     local.ensure_writable(key)
     lock = locks.make_lock(local.layout.lock_path(key))
     lock.acquire(timeout=None)
     try:
-        found = local.lookup(key)
+        found = find_entry(local, key)
         if found is not None:
             return found, "local"
         entry = tier.store.lookup(key)
@@ -214,18 +223,6 @@ def _wait_for_lease(tier: Tier, reader: _Reader, wait: Wait) -> Any:
         return WAITING
 
     return wait.until(look, awaited, poll=min(1.0, watch.lease / 8))
-
-
-def _reporting(build_fn: Any, lease: Any) -> Any:
-    """``build_fn`` whose progress also goes into the lease's heartbeat."""
-    def run(current: Any, on_chunk: Callable[[int, int], None]) -> Any:
-        def both(done: int, total: int) -> None:
-            on_chunk(done, total)
-            lease.progress(done, total)
-
-        return build_fn(current, both)
-
-    return run
 
 
 def warn_once(remote: RemoteStore, error: Exception) -> None:

@@ -1,19 +1,20 @@
-"""A per-row entry (``Cache.images``, ``Cache.map``) as the coordinator builds, joins and
-opens it: steps 5, 6 and 8 of docs/design.md for entries made row by row.
+"""The build of a per-row entry (``Cache.images``, ``Cache.map``): steps 5 and 6 of
+docs/design.md for entries made row by row.
 
-:class:`RowBuild` holds what the call asked for (the kind, the column, the row function,
-the params and key material, the row template) and gives :func:`cachekit.obtain.obtain`
-the three things it needs: :meth:`RowBuild.build` (copy the rows that committed entries of
-the same recipe hold, fill the rest with the engine, write the row files), :meth:`join`
-(fill chunks of another process's build of the key) and :meth:`open` (index a downloaded
-entry's rows, check a hit's files for staleness, then open the entry). The donors, the rows
-copied from other entries, are found by :mod:`cachekit.obtain.donors`.
+:class:`RowCall` is what the call asked for (the kind, the column, the row function, the
+params and key material, the row template). On a miss, its
+:class:`~cachekit.obtain.row_request.RowRequest` starts a :class:`RowBuild`, the
+:class:`~cachekit.obtain.build.Build` that :func:`cachekit.obtain.obtain` drives:
+:meth:`RowBuild.build` (link the rows that committed entries of the same recipe hold,
+fill the rest with the engine, write the row files), :meth:`~RowBuild.join` (fill chunks
+of another process's build of the key) and :meth:`~RowBuild.committed` (index the entry's
+rows). The donors, the entries that hold its rows, are found by
+:mod:`cachekit.obtain.donors` and linked in by :mod:`cachekit.obtain.parts`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 from dataclasses import dataclass
@@ -27,17 +28,14 @@ from ..engine.filling.claimed import Report, RowRun
 from ..engine.filling.cores import Spare, runs_at_once
 from ..engine.filling.joiner import Joined, join as join_build
 from ..errors import ImageDecodeError
-from ..store import STALE, BuildDir, LocalStore, Published
+from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..store.manifest import Origin, RowReuse
-from ..store.row_index import RowIndex
 from ..messages import say
 from ..store.row_source import RowSource, open_row_source
-from . import donors, parts, staleness
-from .commit import Built, ChunkCallback
+from . import donors, parts
+from .build import Built, ChunkCallback
 from .donors import Rows
-from .expected import Expected
-from .flow import Outcome
 
 BLOCK_BYTES = 1 << 20
 """Bytes of rows per block digest of ``row_blocks.npy``. Rows are shared by link now, so
@@ -81,30 +79,47 @@ class RowCall:
         return keys.rows_key(self.kind, self.params, self.material, len(self.column))
 
 
-class RowBuild:
-    """The build, join and opening of the entry of one per-row call in ``store``.
+class SetAside:
+    """The entry of a key set aside to be built again: its rows, opened before (the build's
+    donor), and its name under ``tmp/`` until the build has linked what it shares of it."""
 
-    ``opener`` makes the caller's value (an :class:`cachekit.Entry`) from an outcome.
-    """
+    def __init__(self, store: LocalStore, key: str, source: Optional[RowSource],
+                 name: str) -> None:
+        self.store, self.key, self.source, self.name = store, key, source, name
+
+    def drop(self) -> None:
+        """Remove the entry set aside (its files live on where linked); best effort."""
+        name, self.name = self.name, ""
+        if name:
+            try:
+                self.store.remove_temp(name, self.key)
+            except OSError:
+                pass  # an interrupted removal: `cachekit clear` finishes it
+
+    def close(self) -> None:
+        """Close its rows and remove it (another process built the key meanwhile)."""
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        self.drop()
+
+
+class RowBuild:
+    """The build of the entry of one per-row call in ``store`` (a :class:`~.build.Build`),
+    made on a miss; ``aside``: the key's entry set aside to be built again, if any (its rows
+    are shared first)."""
+
+    joinable = True
 
     def __init__(self, store: LocalStore, call: RowCall, settings: BuildSettings,
-                 opener: Callable[[Outcome], Any]) -> None:
-        self.store, self.call, self.settings, self.opener = store, call, settings, opener
+                 aside: Optional[SetAside] = None) -> None:
+        self.store, self.call, self.settings, self.aside = store, call, settings, aside
         self.key = call.key
         self.record = call.kind == "images" or call.on_error == "zero"
         """Whether a row that raises is recorded as a failure (images always: they say
         which files failed) rather than propagated."""
         self._values: Optional[np.ndarray] = None
-        self._healed: Optional[RowSource] = None
-        """The entry of the key, opened before it was set aside to be built again."""
-        self._aside: Optional[str] = None
-        """Its name under ``tmp/`` until the build has linked what it shares of it."""
-
-    @property
-    def expected(self) -> Expected:
-        shape, dtype = self.call.template or (None, None)
-        return Expected(self.call.kind, rows=len(self.call.column), row_shape=shape,
-                        dtype=None if dtype is None else np.dtype(dtype).str)
+        self._rows_of_build: Optional[Rows] = None
 
     def values(self) -> np.ndarray:
         """The column's values: only a build or a join needs them, made once."""
@@ -120,8 +135,9 @@ class RowBuild:
         call, settings, values = self.call, self.settings, self.values()
         current.record_cpus(runs_at_once(settings.executor, settings.workers))
         builder = _decoders() if call.kind == "images" else None
-        rows = self._rows(builder)
-        healed, self._healed = self._healed, None
+        rows = self._rows_of_build = self._rows(builder)
+        aside, self.aside = self.aside, None
+        healed = None if aside is None else aside.source
         try:
             with donors.find(self.store, self.key, rows, call.template, healed) as found:
                 if settings.announce:
@@ -131,7 +147,8 @@ class RowBuild:
                 held = parts.reference(current.dir, found, len(values), row_files,
                                        link=not call.contiguous)
         finally:
-            self._drop_aside()
+            if aside is not None:
+                aside.drop()
         with contextlib.closing(held):
             if held.derived and not len(held.todo):  # nothing to decode: no fill at all
                 filled = _no_rows(current.dir, found.template)
@@ -164,8 +181,12 @@ class RowBuild:
             decode_seconds=filled.decode_seconds, digests=extra.digests,
             durable=extra.linked,
             reuse=extra.reuse, origin=extra.origin,
-            committed=lambda published: index_entry(self.store, published, rows.ids),
             failure=failure)
+
+    def committed(self, published: Published) -> None:
+        """Put the entry this build published into the row index (step 6)."""
+        rows = self._rows_of_build
+        index_entry(self.store, published, None if rows is None else rows.ids)
 
     def join(self, directory: _fs.DirHandle, spare: Optional[Spare]
              ) -> Optional[Joined]:
@@ -176,88 +197,6 @@ class RowBuild:
     def _row_run(self, template: Template = None) -> RowRun:
         return RowRun(self.settings.workers, self.record, template or self.call.template,
                       self.key, self.settings.executor)
-
-    def open(self, outcome: Outcome) -> Any:
-        """Open the entry (step 8). A downloaded one is indexed first, so that its rows may
-        serve later builds; a hit of images keyed by paths alone samples its files' stats
-        (:mod:`cachekit.obtain.staleness`); a derived entry where a contiguous one was asked
-        for is built again as one file."""
-        if self._healed is not None:  # another process built the key meanwhile
-            self._healed.close()
-            self._healed = None
-            self._drop_aside()
-        if outcome.source == "remote":
-            index_entry(self.store, outcome.entry)
-        call = self.call
-        if call.contiguous and not outcome.entry.manifest.contiguous:
-            self._build_again(outcome.entry, "its rows are shared with other entries and a "
-                              "contiguous entry was asked for; copying them into one file")
-            if self.settings.announce:  # (it returns only when it could not set it aside)
-                say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
-                    "shares its rows and cannot be removed here (another user's, or a "
-                    "read-only root); returned as it is")
-        checked = (outcome.source == "local" and call.kind == "images"
-                   and call.params.get("validate") == "path")
-        if checked:
-            self._heal_if_stale(outcome.entry)
-        opened = self.opener(outcome)
-        if checked:
-            staleness.check(outcome.entry.path, outcome.entry.manifest, call.column,
-                            self._record_stale)
-        return opened
-
-    def _record_stale(self, key: str, created: float, rows: list[int]) -> None:
-        """Keep what a check found beside the entry (``locks/KEY.stale.json``), so that
-        the next call of the column, in any process of this user, heals it."""
-        try:
-            self.store.write_record(STALE, key, {"created": created, "changed": len(rows)})
-        except OSError:
-            pass  # a read-only root: said as a warning all the same
-
-    def _heal_if_stale(self, entry: Published) -> None:
-        """When a check recorded that files of ``entry`` changed since it was built, build
-        it again, decoding only the rows whose files changed (:meth:`_build_again`)."""
-        manifest = entry.manifest
-        record = self.store.read_record(STALE, self.key)[0]
-        if record is None or record.get("created") != manifest.created:
-            return
-        self._build_again(entry, f"{record.get('changed', 'some')} of its files changed since "
-                          "it was built (found by an earlier check); building it again, "
-                          "decoding only their rows", forget=STALE)
-
-    def _build_again(self, entry: Published, why: str, forget: Optional[str] = None) -> None:
-        """Open the rows of ``entry`` to build from, set it aside, and raise
-        FileNotFoundError, so that the call obtains the key again and builds it, sharing
-        every row it can with the entry set aside (:func:`.donors.find`'s ``healed``),
-        which is removed once the build has linked its files. Returns when another process
-        did so first, or this one may not remove it. ``forget``: the record to drop."""
-        if entry.manifest.reuse is None:
-            return
-        source = open_row_source(self.store, self.key, entry.manifest.reuse.recipe)
-        try:
-            aside = self.store.set_aside(self.key) if self.store.still_published(entry) \
-                else None
-        except OSError:
-            aside = None
-        if not aside:
-            if source is not None:
-                source.close()
-            return
-        if forget is not None:
-            self.store.forget_record(forget, self.key)
-        self._healed, self._aside = source, aside
-        if self.settings.announce:
-            say(f"entry {self.key[:12]}: {why}")
-        raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
-
-    def _drop_aside(self) -> None:
-        """Remove the entry set aside to be built again (its files live on where linked)."""
-        if self._aside is not None:
-            aside, self._aside = self._aside, None
-            try:
-                self.store.remove_temp(aside, self.key)
-            except OSError:
-                pass  # an interrupted removal: `cachekit clear` finishes it
 
     def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
         """The build's recipe and each row's identity under it, plus for images each file's
@@ -350,7 +289,7 @@ def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarra
             failed = source.failed
     else:
         failed = manifest.failed()
-    RowIndex(store).add(manifest.reuse.recipe, manifest.key, ids[:, 0], skip=failed)
+    store.row_index.add(manifest.reuse.recipe, manifest.key, ids[:, 0], skip=failed)
 
 
 def _decoders() -> dict[str, Any]:

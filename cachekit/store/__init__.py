@@ -10,9 +10,9 @@ local run never loads it), with its build leases in :mod:`cachekit.store.lease`.
 """
 
 from .build_dirs import BuildDir, BuildState
-from .layout import FAILED, STALE, Layout, Published, default_root
+from .layout import FAILED, STALE, Layout, Published, Refused, default_root
 from .local import LocalStore
 from .temp_names import BUILD, REMOVAL, TempName, parse_temp_name
 
 __all__ = ["BUILD", "FAILED", "REMOVAL", "STALE", "BuildDir", "BuildState", "Layout",
-           "LocalStore", "Published", "TempName", "default_root", "parse_temp_name"]
+           "LocalStore", "Published", "Refused", "TempName", "default_root", "parse_temp_name"]

@@ -112,7 +112,7 @@ def _rename_into(build: BuildDir, key: str, entries: _fs.DirHandle, mine: os.sta
                 raise
             won = False
         # Another builder won the race: use its entry, unless it is refused (not signed
-        # with our key), which the lookup removes; then try again.
+        # with our key), which ``lookup`` removes then; try again.
         winner = None if won else lookup(key)
         if won or winner is not None:
             break

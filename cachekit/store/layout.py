@@ -21,14 +21,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from .. import _fs
-from ..errors import CacheCorruptError, CacheRootError
+from ..errors import CacheCorruptError, CacheRootError, UnsignedEntryError
 from ..keys import is_key
 from .manifest import Manifest
 
@@ -137,9 +138,51 @@ class Layout:
             return None
 
 
+    def paths_in(self, name: str) -> list[Path]:
+        """Everything directly under the root's folder ``name`` ([] when it is missing)."""
+        directory = self.open_folder_if_any(name)
+        if directory is None:
+            return []
+        with directory:
+            return [directory.path / child for child in directory.names()]
+
+    @contextlib.contextmanager
+    def open_entry(self, key: str) -> Iterator[Optional[_fs.DirHandle]]:
+        """The directory of the entry of ``key`` by handle, None when there is none;
+        CacheCorruptError for a symlink or file in its place."""
+        entries = self.open_folder_if_any("entries")
+        if entries is None:
+            yield None
+            return
+        with entries:
+            try:
+                entry = entries.child(key)
+            except FileNotFoundError:
+                entry = None
+            except OSError as e:
+                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
+                    raise
+                raise CacheCorruptError(self.entry_dir(key), "an entry is never a "
+                                        "symlink or a file") from None
+        if entry is None:
+            yield None
+            return
+        with entry:
+            yield entry
+
+
 @dataclass(frozen=True)
 class Published:
     """A published entry: its directory and its checked manifest."""
 
     path: Path
     manifest: Manifest
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An entry that a lookup found and refused (no valid signature under
+    ``CACHEKIT_SIGNING_KEY``): the caller decides to remove it."""
+
+    key: str
+    error: UnsignedEntryError

@@ -1,7 +1,8 @@
 """The local entry store: published entries, build directories and locks under one root
 (:mod:`.layout` draws it).
 
-Lookup takes no lock and records the use; a build is a private directory under ``tmp/``
+Lookup takes no lock and writes nothing (its caller records the use, and removes what it
+refused); a build is a private directory under ``tmp/``
 (:class:`~.build_dirs.BuildDir`) that :mod:`.commit` publishes by one atomic rename; removal
 renames first, then deletes. Every operation goes through directory handles opened without
 following symlinks, so nothing planted under a shared root is ever written or deleted
@@ -15,7 +16,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from .. import _fs, liveness, processes
 from . import commit as commits
@@ -28,7 +29,7 @@ from ..keys import is_key
 from ..messages import say
 from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, STATE_FILE, BuildDir, BuildState, \
     read_state
-from .layout import Layout, Published, check_root
+from .layout import Layout, Published, Refused, check_root
 from .manifest import FileRecord, Manifest
 from .temp_names import build_dir_name, parse_build_dir_name, trash_name
 
@@ -56,49 +57,44 @@ class LocalStore:
 
     # Lookup ------------------------------------------------------------------------------
 
-    def lookup(self, key: str) -> Optional[Published]:
-        """The published entry for ``key``, or None. Takes no lock; records the use.
+    def lookup(self, key: str) -> Union[Published, Refused, None]:
+        """The published entry for ``key``, or None. Takes no lock and writes nothing: the
+        caller records the use (:meth:`record_use`).
 
         CacheCorruptError when the entry exists but its manifest is missing or bad. With
-        ``CACHEKIT_SIGNING_KEY`` set, an entry without a valid signature is refused: it is
-        removed, with a note on stderr, and this returns None, so that the caller builds and
-        publishes a signed entry in its place (UnsignedEntryError when it cannot be removed).
+        ``CACHEKIT_SIGNING_KEY`` set, an entry without a valid signature is returned as
+        :class:`Refused`, for the caller to remove (:meth:`remove_refused`) and build again.
         """
         entry_dir = self.layout.entry_dir(key)
-        entries = self.layout.open_folder_if_any("entries")
-        if entries is None:
-            return None
-        with entries:
-            try:
-                entry = entries.child(key)
-            except FileNotFoundError:
+        with self.layout.open_entry(key) as entry:
+            if entry is None:
                 return None
-            except OSError as e:
-                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
-                    raise
-                raise CacheCorruptError(entry_dir, "an entry is never a symlink or a file"
-                                        ) from None
-        with entry:
             try:
-                found = manifests.read_at(entry, key)
+                return Published(entry_dir, manifests.read_at(entry, key))
             except FileNotFoundError:
                 raise CacheCorruptError(entry_dir / manifests.MANIFEST_FILE,
                                         "the manifest is missing") from None
             except UnsignedEntryError as refused:
-                self._remove_refused(key, refused)
-                return None
-            try:
-                entry.touch()  # the last use, for prune; the entry itself is not rewritten
-            except OSError:
-                pass  # a read-only or foreign-owned cache root must still serve hits
-        return Published(entry_dir, found)
+                return Refused(key, refused)
 
-    def _remove_refused(self, key: str, refused: UnsignedEntryError) -> None:
-        """Move the refused entry of ``key`` out of ``entries/`` and delete it.
+    def record_use(self, published: Published) -> None:
+        """Mark ``published`` as used now, for prune and the budget (the entry's directory
+        time; nothing in it is rewritten). Best effort: a read-only or foreign-owned root
+        must still serve hits."""
+        try:
+            with self.layout.open_entry(published.manifest.key) as entry:
+                if entry is not None:
+                    entry.touch()
+        except (OSError, CacheCorruptError):
+            pass
+
+    def remove_refused(self, refused: Refused) -> None:
+        """Move the refused entry out of ``entries/`` and delete it, and say so.
 
         Claimed by a rename first, then read again: if another process replaced it with a
         validly signed entry between our read and the rename, that one is put back instead.
         """
+        key = refused.key
         trash = trash_name(key)
         try:
             with self.layout.open_folder("entries") as entries, \
@@ -117,8 +113,8 @@ class LocalStore:
         except FileNotFoundError:
             return  # another process removed it first
         except OSError:
-            raise refused from None  # e.g. a read-only root: this process cannot replace it
-        say(f"refused entry {key[:12]}: {refused.reason}; removed it, a signed entry is "
+            raise refused.error from None  # e.g. a read-only root: cannot replace it
+        say(f"refused entry {key[:12]}: {refused.error.reason}; removed it, a signed entry is "
             "built in its place")
 
     def still_published(self, published: Published) -> bool:
@@ -286,9 +282,18 @@ class LocalStore:
         own working state (removed before the rename); any other name the manifest does not
         list stops the commit."""
         with self.layout.open_folder("entries", create=True) as entries:
-            return commits.commit(build, manifest, entries, self.lookup, scratch=scratch)
+            return commits.commit(build, manifest, entries, self._winner, scratch=scratch)
 
     # Records beside an entry: its build failed (FAILED), its files changed (STALE) ---------
+
+    def _winner(self, key: str) -> Optional[Published]:
+        """For a commit that lost the race: the entry another builder published under
+        ``key``; None when it is refused (removed: the commit then renames again)."""
+        found = self.lookup(key)
+        if isinstance(found, Refused):
+            self.remove_refused(found)
+            return None
+        return found
 
     def write_record(self, kind: str, key: str, record: dict[str, Any]) -> None:
         """Write the ``kind`` record of ``key`` (``locks/KEY.KIND.json``, replaced whole,
@@ -316,7 +321,7 @@ class LocalStore:
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""
         suffix = self.layout.failure_path("0" * 32).name[32:]
-        return [p.name[:-len(suffix)] for p in self._names("locks")
+        return [p.name[:-len(suffix)] for p in self.layout.paths_in("locks")
                 if p.name.endswith(suffix) and is_key(p.name[:-len(suffix)])]
 
     # Removal -----------------------------------------------------------------------------
@@ -385,15 +390,8 @@ class LocalStore:
 
     def entry_dirs(self) -> list[Path]:
         """Everything directly under ``entries/`` (the caller tells entries from strays)."""
-        return self._names("entries")
+        return self.layout.paths_in("entries")
 
     def temp_dirs(self) -> list[Path]:
         """Everything directly under ``tmp/``."""
-        return self._names("tmp")
-
-    def _names(self, folder: str) -> list[Path]:
-        directory = self.layout.open_folder_if_any(folder)
-        if directory is None:
-            return []
-        with directory:
-            return [directory.path / name for name in directory.names()]
+        return self.layout.paths_in("tmp")

@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ..errors import CacheCorruptError, Failure
-from ..arrays import CHECKSUM_PREFIX
+from ..arrays import CHECKSUM_PREFIX, open_file
 from ..keys import is_key
 from ..small_json import is_count, is_number
 
@@ -138,6 +139,12 @@ class FileRecord:
     def data_bytes(self) -> int:
         """Bytes of array data in the file (the rest is the .npy header)."""
         return math.prod(self.shape) * self.np_dtype.itemsize
+
+    def open(self, entry_dir: Path, mode: str = "r") -> np.ndarray:
+        """Map this file of the entry in ``entry_dir``, read-only (``"r"``) or copy-on-write
+        (``"c"``), its .npy header and size checked against this record."""
+        return open_file(entry_dir / self.name, self.shape, self.np_dtype, mode,
+                         expected_bytes=self.bytes)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,

@@ -141,7 +141,7 @@ def open_rows(entry_dir: Path, manifest: Manifest, mode: str = "r") -> Rows:
     file mapped read-only (``"r"``) or copy-on-write (``"c"``), or for a derived entry a
     :class:`RowView` over its data files, through its checked row map."""
     if manifest.contiguous:
-        return arrays.open_record(entry_dir, manifest.files[0], mode)
+        return manifest.files[0].open(entry_dir, mode)
     return _view(entry_dir, manifest, manifest.data_files)
 
 
@@ -154,7 +154,7 @@ def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Ro
     if own is None:
         return None
     if manifest.contiguous:
-        return arrays.open_record(entry_dir, own)
+        return own.open(entry_dir)
     copies = [manifest.row_file(sidecar_name(part.name, name))
               for part in manifest.data_files[1:]]
     if any(c is None or c.shape[1:] != own.shape[1:] for c in copies):
@@ -166,7 +166,7 @@ def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Ro
 def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any]) -> RowView:
     """A derived entry's :class:`RowView` over ``records`` (files numbered as its data
     files are), through its checked row map."""
-    files = [arrays.open_record(entry_dir, record) for record in records]
+    files = [record.open(entry_dir) for record in records]
     return RowView(files, read_row_map(entry_dir, manifest))
 
 

@@ -1,0 +1,113 @@
+"""A per-row call (``Cache.images``, ``Cache.map``) as a :class:`~.build.Request`: its key and
+what its entry must look like for a hit, its :class:`~.row_build.RowBuild` on a miss, and
+what happens between obtaining the entry and opening it (:meth:`RowRequest.settle`).
+
+Settling may send the call back for a build: when an earlier check recorded that files of
+the entry changed (``locks/KEY.stale.json``), or when a contiguous entry was asked for and
+the one found shares its rows. The entry is then opened as a donor, set aside, and the call
+obtains the key again; its build shares every row it can with the entry set aside
+(:func:`.donors.find`'s ``healed``), which is removed once the build has linked its files.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Optional
+
+import numpy as np
+
+from ..messages import say
+from ..store import STALE, LocalStore, Published
+from ..store.row_source import open_row_source
+from .expected import Expected
+from .flow import Outcome
+from .row_build import BuildSettings, RowBuild, RowCall, SetAside, index_entry
+
+
+class RowRequest:
+    """One per-row call to ``store``, as obtain and the public face see it."""
+
+    def __init__(self, store: LocalStore, call: RowCall, settings: BuildSettings) -> None:
+        self.store, self.call, self.settings = store, call, settings
+        self.key = call.key
+        shape, dtype = call.template or (None, None)
+        self.expected: Optional[Expected] = Expected(
+            call.kind, rows=len(call.column), row_shape=shape,
+            dtype=None if dtype is None else np.dtype(dtype).str)
+        self.raise_failures = call.on_error == "raise"
+        self._aside: Optional[SetAside] = None
+
+    def start(self) -> RowBuild:
+        """The build (on a miss), given the entry set aside to be built again, if any."""
+        aside, self._aside = self._aside, None
+        return RowBuild(self.store, self.call, self.settings, aside)
+
+    def settle(self, outcome: Outcome) -> None:
+        """Between obtaining and opening the entry: index a downloaded one, so that its rows
+        may serve later builds; build it again (FileNotFoundError: obtain it again) when a
+        contiguous entry was asked for and it shares its rows, or when a check recorded
+        that its files changed."""
+        if self._aside is not None:  # another process built the key meanwhile
+            self._aside.close()
+            self._aside = None
+        if outcome.source == "remote":
+            index_entry(self.store, outcome.entry)
+        if self.call.contiguous and not outcome.entry.manifest.contiguous:
+            self._build_again(outcome.entry, "its rows are shared with other entries and a "
+                              "contiguous entry was asked for; copying them into one file")
+            if self.settings.announce:  # (it returns only when it could not set it aside)
+                say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
+                    "shares its rows and cannot be removed here (another user's, or a "
+                    "read-only root); returned as it is")
+        if self.checks_staleness(outcome):
+            self._heal_if_stale(outcome.entry)
+
+    def checks_staleness(self, outcome: Outcome) -> bool:
+        """Whether the files of this hit are checked for changes: images keyed by their
+        paths alone (``validate="path"``) found in the local root."""
+        call = self.call
+        return (outcome.source == "local" and call.kind == "images"
+                and call.params.get("validate") == "path")
+
+    def record_stale(self, key: str, created: float, rows: list[int]) -> None:
+        """Keep what a check found beside the entry (``locks/KEY.stale.json``), so that
+        the next call of the column, in any process of this user, heals it."""
+        try:
+            self.store.write_record(STALE, key, {"created": created, "changed": len(rows)})
+        except OSError:
+            pass  # a read-only root: said as a warning all the same
+
+    def _heal_if_stale(self, entry: Published) -> None:
+        """When a check recorded that files of ``entry`` changed since it was built, build
+        it again, decoding only the rows whose files changed (:meth:`_build_again`)."""
+        manifest = entry.manifest
+        record = self.store.read_record(STALE, self.key)[0]
+        if record is None or record.get("created") != manifest.created:
+            return
+        self._build_again(entry, f"{record.get('changed', 'some')} of its files changed since "
+                          "it was built (found by an earlier check); building it again, "
+                          "decoding only their rows", forget=STALE)
+
+    def _build_again(self, entry: Published, why: str, forget: Optional[str] = None) -> None:
+        """Open the rows of ``entry`` to build from, set it aside, and raise
+        FileNotFoundError, so that the call obtains the key again and builds it. Returns
+        when another process did so first, or this one may not remove it. ``forget``: the
+        record to drop."""
+        if entry.manifest.reuse is None:
+            return
+        source = open_row_source(self.store, self.key, entry.manifest.reuse.recipe)
+        try:
+            name = self.store.set_aside(self.key) if self.store.still_published(entry) \
+                else None
+        except OSError:
+            name = None
+        if not name:
+            if source is not None:
+                source.close()
+            return
+        if forget is not None:
+            self.store.forget_record(forget, self.key)
+        self._aside = SetAside(self.store, self.key, source, name)
+        if self.settings.announce:
+            say(f"entry {self.key[:12]}: {why}")
+        raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
