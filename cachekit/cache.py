@@ -24,6 +24,7 @@ from .engine.decoding.images import backend_for
 from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
+from .messages import quiet
 from .obtain import (BuildSettings, Outcome, Request, RowCall, RowRequest, check_lock_timeout,
                      obtain, staleness)
 from .store import LocalStore, default_root
@@ -189,23 +190,22 @@ class Cache:
         ``cachekit clear`` may remove the entry between reading its manifest and opening
         its data, and ``open_entry`` may set it aside to be built again (FileNotFoundError):
         neither is corruption, so it is obtained again (a rebuild) instead of raising."""
-        for attempt in range(3):
-            outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
-                             announce=self.progress is not False, join=self.join,
-                             remote=self._remote_tier())
-            try:
-                opened = open_entry(outcome)
-            except (CacheCorruptError, FileNotFoundError):
-                if attempt == 2 or self._store.still_published(outcome.entry):
-                    raise
-                continue
-            _wandb.report(outcome)  # into the user's active wandb run, if any; never raises
-            if self.max_size is not None and outcome.word in ("built", "pulled"):
-                from .admin.removal import keep_to_budget
+        with quiet(self.progress is False):
+            for attempt in range(3):
+                outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
+                                 join=self.join, remote=self._remote_tier())
+                try:
+                    opened = open_entry(outcome)
+                except (CacheCorruptError, FileNotFoundError):
+                    if attempt == 2 or self._store.still_published(outcome.entry):
+                        raise
+                    continue
+                _wandb.report(outcome)  # into the user's active wandb run; never raises
+                if self.max_size is not None and outcome.word in ("built", "pulled"):
+                    from .admin.removal import keep_to_budget
 
-                keep_to_budget(self._store, self.max_size, outcome.entry.manifest,
-                               announce=self.progress is not False)
-            return opened
+                    keep_to_budget(self._store, self.max_size, outcome.entry.manifest)
+                return opened
         raise AssertionError("unreachable")
 
     def _remote_tier(self) -> Any:
@@ -219,8 +219,7 @@ class Cache:
         """Obtain the entry of a per-row call (its rows shared with the committed entries
         of its recipe that hold them), settle it, open it and, for images keyed by their
         paths alone, check a sample of their files for changes."""
-        settings = BuildSettings(self.workers, self.executor, progress=self._show_progress(),
-                                 announce=self.progress is not False)
+        settings = BuildSettings(self.workers, self.executor, progress=self._show_progress())
         request = RowRequest(self._store, call, settings)
 
         def open_entry(outcome: Outcome) -> Entry:

@@ -6,14 +6,23 @@ pid always, and the rank, world size and local rank that torch.distributed's lau
 in ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` when they are set. The command line's own
 results and errors (``cachekit: error: ...``) are not library messages and keep their form.
 Every line has its control characters escaped (:func:`printable`), the command line's too.
+
+Lines go through the ``cachekit`` logger, whose one handler writes them to stderr with the
+prefix (a formatter). What a call says of its own work (whom it waits for, what it shares,
+joins or resumes) is INFO, and a call made quiet (``Cache(progress=False)``: :func:`quiet`)
+drops it; what must be heard whatever the call (an entry refused or removed, a failed
+upload) is WARNING. An application may raise the logger's level, or add its own handlers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 # C0 controls, DEL and C1 controls (terminal escape sequences start with these) as \xNN, and
 # lone surrogates (which cannot be written out) as \uNNNN; printable Unicode stays as is.
@@ -45,10 +54,56 @@ def printable(text: Any) -> str:
     return text.translate(_ESCAPES) if _NEEDS_ESCAPE.search(text) else text
 
 
-def say(text: str) -> None:
-    """Write ``text`` as one line on stderr, after this process's :func:`prefix`, with its
-    control characters escaped."""
-    print(f"{prefix()}: {printable(text)}", file=sys.stderr, flush=True)
+def say(text: str, *, always: bool = False) -> None:
+    """Say ``text`` as one line on stderr, after this process's :func:`prefix`, with its
+    control characters escaped: a note of this call's work, or with ``always`` a warning
+    that a quiet call says too."""
+    LOGGER.log(logging.WARNING if always else logging.INFO, "%s", text)
+
+
+@contextlib.contextmanager
+def quiet(on: bool = True) -> Iterator[None]:
+    """While in this block, in this thread or task, notes of a call's work go unsaid."""
+    token = _QUIET.set(on)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
+def speaking() -> bool:
+    """Whether notes of a call's work are said here (not within :func:`quiet`)."""
+    return not _QUIET.get()
+
+
+class _Voice(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{prefix()}: {printable(record.getMessage())}"
+
+
+class _Stderr(logging.Handler):
+    """Writes each line to the ``sys.stderr`` of the moment (tests and notebooks swap it),
+    dropping a quiet call's notes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING or speaking()) and bool(super().filter(record))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("cachekit_quiet", default=False)
+LOGGER = logging.getLogger("cachekit")
+"""Where every library line goes; it does not propagate to the root logger, so an
+application's logging setup does not print each line twice."""
+_handler = _Stderr()
+_handler.setFormatter(_Voice())
+LOGGER.addHandler(_handler)
+LOGGER.setLevel(logging.INFO)
+LOGGER.propagate = False
 
 
 def _number(name: str) -> str | None:

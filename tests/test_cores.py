@@ -113,7 +113,7 @@ def test_a_waiter_that_can_add_no_core_does_not_call_join_and_looks_at_a_waiters
     build = store.begin(key)
     try:
         lock = locks.make_lock(store.layout.lock_path(key))
-        local = LocalWait(store, key, Wait(key, None, True), lock,
+        local = LocalWait(store, key, Wait(key, None), lock,
                           join=lambda directory, spare: calls.append(spare))
         local._join_live_builds(store.builds(key))
         assert calls == [] and local.poll == JOIN_POLL_SECONDS  # its CPUs are not said yet

@@ -224,7 +224,7 @@ def test_pickle_is_small_whatever_the_rows(cache_root):
         return Built(kind="map", rows=rows, files=((manifests.DATA_FILE, "numpy"),))
 
     outcome = obtain(LocalStore(cache_root), FunctionRequest("0" * 32, build_zeros),
-                     lock_timeout=None, announce=False)
+                     lock_timeout=None)
     entry = cachekit.Entry(outcome.entry.path, outcome.entry.manifest, source="local")
     dataset = entry.dataset()
     dataset[rows - 1]  # once mapped, the mapping still is not pickled

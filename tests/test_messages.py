@@ -65,7 +65,7 @@ def test_a_rank_of_torchrun_is_named_in_a_real_message(tmp_path):
     """A real wait report in a process started as torchrun starts its ranks."""
     code = ("from cachekit.obtain.wait import Awaited, Wait, WAITING\n"
             "import time\n"
-            "w = Wait('ab' * 16, None, announce=True)\n"
+            "w = Wait('ab' * 16, None)\n"
             "answers = iter([WAITING] * 8 + [None])\n"
             "w.until(lambda s: time.sleep(0.2) or next(answers), "
             "Awaited('lock', lambda: 'pid 1 on h'), poll=0.2)\n")
@@ -75,3 +75,28 @@ def test_a_rank_of_torchrun_is_named_in_a_real_message(tmp_path):
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(r"cachekit\[pid \d+ rank 1/2 local 1\]: waited 1 s for pid 1 on h "
                         r"to build entry abababababab\n", done.stderr), done.stderr
+
+
+def test_lines_go_through_the_cachekit_logger_and_a_quiet_call_keeps_its_warnings(capfd):
+    """An application sees every line as a record of the ``cachekit`` logger; within a
+    quiet call (``Cache(progress=False)``) notes of the call's work go unsaid on stderr,
+    warnings are said all the same."""
+    import logging
+
+    from cachekit.messages import prefix, quiet, say
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("cachekit")
+    logger.addHandler(handler)
+    try:
+        say("a note")
+        with quiet():
+            say("a note of a quiet call")
+            say("a warning", always=True)
+    finally:
+        logger.removeHandler(handler)
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        ("INFO", "a note"), ("INFO", "a note of a quiet call"), ("WARNING", "a warning")]
+    assert capfd.readouterr().err == f"{prefix()}: a note\n{prefix()}: a warning\n"

@@ -158,7 +158,7 @@ def test_a_builder_taken_over_mid_build_returns_the_entry_its_successor_publishe
                 pass
         raise AssertionError("a woken builder built again")
 
-    outcome = obtain(store, FunctionRequest(KEY, build_fn), lock_timeout=5, announce=False)
+    outcome = obtain(store, FunctionRequest(KEY, build_fn), lock_timeout=5)
     assert outcome.source == "local" and len(calls) == 1
     assert np.load(outcome.entry.path / manifests.DATA_FILE).tolist() == [[0, 1], [2, 3],
                                                                          [4, 5]]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cachekit.errors import LockTimeout
-from cachekit.messages import prefix
+from cachekit.messages import prefix, quiet
 from cachekit.obtain import check_lock_timeout
 from cachekit.obtain.wait import WAITING, Awaited, Wait
 
@@ -26,27 +26,28 @@ def test_a_wait_gives_up_at_its_deadline_naming_the_holder_and_the_hint(capfd):
         time.sleep(seconds)
         return WAITING
 
-    wait = Wait("ab" * 16, 0.6, announce=False)
-    with pytest.raises(LockTimeout, match=r"pid 4242 on node7 \(5/12 rows, 42%\)") as caught:
+    wait = Wait("ab" * 16, 0.6)
+    with pytest.raises(LockTimeout, match=r"pid 4242 on node7 \(5/12 rows, 42%\)") as caught, \
+            quiet():
         wait.until(nothing_yet, HOLDER, poll=0.25)
     assert wait.seconds >= 0.6  # it waited the whole lock_timeout, not one poll less
     assert all(0 <= s <= 0.25 for s in steps) and len(steps) >= 3
     error = caught.value
     assert (error.lock_path, error.timeout, error.hint) == ("/r/locks/k.lock", 0.6, "a hint")
     assert pickle.loads(pickle.dumps(error)).owner == error.owner
-    assert capfd.readouterr().err == ""  # announce=False says nothing
+    assert capfd.readouterr().err == ""  # a quiet call says nothing
 
 
 def test_a_wait_with_no_time_left_looks_once_then_gives_up():
     looks = []
     with pytest.raises(LockTimeout):
-        Wait("k" * 32, 0, announce=False).until(lambda s: looks.append(s) or WAITING, HOLDER)
+        Wait("k" * 32, 0).until(lambda s: looks.append(s) or WAITING, HOLDER)
     assert looks == [0.0]
 
 
 def test_a_step_ends_the_wait_with_any_result_even_none():
     answers = iter([WAITING, WAITING, None])
-    wait = Wait("k" * 32, None, announce=False)  # no deadline
+    wait = Wait("k" * 32, None)  # no deadline
     assert wait.remaining() is None
     assert wait.until(lambda s: next(answers), HOLDER, poll=0.01) is None
 
@@ -57,7 +58,7 @@ def test_a_long_wait_says_whom_it_waits_for(capfd):
         return WAITING
 
     with pytest.raises(LockTimeout):
-        Wait("0123456789abcdef" * 2, 1.5, announce=True).until(nothing_yet, HOLDER, poll=0.25)
+        Wait("0123456789abcdef" * 2, 1.5).until(nothing_yet, HOLDER, poll=0.25)
     reports = [line for line in capfd.readouterr().err.splitlines() if line]
     me = f"{prefix()}: waited "  # each line names the process
     assert reports and all(line.startswith(me) for line in reports), reports

@@ -269,18 +269,17 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         unused_since={e.key: e.last_used for e in entries})
 
 
-def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest, *,
-                   announce: bool) -> None:
+def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
     """Remove the least recently used entries until the root fits ``max_size``, never the
     entry of manifest ``returned`` (which a call returns now); say what went, and when that
     entry alone is larger than the budget."""
     report = removal_for_prune(store, max_size, keep=[returned.key]).execute()
     removed = [item for item in report.removed if item.noun == "entry"]
-    if removed and announce:
+    if removed:
         say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
             f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
             f"({units.format_size(sum(item.bytes for item in removed))})")
-    if returned.bytes > max_size and announce:
+    if returned.bytes > max_size:
         say(f"entry {returned.key[:12]} alone ({units.format_size(returned.bytes)}) is larger "
             f"than the cache budget of {units.format_size(max_size)}; it is returned all the "
             "same")

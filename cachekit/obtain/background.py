@@ -136,7 +136,7 @@ def _run(upload: _Upload) -> None:
     from ..store.remote import sent_note  # loaded already: upload.remote is a RemoteStore
 
     say(f"uploading {upload.what()} in the background; the process waits for it "
-         "before exiting")
+         "before exiting", always=True)
     started = time.monotonic()
     try:
         upload.lease.uploading()
@@ -148,14 +148,14 @@ def _run(upload: _Upload) -> None:
             _unwarned.append(upload)
         say(f"ERROR: the background upload of {upload.what()} failed: {e}; the "
              "local entry is good; no reader sees a partial remote entry (its manifest is "
-             f"written last, only once all of its data is there); {upload.retry()}")
+             f"written last, only once all of its data is there); {upload.retry()}", always=True)
     else:
         if won:
             say(f"uploaded {upload.what()} in {time.monotonic() - started:.1f} s"
-                f"{sent_note(sum(sent), upload.published.manifest.bytes)}")
+                f"{sent_note(sum(sent), upload.published.manifest.bytes)}", always=True)
         else:
             say(f"entry {upload.key[:12]} was on {upload.remote.display} already; "
-                 "nothing uploaded")
+                 "nothing uploaded", always=True)
     finally:
         upload.lease.release()
         with _lock:
@@ -189,7 +189,7 @@ def _at_exit() -> None:
         pending = [u for u in _uploads if u.pid == os.getpid() and u.running()]
     if pending:
         say(f"waiting for the upload of {', '.join(u.what() for u in pending)} "
-             "before exiting (Ctrl-C cuts it off)")
+             "before exiting (Ctrl-C cuts it off)", always=True)
         try:
             wait_all()
         except KeyboardInterrupt:
@@ -199,7 +199,7 @@ def _at_exit() -> None:
             say(f"ERROR: cut off the upload of "
                  f"{', '.join(u.what() for u in cut)}: no partial entry is published (the "
                  "manifest comes last); another host builds it once the lease lapses "
-                 f"({liveness.lease_from_env():g} s); {cut[0].retry()}")
+                 f"({liveness.lease_from_env():g} s); {cut[0].retry()}", always=True)
             return
     with _lock:
         failed = [u for u in _unwarned if u.pid == os.getpid()]
@@ -207,7 +207,7 @@ def _at_exit() -> None:
         say(f"ERROR: {len(failed)} background upload{'s' * (len(failed) > 1)} of "
              "this process failed (see above): "
              + "; ".join(f"{u.what()}: {u.error}" for u in failed)
-             + "; the local entries are good and nothing partial is published")
+             + "; the local entries are good and nothing partial is published", always=True)
 
 
 def _forget_after_fork() -> None:

@@ -35,8 +35,7 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
-                     announce: bool, also_report: Optional[ChunkCallback] = None
-                     ) -> Published:
+                     also_report: Optional[ChunkCallback] = None) -> Published:
     """Build ``key`` with ``build`` in a new build directory, resuming this user's dead
     builds of it, and commit it: the published entry (another builder's, if its commit won
     the race). Its seconds count as ``work``; ``also_report`` hears the progress too (a
@@ -44,13 +43,13 @@ def build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
     meanwhile."""
     started = time.monotonic()
     try:
-        return _build_and_commit(store, key, build, work, announce, also_report)
+        return _build_and_commit(store, key, build, work, also_report)
     finally:
         work.build_seconds += time.monotonic() - started
 
 
 def _build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
-                      announce: bool, also_report: Optional[ChunkCallback]) -> Published:
+                      also_report: Optional[ChunkCallback]) -> Published:
     try:
         current = store.begin(key)
     except OSError as e:
@@ -60,7 +59,7 @@ def _build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
     started = time.monotonic()
     try:
         claimed = _claim_dead_builds(store, current)
-        if claimed and announce:
+        if claimed:
             say(f"resuming the build of entry {key[:12]} from {claimed} dead build(s) of "
                 "this user: their done chunks whose bytes match their checksums are "
                 "copied, only the other chunks are filled")
@@ -104,18 +103,16 @@ def _build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
     if won:
         build.committed(published)
     if made.failure is not None:
-        if announce:
-            say(f"entry {key[:12]}: kept the {made.rows - len(made.failure.failures)} rows "
-                f"that decoded (as {published_key[:12]}); a later build of these rows copies "
-                "them and decodes only the rest")
+        say(f"entry {key[:12]}: kept the {made.rows - len(made.failure.failures)} rows "
+            f"that decoded (as {published_key[:12]}); a later build of these rows copies "
+            "them and decodes only the rest")
         _record_failure(store, key, made.failure)
         raise made.failure
     if won:
         store.forget_record(FAILED, key)  # an earlier failure is history now
         if made.reuse is not None:  # (only a per-row build keeps rows when it fails)
             _remove_kept(store, key)
-        if announce:
-            _say_who_joined(manifest)
+        _say_who_joined(manifest)
     return published
 
 
@@ -168,7 +165,7 @@ def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) 
     record, refused = store.read_record(FAILED, key)
     if refused is not None:
         say(f"ignored the failure record of entry {key[:12]}: {refused}; this process "
-            "builds the entry itself")
+            "builds the entry itself", always=True)
         return
     try:
         failed_at, failures = record["time"], record["failures"]

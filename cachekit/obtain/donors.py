@@ -159,7 +159,7 @@ def _usable(source: RowSource, src: np.ndarray, dst: np.ndarray, rows: Rows,
     return src[same], dst[same]
 
 
-def announce(key: str, found: Donors, rows: int) -> None:
+def say_shared(key: str, found: Donors, rows: int) -> None:
     """Say on stderr how many rows the build shares and with how many entries, and what
     the rows it decodes are: new, failed in the entry that holds them, or changed."""
     if found.donors:

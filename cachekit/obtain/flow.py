@@ -99,7 +99,7 @@ def outcome_word(source: str, waited_for_build: bool = False) -> str:
 
 
 def obtain(store: LocalStore, request: Request, *, lock_timeout: Optional[float],
-           announce: bool = True, join: bool = True,
+           join: bool = True,
            remote: Optional["remote_tier.Tier"] = None) -> Outcome:
     """The entry of ``request.key``, checked against ``request.expected``; built with the
     request's build (:meth:`Request.start`, on a miss only) if no process has yet.
@@ -115,7 +115,7 @@ def obtain(store: LocalStore, request: Request, *, lock_timeout: Optional[float]
     dtype, shape or row count, written by another process, user or host) is removed, with
     a note on stderr, and obtained again, once: built, unless another process published a
     good entry meanwhile. A second mismatch is CacheCorruptError."""
-    options = _Options(lock_timeout, announce, join, remote)
+    options = _Options(lock_timeout, join, remote)
     outcome = _get(store, request, options)
     problem = _problem(request, outcome)
     if problem is None:
@@ -133,7 +133,6 @@ def obtain(store: LocalStore, request: Request, *, lock_timeout: Optional[float]
 @dataclass(frozen=True)
 class _Options:
     lock_timeout: Optional[float]
-    announce: bool
     join: bool
     remote: Optional["remote_tier.Tier"]
 
@@ -174,11 +173,10 @@ class _Miss:
             except BuildGone:
                 if attempt == _TAKEOVERS - 1:
                     raise
-                if self.options.announce:
-                    say(f"this process's build of entry {self.key[:12]} was taken over by "
-                        "another process while this one was paused past the lease "
-                        f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
-                        "waits for that build's entry")
+                say(f"this process's build of entry {self.key[:12]} was taken over by "
+                    "another process while this one was paused past the lease "
+                    f"({liveness.lease_from_env():g} s); it wrote nothing more and now "
+                    "waits for that build's entry")
         raise AssertionError("unreachable")
 
     def _once(self) -> Outcome:
@@ -186,7 +184,7 @@ class _Miss:
         asked = time.time()
         store.ensure_writable(key)
         build_lock = locks.make_lock(store.layout.lock_path(key))
-        wait = Wait(key, options.lock_timeout, options.announce)
+        wait = Wait(key, options.lock_timeout)
         join = self.build.join if options.join and self.build.joinable else None
         local = LocalWait(store, key, wait, build_lock, join)
         found = local.for_lock()
@@ -209,11 +207,11 @@ class _Miss:
         """Holding the lock with no live local builder left: with a remote tier, its entry
         or its lease (:func:`remote_tier.download_or_lease`); then build and commit (under
         the lease, uploading afterwards)."""
-        remote, announce = self.options.remote, self.options.announce
+        remote = self.options.remote
         if remote is None:
             # "built" even when another builder's rename won the race: this call did the work.
-            return self._outcome(build_and_commit(self.store, self.key, self.build, self.work,
-                                                  announce), "built", waited)
+            return self._outcome(build_and_commit(self.store, self.key, self.build, self.work),
+                                 "built", waited)
         from . import remote as remote_tier
 
         expected = self.request.expected
@@ -225,7 +223,7 @@ class _Miss:
         lease = got
         try:
             published = build_and_commit(self.store, self.key, self.build, self.work,
-                                         announce, None if lease is None else lease.progress)
+                                         None if lease is None else lease.progress)
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -257,6 +255,6 @@ def _remove_mismatch(store: LocalStore, entry: Published, problem: str) -> None:
                                 f"the entry does not match the call: {problem}") from e
     if removed:
         say(f"removed entry {entry.manifest.key[:12]}: it does not match the call "
-            f"({problem}); obtaining it again")
+            f"({problem}); obtaining it again", always=True)
 
 

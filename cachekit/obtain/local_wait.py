@@ -87,8 +87,7 @@ class LocalWait:
         if self._past_foreign_bound(states):
             return None
         if self._holder_shows_no_life(states):
-            if self.wait.announce:
-                say(f"the build lock of entry {self.key[:12]} has been held for "
+            say(f"the build lock of entry {self.key[:12]} has been held for "
                     f"{self.wait.seconds:.0f} s by a process that shows no heartbeat; this "
                     "process builds in a directory of its own and publishes atomically (if "
                     "that holder builds after all, the first to publish wins)")
@@ -118,7 +117,7 @@ class LocalWait:
         if holder_ours or any(
                 s.alive and s.uid == os.geteuid() for s in states):
             return False
-        if self.wait.announce and not self.said_foreign_bound:
+        if not self.said_foreign_bound:
             say(f"waited {self.wait.seconds:.0f} s ({FOREIGN_WAIT_LEASES} leases) for "
                 f"{describe_builder(states)} to build entry {self.key[:12]}, a build of "
                 "another user; this process builds in a directory of its own and publishes "
@@ -183,16 +182,15 @@ class LocalWait:
             self.filled += joined.chunks
             self.rows_filled += joined.rows
             self.wait.joined_seconds, self.wait.rows_joined = self.join_seconds, self.rows_filled
-            if self.wait.announce:
-                say(f"joined the build of entry {self.key[:12]} by {state.describe()}: "
-                    f"filled {joined.chunks} of its {joined.total_chunks} chunks "
-                    f"({joined.rows} rows)")
+            say(f"joined the build of entry {self.key[:12]} by {state.describe()}: "
+                f"filled {joined.chunks} of its {joined.total_chunks} chunks "
+                f"({joined.rows} rows)")
         self.poll = JOIN_POLL_SECONDS if may_help or not joinable else POLL_SECONDS
         return filled
 
     def _say_no_core(self, state: BuildState, why: str) -> None:
         """Say once per build that we wait for it instead of joining it, and why."""
-        if self.wait.announce and str(state.path) not in self.said_no_core:
+        if str(state.path) not in self.said_no_core:
             say(f"waits for the build of entry {self.key[:12]} by {state.describe()} "
                 f"without joining it: {why}")
         self.said_no_core.add(str(state.path))
@@ -203,10 +201,9 @@ class LocalWait:
         if not self.filled:
             return "local"
         builder = found.manifest.builder
-        if self.wait.announce:
-            say(f"entry {self.key[:12]} published by pid {builder.get('pid')} on "
-                f"{builder.get('host')}; this process filled {self.filled} chunks "
-                f"({self.rows_filled} of {found.manifest.rows} rows)")
+        say(f"entry {self.key[:12]} published by pid {builder.get('pid')} on "
+            f"{builder.get('host')}; this process filled {self.filled} chunks "
+            f"({self.rows_filled} of {found.manifest.rows} rows)")
         return "joined"
 
     def _builder(self) -> str:

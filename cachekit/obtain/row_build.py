@@ -31,7 +31,7 @@ from ..errors import ImageDecodeError
 from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..store.manifest import Origin, RowReuse
-from ..messages import say
+from ..messages import say, speaking
 from ..store.row_source import RowSource, open_row_source
 from . import donors, parts
 from .build import Built, ChunkCallback
@@ -53,8 +53,6 @@ class BuildSettings:
     executor: Any
     progress: bool
     """Progress bars."""
-    announce: bool
-    """One-line notes on stderr (reuse, refused donors)."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +138,7 @@ class RowBuild:
         healed = None if aside is None else aside.source
         try:
             with donors.find(self.store, self.key, rows, call.template, healed) as found:
-                if settings.announce:
-                    donors.announce(self.key, found, len(values))
+                donors.say_shared(self.key, found, len(values))
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,
@@ -154,7 +151,7 @@ class RowBuild:
                 filled = _no_rows(current.dir, found.template)
             else:
                 report = Report(on_chunk, settings.progress, f"cachekit {call.kind}",
-                                lines=settings.announce and not settings.progress)
+                                lines=speaking() and not settings.progress)
                 filled = fill_build(current.dir, manifests.DATA_FILE, values, call.row_fn,
                                     rows=self._row_run(call.template or found.template),
                                     resuming=DeadBuilds(current.resume_from,
@@ -162,7 +159,7 @@ class RowBuild:
                                     report=report, todo=held.todo if held.derived else None)
             held.own()
             if held.derived and not held.linked:
-                if settings.announce and not call.contiguous:
+                if not call.contiguous:
                     say(f"entry {self.key[:12]}: the files of the rows it shares cannot be "
                         "linked here (another filesystem or another user's files); copied "
                         "its rows into one file instead")

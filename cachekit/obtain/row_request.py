@@ -55,10 +55,10 @@ class RowRequest:
         if self.call.contiguous and not outcome.entry.manifest.contiguous:
             self._build_again(outcome.entry, "its rows are shared with other entries and a "
                               "contiguous entry was asked for; copying them into one file")
-            if self.settings.announce:  # (it returns only when it could not set it aside)
-                say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
-                    "shares its rows and cannot be removed here (another user's, or a "
-                    "read-only root); returned as it is")
+            # (it returns only when it could not set the entry aside)
+            say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
+                "shares its rows and cannot be removed here (another user's, or a "
+                "read-only root); returned as it is")
         if self.checks_staleness(outcome):
             self._heal_if_stale(outcome.entry)
 
@@ -108,6 +108,5 @@ class RowRequest:
         if forget is not None:
             self.store.forget_record(forget, self.key)
         self._aside = SetAside(self.store, self.key, source, name)
-        if self.settings.announce:
-            say(f"entry {self.key[:12]}: {why}")
+        say(f"entry {self.key[:12]}: {why}")
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))

@@ -125,7 +125,8 @@ def _at_exit() -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 say(f"{thread.name[len('cachekit '):]}: not finished when the process exited "
-                    f"(it waited {EXIT_WAIT:g} s); the entry's files were not all compared")
+                    f"(it waited {EXIT_WAIT:g} s); the entry's files were not all compared",
+                    always=True)
 
     atexit.register(wait)
 
@@ -139,7 +140,7 @@ def _check_all(manifest: Manifest, recorded: np.ndarray, paths: Any, caller: Any
         try:
             _warn(manifest.key, changed, len(changed), caller)
         except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
-            say(str(e))
+            say(str(e), always=True)
 
 
 def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 0
@@ -191,7 +192,7 @@ def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, in
             "validate=\"stat\" to key each file's size and mtime as well")
     filename, lineno, module, registry = caller
     if _ignored(text, module, lineno):
-        say(text)
+        say(text, always=True)
         return
     warnings.warn_explicit(StaleEntryWarning(text), StaleEntryWarning, filename, lineno,
                            module, registry)

@@ -64,10 +64,10 @@ class Awaited:
 
 class Wait:
     """One call's wait for the build of ``key``: at most ``timeout`` seconds from its
-    creation (None: for good); reports go to stderr when ``announce``."""
+    creation (None: for good)."""
 
-    def __init__(self, key: str, timeout: Optional[float], announce: bool) -> None:
-        self.key, self.timeout, self.announce = key, timeout, announce
+    def __init__(self, key: str, timeout: Optional[float]) -> None:
+        self.key, self.timeout = key, timeout
         self.started = time.monotonic()
         self.next_report = self.started + FIRST_REPORT_SECONDS
         self.joined_seconds = 0.0
@@ -107,7 +107,7 @@ class Wait:
 
     def report(self, awaited: Awaited) -> None:
         """Say whom we wait for, if a report is due."""
-        if self.announce and time.monotonic() >= self.next_report:
+        if time.monotonic() >= self.next_report:
             waited = max(0.0, self.seconds - self.joined_seconds)
             worked = (f" (and computed {self.rows_joined} of its rows in "
                       f"{self.joined_seconds:.0f} s)" if self.rows_joined else "")

@@ -115,7 +115,7 @@ class LocalStore:
         except OSError:
             raise refused.error from None  # e.g. a read-only root: cannot replace it
         say(f"refused entry {key[:12]}: {refused.error.reason}; removed it, a signed entry is "
-            "built in its place")
+            "built in its place", always=True)
 
     def still_published(self, published: Published) -> bool:
         """Whether ``published`` is still the entry under its key (not cleared meanwhile)."""

@@ -114,7 +114,7 @@ class RowIndex:
             if skipped:
                 say(f"skipped {len(skipped)} row index file{'s' if len(skipped) > 1 else ''} "
                     f"of recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those "
-                    "entries lend no rows to this build")
+                    "entries lend no rows to this build", always=True)
 
     def forget(self, key: str) -> None:
         """Remove the index files of the entry ``key`` (which was removed), in every
