@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.covers, args.repeat = 200, 1
-    reason = s3.unavailable_reason()
+    reason = s3.why_no_server()
     if reason:
         sys.exit(f"bench_sources: {reason}")
     base = Path(tempfile.mkdtemp(prefix="cachekit-bench-sources-"))

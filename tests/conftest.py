@@ -58,7 +58,7 @@ def two_hosts(tmp_path: Path) -> Iterator[tuple[hosts.Host, hosts.Host]]:
     directory ``tmp_path/work``) whose flock locks do not reach each other; see tests/hosts.py.
     Skips when not root or when ``unshare --uts --mount`` does not work. Processes still
     running at teardown are killed."""
-    reason = hosts.unavailable_reason()
+    reason = hosts.why_no_hosts()
     if reason is not None:
         pytest.skip(reason)
     a, b = hosts.make_hosts(tmp_path, ("host-a", "host-b"))
@@ -75,7 +75,7 @@ def shared_root(tmp_path: Path) -> Iterator[users.SharedRoot]:
     two plain uids of group GID that share it, ``victim`` and ``attacker``; see
     tests/users.py. Skips when not root or when children cannot run as those uids here.
     Processes still running at teardown are killed."""
-    reason = users.unavailable_reason()
+    reason = users.why_no_two_uids()
     if reason is not None:
         pytest.skip(reason)
     shared = users.make_shared_root(tmp_path)
@@ -90,7 +90,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3.Seaweed]:
     """One SeaweedFS ``weed mini`` for the session, on 127.0.0.1 only, free ports, with
     credentials of its own (see tests/s3.py); stopped at the end of the session. Skips when
     ``weed`` is not installed."""
-    reason = s3.unavailable_reason()
+    reason = s3.why_no_server()
     if reason is not None:
         pytest.skip(reason)
     server = s3.Seaweed(tmp_path_factory.mktemp("seaweed")).start()

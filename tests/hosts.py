@@ -56,7 +56,7 @@ def namespace_argv(hostname: str, private: Path, target: Path, argv: Sequence[st
 
 
 @functools.lru_cache(maxsize=None)
-def unavailable_reason() -> Optional[str]:
+def why_no_hosts() -> Optional[str]:
     """Why hosts cannot be simulated here, or None when they can (probed once per session)."""
     if os.geteuid() != 0:
         return "simulating hosts needs root (unshare --mount, mount --bind)"

@@ -1,4 +1,4 @@
-"""A row function whose bytes name the host that computed them, for tests/test_ownership.py.
+"""A row function whose bytes name the host that computed them, for tests/security/test_ownership.py.
 
 It lives in a module of its own (on every child's ``PYTHONPATH``) so that processes on two
 simulated hosts run one function with one key: the key covers the function's module,

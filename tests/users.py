@@ -18,7 +18,7 @@ How a child becomes such a user (this needs root): the parent starts ::
   fresh tmpfs (mode 0755) over it in the child's namespace, and the path itself is bound
   back at the same place. Paths stay identical for parent and child (the interpreter's
   prefix, ``RPATH`` and every file name a test compares), and nothing leaks out
-  (``--propagation private``; :func:`unavailable_reason` checks).
+  (``--propagation private``; :func:`why_no_two_uids` checks).
 - ``BOOTSTRAP`` does ``setgroups([GID]); setgid(GID); setuid(UID); umask(UMASK)``, checks
   that all real, effective and saved ids changed, enters ``HOME`` and ``exec``\\ s a fresh
   interpreter for the script, so nothing of the user's run (not even ``site``) runs as root.
@@ -230,7 +230,7 @@ _PROBE = textwrap.dedent("""
 
 
 @functools.lru_cache(maxsize=None)
-def unavailable_reason() -> Optional[str]:
+def why_no_two_uids() -> Optional[str]:
     """Why plain users cannot be simulated here, or None when they can (probed once per
     session, in a directory as unreachable for others as pytest's ``tmp_path``)."""
     if os.geteuid() != 0:

@@ -190,7 +190,7 @@ def rows(tmp_path_factory):
     return paths, reference
 
 
-def wait_for(path: Path, pid: int, result: Path) -> None:
+def wait_for_kill_point(path: Path, pid: int, result: Path) -> None:
     """Until the child reports reaching its kill point; fail if it ended without doing so."""
     deadline = time.monotonic() + 120
     while not path.exists():
@@ -219,7 +219,7 @@ def kill_at(zygote, root: Path, paths, point: str, lock: str, tag: str) -> None:
     pid = zygote.fork(root=str(root), point=point, chunk=CHUNK, lock=lock, paths=paths,
                       size=SIZE, signal=str(signal_file), result=str(result))
     try:
-        wait_for(signal_file, pid, result)
+        wait_for_kill_point(signal_file, pid, result)
     finally:
         kill(pid)  # also when it never got there: a stuck child must not outlive the test
 

@@ -28,7 +28,7 @@ import pytest
 import cachekit
 from cachekit import _wandb
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wandb_sweep.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "wandb_sweep.py"
 FIELDS = ("key", "hit", "outcome", "source", "build_seconds", "decode_seconds", "join_seconds",
           "wait_seconds", "rows",
           "shape", "bytes")

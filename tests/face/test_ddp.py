@@ -21,7 +21,7 @@ import pytest
 
 from cachekit.samples import write_sample_images
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROWS = 240
 LINE = re.compile(r"rank (\d)/2: (\w+); decoded (\d+), joined (\d+), reused (\d+) of (\d+) "
                   r"rows; all ranks decoded (\d+)")

@@ -10,7 +10,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_builds_once_and_reports_hits(tmp_path):

@@ -33,20 +33,20 @@ def data_row(i: int) -> np.ndarray:
     return DATA[i]
 
 
-def make_entry(root: Path) -> cachekit.Entry:
+def data_entry(root: Path) -> cachekit.Entry:
     return cachekit.Cache(root, progress=False).map(data_row, pd.Series(range(ROWS)))
 
 
 @pytest.fixture(scope="module")
 def shared_entry(tmp_path_factory) -> cachekit.Entry:
     """One read-only entry for the tests that do not damage it."""
-    return make_entry(tmp_path_factory.mktemp("dataset") / "cache")
+    return data_entry(tmp_path_factory.mktemp("dataset") / "cache")
 
 
 @pytest.fixture
 def own_entry(cache_root) -> cachekit.Entry:
     """A private entry, for the tests that truncate or remove it."""
-    return make_entry(cache_root)
+    return data_entry(cache_root)
 
 
 def loader(dataset, **options) -> DataLoader:
@@ -316,13 +316,13 @@ def test_removed_entry_fails_clearly_in_spawned_workers(own_entry):
 
 def test_removed_entry_says_so_in_the_main_process_and_a_new_call_builds_it(tmp_path):
     cache = cachekit.Cache(tmp_path / "root", progress=False)
-    dataset = make_entry(tmp_path / "root").dataset()
+    dataset = data_entry(tmp_path / "root").dataset()
     cache.clear([dataset.entry.key])
     with pytest.raises(DatasetCorruptError) as raised:
         dataset[0]
     says_removed(raised.value)
     assert str(pickle.loads(pickle.dumps(raised.value))) == str(raised.value)
-    again = make_entry(tmp_path / "root")  # what the message says to do
+    again = data_entry(tmp_path / "root")  # what the message says to do
     assert again.source == "built"
     np.testing.assert_array_equal(again.dataset()[7].numpy(), DATA[7])
 

@@ -29,7 +29,7 @@ def block(value: int) -> np.ndarray:
     return np.full((4, 8), value % 256, dtype=np.uint8)
 
 
-def make_entry(cache: cachekit.Cache, start: int, rows: int = 8) -> cachekit.Entry:
+def block_entry(cache: cachekit.Cache, start: int, rows: int = 8) -> cachekit.Entry:
     return cache.map(block, pd.Series(range(start, start + rows)))
 
 
@@ -125,7 +125,7 @@ def test_durations_and_sizes_in_the_api_forms():
 def test_entries_describe_images_and_map_entries(cache_root, cover_paths):
     cache = cachekit.Cache(cache_root, progress=False)
     images = cache.images(pd.Series(cover_paths[:3], name="img_path"), (8, 6))
-    mapped = make_entry(cache, 0, rows=5)
+    mapped = block_entry(cache, 0, rows=5)
     found = {e.key: e for e in cache.entries()}
     assert set(found) == {images.key, mapped.key}
     info = found[images.key]
@@ -145,25 +145,25 @@ def test_entries_describe_images_and_map_entries(cache_root, cover_paths):
 
 def test_a_hit_records_its_use_without_a_lock(cache_root):
     cache = cachekit.Cache(cache_root)
-    entry = make_entry(cache, 0)
+    entry = block_entry(cache, 0)
     set_last_used(entry.path, time.time() - 30 * DAY)
     assert time.time() - cache.entries()[0].last_used > 29 * DAY
     with mock.patch("cachekit.obtain.flow.locks.make_lock", side_effect=AssertionError("locked")):
-        assert make_entry(cache, 0).hit
+        assert block_entry(cache, 0).hit
     assert time.time() - cache.entries()[0].last_used < DAY
 
 
 def test_a_hit_on_a_root_that_refuses_utime_still_serves(cache_root):
     cache = cachekit.Cache(cache_root)
-    built = make_entry(cache, 0)
+    built = block_entry(cache, 0)
     with mock.patch("cachekit.store.local.os.utime", side_effect=PermissionError(13, "read-only")):
-        again = make_entry(cache, 0)
+        again = block_entry(cache, 0)
     assert again.hit and np.array_equal(again.array, built.array)
 
 
 def test_scan_lists_broken_entries_and_strays_instead_of_aborting(cache_root):
     cache = cachekit.Cache(cache_root)
-    good, broken, empty = (make_entry(cache, i * 10) for i in range(3))
+    good, broken, empty = (block_entry(cache, i * 10) for i in range(3))
     (broken.path / manifests.MANIFEST_FILE).write_text("{not json")
     (empty.path / manifests.MANIFEST_FILE).unlink()
     (cache_root / "entries" / "notes.txt").write_text("hello")
@@ -196,7 +196,7 @@ def test_resolve_keys_by_unique_prefix():
 
 def test_clear_by_prefix_then_all(cache_root):
     cache = cachekit.Cache(cache_root)
-    a, b, c = (make_entry(cache, i * 10) for i in range(3))
+    a, b, c = (block_entry(cache, i * 10) for i in range(3))
     report = cache.clear([a.key[:6]])
     assert [e.key for e in report.removed_entries] == [a.key]
     assert report.freed_bytes == report.removed_entries[0].bytes > 0
@@ -211,7 +211,7 @@ def test_clear_by_prefix_then_all(cache_root):
 
 def test_clear_older_than_uses_last_use(cache_root):
     cache = cachekit.Cache(cache_root)
-    old, fresh = make_entry(cache, 0), make_entry(cache, 10)
+    old, fresh = block_entry(cache, 0), block_entry(cache, 10)
     set_last_used(old.path, time.time() - 8 * DAY)
     assert cache.clear(older_than="9d").removed_entries == ()
     report = cache.clear(older_than=datetime.timedelta(days=7))
@@ -221,7 +221,7 @@ def test_clear_older_than_uses_last_use(cache_root):
 
 def test_a_plan_removes_nothing_until_executed(cache_root):
     cache = cachekit.Cache(cache_root)
-    entry = make_entry(cache, 0)
+    entry = block_entry(cache, 0)
     store = LocalStore(cache_root)
     plan = removal.removal_for_clear(store)
     assert [e.key for e in plan.entries] == [entry.key] and plan.bytes > 0
@@ -232,11 +232,11 @@ def test_a_plan_removes_nothing_until_executed(cache_root):
 
 def test_an_entry_used_after_an_age_based_plan_is_spared(cache_root):
     cache = cachekit.Cache(cache_root)
-    entry = make_entry(cache, 0)
+    entry = block_entry(cache, 0)
     set_last_used(entry.path, time.time() - 10 * DAY)
     plan = removal.removal_for_clear(LocalStore(cache_root), older_than=7 * DAY)
     assert len(plan.entries) == 1
-    assert make_entry(cache, 0).hit  # a sweep agent uses it while the user reads the prompt
+    assert block_entry(cache, 0).hit  # a sweep agent uses it while the user reads the prompt
     report = plan.execute()
     assert report.removed_entries == () and "used since" in report.skipped[0].reason
     assert entry.path.exists()
@@ -244,7 +244,7 @@ def test_an_entry_used_after_an_age_based_plan_is_spared(cache_root):
 
 def test_prune_removes_least_recently_used_first(cache_root):
     cache = cachekit.Cache(cache_root)
-    first, second, third = (make_entry(cache, i * 10) for i in range(3))
+    first, second, third = (block_entry(cache, i * 10) for i in range(3))
     now = time.time()
     set_last_used(first.path, now - 10)  # the oldest entry is the most recently used
     set_last_used(second.path, now - 300)
@@ -262,7 +262,7 @@ def test_prune_removes_least_recently_used_first(cache_root):
 
 def test_a_mapped_reader_keeps_its_bytes_after_clear(cache_root):
     cache = cachekit.Cache(cache_root)
-    entry = make_entry(cache, 3, rows=50)
+    entry = block_entry(cache, 3, rows=50)
     expected = np.stack([block(v) for v in range(3, 53)])
     view = entry.array
     cache.clear()
@@ -287,7 +287,7 @@ def test_a_dead_builders_directory_is_reported_and_cleared(tmp_path, cache_root)
 
 def test_an_interrupted_removal_is_finished_by_clear(cache_root):
     cache = cachekit.Cache(cache_root)
-    entry = make_entry(cache, 0)
+    entry = block_entry(cache, 0)
     dead_pid = 2**22 + 12345  # above Linux's pid_max limit: no such process
     leftover = cache_root / "tmp" / f"deleting.{entry.key}.{cachekit._fs.host()}.{dead_pid}.abc"
     (cache_root / "tmp").mkdir(exist_ok=True)
@@ -300,7 +300,7 @@ def test_an_interrupted_removal_is_finished_by_clear(cache_root):
 
 def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_root):
     cache = cachekit.Cache(cache_root)
-    other = make_entry(cache, 100)
+    other = block_entry(cache, 100)
     proc, go = start_gated_builder(tmp_path, cache_root)
     try:
         store = LocalStore(cache_root)
@@ -328,7 +328,7 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
 
 def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root):
     cache = cachekit.Cache(cache_root)
-    healthy, flipped, truncated, garbled = (make_entry(cache, i * 10) for i in range(4))
+    healthy, flipped, truncated, garbled = (block_entry(cache, i * 10) for i in range(4))
     assert cache.verify() == []
     flip_last_byte(flipped.path / manifests.DATA_FILE)
     with open(truncated.path / manifests.DATA_FILE, "r+b") as f:
@@ -347,7 +347,7 @@ def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root)
 
 def test_verify_reports_progress_per_entry(cache_root):
     cache = cachekit.Cache(cache_root)
-    entries = [make_entry(cache, i * 10) for i in range(2)]
+    entries = [block_entry(cache, i * 10) for i in range(2)]
     seen: list[int] = []
     assert verify(LocalStore(cache_root), on_bytes=seen.append) == []
     assert sorted(seen) == sorted(e.bytes for e in cache.entries()) and len(entries) == 2

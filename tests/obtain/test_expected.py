@@ -1,6 +1,6 @@
 """Every entry handed back is checked against the call: kind, rows, row shape, dtype, and a
 memoize entry's leaves. An entry that disagrees is rebuilt (locally) or refused (remotely,
-see tests/test_remote_tier.py), whoever wrote it, signed or not: entries here are crafted
+see tests/obtain/test_remote_tier.py), whoever wrote it, signed or not: entries here are crafted
 to agree with themselves in every respect (sizes, checksums, signature), so that only the
 call can tell them wrong."""
 

@@ -142,11 +142,6 @@ def agent(work, root: Path, env: dict[str, str], me: str, mode: str = "run", *,
     return process
 
 
-def decoded(work) -> list[str]:
-    """Who decoded each row so far."""
-    return lines_in(work[0] / "decoded")
-
-
 def stopped(process: hosts.HostProcess) -> bool:
     with open(f"/proc/{process.pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
@@ -294,7 +289,7 @@ def test_an_uploader_stopped_across_a_sweep_withdraws_its_torn_manifest_and_uplo
     assert report["source"] == "built" and report["sha"] == expected_sha()
     assert one_entry_of(remote, capsys) == report["key"]
     assert remote.lookup(report["key"]).upload != stale
-    assert len(decoded(work)) == ROWS
+    assert len(lines_in(work[0] / "decoded")) == ROWS
 
 
 def test_a_sweep_that_judged_an_upload_orphaned_spares_it_once_its_manifest_names_it(
@@ -310,7 +305,7 @@ def test_a_sweep_that_judged_an_upload_orphaned_spares_it_once_its_manifest_name
     report = hosts.finish(uploader).report()
     assert plan.execute().failed == ()
     assert one_entry_of(remote, capsys) == report["key"]
-    assert report["source"] == "built" and len(decoded(work)) == ROWS
+    assert report["source"] == "built" and len(lines_in(work[0] / "decoded")) == ROWS
 
 
 # 3. A sweep whose clock is ahead ----------------------------------------------------------
@@ -336,7 +331,7 @@ def test_a_sweep_with_its_clock_30_s_ahead_spares_a_beating_lease_and_its_upload
     (work[0] / "go.a").touch()
     reports = [hosts.finish(p).report() for p in (builder, waiter)]
     assert [r["source"] for r in reports] == ["built", "remote"]
-    assert len(decoded(work)) == ROWS  # the waiter never took the live lease over
+    assert len(lines_in(work[0] / "decoded")) == ROWS  # the waiter never took the live lease over
     assert one_entry_of(remote, capsys) == reports[0]["key"]
     assert after_sweep == [(1, [1])] and "skipping the orphaned upload" in done.stdout
 
@@ -367,8 +362,9 @@ def test_a_holder_that_wakes_after_a_sweep_never_writes_into_another_holders_lea
     assert read_json(remote, lease_path(remote, key, 1, "beat"))["state"] == "released"
     (work[0] / "go.b").touch()
     assert hosts.finish(second).report()["source"] == "built"
-    assert sorted(set(decoded(work))) == ["a", "b"]  # two builds: the first lease expired
-    assert len(decoded(work)) == 2 * ROWS
+    # two builds: the first lease expired
+    assert sorted(set(lines_in(work[0] / "decoded"))) == ["a", "b"]
+    assert len(lines_in(work[0] / "decoded")) == 2 * ROWS
     assert one_entry_of(remote, capsys) == key
 
 
@@ -391,7 +387,7 @@ def test_readers_on_two_hosts_that_meet_a_torn_entry_build_it_once_and_repair_it
     assert {r["sha"] for r in reports} == {expected_sha()}
     assert all(d.stderr.count("RemoteWarning") == 1 and "is missing" in d.stderr
                for d in done if "built" in d.stdout)
-    assert len(decoded(work)) == 2 * ROWS  # the first build, and one repair
+    assert len(lines_in(work[0] / "decoded")) == 2 * ROWS  # the first build, and one repair
     assert remote.lookup(key).upload != torn
     # The rest of the torn upload (its row files) is left for `cachekit clear --remote`:
     # only its manifest is removed when it is found broken.

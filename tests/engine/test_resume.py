@@ -3,7 +3,7 @@ data that disagrees with them, never a directory a live builder may still write,
 exactly the chunks that are not done, wherever they are.
 
 Partial builds are made in this process by interrupting a build (KeyboardInterrupt keeps the
-finished chunks, as a killed process does; see test_reliability_kill.py for real SIGKILLs),
+finished chunks, as a killed process does; see test_kill.py for real SIGKILLs),
 then tampered with on disk.
 """
 

@@ -53,7 +53,7 @@ def block(value: int) -> np.ndarray:
     return np.full((2, 4), value % 256, dtype=np.uint8)
 
 
-def make_entry(root: Path, start: int, rows: int = 6) -> cachekit.Entry:
+def small_block_entry(root: Path, start: int, rows: int = 6) -> cachekit.Entry:
     return cachekit.Cache(root).map(block, pd.Series(range(start, start + rows)))
 
 
@@ -65,7 +65,7 @@ def keys_in(root: Path) -> set[str]:
 @pytest.fixture
 def three(cache_root: Path) -> list[cachekit.Entry]:
     """Three entries, used 300, 200 and 10 s ago (the first made is the least recently used)."""
-    entries = [make_entry(cache_root, i * 10) for i in range(3)]
+    entries = [small_block_entry(cache_root, i * 10) for i in range(3)]
     now = time.time()
     for entry, age in zip(entries, (300, 200, 10)):
         os.utime(entry.path, (now - age, now - age))
@@ -267,7 +267,8 @@ def test_ls_sort(cache_root, three, sort, order):
 
 
 def test_ls_sort_size_puts_the_largest_first(cache_root):
-    small, large = make_entry(cache_root, 0, rows=2), make_entry(cache_root, 10, rows=400)
+    small = small_block_entry(cache_root, 0, rows=2)
+    large = small_block_entry(cache_root, 10, rows=400)
     listed = json.loads(cachekit_cmd("ls", "--json", "--sort", "size", root=cache_root).stdout)
     assert [e["key"] for e in listed] == [large.key, small.key]
 
@@ -487,7 +488,7 @@ def test_clear_asks_on_a_terminal(cache_root, three):
 
 
 def test_a_reader_that_mapped_an_entry_keeps_reading_after_clear(cache_root):
-    entry = make_entry(cache_root, 7, rows=300)
+    entry = small_block_entry(cache_root, 7, rows=300)
     view = entry.array  # mapped by this process before another process clears the cache
     assert cachekit_cmd("clear", "--all", "--yes", root=cache_root).returncode == 0
     assert not entry.path.exists() and keys_in(cache_root) == set()
@@ -495,7 +496,7 @@ def test_a_reader_that_mapped_an_entry_keeps_reading_after_clear(cache_root):
 
 
 def test_clear_all_while_another_process_builds(tmp_path, cache_root):
-    other = make_entry(cache_root, 500)
+    other = small_block_entry(cache_root, 500)
     proc, go = start_gated_builder(tmp_path, cache_root)
     try:
         listing = cachekit_cmd("ls", root=cache_root)

@@ -98,10 +98,6 @@ def agent(work: Path, root: Path, env: dict[str, str], me: str, mode: str = "run
                              [sys.executable, str(script), str(work), me, mode], environment)
 
 
-def decoded(work: Path, name: str = "decoded") -> int:
-    return len(lines_in(work / name))
-
-
 def reap(*processes: hosts.HostProcess) -> None:
     for p in processes:
         p.reap()
@@ -118,7 +114,7 @@ def test_two_agents_on_each_of_two_hosts_build_once_across_hosts(s3_env, work, t
         reports = [hosts.finish(a).report() for a in agents]
     finally:
         reap(*agents)
-    assert decoded(work) == ROWS  # one build across both hosts
+    assert len(lines_in(work / "decoded")) == ROWS  # one build across both hosts
     assert len({r["sha"] for r in reports}) == 1 and len({r["key"] for r in reports}) == 1
     sources = sorted(r["source"] for r in reports)
     assert sources == ["built", "local", "local", "remote"]
@@ -196,7 +192,7 @@ def test_a_downloader_killed_mid_file_leaves_nothing_published(s3_env, work, tmp
     again = agent(work, tmp_path / "host-b", s3_env, "b2")
     report = hosts.finish(again).report()
     assert report["source"] == "remote" and report["key"] == key
-    assert decoded(work) == ROWS
+    assert len(lines_in(work / "decoded")) == ROWS
 
 
 def test_a_lease_left_by_a_dead_host_is_taken_over_by_exactly_one_host(s3_env, work, tmp_path):
@@ -217,7 +213,7 @@ def test_a_lease_left_by_a_dead_host_is_taken_over_by_exactly_one_host(s3_env, w
         reports = [d.report() for d in done]
     finally:
         reap(*agents)
-    assert decoded(work) == ROWS
+    assert len(lines_in(work / "decoded")) == ROWS
     assert generations(remote, key) == [1, 2]  # one takeover, by one host
     assert sorted(r["source"] for r in reports) == ["built", "local", "local", "remote"]
 
@@ -230,7 +226,7 @@ def row(v):
 
 
 def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, monkeypatch):
-    reason = s3.unavailable_reason()
+    reason = s3.why_no_server()
     if reason:
         pytest.skip(reason)
     server = s3.Seaweed(tmp_path / "seaweed").start()
