@@ -9,7 +9,6 @@ import numpy as np
 
 from .errors import CacheCorruptError, InvalidArgument
 from .store import manifest as manifests
-from .store.manifest import Manifest
 from .store.row_view import Rows, open_rows
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ class Entry:
     ``len(entry)``; on a hit all three are 0.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, *, source: str,
+    def __init__(self, path: Path, manifest: manifests.Manifest, *, source: str,
                  wait_seconds: float = 0.0, build_seconds: float = 0.0,
                  decode_seconds: float = 0.0,
                  row_counts: tuple[int, int, int] = (0, 0, 0),
@@ -163,7 +162,7 @@ class Entry:
         return EntryDataset(self, targets=targets, transform=transform)
 
 
-def _rebuilt(path: Path, manifest: Manifest) -> Optional[Manifest]:
+def _rebuilt(path: Path, manifest: manifests.Manifest) -> Optional[manifests.Manifest]:
     """The manifest of the entry at ``path`` when it is another build of ``manifest``'s
     key with the same rows (shape, dtype, failed rows); None otherwise."""
     try:
@@ -175,7 +174,7 @@ def _rebuilt(path: Path, manifest: Manifest) -> Optional[Manifest]:
     return current if same and current != manifest else None
 
 
-def _valid_rows(manifest: Manifest) -> np.ndarray:
+def _valid_rows(manifest: manifests.Manifest) -> np.ndarray:
     """Read-only (N,) bool array: False for the rows the manifest lists as failed."""
     valid = ~manifest.failed()
     valid.flags.writeable = False

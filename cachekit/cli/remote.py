@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -64,7 +63,8 @@ def pull(args: argparse.Namespace) -> int:
     status = 0
     for key in keys:
         try:
-            got = pull_entry(tier, local, key)
+            linked: list[int] = []
+            got = pull_entry(tier, local, key, linked.append)
         except CacheCorruptError as e:
             say(f"cachekit: error: {e}", file=sys.stderr)
             status = 1
@@ -76,20 +76,13 @@ def pull(args: argparse.Namespace) -> int:
             say(f"{key}: already in {local.root}")
         else:
             say(f"pulled {key} ({units.format_size(got[0].manifest.bytes)}"
-                f"{_linked_note(got[0])}) into {local.root}")
+                f"{_linked_note(sum(linked))}) into {local.root}")
     return status
 
 
-def _linked_note(published: Published) -> str:
-    """What a pull message adds when files of the pulled entry were linked from entries
-    of this root rather than downloaded (:mod:`cachekit.store.local_copies`)."""
-    linked = 0
-    for record in published.manifest.files:
-        try:
-            if os.stat(published.path / record.name).st_nlink > 1:
-                linked += record.bytes
-        except OSError:
-            pass  # removed meanwhile: the message is all that is at stake
+def _linked_note(linked: int) -> str:
+    """What a pull message adds when ``linked`` bytes of the pulled entry were linked from
+    entries of this root rather than downloaded (:mod:`cachekit.store.local_copies`)."""
     if not linked:
         return ""
     return f"; {units.format_size(linked)} of it linked from entries here, not downloaded"

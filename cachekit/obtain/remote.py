@@ -176,7 +176,8 @@ class _Reader:
                       "it in place of the broken one", RemoteWarning, stacklevel=6)
 
 
-def pull(tier: Tier, local: LocalStore, key: str) -> Optional[tuple[Published, str]]:
+def pull(tier: Tier, local: LocalStore, key: str,
+         linked: Optional[Callable[[int], None]] = None) -> Optional[tuple[Published, str]]:
     """(entry, source) for ``key`` without building: ``"local"`` when it is already in
     ``local``, ``"remote"`` when downloaded; None when the remote has no entry of the key.
     Holds the key's local build lock, so the agents of one host share one download. A
@@ -192,13 +193,14 @@ def pull(tier: Tier, local: LocalStore, key: str) -> Optional[tuple[Published, s
         if found is not None:
             return found, "local"
         entry = tier.store.lookup(key)
-        return None if entry is None else (_download(tier, local, entry), "remote")
+        return None if entry is None else (_download(tier, local, entry, linked), "remote")
     finally:
         lock.release()
 
 
-def _download(tier: Tier, local: LocalStore, found: RemoteEntry) -> Published:
-    published, _ = tier.store.download(found, local, progress=tier.progress)
+def _download(tier: Tier, local: LocalStore, found: RemoteEntry,
+              linked: Optional[Callable[[int], None]] = None) -> Published:
+    published, _ = tier.store.download(found, local, progress=tier.progress, linked=linked)
     return published
 
 

@@ -223,6 +223,12 @@ def loads(raw: bytes, path: Union[str, Path], key: Optional[str] = None) -> Mani
     With ``CACHEKIT_SIGNING_KEY`` set, UnsignedEntryError (a CacheCorruptError) unless the
     parsed object carries a valid signature; checked before any other field.
     """
+    return Manifest.from_json(signed_fields(raw, path), path, key)
+
+
+def signed_fields(raw: bytes, path: Union[str, Path]) -> dict[str, Any]:
+    """The JSON object of manifest bytes read from ``path``, its size and (with
+    ``CACHEKIT_SIGNING_KEY`` set) its signature checked; its fields are not."""
     if len(raw) > MANIFEST_LIMIT:
         raise CacheCorruptError(path, f"manifest is larger than {MANIFEST_LIMIT} bytes")
     try:
@@ -234,7 +240,7 @@ def loads(raw: bytes, path: Union[str, Path], key: Optional[str] = None) -> Mani
         reason = signing.problem(parsed, secret)
         if reason is not None:
             raise UnsignedEntryError(path, reason)
-    return Manifest.from_json(parsed, path, key)
+    return parsed
 
 
 def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import arrays
 from ..errors import CacheCorruptError, RemoteUnavailableError
@@ -26,12 +26,14 @@ WRITEBACK_BYTES = 64 << 20
 
 
 def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
-             progress: bool = False) -> tuple[Published, bool]:
+             progress: bool = False, linked: Optional[Callable[[int], None]] = None
+             ) -> tuple[Published, bool]:
     """Download ``entry`` into a fresh build directory of ``local``, check every size
     and checksum against its manifest, then publish it with the local store's atomic
     commit. Returns (published entry, whether this call's commit won). On any failure
     the build directory is discarded: nothing is published. The parts of a derived entry
-    that local entries hold are linked, not downloaded (:mod:`.local_copies`)."""
+    that local entries hold are linked, not downloaded (:mod:`.local_copies`): ``linked``
+    hears how many of the entry's bytes that saved."""
     manifest = entry.manifest
     objects = entry.objects(bucket)
     build = local.begin(entry.key)
@@ -76,6 +78,8 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
                 raise CacheCorruptError(bucket.object_url(path), _mismatch(got, want),
                                         fix_for(entry.key))
         published, won = local.commit(build, manifest)
+        if linked is not None:
+            linked(sum(f.bytes for f in manifest.files if f.name in here))
     except BaseException:
         build.discard()
         raise

@@ -22,7 +22,6 @@ of it is read (:func:`check_sizes`).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -147,8 +146,8 @@ def lookup(bucket: Bucket, key: str) -> Optional[RemoteEntry]:
 def parse_manifest(raw: bytes, url: str, key: str) -> RemoteEntry:
     """A remote manifest's bytes checked (size cap, schema, signature) as ``key``'s entry,
     with the upload it names."""
-    manifest = manifests.loads(raw, url, key)
-    fields = json.loads(raw)
+    fields = manifests.signed_fields(raw, url)
+    manifest = manifests.Manifest.from_json(fields, url, key)
     upload = fields.get(UPLOAD_FIELD)
     if not is_upload_id(upload):
         raise CacheCorruptError(url, f"the manifest names no valid upload ({upload!r})",
