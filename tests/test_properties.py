@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from cachekit import _fs, keys
 from cachekit.engine.filling.builder import DeadBuilds, fill as fill_build
-from cachekit.engine.filling.claimed import RowRun
+from cachekit.engine.filling.claimed import RowSpec
 from cachekit.engine.filling import plan
 from cachekit.store import manifest as manifests
 
@@ -273,7 +273,7 @@ def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):
             mock.patch.object(plan, "PAGE_BYTES", 1), \
             mock.patch.object(plan, "CHUNKS_PER_WORKER", 1), \
             _fs.DirHandle.open(tmp) as directory:
-        rows = RowRun(workers=workers, record=True, template=template, key="k")
+        rows = RowSpec(workers=workers, record=True, template=template, key="k")
         straight = fill_build(directory, "straight.npy", list(range(n)), row, rows=rows)
         for name in ("stopped", "resumed"):
             directory.mkdir(name, 0o700)

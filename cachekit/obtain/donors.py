@@ -1,7 +1,7 @@
 """The rows a per-row build shares with committed entries of its recipe (its donors).
 
 The row index (:mod:`cachekit.store.row_index`) names the entries that may hold rows of
-the column; each is opened and checked (:mod:`cachekit.store.row_source`), and only rows
+the column; each is opened and checked (:mod:`cachekit.store.shared_rows`), and only rows
 whose full identity matches, that did not fail, and (with ``validate="path"``) whose
 file's stat is the one recorded when that entry was built, are shared: the build links
 the files that hold them (:mod:`cachekit.obtain.parts`) and decodes only the others.
@@ -17,7 +17,7 @@ import numpy as np
 from ..messages import say
 from ..store import LocalStore
 from ..store.row_index import RowIndex
-from ..store.row_source import RowSource, open_row_source
+from ..store.shared_rows import SharedRows, open_shared_rows
 from ..units import count
 
 
@@ -39,7 +39,7 @@ class Rows:
 class Donor:
     """Rows ``src`` of the committed entry ``source`` that are rows ``dst`` of the build."""
 
-    source: RowSource
+    source: SharedRows
     src: np.ndarray
     dst: np.ndarray
 
@@ -74,7 +74,7 @@ class Donors:
 
 def find(store: LocalStore, key: str, rows: Rows,
          template: Optional[tuple[tuple[int, ...], Any]],
-         healed: Optional[RowSource] = None) -> Donors:
+         healed: Optional[SharedRows] = None) -> Donors:
     """The committed entries of ``rows.recipe`` in ``store`` that hold rows of the column,
     opened and checked, and which of their rows to share: each row from one entry, the
     entries with the most rows first. ``template``: the row shape and dtype the build
@@ -87,7 +87,7 @@ def find(store: LocalStore, key: str, rows: Rows,
     failed_ids: list[np.ndarray] = []
     wanted = None if template is None else (tuple(template[0]), np.dtype(template[1]))
 
-    def offer(source: RowSource, src: np.ndarray, dst: np.ndarray) -> None:
+    def offer(source: SharedRows, src: np.ndarray, dst: np.ndarray) -> None:
         nonlocal wanted
         shape = (tuple(source.manifest.shape[1:]), source.manifest.dtype)
         if wanted is not None and shape != wanted:
@@ -108,7 +108,7 @@ def find(store: LocalStore, key: str, rows: Rows,
             offer(healed, same, same)
         for match in RowIndex(store).matches(rows.recipe, rows.ids[:, 0], remaining,
                                              exclude=key):
-            source = open_row_source(store, match.key, rows.recipe)
+            source = open_shared_rows(store, match.key, rows.recipe)
             if source is None:
                 found.skipped.append(match.key)
                 continue
@@ -138,7 +138,7 @@ def _held(ids: np.ndarray, remaining: np.ndarray, held: list[np.ndarray]) -> np.
     return found
 
 
-def _usable(source: RowSource, src: np.ndarray, dst: np.ndarray, rows: Rows,
+def _usable(source: SharedRows, src: np.ndarray, dst: np.ndarray, rows: Rows,
             changed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a match that may be shared: the same full identity, not failed, and
     for ``same_stat`` the same file stat as recorded. Marks in ``changed`` the rows of the

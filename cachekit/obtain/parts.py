@@ -28,7 +28,7 @@ import numpy as np
 from .. import _fs, arrays
 from ..engine.filling.plan import PAGE_BYTES
 from ..store.manifest import DATA_FILE, FileRecord, part_name, sidecar_name
-from ..store.row_source import RowSource
+from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
 from .donors import Donors
 
@@ -150,7 +150,7 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
     return parts
 
 
-def _row_file_names(source: RowSource, index: int, row_files: Sequence[str]
+def _row_file_names(source: SharedRows, index: int, row_files: Sequence[str]
                     ) -> dict[str, str]:
     """The names ``source`` gives the ``row_files`` of its data file ``index``."""
     part = source.manifest.data_files[index].name
@@ -158,7 +158,7 @@ def _row_file_names(source: RowSource, index: int, row_files: Sequence[str]
             for row_file in row_files}
 
 
-def _same_row_files(parts: Parts, source: RowSource, index: int, name: str,
+def _same_row_files(parts: Parts, source: SharedRows, index: int, name: str,
                     row_files: Sequence[str]) -> bool:
     """Whether data file ``index`` of ``source``, whose bytes are the part ``name`` already
     taken from another entry, has the same row files too: two data files may hold the same
@@ -169,7 +169,7 @@ def _same_row_files(parts: Parts, source: RowSource, index: int, name: str,
                for row_file in row_files)
 
 
-def _add(parts: Parts, directory: _fs.DirHandle, source: RowSource, index: int, name: str,
+def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int, name: str,
          row_files: Sequence[str]) -> bool:
     """Open data file ``index`` of ``source`` as the part ``name`` with its ``row_files``
     (linked while links work); False when it cannot be opened, fails its checks or lacks
@@ -201,7 +201,7 @@ def _link(directory: _fs.DirHandle, f: BinaryIO, name: str) -> bool:
     return os.fstat(f.fileno()).st_uid == os.geteuid() and directory.link_open_file(f, name)
 
 
-def _link_row_file(directory: _fs.DirHandle, source: RowSource, there: str,
+def _link_row_file(directory: _fs.DirHandle, source: SharedRows, there: str,
                    record: FileRecord, here: str) -> bool:
     """Link the row file ``there`` of ``source`` as ``here``, if its size is its record's."""
     try:

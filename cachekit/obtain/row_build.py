@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _fs, arrays, keys, source_stats
 from ..engine.filling.builder import DeadBuilds, Filled, fill as fill_build
-from ..engine.filling.claimed import Report, RowRun
+from ..engine.filling.claimed import Report, RowSpec
 from ..engine.filling.cores import Spare, runs_at_once
 from ..engine.filling.joiner import Joined, join as join_build
 from ..errors import ImageDecodeError
@@ -32,7 +32,7 @@ from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..store.manifest import Origin, RowReuse
 from ..messages import say, speaking
-from ..store.row_source import RowSource, open_row_source
+from ..store.shared_rows import SharedRows, open_shared_rows
 from . import donors, parts
 from .build import Built, ChunkCallback
 from .donors import Rows
@@ -81,7 +81,7 @@ class SetAside:
     """The entry of a key set aside to be built again: its rows, opened before (the build's
     donor), and its name under ``tmp/`` until the build has linked what it shares of it."""
 
-    def __init__(self, store: LocalStore, key: str, source: Optional[RowSource],
+    def __init__(self, store: LocalStore, key: str, source: Optional[SharedRows],
                  name: str) -> None:
         self.store, self.key, self.source, self.name = store, key, source, name
 
@@ -191,8 +191,8 @@ class RowBuild:
         return join_build(directory, manifests.DATA_FILE, self.values(), self.call.row_fn,
                           rows=self._row_run(), spare=spare)
 
-    def _row_run(self, template: Template = None) -> RowRun:
-        return RowRun(self.settings.workers, self.record, template or self.call.template,
+    def _row_run(self, template: Template = None) -> RowSpec:
+        return RowSpec(self.settings.workers, self.record, template or self.call.template,
                       self.key, self.settings.executor)
 
     def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
@@ -278,7 +278,7 @@ def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarra
     if manifest.reuse is None:
         return
     if ids is None:
-        source = open_row_source(store, manifest.key, manifest.reuse.recipe)
+        source = open_shared_rows(store, manifest.key, manifest.reuse.recipe)
         if source is None:
             return
         with source:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..messages import say
 from ..store import STALE, LocalStore, Published
-from ..store.row_source import open_row_source
+from ..store.shared_rows import open_shared_rows
 from .expected import Expected
 from .flow import Outcome
 from .row_build import BuildSettings, RowBuild, RowCall, SetAside, index_entry
@@ -95,7 +95,7 @@ class RowRequest:
         record to drop."""
         if entry.manifest.reuse is None:
             return
-        source = open_row_source(self.store, self.key, entry.manifest.reuse.recipe)
+        source = open_shared_rows(self.store, self.key, entry.manifest.reuse.recipe)
         try:
             name = self.store.set_aside(self.key) if self.store.still_published(entry) \
                 else None

@@ -16,7 +16,7 @@ so it reads each entry's file once and never the entries themselves
 The index is a hint and nothing more. A file is written to a temporary name and renamed, so
 a reader sees a whole file or none; a crash between an entry's commit and its index file
 costs a later build some reuse, never a wrong row. Whatever a file says, the build that
-reuses rows checks them against the entry itself (:mod:`cachekit.store.row_source`): its
+reuses rows checks them against the entry itself (:mod:`cachekit.store.shared_rows`): its
 manifest, the row identities it lists and the checksum of every block it copies. The store
 removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry removed any
 other way is deleted by the next lookup that meets it.

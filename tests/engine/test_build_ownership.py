@@ -16,7 +16,7 @@ import pytest
 
 from cachekit import _fs
 from cachekit.engine.filling.builder import DeadBuilds, fill as fill_build
-from cachekit.engine.filling.claimed import RowRun
+from cachekit.engine.filling.claimed import RowSpec
 from cachekit.engine.filling.joiner import join as join_build
 from cachekit.engine.filling import journal as journals
 
@@ -68,9 +68,9 @@ def stopped_and_joined(dead: _fs.DirHandle, stop: int) -> None:
     """A builder stopped at row ``stop``, then a joiner that filled every free chunk."""
     with pytest.raises(Stop):
         fill_build(dead, "data.npy", list(range(ROWS)), stopping_at(stop, []),
-                   rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+                   rows=RowSpec(workers=1, record=False, template=TEMPLATE, key=KEY))
     joined = join_build(dead, "data.npy", list(range(ROWS)), row,
-                        rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+                        rows=RowSpec(workers=1, record=False, template=TEMPLATE, key=KEY))
     assert joined is not None and joined.chunks == (ROWS - stop) // CHUNK
 
 
@@ -84,10 +84,10 @@ def test_a_joiner_never_writes_the_builders_data_file(folders):
     tmp, dead, _ = folders
     with pytest.raises(Stop):
         fill_build(dead, "data.npy", list(range(ROWS)), stopping_at(8, []),
-                   rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+                   rows=RowSpec(workers=1, record=False, template=TEMPLATE, key=KEY))
     before = (tmp / "dead" / "data.npy").read_bytes()
     join_build(dead, "data.npy", list(range(ROWS)), row,
-               rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY))
+               rows=RowSpec(workers=1, record=False, template=TEMPLATE, key=KEY))
     assert (tmp / "dead" / "data.npy").read_bytes() == before
     done = records(tmp / "dead")
     assert sorted(done) == list(range(ROWS // CHUNK))
@@ -109,7 +109,7 @@ def test_a_resume_copies_verified_chunks_and_recomputes_a_tampered_one(folders):
         path.write_bytes(bytes(data))
     computed: list[int] = []
     filled = fill_build(fresh, "data.npy", list(range(ROWS)), counting(computed),
-                        rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY),
+                        rows=RowSpec(workers=1, record=False, template=TEMPLATE, key=KEY),
                         resuming=DeadBuilds(dead=[dead]))
     assert sorted(computed) == [*range(0, 4), *range(12, 16)]  # the two tampered chunks
     assert filled.resumed == ROWS - 2 * CHUNK
@@ -130,7 +130,7 @@ def test_a_plan_of_another_fill_is_never_copied(folders, change):
         return np.full(template[0], value, dtype=np.int32)
 
     filled = fill_build(fresh, "data.npy", values, fn,
-                        rows=RowRun(workers=1, record=False, template=template, key=key),
+                        rows=RowSpec(workers=1, record=False, template=template, key=key),
                         resuming=DeadBuilds(dead=[dead]))
     assert filled.resumed == 0 and sorted(computed) == values
 
@@ -146,7 +146,7 @@ def test_a_huge_planned_file_is_never_allocated_for_another_rows_count(folders):
     plan_path.unlink()
     plan_path.write_text(json.dumps(plan))
     filled = fill_build(fresh, "data.npy", list(range(ROWS)), row,
-                        rows=RowRun(workers=1, record=False, template=TEMPLATE, key=KEY),
+                        rows=RowSpec(workers=1, record=False, template=TEMPLATE, key=KEY),
                         resuming=DeadBuilds(dead=[dead]))
     assert filled.resumed == 0
     assert (tmp / "fresh" / "data.npy").stat().st_size < 4096

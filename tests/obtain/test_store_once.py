@@ -552,7 +552,7 @@ def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_id
     not taken through the first one's row identities; they are decoded."""
     from cachekit import keys
     from cachekit.store import LocalStore
-    from cachekit.store.row_source import open_row_source
+    from cachekit.store.shared_rows import open_shared_rows
 
     cache = cachekit.Cache(cache_root, workers=1, progress=False)
     zeros = lambda v: np.zeros(4, dtype=np.int64)  # noqa: E731
@@ -561,7 +561,7 @@ def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_id
     both = cache.map(zeros, pd.Series([1, 2, 3, 4, 5, 6]), version="1")
     assert both.rows_reused + both.rows_decoded == 6 and both.rows_reused >= 3
     recipe = manifests.read(both.path).reuse.recipe
-    with open_row_source(LocalStore(cache_root), both.key, recipe) as source:
+    with open_shared_rows(LocalStore(cache_root), both.key, recipe) as source:
         expected, _ = keys.row_identities(pd.Series([1, 2, 3, 4, 5, 6]))
         np.testing.assert_array_equal(source.ids[:, :2], expected[:, :2])
 

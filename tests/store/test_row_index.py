@@ -1,5 +1,5 @@
 """The per-recipe row index (cachekit/store/row_index.py) and opening an entry as a row
-source (cachekit/store/row_source.py)."""
+source (cachekit/store/shared_rows.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cachekit import keys
 from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
 from cachekit.store.row_index import RowIndex
-from cachekit.store.row_source import open_row_source
+from cachekit.store.shared_rows import open_shared_rows
 
 RECIPE = "ab" * 16
 
@@ -89,19 +89,19 @@ def test_a_row_source_is_refused_when_any_row_file_disagrees_with_the_manifest(t
     entry = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
     store = LocalStore(tmp_path / "cache")
     recipe = manifests.read(entry.path).reuse.recipe
-    with open_row_source(store, entry.key, recipe) as source:
+    with open_shared_rows(store, entry.key, recipe) as source:
         assert source.ids.shape == (20, 2) and source.where is None  # contiguous
         assert source.stats is None and not source.failed.any()
         data, offset = source.open_data(0)
         with data:
             assert offset == os.path.getsize(entry.path / "data.npy") - 20 * 6
-    assert open_row_source(store, entry.key, "0" * 32) is None  # another recipe
+    assert open_shared_rows(store, entry.key, "0" * 32) is None  # another recipe
     ids = entry.path / manifests.ROW_IDS_FILE
     raw = bytearray(ids.read_bytes())
     raw[-1] ^= 1
     ids.write_bytes(bytes(raw))
-    assert open_row_source(store, entry.key, recipe) is None
-    assert open_row_source(store, "5" * 32, recipe) is None  # no such entry
+    assert open_shared_rows(store, entry.key, recipe) is None
+    assert open_shared_rows(store, "5" * 32, recipe) is None  # no such entry
 
 
 def test_a_row_source_that_is_refused_costs_nothing_but_its_rows(tmp_path, monkeypatch):

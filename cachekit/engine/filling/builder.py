@@ -39,7 +39,7 @@ from ...keys import rest_key
 from ..running.executors import RowTask, make_runner
 from ..running.rows import as_row
 from . import plan as plans
-from .claimed import QUIET, ChunkCallback, Report, RowFunction, RowRun, run_claimed
+from .claimed import QUIET, ChunkCallback, Report, RowFunction, RowSpec, run_claimed
 from .copying import copy_chunk, open_checked
 from .journal import Claim, Done, Journal, digest, journal_name, rows_file_owner
 from .plan import Chunk, take, write_todo
@@ -95,11 +95,11 @@ NO_DEAD_BUILDS = DeadBuilds()
 
 
 def fill(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
-         rows: RowRun, resuming: DeadBuilds = NO_DEAD_BUILDS, report: Report = QUIET,
+         rows: RowSpec, resuming: DeadBuilds = NO_DEAD_BUILDS, report: Report = QUIET,
          todo: Optional[np.ndarray] = None) -> Filled:
     """Write ``row_fn(values[i])`` into row ``i`` of a new .npy file ``name`` of ``directory``.
 
-    ``rows`` says how rows run and what they make (:class:`RowRun`: the template, failures
+    ``rows`` says how rows run and what they make (:class:`RowSpec`: the template, failures
     recorded or raised, the build's key, workers and executor). ``report`` is called after
     each chunk and shows the progress bar.
 
@@ -157,7 +157,7 @@ class _Job:
     name: str
     values: Sequence[Any]
     task: RowTask
-    rows: RowRun
+    rows: RowSpec
 
 
 @dataclass

@@ -22,7 +22,7 @@ ChunkCallback = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
-class RowRun:
+class RowSpec:
     """How a fill's rows run and what they make: ``workers`` rows at once on ``executor``
     (None: cachekit's rule); ``record`` makes a row whose function raises (anything but
     NotAnArrayError) a failure whose row stays zeros, where False re-raises it unchanged;

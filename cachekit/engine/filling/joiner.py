@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from ... import _fs
 from ...errors import BuildGone
 from ..running.executors import RowTask, make_runner
-from .claimed import RowFunction, RowRun, RowsFile, run_claimed
+from .claimed import RowFunction, RowSpec, RowsFile, run_claimed
 from .cores import Seats, Spare
 from .journal import Journal
 from .plan import Plan
@@ -38,7 +38,7 @@ class Joined:
 
 
 def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: RowFunction, *,
-         rows: RowRun, spare: Optional[Spare] = None) -> Optional[Joined]:
+         rows: RowSpec, spare: Optional[Spare] = None) -> Optional[Joined]:
     """Fill chunks that nobody holds of another process's build in ``directory`` (opened
     by handle, and of this user), until none is left; None when it cannot be joined (no plan yet, or
     a plan of other rows than ``rows`` makes: its template and key). Writes only claims, done
@@ -68,7 +68,7 @@ def join(directory: _fs.DirHandle, name: str, values: Sequence[Any], row_fn: Row
         return _join(journal, values, row_fn, rows, spare)
 
 
-def _join(journal: Journal, values: Sequence[Any], row_fn: RowFunction, rows: RowRun,
+def _join(journal: Journal, values: Sequence[Any], row_fn: RowFunction, rows: RowSpec,
           spare: Optional[Spare]) -> Optional[Joined]:
     """Join the fill whose journal is ``journal``: of every row of the build, or of the
     rows its journal names (``todo.npy``)."""

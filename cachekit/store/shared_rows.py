@@ -7,7 +7,7 @@ is opened once, through one handle on its directory: its manifest is read and ch
 signature too when ``CACHEKIT_SIGNING_KEY`` is set) and must name the recipe; its row
 identities (and a derived entry's row map) are read whole and must match their checksums
 in the manifest. A data file is opened through that handle only when a build links it
-(:meth:`RowSource.open_data`), and its header and size must be the manifest's; the link is
+(:meth:`SharedRows.open_data`), and its header and size must be the manifest's; the link is
 then made from the open file itself (:meth:`cachekit._fs.DirHandle.link_open_file`), so
 the entry may be cleared or pruned at any moment and no path is followed that another
 process could swap.
@@ -31,7 +31,7 @@ from .row_view import read_row_file, row_map_at
 
 
 @dataclass
-class RowSource:
+class SharedRows:
     """An entry's rows, open to be shared: its open directory, its row identities ``ids``
     ((rows, 2), or (rows, 4) with the identities of the files' digests for an entry built
     with ``validate="content"``), for an images entry the files' stats when it was built,
@@ -76,14 +76,14 @@ class RowSource:
     def close(self) -> None:
         self.directory.close()
 
-    def __enter__(self) -> "RowSource":
+    def __enter__(self) -> "SharedRows":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSource]:
+def open_shared_rows(store: LocalStore, key: str, recipe: str) -> Optional[SharedRows]:
     """The committed entry ``key`` of ``recipe`` opened to share rows, or None when it is
     gone, is of another recipe, lists no row identities, or fails any check."""
     try:
@@ -108,4 +108,4 @@ def open_row_source(store: LocalStore, key: str, recipe: str) -> Optional[RowSou
     except BaseException:
         entry.close()
         raise
-    return RowSource(key, manifest, entry, ids, stats, where)
+    return SharedRows(key, manifest, entry, ids, stats, where)
