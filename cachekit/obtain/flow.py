@@ -1,19 +1,20 @@
-"""Get a published entry, building it first if needed: wait, build or resume, commit.
+"""Get a published entry for a request, building it first if needed.
+
+A hit reads top to bottom: :func:`obtain` looks the key up (:mod:`.lookup`), checks the
+manifest against the request, and returns; nothing a build needs is made. A miss goes to
+:class:`_Miss`, which starts the request's build, waits for the key's build lock and for
+the live builders it cannot see, joining their builds when it may (:mod:`.local_wait`);
+with a remote tier it then downloads the key's entry or takes its lease
+(:mod:`.remote`); holding the lock with no live builder left, it builds and commits,
+resuming this user's dead builds of the key (:mod:`.commit`), and with a lease hands
+what it built to the upload. The whole wait is bounded by one ``lock_timeout``
+(:mod:`.wait`). The caller opens the entry.
 
 This module only coordinates; where bytes live is the store's business
 (:mod:`cachekit.store.local`). Correctness never depends on the lock, which only saves
 duplicate work: a build happens in a private directory and is published by the store's
-atomic commit (:mod:`cachekit.obtain.commit`), so if a broken lock lets two builders race,
-the first rename wins and the other uses the winner's entry. Readers of published entries
-never take a lock.
-
-A call that misses waits for the key's build lock and for the live builders it cannot see,
-joining their builds when it may (:mod:`cachekit.obtain.local_wait`); with a remote tier it
-then looks the key up remotely or waits for another host's lease
-(:mod:`cachekit.obtain.remote`); the whole wait is bounded by one ``lock_timeout``
-(:mod:`cachekit.obtain.wait`). Holding the lock with no live builder left, it builds,
-resuming this user's dead builds of the key. Every entry it returns is checked against
-what the call expects (:mod:`cachekit.obtain.expected`).
+atomic commit, so if a broken lock lets two builders race, the first rename wins and the
+other uses the winner's entry. Readers of published entries never take a lock.
 """
 
 from __future__ import annotations

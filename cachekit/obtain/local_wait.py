@@ -26,7 +26,7 @@ from typing import Callable, Optional, Union
 
 from .. import _fs, liveness
 from ..engine.filling.cores import Spare, spare_cores
-from ..engine.filling.joiner import Joined, join as join_build
+from ..engine.filling.joiner import Joined
 from ..messages import say
 from ..store import BuildState, LocalStore, Published, locks
 from .lookup import find_entry

@@ -15,31 +15,26 @@ rows). The donors, the entries that hold its rows, are found by
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import _fs, arrays, keys, source_stats
-from ..engine.filling.builder import DeadBuilds, Filled, fill as fill_build
+from .. import _fs, keys, source_stats
+from ..engine.filling.builder import DeadBuilds, fill as fill_build
 from ..engine.filling.claimed import Report, RowSpec
 from ..engine.filling.cores import Spare, runs_at_once
 from ..engine.filling.joiner import Joined, join as join_build
 from ..errors import ImageDecodeError
 from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
-from ..store.manifest import Origin, RowReuse
 from ..messages import say, speaking
 from ..store.shared_rows import SharedRows, open_shared_rows
 from . import donors, parts
 from .build import Built, ChunkCallback
 from .donors import Rows
-
-BLOCK_BYTES = 1 << 20
-"""Bytes of rows per block digest of ``row_blocks.npy``. Rows are shared by link now, so
-no build reads them; the file stays in the format (``verify`` checks it like any other)."""
+from .row_files import no_rows, write_row_files
 
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
@@ -148,7 +143,7 @@ class RowBuild:
                 aside.drop()
         with contextlib.closing(held):
             if held.derived and not len(held.todo):  # nothing to decode: no fill at all
-                filled = _no_rows(current.dir, found.template)
+                filled = no_rows(current.dir, found.template)
             else:
                 report = Report(on_chunk, settings.progress, f"cachekit {call.kind}",
                                 lines=speaking() and not settings.progress)
@@ -169,7 +164,7 @@ class RowBuild:
             failure = ImageDecodeError(filled.failures, len(values), os.getcwd())
             if len(filled.failures) == len(values):
                 raise failure  # nothing decoded: nothing to keep
-        extra = _row_files(current.dir, rows, filled, held)
+        extra = write_row_files(current.dir, rows, filled, held)
         return Built(
             kind=call.kind, rows=len(values), files=((manifests.DATA_FILE, "numpy"), *extra.files),
             failed_rows=tuple(filled.failures), params=call.params,
@@ -216,58 +211,6 @@ class RowBuild:
                 self.values(), getattr(call.row_fn, "storage_options", None),
                 getattr(call.row_fn, "fetch", None))
         return Rows(recipe, ids, stats, same_stat="content" not in call.material)
-
-
-@dataclass(frozen=True)
-class _RowFiles:
-    """What a per-row build adds to its manifest: the row files and parts (name, leaf
-    kind), the checksums known without reading the files again (the data file's, computed
-    with its block digests; each part's, its donor's), how its rows may be reused, and
-    where they came from."""
-
-    files: tuple[tuple[str, str], ...]
-    digests: dict[str, str]
-    reuse: RowReuse
-    origin: Origin
-    linked: frozenset[str] = frozenset()
-    """The parts: links to files of committed entries."""
-
-
-def _row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
-               held: parts.Parts) -> _RowFiles:
-    """Write the row identities, the data's block digests, (images) the file stats and (a
-    derived entry) the row map into the build directory next to its data file."""
-    shape, dtype = filled.shape, np.dtype(filled.dtype)
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
-    whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
-    own = held.own_rows if held.derived else slice(None)  # they describe data.npy's rows
-    arrays.write_small(directory, manifests.ROW_IDS_FILE, np.ascontiguousarray(rows.ids[own]))
-    arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
-    files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
-    digests = {manifests.DATA_FILE: whole}
-    linked: frozenset[str] = frozenset()
-    if rows.stats is not None:
-        arrays.write_small(directory, manifests.ROW_STATS_FILE,
-                           np.ascontiguousarray(rows.stats[own], dtype="<i8"))
-        files.append((manifests.ROW_STATS_FILE, "numpy"))
-    if held.derived:
-        arrays.write_small(directory, manifests.ROW_MAP_FILE, held.row_map())
-        files.append((manifests.ROW_MAP_FILE, "numpy"))
-        shared = {**dict(zip(held.names, held.records)), **held.sidecars}
-        files += [(name, "numpy") for name in sorted(shared)]
-        digests.update((name, record.checksum) for name, record in shared.items())
-        linked = frozenset(shared)
-    reused = sorted(((k, n) for k, n in held.shared.items() if n), key=lambda kn: -kn[1])
-    origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
-    return _RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)
-
-
-def _no_rows(directory: _fs.DirHandle, template: Any) -> Filled:
-    """An empty own data file: every row of the build is another entry's."""
-    shape, dtype = (0, *template[0]), np.dtype(template[1])
-    arrays.write_small(directory, manifests.DATA_FILE, np.zeros(shape, dtype))
-    return Filled(shape=shape, dtype=dtype)
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

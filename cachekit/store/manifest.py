@@ -35,10 +35,11 @@ from .. import _fs
 from . import signing
 from ..errors import CacheCorruptError, CachekitError, Failure, UnsignedEntryError
 from ..keys import FORMAT_VERSION, is_key
+from ..small_json import is_number
 from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, MEMOIZE_KIND,
                       ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_MAP_FILE, ROW_STATS_FILE,
                       FileRecord, Origin, RowReuse, allowed_file_name, count_field,
-                      failed_mask_text, file_name, get_field, is_number, is_part_file,
+                      failed_mask_text, file_name, get_field, is_part_file,
                       is_part_name, parse_failed_mask, parse_failure, parse_file_record,
                       parse_origin, parse_reuse, part_name, sidecar_name, SIDECARS)
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CacheCorruptError, Failure
 from ..arrays import CHECKSUM_PREFIX, open_file
 from ..keys import is_key
-from ..small_json import is_count, is_number
+from ..small_json import is_count
 
 Fail = Callable[[str], CacheCorruptError]
 """Makes the error of a manifest field that fails its check, naming the manifest."""

@@ -1,0 +1,76 @@
+"""The files a per-row build writes next to its data file, for its manifest: the row
+identities, the data's block digests, for images the files' stats, and for a derived entry
+the row map and the parts it links (:mod:`.parts`); and the empty data file of a build
+whose every row is another entry's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _fs, arrays
+from ..engine.filling.builder import Filled
+from ..store import manifest as manifests
+from ..store.manifest import Origin, RowReuse
+from .donors import Rows
+from .parts import Parts
+
+BLOCK_BYTES = 1 << 20
+"""Bytes of rows per block digest of ``row_blocks.npy``. Rows are shared by link now, so
+no build reads them; the file stays in the format (``verify`` checks it like any other)."""
+
+
+@dataclass(frozen=True)
+class RowFiles:
+    """What a per-row build adds to its manifest: the row files and parts (name, leaf
+    kind), the checksums known without reading the files again (the data file's, computed
+    with its block digests; each part's, its donor's), how its rows may be reused, and
+    where they came from."""
+
+    files: tuple[tuple[str, str], ...]
+    digests: dict[str, str]
+    reuse: RowReuse
+    origin: Origin
+    linked: frozenset[str] = frozenset()
+    """The parts: links to files of committed entries."""
+
+
+def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
+                    held: Parts) -> RowFiles:
+    """Write the row identities, the data's block digests, (images) the file stats and (a
+    derived entry) the row map into the build directory next to its data file."""
+    shape, dtype = filled.shape, np.dtype(filled.dtype)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
+    whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
+    own = held.own_rows if held.derived else slice(None)  # they describe data.npy's rows
+    arrays.write_small(directory, manifests.ROW_IDS_FILE, np.ascontiguousarray(rows.ids[own]))
+    arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
+    files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
+    digests = {manifests.DATA_FILE: whole}
+    linked: frozenset[str] = frozenset()
+    if rows.stats is not None:
+        arrays.write_small(directory, manifests.ROW_STATS_FILE,
+                           np.ascontiguousarray(rows.stats[own], dtype="<i8"))
+        files.append((manifests.ROW_STATS_FILE, "numpy"))
+    if held.derived:
+        arrays.write_small(directory, manifests.ROW_MAP_FILE, held.row_map())
+        files.append((manifests.ROW_MAP_FILE, "numpy"))
+        shared = {**dict(zip(held.names, held.records)), **held.sidecars}
+        files += [(name, "numpy") for name in sorted(shared)]
+        digests.update((name, record.checksum) for name, record in shared.items())
+        linked = frozenset(shared)
+    reused = sorted(((k, n) for k, n in held.shared.items() if n), key=lambda kn: -kn[1])
+    origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
+    return RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)
+
+
+def no_rows(directory: _fs.DirHandle, template: Any) -> Filled:
+    """An empty own data file: every row of the build is another entry's."""
+    shape, dtype = (0, *template[0]), np.dtype(template[1])
+    arrays.write_small(directory, manifests.DATA_FILE, np.zeros(shape, dtype))
+    return Filled(shape=shape, dtype=dtype)
