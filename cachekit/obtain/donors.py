@@ -16,7 +16,6 @@ import numpy as np
 
 from ..messages import say
 from ..store import LocalStore
-from ..store.row_index import RowIndex
 from ..store.shared_rows import SharedRows, open_shared_rows
 from ..units import count
 
@@ -106,7 +105,7 @@ def find(store: LocalStore, key: str, rows: Rows,
         if healed is not None:
             same = np.arange(min(len(rows.ids), healed.manifest.rows))
             offer(healed, same, same)
-        for match in RowIndex(store).matches(rows.recipe, rows.ids[:, 0], remaining,
+        for match in store.row_index.matches(rows.recipe, rows.ids[:, 0], remaining,
                                              exclude=key):
             source = open_shared_rows(store, match.key, rows.recipe)
             if source is None:
