@@ -120,15 +120,17 @@ class Layout:
         return self._open_child(name)
 
     def _open_child(self, name: str) -> _fs.DirHandle:
-        with _fs.DirHandle.open(self.root, follow=True) as root:
-            try:
-                return root.child(name)
-            except OSError as e:
-                if e.errno not in _fs.NOT_A_FILE_ERRNOS:
-                    raise
-                raise CacheCorruptError(root.path / name, "it is a symlink or not a directory, "
-                                        "and cachekit never follows one", "remove it, and "
-                                        "cachekit makes a real directory") from None
+        """The root's folder ``name`` in one open: the root may be a symlink the user made,
+        the folder never is (``O_NOFOLLOW`` applies to the last component alone)."""
+        path = self.root / name
+        try:
+            return _fs.DirHandle.open(path)
+        except OSError as e:
+            if e.errno not in _fs.NOT_A_FILE_ERRNOS:
+                raise
+            raise CacheCorruptError(path, "it is a symlink or not a directory, and cachekit "
+                                    "never follows one", "remove it, and cachekit makes a "
+                                    "real directory") from None
 
     def open_folder_if_any(self, name: str) -> Optional[_fs.DirHandle]:
         """:meth:`open_folder`, or None when the folder does not exist (yet)."""

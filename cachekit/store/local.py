@@ -82,9 +82,8 @@ class LocalStore:
         time; nothing in it is rewritten). Best effort: a read-only or foreign-owned root
         must still serve hits."""
         try:
-            with self.layout.open_entry(published.manifest.key) as entry:
-                if entry is not None:
-                    entry.touch()
+            with self.layout.open_folder("entries") as entries:
+                entries.touch(published.manifest.key)
         except (OSError, CacheCorruptError):
             pass
 
