@@ -45,7 +45,8 @@ class Cache:
     or a concurrent.futures.Executor such as dask's ``client.get_executor()`` (see
     docs/build-engine.md). ``join``: a process that finds a live build of its key (this
     host, or another host of a shared root) fills chunks nobody holds instead of only
-    waiting. ``progress``: show bars (None: only when stderr is a terminal).
+    waiting. ``progress``: show bars (None: only when stderr is a terminal; False: no bars,
+    and no notes of the call's work on stderr either, only its warnings).
     ``max_size``: the root's budget in bytes (an int, or a size such as "50G"; None:
     ``$CACHEKIT_MAX_SIZE``, unset: no budget): after each build or download this process
     commits, the least recently used entries are removed until the root fits, never the
