@@ -84,7 +84,7 @@ def test_the_file_of_a_removed_entry_goes_at_the_next_lookup(tmp_path):
     assert sorted(p.stem for p in (tmp_path / "index" / RECIPE).iterdir()) == [kept]
 
 
-def test_a_row_source_is_refused_when_any_row_file_disagrees_with_the_manifest(tmp_path):
+def test_shared_rows_are_refused_when_any_row_file_disagrees_with_the_manifest(tmp_path):
     cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
     entry = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
     store = LocalStore(tmp_path / "cache")
@@ -104,7 +104,7 @@ def test_a_row_source_is_refused_when_any_row_file_disagrees_with_the_manifest(t
     assert open_shared_rows(store, "5" * 32, recipe) is None  # no such entry
 
 
-def test_a_row_source_that_is_refused_costs_nothing_but_its_rows(tmp_path, monkeypatch):
+def test_shared_rows_that_are_refused_cost_nothing_but_its_rows(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "k" * 32)
     cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
     first = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
