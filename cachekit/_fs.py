@@ -197,13 +197,9 @@ class DirHandle:
         if os.name != "nt":
             os.fsync(self.fd)
 
-    def touch(self, name: Optional[str] = None) -> None:
-        """Set this directory's times (or those of its entry ``name``, never following a
-        symlink there) to now."""
-        if name is None:
-            os.utime(self.fd)
-        else:
-            os.utime(name, dir_fd=self.fd, follow_symlinks=False)
+    def touch(self, name: str) -> None:
+        """Set the times of ``name`` in this directory to now, never following a symlink."""
+        os.utime(name, dir_fd=self.fd, follow_symlinks=False)
 
     def chmod(self, mode: int) -> None:
         os.fchmod(self.fd, mode)

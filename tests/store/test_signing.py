@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from cachekit.messages import prefix
 from cachekit.store import signing
 from cachekit.store import manifest as manifests
 from cachekit.cli.main import main
+from cachekit.obtain.lookup import find_entry
 from cachekit.store import LocalStore, Published, Refused
 
 KEY = "team key \u00e9 0xC0FFEE-7f3a9b"  # not ASCII: the key is the variable's UTF-8 bytes
@@ -229,6 +231,9 @@ def test_a_lookup_writes_nothing_and_returns_what_it_refused(cache_root, monkeyp
     os.utime(entry.path, (1_000_000, 1_000_000))
     assert isinstance(store.lookup(entry.key), Published)
     assert entry.path.stat().st_mtime == 1_000_000
+    assert find_entry(store, entry.key).path == entry.path  # the caller records the use
+    assert entry.path.stat().st_mtime > time.time() - 60
+    os.utime(entry.path, (1_000_000, 1_000_000))
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", KEY)
     refused = store.lookup(entry.key)
     assert isinstance(refused, Refused) and refused.key == entry.key
