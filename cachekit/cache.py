@@ -31,6 +31,10 @@ from .store import LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
 Opened = TypeVar("Opened")
+_OPEN_ATTEMPTS = 5
+"""Times a call obtains its entry again when it was removed (a `clear` or `prune` of
+another process) between its commit and its opening: each time is a new build, so a
+clear that runs in a tight loop fails a call only after five lost races in a row."""
 
 
 class Cache:
@@ -192,13 +196,14 @@ class Cache:
         its data, and ``open_entry`` may set it aside to be built again (FileNotFoundError):
         neither is corruption, so it is obtained again (a rebuild) instead of raising."""
         with quiet(self.progress is False):
-            for attempt in range(3):
+            for attempt in range(_OPEN_ATTEMPTS):
                 outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
                                  join=self.join, remote=self._remote_tier())
                 try:
                     opened = open_entry(outcome)
                 except (CacheCorruptError, FileNotFoundError):
-                    if attempt == 2 or self._store.still_published(outcome.entry):
+                    if attempt == _OPEN_ATTEMPTS - 1 or self._store.still_published(
+                            outcome.entry):
                         raise
                     continue
                 _wandb.report(outcome)  # into the user's active wandb run; never raises
