@@ -32,15 +32,6 @@ settings.load_profile("shared-machine")
 two cores, and a slow draw there is load, not a slow strategy."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests marked ``slow`` first, in their order, then the others in theirs.
-
-    The README's command hands tests out two at a time (``--dist load --maxschedchunk 2``),
-    so the longest ones start at once on every worker and the short ones fill the gaps,
-    instead of one long test starting late and running on alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture
 def cache_root(tmp_path: Path) -> Path:
     return tmp_path / "cache"

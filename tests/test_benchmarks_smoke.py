@@ -10,8 +10,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
-
 RUN_PY = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
 
 
@@ -23,7 +21,6 @@ def load_run_module():
     return module
 
 
-@pytest.mark.slow
 def test_a_tiny_quick_run_measures_every_phase_and_leaves_the_published_figures_alone(
         tmp_path: Path, capsys, monkeypatch) -> None:
     import subprocess
@@ -90,7 +87,6 @@ def test_a_replot_fills_the_generated_parts_and_keeps_the_prose(tmp_path: Path) 
     assert "range (runs)" not in front  # the full tables stay on the docs page
 
 
-@pytest.mark.slow
 def test_the_engine_benchmark_prints_every_ratio(tmp_path: Path, monkeypatch) -> None:
     # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
@@ -128,7 +124,6 @@ def test_the_incremental_benchmark_prints_every_ratio(tmp_path: Path, monkeypatc
     assert (tmp_path / "i.json").exists()
 
 
-@pytest.mark.slow
 def test_the_backends_benchmark_prints_its_ratios(tmp_path: Path, monkeypatch) -> None:
     # Imported by its own name: its OpenCV pool's spawned workers import it by that name.
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
@@ -161,7 +156,6 @@ def test_the_failures_benchmark_prints_every_figure(tmp_path: Path, monkeypatch)
     assert (tmp_path / "f.json").exists()
 
 
-@pytest.mark.slow
 def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
     storage = importlib.import_module("bench_storage")

@@ -245,7 +245,6 @@ def _progress(directory: _fs.DirHandle) -> Optional[tuple[Any, tuple[int, ...]]]
         return None
 
 
-@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_fill_stopped_at_any_row_resumes_to_the_same_result(data):

@@ -619,7 +619,6 @@ def test_build_passes_every_option(tmp_path, cache_root, cover_paths):
     assert entry.array.shape == (3, 1, 9, 9)
 
 
-@pytest.mark.slow
 def test_build_takes_the_backend(tmp_path, cache_root, cover_paths):
     csv = write_csv(tmp_path / "train.csv", cover_paths[:3])
     keys = {}

@@ -144,7 +144,6 @@ KINDS = ["threads", "processes", "pool", "dask"]
 # --- same bytes, same key ----------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.slow
 def test_every_executor_gives_the_same_bytes_and_key(tmp_path, cover_paths, kind, request):
     column = pd.Series(cover_paths, name="img_path")
     reference = cachekit.Cache(tmp_path / "ref", workers=1, executor="threads",

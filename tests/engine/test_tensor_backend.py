@@ -497,7 +497,6 @@ def torch_threads_row(value: int) -> np.ndarray:
     return np.array([os.getpid(), loaded_torch.get_num_threads()], dtype=np.int64)
 
 
-@pytest.mark.slow
 def test_a_worker_process_runs_torch_on_one_thread(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch reads both at start

@@ -77,7 +77,6 @@ def _ranks(done: subprocess.CompletedProcess) -> dict[int, tuple]:
     return ranks
 
 
-@pytest.mark.slow
 def test_two_ranks_share_one_build_and_each_says_what_it_did(job):
     done = _torchrun(job)
     ranks = _ranks(done)
@@ -98,7 +97,6 @@ def test_two_ranks_share_one_build_and_each_says_what_it_did(job):
                             r"\w+ with 1 joining process", line) for line in said), said
 
 
-@pytest.mark.slow
 def test_a_second_job_maps_the_entry_and_decodes_nothing(job):
     _torchrun(job)
     again = _ranks(_torchrun(job))

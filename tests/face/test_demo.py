@@ -10,12 +10,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_demo_builds_once_and_reports_hits(tmp_path):
     result = subprocess.run(
         ["cachekit", "--root", str(tmp_path / "root"), "demo", "--images", "24", "--agents", "3"],
@@ -159,7 +156,6 @@ sys.meta_path.insert(0, _Absent)
 """
 
 
-@pytest.mark.slow
 def test_the_lean_install_runs_the_demo(tmp_path):
     """The README's `pip install -e . && cachekit demo`: the demo needs nothing of `dev`.
     Every module that only the dev extra brings is hidden, in the demo and its agents."""

@@ -239,7 +239,6 @@ AGENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_four_sweep_agents_build_once_and_record_it(tmp_path):
     pytest.importorskip("wandb", reason="the wandb extra is not installed "
                                         "(pip install -e '.[wandb]')")

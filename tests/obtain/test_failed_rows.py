@@ -42,7 +42,6 @@ def _json_sizes(root) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in root.rglob("*.json")}
 
 
-@pytest.mark.slow
 def test_fifty_thousand_failed_rows_keep_the_manifest_small_and_the_next_call_works(
         tmp_path, column):
     paths, good = column

@@ -214,7 +214,6 @@ def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_b
     assert one_entry_of(remote, tmp_path, first["sha"]) == first["key"]
 
 
-@pytest.mark.slow
 def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, tmp_path,
                                                                    proxy):
     proxy.mode = "late-request"

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import cachekit
 from cachekit.admin.remote import removal_for_clear
@@ -40,7 +39,6 @@ def _pooled_files(remote: RemoteStore, key: str) -> dict[str, int]:
             if found.pooled(f)}
 
 
-@pytest.mark.slow
 def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_names(
         s3_env, tmp_path, capsys):
     full, *folds = _pushed(tmp_path / "a", list(range(300)),

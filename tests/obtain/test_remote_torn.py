@@ -198,7 +198,6 @@ def row(v):
     return np.full((3, 8, 8), v % 251, dtype=np.uint8)
 
 
-@pytest.mark.slow
 def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
     before = set(threading.enumerate())
@@ -228,7 +227,6 @@ def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
     assert pulled.source == "remote" and np.array_equal(pulled.array, built.array)
 
 
-@pytest.mark.slow
 def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
     before = set(threading.enumerate())

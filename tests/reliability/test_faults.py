@@ -122,7 +122,6 @@ def assert_clean_after_failure(root: Path, key: str) -> None:
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.slow
 def test_a_write_fault_at_every_call_position_fails_cleanly(tmp_path, column, reference,
                                                             target, monkeypatch):
     small_chunks(monkeypatch, 4)  # 12 rows: three chunks, three done records

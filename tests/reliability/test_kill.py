@@ -321,7 +321,6 @@ def test_sigkill_at_each_point_leaves_no_partial_entry_and_the_next_build_resume
     assert list((root / "tmp").iterdir()) == []
 
 
-@pytest.mark.slow
 def test_soak_random_kill_chains(zygote, rows, tmp_path, monkeypatch):
     """Random locks and kill points, up to three kills in a row before a build completes."""
     paths, reference = rows
@@ -378,7 +377,6 @@ def run_together(zygote, root: Path, tmp_path: Path, count: int, lock: str,
     return reports
 
 
-@pytest.mark.slow
 def test_two_resumers_never_share_a_dead_builders_directory(zygote, rows, tmp_path):
     """Without a lock, two processes find one dead build and try to claim it at the same
     moment (they meet at barriers after starting their builds and before claiming): exactly

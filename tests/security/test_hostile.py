@@ -526,7 +526,6 @@ def modes_under(root: Path, umask: str, paths) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.slow
 def test_entries_and_lock_files_follow_the_umask(tmp_path, cover_paths):
     shared = modes_under(tmp_path / "shared", "002", cover_paths[:2])
     for name in ("entries", "entry", "tmp", "locks"):

@@ -71,7 +71,6 @@ def _s3_env(server: HostileServer, presigned: bool) -> dict:
 
 
 @pytest.mark.parametrize("reader", ["https", "s3-presigned", "s3fs"])
-@pytest.mark.slow
 def test_a_hostile_source_fails_its_row_alone_within_the_deadline_and_memory(
         tmp_path, hostile, reader):
     if reader == "https":

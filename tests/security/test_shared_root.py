@@ -637,7 +637,6 @@ def test_without_an_attacker_every_victim_call_succeeds(shared_root, op):
 
 @pytest.mark.parametrize("scope", ["inside", "swap", "entries", "locks"])
 @pytest.mark.parametrize("op", ["images", "map", "memoize", "resume"])
-@pytest.mark.slow
 def test_symlinks_planted_under_the_root_are_never_followed(shared_root, op, scope):
     """Links to the victim's files and folders under every name cachekit uses (scope
     "inside": files in build directories and entries, the random .tmp names included;
