@@ -314,8 +314,9 @@ def _column_values(paths: Any, storage_options: Any
 
 def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
     """(URL or None, RemoteStore or None) for Cache(remote=...): None -> $CACHEKIT_REMOTE;
-    "" -> local only. The store imports fsspec only when it is first used."""
-    from .store.remote import RemoteStore, url_from_env
+    "" -> local only. The remote store's modules are imported only when there is one, and
+    it imports fsspec only when it is first used."""
+    from .store.remote_fs import url_from_env
 
     if remote is None:
         remote = url_from_env()
@@ -324,6 +325,8 @@ def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:
                                   f"{type(remote).__qualname__}")
     if not remote:
         return None, None
+    from .store.remote import RemoteStore
+
     return remote, RemoteStore(remote)
 
 

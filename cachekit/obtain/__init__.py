@@ -11,8 +11,8 @@ bounded by ``lock_timeout``), ``remote`` (the remote tier: download or lease, th
 ``commit`` (building in a private directory and the atomic commit), ``accounting`` (the
 seconds a call spent on its own work, not waiting), ``background`` (uploads after the call
 returns), ``expected`` (what a call knows of its entry). The per-row calls:
-``row_request`` (their request, and settling an entry before it is opened), ``row_build``
-(their build), ``donors`` (the committed entries that hold a build's rows), ``parts``
+``row_call`` (what they ask for), ``row_request`` (their request, and settling an entry
+before it is opened), ``row_build`` (their build, imported on a miss only), ``donors`` (the committed entries that hold a build's rows), ``parts``
 (linking their files in, the row map) and ``staleness`` (did a hit's files change).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from .build import Build, Built, ChunkCallback, Request
 from .expected import Expected
 from .flow import Outcome, obtain
-from .row_build import BuildSettings, RowBuild, RowCall
+from .row_call import BuildSettings, RowCall
 from .row_request import RowRequest
 from .wait import check_lock_timeout
 

@@ -1,8 +1,7 @@
 """The build of a per-row entry (``Cache.images``, ``Cache.map``): steps 5 and 6 of
 docs/design.md for entries made row by row.
 
-:class:`RowCall` is what the call asked for (the kind, the column, the row function, the
-params and key material, the row template). On a miss, its
+What the call asked for is its :class:`~cachekit.obtain.row_call.RowCall`. On a miss, its
 :class:`~cachekit.obtain.row_request.RowRequest` starts a :class:`RowBuild`, the
 :class:`~cachekit.obtain.build.Build` that :func:`cachekit.obtain.obtain` drives:
 :meth:`RowBuild.build` (link the rows that committed entries of the same recipe hold,
@@ -16,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -34,43 +32,8 @@ from ..store.shared_rows import SharedRows, open_shared_rows
 from . import donors, parts
 from .build import Built, ChunkCallback
 from .donors import Rows
+from .row_call import BuildSettings, RowCall, Template
 from .row_files import no_rows, write_row_files
-
-Template = Optional[tuple[tuple[int, ...], Any]]
-"""The row shape and dtype a build makes (None: the first row's)."""
-
-
-@dataclass(frozen=True)
-class BuildSettings:
-    """Where and how a build's rows run, as the :class:`cachekit.Cache` was configured."""
-
-    workers: int
-    executor: Any
-    progress: bool
-    """Progress bars."""
-
-
-@dataclass(frozen=True)
-class RowCall:
-    """What a per-row call asked for: the entry's ``kind``, its ``column`` (a pandas
-    Series), the ``row_fn`` computing one row, the ``params`` and column ``material`` of
-    its key (:func:`cachekit.keys.rows_key`), the row ``template``, ``on_error``, and
-    whether the entry must be ``contiguous``."""
-
-    kind: str
-    column: Any
-    row_fn: Callable[[Any], Any]
-    params: dict[str, Any]
-    material: dict[str, Any]
-    template: Template
-    on_error: str
-    contiguous: bool = False
-    """Store every row in one data file of its own, even rows other entries hold."""
-
-    @property
-    def key(self) -> str:
-        return keys.rows_key(self.kind, self.params, self.material, len(self.column))
-
 
 class SetAside:
     """The entry of a key set aside to be built again: its rows, opened before (the build's

@@ -12,7 +12,7 @@ obtains the key again; its build shares every row it can with the entry set asid
 from __future__ import annotations
 
 import errno
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -21,7 +21,10 @@ from ..store import STALE, LocalStore, Published
 from ..store.shared_rows import open_shared_rows
 from .expected import Expected
 from .flow import Outcome
-from .row_build import BuildSettings, RowBuild, RowCall, SetAside, index_entry
+from .row_call import BuildSettings, RowCall
+
+if TYPE_CHECKING:  # imported on a miss only: a hit needs none of the build's machinery
+    from .row_build import RowBuild, SetAside
 
 
 class RowRequest:
@@ -35,10 +38,12 @@ class RowRequest:
             call.kind, rows=len(call.column), row_shape=shape,
             dtype=None if dtype is None else np.dtype(dtype).str)
         self.raise_failures = call.on_error == "raise"
-        self._aside: Optional[SetAside] = None
+        self._aside: Optional["SetAside"] = None
 
-    def start(self) -> RowBuild:
+    def start(self) -> "RowBuild":
         """The build (on a miss), given the entry set aside to be built again, if any."""
+        from .row_build import RowBuild
+
         aside, self._aside = self._aside, None
         return RowBuild(self.store, self.call, self.settings, aside)
 
@@ -51,6 +56,8 @@ class RowRequest:
             self._aside.close()
             self._aside = None
         if outcome.source == "remote":
+            from .row_build import index_entry
+
             index_entry(self.store, outcome.entry)
         if self.call.contiguous and not outcome.entry.manifest.contiguous:
             self._build_again(outcome.entry, "its rows are shared with other entries and a "
@@ -107,6 +114,8 @@ class RowRequest:
             return
         if forget is not None:
             self.store.forget_record(forget, self.key)
+        from .row_build import SetAside
+
         self._aside = SetAside(self.store, self.key, source, name)
         say(f"entry {self.key[:12]}: {why}")
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))

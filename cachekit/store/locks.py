@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import filelock
-
 from .. import _fs, liveness, processes, small_json
 from ..errors import CacheCorruptError
 
@@ -92,8 +90,11 @@ class OsLock(BuildLock):
     by rename, never written through a name)."""
 
     def __init__(self, path: Path) -> None:
+        import filelock  # here: a hit takes no lock, and filelock takes 15 ms to import
+
         super().__init__(path)
         self._lock = filelock.FileLock(str(path), mode=_fs.file_mode())
+        self._timeout = filelock.Timeout
         self._record: Optional[_HolderRecord] = None
 
     @property
@@ -106,7 +107,7 @@ class OsLock(BuildLock):
             min(timeout, _FLOCK_TRY_SECONDS)
         try:
             self._lock.acquire(timeout=timeout, poll_interval=every)
-        except filelock.Timeout:
+        except self._timeout:
             return False
         except OSError as e:
             if e.errno not in _fs.NOT_A_FILE_ERRNOS:
