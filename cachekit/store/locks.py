@@ -94,7 +94,6 @@ class OsLock(BuildLock):
 
         super().__init__(path)
         self._lock = filelock.FileLock(str(path), mode=_fs.file_mode())
-        self._timeout = filelock.Timeout
         self._record: Optional[_HolderRecord] = None
 
     @property
@@ -102,12 +101,14 @@ class OsLock(BuildLock):
         return self.path.with_name(self.path.name + HOLDER_SUFFIX)
 
     def acquire(self, timeout: float) -> bool:
+        import filelock  # loaded by __init__ already
+
         # For a short timeout, one try now and one at its end: the caller's loop sets the pace.
         every = _FLOCK_TRY_SECONDS if timeout is None or timeout < 0 else \
             min(timeout, _FLOCK_TRY_SECONDS)
         try:
             self._lock.acquire(timeout=timeout, poll_interval=every)
-        except self._timeout:
+        except filelock.Timeout:
             return False
         except OSError as e:
             if e.errno not in _fs.NOT_A_FILE_ERRNOS:

@@ -9,6 +9,7 @@ then tampered with on disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -225,8 +227,15 @@ def test_a_done_record_that_does_not_match_makes_only_its_chunk_run_again(cache_
     assert_correct(entry)
 
 
-def live_process() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+@contextlib.contextmanager
+def live_process() -> Iterator[subprocess.Popen]:
+    """A process that stays alive for the test (a build's owner that is not dead)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def as_owner(build_dir: Path, heartbeat_age: float = 0.0, **owner) -> None:
@@ -244,8 +253,7 @@ LEASE = 60.0  # the default lease (CACHEKIT_LOCK_LEASE unset)
 def test_a_live_local_builder_is_waited_for_and_its_directory_left_alone(cache_root,
                                                                         monkeypatch, lock):
     build_dir = interrupted(cache_root, 21)
-    holder = live_process()
-    try:
+    with live_process() as holder:
         as_owner(build_dir, host=_fs.host(), pid=holder.pid)
         monkeypatch.setenv("CACHEKIT_LOCK", lock)
         CONTROL["computed"] = []
@@ -254,16 +262,13 @@ def test_a_live_local_builder_is_waited_for_and_its_directory_left_alone(cache_r
                 row_fn, pd.Series(range(ROWS)))
         assert CONTROL["computed"] == []
         assert [p.name for p in (cache_root / "tmp").iterdir()] == [build_dir.name]
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_joiner_of_a_live_builder_fills_its_free_chunks_and_never_commits(cache_root):
     build_dir = interrupted(cache_root, 21)
     todo = rows_not_done(build_dir)
-    holder = live_process()
-    try:  # a builder pinned to CPUs other than ours: we bring cores, so we join
+    # a builder pinned to CPUs other than ours: we bring cores, so we join
+    with live_process() as holder:
         as_owner(build_dir, host=_fs.host(), pid=holder.pid,
                  cpus=[max(os.sched_getaffinity(0)) + 1], workers=1)
         CONTROL["computed"] = []
@@ -274,23 +279,16 @@ def test_a_joiner_of_a_live_builder_fills_its_free_chunks_and_never_commits(cach
         assert rows_not_done(build_dir) == []
         assert not (cache_root / "entries").exists() or not any((cache_root / "entries").iterdir())
         assert [p.name for p in (cache_root / "tmp").iterdir()] == [build_dir.name]
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_live_local_builder_whose_heartbeat_stopped_a_lease_ago_is_resumed(cache_root):
     build_dir = interrupted(cache_root, 21)
     todo = rows_not_done(build_dir)
-    holder = live_process()  # alive, but hung: its heartbeat thread no longer runs
-    try:
+    with live_process() as holder:  # alive, but hung: its heartbeat thread no longer runs
         as_owner(build_dir, heartbeat_age=LEASE + 5, host=_fs.host(), pid=holder.pid)
         entry = run(cache_root)
         assert sorted(CONTROL["computed"]) == todo
         assert_correct(entry)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 @pytest.mark.parametrize("lock", ["os", "soft", "none"])
