@@ -37,7 +37,7 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
                    settings: Optional[urls.FetchSettings] = None) -> np.ndarray:
     """(size, mtime_ns) of each local file, (size, tag) of each remote object, as an
     int64 (N, 2) array; (-1, -1) where there is none."""
-    if _plain_paths(values):
+    if plain_paths(values):
         return keys.stat_signature(values)
     remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
     if not remote:
@@ -71,7 +71,7 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
     return out
 
 
-def _plain_paths(values: Sequence[Any]) -> bool:
+def plain_paths(values: Sequence[Any]) -> bool:
     """Whether every value is a str without ``://``: local paths (checked in C for a
     column's object array; a Python loop for other sequences)."""
     if isinstance(values, np.ndarray) and values.dtype == object:

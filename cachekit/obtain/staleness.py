@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import redaction, urls
+from .. import keys, redaction, source_stats, urls
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
@@ -148,6 +148,12 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
     """(row, path, stat then, stat now) of each of ``rows`` whose file differs."""
     values = paths.iloc[rows].to_numpy(dtype=object)
     recorded = np.asarray(recorded[rows])  # one gather, whichever files hold them
+    if source_stats.plain_paths(values):  # local paths only: one tight loop of stats
+        now = keys.stat_signature(values)
+        differ = np.flatnonzero((now != recorded).any(axis=1))[:stop_at or None]
+        return [(int(rows[i]), redaction.value(values[i]),
+                 (int(recorded[i, 0]), int(recorded[i, 1])), (int(now[i, 0]), int(now[i, 1])))
+                for i in differ]
     found = []
     for at, (row, path) in enumerate(zip(rows, values)):
         if urls.is_remote(path):
