@@ -25,6 +25,21 @@ sys.dont_write_bytecode = False
 ``PYTHONDONTWRITEBYTECODE`` is set (the development machines set it), each of them would
 compile cachekit anew (``__pycache__`` is ignored by git)."""
 
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile cachekit and the tests' helpers once, before any worker starts: the plain
+    uids of the shared-root tests (:mod:`users`) cannot write into the checkout, so without
+    this each of their interpreters compiles every module it imports anew."""
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller compiled them
+    import compileall
+
+    here = Path(__file__).resolve().parent
+    for folder in (here.parent / "cachekit", here):
+        compileall.compile_dir(folder, quiet=2, workers=0)
+
+
 settings.register_profile("shared-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-machine")
