@@ -10,6 +10,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 RUN_PY = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
 
 
@@ -21,47 +23,58 @@ def load_run_module():
     return module
 
 
-def test_a_tiny_quick_run_measures_every_phase_and_leaves_the_published_figures_alone(
-        tmp_path: Path, capsys, monkeypatch) -> None:
+PHASE_SECTIONS = {"build": {"build", "rss"}, "hit": {"hit"},
+                  "agents": {"agents_wall", "agents_cpu"}, "dataloader": {"dataloader", "pss"}}
+"""The report's sections that each phase of benchmarks/run.py measures."""
+
+
+@pytest.mark.parametrize("phase", sorted(PHASE_SECTIONS))
+def test_a_tiny_quick_run_of_a_phase_measures_it_and_leaves_the_published_figures_alone(
+        phase: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    # One phase per test, so that the workers run them side by side. Every peer but the
+    # seed's two caches: each of their jobs is a fresh interpreter that imports
+    # torchvision, which would make most of this test's time. The seed's Dataset still
+    # runs in the DataLoader phase.
     import subprocess
     import tempfile
 
-    # Every phase, and every peer but the seed's two caches: each of their jobs is a fresh
-    # interpreter that imports torchvision, which would make most of this test's time.
-    # The seed's Dataset still runs in the DataLoader phase.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its output folder goes here
     repo = RUN_PY.parent.parent
     before = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                             text=True).stdout
     run = load_run_module()
+    assert set(run.PHASES) == set(PHASE_SECTIONS)
     # The smallest sizes that still give every figure: two rows per build worker, one
     # DataLoader batch (256 rows); the time is interpreters starting, not rows.
     report = run.main(["--quick", "--covers", "4", "--rss-small", "2", "--agents-rows", "2",
                        "--hit-rows", "20", "--dataloader-rows", "256", "--repeats", "1",
-                       "--contestants", "joblib,datasets,cachekit"])
+                       "--contestants", "joblib,datasets,cachekit", "--only", phase])
     after = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
                            text=True).stdout
     assert after == before
     assert "the published ones in docs/ and README.md stay" in capsys.readouterr().err
     [out] = [p.parent for p in tmp_path.glob("cachekit-bench-quick-*/benchmarks.md")]
-
-    sections = {row.section for row in report.rows}
-    assert sections == {"build", "rss", "hit", "agents_wall", "agents_cpu", "dataloader", "pss"}
+    assert {row.section for row in report.rows} == PHASE_SECTIONS[phase]
     assert all(len(row.runs) == 1 and row.runs[0] > 0 for row in report.rows)
-    built = " ".join(row.label for row in report.rows if row.section == "build")
-    assert "joblib" in built and "datasets" in built and "cachekit" in built
-    assert any(row.label.startswith("datasets") for row in report.section_rows("hit"))
-    race = report.row("agents_wall", "cachekit")
-    assert race is not None and "decoded: 1 of 4" in race.detail  # one builder, three waiters
-    loaded = [row.label for row in report.section_rows("dataloader")]
-    for workers in (0, 2):
-        for start in ("in-RAM", "cachekit entry.dataset()", "seed:"):
-            assert any(label.startswith(start) and label.endswith(f"num_workers={workers}")
-                       for label in loaded)
     text = (out / "benchmarks.md").read_text(encoding="utf-8")
-    assert "cachekit exact, 2 workers" in text and "joblib.Memory, object" in text
-    assert "## DataLoader epoch throughput" in text
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if phase == "build":
+        built = " ".join(row.label for row in report.rows if row.section == "build")
+        assert "joblib" in built and "datasets" in built and "cachekit" in built
+        assert "cachekit exact, 2 workers" in text
+    if phase == "hit":
+        assert any(row.label.startswith("datasets") for row in report.section_rows("hit"))
+        assert "joblib.Memory, object" in text
+    if phase == "agents":
+        race = report.row("agents_wall", "cachekit")
+        assert race is not None and "decoded: 1 of 4" in race.detail  # one builder, three waiters
+    if phase == "dataloader":
+        loaded = [row.label for row in report.section_rows("dataloader")]
+        for workers in (0, 2):
+            for start in ("in-RAM", "cachekit entry.dataset()", "seed:"):
+                assert any(label.startswith(start) and label.endswith(f"num_workers={workers}")
+                           for label in loaded)
+        assert "## DataLoader epoch throughput" in text
 
 
 def test_a_replot_fills_the_generated_parts_and_keeps_the_prose(tmp_path: Path) -> None:
