@@ -19,14 +19,13 @@ import numpy as np
 
 from . import _wandb, keys, options, source_stats, urls
 from .code_identity import function_identity
-from .engine.running import executors
+from .engine.running import choices
 from .engine.decoding.images import backend_for
 from .engine.running.rows import ArrayRow, ImageRow
 from .entry import Entry
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .messages import quiet
-from .obtain import (BuildSettings, Outcome, Request, RowCall, RowRequest, check_lock_timeout,
-                     obtain, staleness)
+from .obtain import BuildSettings, Outcome, Request, RowCall, RowRequest, obtain, staleness
 from .store import LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -62,11 +61,11 @@ class Cache:
                  executor: Any = None, join: bool = True,
                  progress: Optional[bool] = None,
                  max_size: Optional[Union[int, str]] = None) -> None:
-        check_lock_timeout(lock_timeout)
-        workers = executors.check_workers(workers)
+        options.check_lock_timeout(lock_timeout)
+        workers = choices.check_workers(workers)
         if not isinstance(join, bool):
             raise InvalidArgumentType(f"join must be True or False, not {join!r}")
-        executors.check_executor(executor)
+        choices.check_executor(executor)
         if progress not in (True, False, None):
             raise InvalidArgument(f"progress must be True, False or None, not {progress!r}")
         self.root = Path(root).expanduser() if root is not None else default_root()
@@ -122,7 +121,7 @@ class Cache:
         it is not part of the key.
         """
         paths = _path_column(paths)
-        values, fetching = _column_values(paths, storage_options)
+        fetching = _fetch_settings(paths, storage_options)
         height, width = _image_size(size)
         _choose("mode", mode, tuple(options.MODES))
         _choose("fit", fit, options.FITS)
@@ -141,12 +140,13 @@ class Cache:
             params["backend"] = backend
         material: dict[str, Any] = {"column": keys.column_material(paths)}
         if validate == "stat":
-            material["stat"] = source_stats.stat_signature(values, storage_options, fetching)
+            material["stat"] = source_stats.stat_signature(paths.to_numpy(dtype=object),
+                                                           storage_options, fetching)
         elif validate == "content":
             from .engine.decoding import fetch  # (asyncio: imported only where it is used)
 
-            material["content"] = fetch.content_signature(values, self.workers, max_read,
-                                                          storage_options, fetching)
+            material["content"] = fetch.content_signature(
+                paths.to_numpy(dtype=object), self.workers, max_read, storage_options, fetching)
         row = ImageRow((height, width), mode, fit, resample, draft, max_read, backend,
                        storage_options, fetching)
         template = ((options.MODES[mode], height, width), np.dtype(np.uint8))
@@ -296,20 +296,18 @@ def _budget(max_size: Optional[Union[int, str]]) -> Optional[int]:
     return byte_count(max_size)
 
 
-def _column_values(paths: Any, storage_options: Any
-                   ) -> tuple[Any, Optional[urls.FetchSettings]]:
-    """The column's values, and for a column with remote URLs the fetch settings of
-    ``$CACHEKIT_SOURCE_*`` (None otherwise), once fsspec and the stores' filesystems are
-    known to import (:class:`cachekit.urls.MissingRemoteSupport` naming the extra)."""
+def _fetch_settings(paths: Any, storage_options: Any) -> Optional[urls.FetchSettings]:
+    """For a column with remote URLs, the fetch settings of ``$CACHEKIT_SOURCE_*``, once
+    fsspec and the stores' filesystems are known to import
+    (:class:`cachekit.urls.MissingRemoteSupport` naming the extra); None for local paths."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise InvalidArgumentType(f"storage_options must be a dict of fsspec filesystem "
                                   f"arguments or None, not {type(storage_options).__qualname__}")
-    values = paths.to_numpy(dtype=object)
-    protocols = urls.remote_protocols(values)
+    protocols = urls.column_protocols(paths)
     if not protocols:
-        return values, None
+        return None
     urls.check_available(protocols)
-    return values, urls.FetchSettings.from_env()
+    return urls.FetchSettings.from_env()
 
 
 def _remote_tier(remote: Any) -> tuple[Optional[str], Any]:

@@ -55,7 +55,7 @@ class Entry:
         if source not in SOURCES:
             raise InvalidArgument(f"source must be one of {SOURCES}, not {source!r}")
         if outcome is None:
-            from .obtain.flow import outcome_word
+            from .obtain.outcome import outcome_word
 
             outcome = outcome_word(source)
         if outcome not in OUTCOMES:

@@ -22,16 +22,19 @@ import functools
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 
 from . import _fs, arrays, keys
 from .code_identity import function_identity
-from .obtain import Built, ChunkCallback, Expected
+from .obtain import Built, Expected
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .store.manifest import MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir
+
+if TYPE_CHECKING:
+    from .engine.filling.claimed import ChunkCallback
 
 Node = dict  # a JSON structure node, see the module docstring
 Obtain = Callable[..., Any]

@@ -113,6 +113,22 @@ def local_path(value: str) -> str:
     return path
 
 
+def column_protocols(column: Any) -> set[str]:
+    """:func:`remote_protocols` of a pandas Series. A column of strings held by pyarrow is
+    first searched for ``:`` in its bytes, so that a column of plain paths (a hit's common
+    case) never becomes a Python str per row."""
+    import numpy as np
+
+    chunked = getattr(getattr(column, "array", None), "__arrow_array__", None)
+    if getattr(column.dtype, "storage", None) == "pyarrow" and chunked is not None:
+        chunks = chunked().chunks
+        if all(len(c.buffers()) == 3 for c in chunks) and not any(
+                c.buffers()[2] is not None and (np.frombuffer(c.buffers()[2], np.uint8) == 58).any()
+                for c in chunks):  # (the values' bytes, offsets aside: ":" is 58)
+            return set()
+    return remote_protocols(column.to_numpy(dtype=object))
+
+
 def remote_protocols(values: Iterable[Any]) -> set[str]:
     """The protocols of the remote URLs among ``values``."""
     try:

@@ -12,18 +12,20 @@ commit published the entry (``committed``). The per-row calls implement both in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from .._fs import DirHandle
-from ..engine.filling.claimed import ChunkCallback
-from ..engine.filling.cores import Spare
-from ..engine.filling.joiner import Joined
 from ..errors import ImageDecodeError
-from ..store import BuildDir, Published
 from ..store.manifest import Origin, RowReuse
 from .expected import Expected
 
-__all__ = ["Build", "Built", "ChunkCallback", "Request"]
+if TYPE_CHECKING:  # the build's side of the seam: a hit imports none of the engine
+    from .._fs import DirHandle
+    from ..engine.filling.claimed import ChunkCallback
+    from ..engine.filling.cores import Spare
+    from ..engine.filling.joiner import Joined
+    from ..store import BuildDir, Published
+
+__all__ = ["Build", "Built", "Request"]
 
 
 @dataclass(frozen=True)

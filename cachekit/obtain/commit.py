@@ -23,13 +23,14 @@ import numpy as np
 
 from .. import _fs, keys, processes
 from .._version import __version__
+from ..engine.filling.claimed import ChunkCallback
 from ..engine.filling.journal import is_journal_name
 from ..errors import BuildGone, Failure, ImageDecodeError
 from ..messages import say
 from ..store import FAILED, BuildDir, LocalStore, Published
 from ..store.manifest import FAILURE_DETAILS, Manifest, failed_fields, parse_failed_mask
 from .accounting import OwnWork
-from .build import Build, ChunkCallback
+from .build import Build
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 

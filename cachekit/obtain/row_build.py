@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _fs, keys, source_stats
 from ..engine.filling.builder import DeadBuilds, fill as fill_build
-from ..engine.filling.claimed import Report, RowSpec
+from ..engine.filling.claimed import ChunkCallback, Report, RowSpec
 from ..engine.filling.cores import Spare, runs_at_once
 from ..engine.filling.joiner import Joined, join as join_build
 from ..errors import ImageDecodeError
@@ -30,7 +30,7 @@ from ..store import manifest as manifests
 from ..messages import say, speaking
 from ..store.shared_rows import SharedRows, open_shared_rows
 from . import donors, parts
-from .build import Built, ChunkCallback
+from .build import Built
 from .donors import Rows
 from .row_call import BuildSettings, RowCall, Template
 from .row_files import no_rows, write_row_files

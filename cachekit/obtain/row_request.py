@@ -18,9 +18,8 @@ import numpy as np
 
 from ..messages import say
 from ..store import STALE, LocalStore, Published
-from ..store.shared_rows import open_shared_rows
 from .expected import Expected
-from .flow import Outcome
+from .outcome import Outcome
 from .row_call import BuildSettings, RowCall
 
 if TYPE_CHECKING:  # imported on a miss only: a hit needs none of the build's machinery
@@ -102,6 +101,8 @@ class RowRequest:
         record to drop."""
         if entry.manifest.reuse is None:
             return
+        from ..store.shared_rows import open_shared_rows
+
         source = open_shared_rows(self.store, self.key, entry.manifest.reuse.recipe)
         try:
             name = self.store.set_aside(self.key) if self.store.still_published(entry) \

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Callable, Optional, TypeVar, Union
 
-from ..errors import InvalidArgument, LockTimeout
+from ..errors import LockTimeout
 from ..messages import say
 
 POLL_SECONDS = 0.25
@@ -38,15 +38,6 @@ class Waiting:
 
 WAITING = Waiting()
 """What a step of :meth:`Wait.until` returns when it found nothing: wait on."""
-
-
-def check_lock_timeout(lock_timeout: Any) -> None:
-    """ValueError unless ``lock_timeout`` is None (wait for good) or seconds >= 0."""
-    if lock_timeout is not None and (
-        isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
-        or lock_timeout < 0
-    ):
-        raise InvalidArgument(f"lock_timeout must be None or seconds >= 0, not {lock_timeout!r}")
 
 
 @dataclass(frozen=True)

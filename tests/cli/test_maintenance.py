@@ -148,7 +148,7 @@ def test_a_hit_records_its_use_without_a_lock(cache_root):
     entry = block_entry(cache, 0)
     set_last_used(entry.path, time.time() - 30 * DAY)
     assert time.time() - cache.entries()[0].last_used > 29 * DAY
-    with mock.patch("cachekit.obtain.flow.locks.make_lock", side_effect=AssertionError("locked")):
+    with mock.patch("cachekit.store.locks.make_lock", side_effect=AssertionError("locked")):
         assert block_entry(cache, 0).hit
     assert time.time() - cache.entries()[0].last_used < DAY
 

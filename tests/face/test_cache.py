@@ -176,7 +176,7 @@ def test_hit_takes_no_lock_and_decodes_nothing(cache_root, cover_paths, monkeypa
     def forbidden(*args, **kwargs):
         raise AssertionError("a hit must not lock or decode")
 
-    monkeypatch.setattr("cachekit.obtain.flow.locks.make_lock", forbidden)
+    monkeypatch.setattr("cachekit.store.locks.make_lock", forbidden)
     monkeypatch.setattr("filelock.FileLock", forbidden)
     monkeypatch.setattr("cachekit.engine.decoding.images.load_image", forbidden)
     hit = cache.images(pd.Series(cover_paths), 8)

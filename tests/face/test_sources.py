@@ -20,6 +20,8 @@ import filelock
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cachekit
 import hosts
@@ -386,3 +388,18 @@ def test_a_hit_of_a_url_column_makes_no_request_and_imports_no_store(covers, tmp
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), *covers.urls],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split() == ["local", "False", "False"], out.stderr[-2000:]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.one_of(st.none(), st.text(alphabet="s3:/ab.\u00e9", max_size=12),
+                          st.sampled_from(["s3://b/k.jpg", "gs://b/x", "file:///a.jpg",
+                                           "/data/a.jpg", "c:/x"])), max_size=8),
+       st.sampled_from(["str", "object", "string[python]", "string[pyarrow]"]),
+       st.integers(0, 3))
+def test_a_column_finds_the_protocols_of_its_urls_whatever_its_storage(values, dtype, start):
+    """The pyarrow fast path (no ``:`` in the column's bytes: no URL) answers as the plain
+    look at every value does, for any column, sliced or not."""
+    column = pd.Series(values, dtype=dtype)[start:]
+    expected = urls.remote_protocols([v for v in column.to_numpy(dtype=object)
+                                      if isinstance(v, str)])
+    assert urls.column_protocols(column) == expected

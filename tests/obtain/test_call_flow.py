@@ -20,7 +20,7 @@ from test_layers import MODULES, layer
 HEIGHT = {"base": 0, "engine": 1, "store": 1, "obtain": 2, "admin": 2, "face": 3, "cli": 4}
 """How high each layer sits: a call may go down or stay level, never up."""
 FILES = {str(path): name for name, path in MODULES.items()}
-BUILD_ONLY = {"RowRequest.start", "RowBuild.__init__", "_Miss.__init__", "OwnWork.__init__",
+BUILD_ONLY = {"RowRequest.start", "RowBuild.__init__", "Miss.__init__", "OwnWork.__init__",
               "LocalWait.__init__", "Wait.__init__", "make_lock", "build_and_commit"}
 """What only a miss makes or runs: the build, the accounting of its work, the wait and the
 build lock."""
@@ -106,3 +106,39 @@ def test_a_memoize_hit_makes_no_build(cache_root: Path):
     made = {name for _, _, name in calls}
     assert "_Build.__init__" not in made and made & BUILD_ONLY == set()
     assert upward(calls) == set()
+
+
+BUILD_MODULES = {"cachekit.obtain.miss", "cachekit.obtain.row_build", "cachekit.obtain.commit",
+                 "cachekit.obtain.local_wait", "cachekit.obtain.wait",
+                 "cachekit.obtain.donors", "cachekit.engine.filling.claimed",
+                 "cachekit.engine.filling.builder", "cachekit.engine.running.executors",
+                 "cachekit.store.remote", "filelock", "PIL", "torch"}
+"""What only a miss needs: the first hit of a sweep agent pays for every module it
+imports."""
+HIT_IN_A_FRESH_INTERPRETER = """
+import json, sys
+import pandas as pd
+import cachekit
+root, paths = sys.argv[1], json.loads(sys.argv[2])
+entry = cachekit.Cache(root, workers=1, executor="threads", progress=False).images(
+    pd.Series(paths), 8)
+assert entry.hit and entry.outcome == "hit", entry
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_a_first_hit_in_a_fresh_interpreter_imports_none_of_the_build(
+        cache_root: Path, cover_paths: list[str]):
+    import json
+    import subprocess
+
+    cache = cachekit.Cache(cache_root, workers=1, executor="threads", progress=False)
+    assert cache.images(pd.Series(cover_paths[:4]), 8).source == "built"
+    run = subprocess.run([sys.executable, "-c", HIT_IN_A_FRESH_INTERPRETER, str(cache_root),
+                          json.dumps(cover_paths[:4])], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    loaded = {name.split(".")[0] if not name.startswith("cachekit") else name
+              for name in json.loads(run.stdout)}
+    assert {"cachekit.obtain.flow", "cachekit.store.local", "pandas"} <= loaded
+    assert loaded & BUILD_MODULES == set()

@@ -17,7 +17,7 @@ from cachekit.engine.running.rows import ArrayRow
 from cachekit.entry import Entry
 from cachekit.obtain.accounting import OwnWork
 from cachekit.obtain.commit import build_and_commit
-from cachekit.obtain.flow import Outcome
+from cachekit.obtain.outcome import Outcome
 from cachekit.obtain.row_build import BuildSettings, RowBuild, RowCall
 from cachekit.store import LocalStore, Published
 from cachekit.store import manifest as manifests

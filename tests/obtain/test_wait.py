@@ -11,7 +11,7 @@ import pytest
 
 from cachekit.errors import LockTimeout
 from cachekit.messages import prefix, quiet
-from cachekit.obtain import check_lock_timeout
+from cachekit.options import check_lock_timeout
 from cachekit.obtain.wait import WAITING, Awaited, Wait
 
 HOLDER = Awaited("/r/locks/k.lock", lambda: "pid 4242 on node7 (5/12 rows, 42%)",

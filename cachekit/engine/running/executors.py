@@ -18,7 +18,8 @@ complete. Three kinds, one contract (:meth:`ChunkRunner.run`):
 
 Work travels as pieces of chunks (:mod:`.pieces`); what runs in a worker, and the runners'
 contract, is :mod:`.compute`. This module chooses and makes the runner (:func:`make_runner`)
-and checks that a row function can run where it is sent.
+and checks that a row function can run where it is sent; what ``workers`` and ``executor``
+may be is checked in :mod:`.choices`.
 
 The default (``executor=None``) is :func:`default_executor`'s rule; see
 docs/build-engine.md for the measurements behind it.
@@ -30,17 +31,16 @@ import pickle
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Union
 
-from ... import _fs
-from ...errors import InvalidArgument, InvalidArgumentType
+from ...errors import InvalidArgumentType
+from .choices import KINDS, check_executor, check_workers, usable_cpus
 from .compute import ChunkRunner, InlineRunner, RowTask
 from .pieces import CLUSTER_SIZES, PROCESS_SIZES, THREAD_SIZES, PieceRunner
 
-__all__ = ["ChunkRunner", "PROCESSES_FROM_ROWS", "PROCESSES_FROM_ROWS_WITH_TORCH",
+__all__ = ["ChunkRunner", "KINDS", "PROCESSES_FROM_ROWS", "PROCESSES_FROM_ROWS_WITH_TORCH",
            "RowTask", "check_executor", "check_workers", "default_executor", "make_runner",
            "usable_cpus"]
 
 ExecutorSpec = Union[None, str, Executor]
-KINDS = ("threads", "processes")
 
 PROCESSES_FROM_ROWS = 1024
 """The default rule's threshold: builds of at least this many rows, with 2 or more workers,
@@ -48,11 +48,6 @@ run on processes. See :func:`default_executor`."""
 PROCESSES_FROM_ROWS_WITH_TORCH = 16384
 """The threshold for a row function that imports torch (``imports_torch``: the ``"tensor"``
 decoding backend), whose worker interpreters each import torch first."""
-
-
-def usable_cpus() -> int:
-    """How many CPUs this process may run on (:func:`cachekit._fs.cpu_affinity`)."""
-    return len(_fs.cpu_affinity())
 
 
 def default_executor(workers: int, task: RowTask, rows: Optional[int] = None) -> str:
@@ -118,30 +113,6 @@ def make_runner(executor: ExecutorSpec, workers: Optional[int], task: RowTask, *
                             owned=True, in_place=False, caller_runs=True, rows=rows)
     return PieceRunner(executor, executor_size(executor), CLUSTER_SIZES, task,
                         owned=False, in_place=False, rows=rows)
-
-
-def check_workers(workers: Any) -> int:
-    """How many rows a build runs at once for ``workers``: the number itself, or the usable
-    CPUs for None; ValueError for anything else."""
-    if workers is None:
-        return usable_cpus()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise InvalidArgument(f"workers must be None or an int >= 1, not {workers!r}")
-    return workers
-
-
-def check_executor(executor: Any) -> None:
-    """ValueError for an unknown executor name, TypeError for anything else unusable."""
-    if executor is None or isinstance(executor, Executor):
-        return
-    if isinstance(executor, str):
-        if executor not in KINDS:
-            raise InvalidArgument(f"executor must be None, 'threads', 'processes' or a "
-                                  f"concurrent.futures.Executor; got {executor!r}")
-        return
-    raise InvalidArgumentType(f"executor must be None, 'threads', 'processes' or a "
-                              f"concurrent.futures.Executor (a ProcessPoolExecutor, loky, dask's "
-                              f"client.get_executor()); got {type(executor).__qualname__}")
 
 
 def check_picklable(task: RowTask, executor: Any) -> None:

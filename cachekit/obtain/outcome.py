@@ -1,0 +1,79 @@
+"""What :func:`cachekit.obtain.flow.obtain` was asked (:class:`Options`) and what it
+returns (:class:`Outcome`): shared by the hit's path (:mod:`.flow`) and the miss's
+(:mod:`.miss`), which import it, never each other's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from ..store import Published
+
+if TYPE_CHECKING:
+    from . import remote as remote_tier
+
+
+@dataclass(frozen=True)
+class Options:
+    """How :func:`~.flow.obtain` was asked to get the entry (its keyword arguments)."""
+
+    lock_timeout: Optional[float]
+    join: bool
+    remote: Optional["remote_tier.Tier"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A published entry, and how this call came by it (``Entry.source``)."""
+
+    entry: Published
+    source: str
+    wait_seconds: float = 0.0
+    """Seconds spent waiting for another process's build, not counting those spent
+    filling chunks of it."""
+    build_seconds: float = 0.0
+    """Seconds this process spent building the entry: its own build, and the chunks it
+    filled of another's (0 when it built nothing)."""
+    decode_seconds: float = 0.0
+    """The part of ``build_seconds`` spent computing rows here."""
+    rows_filled: int = 0
+    """Rows this call computed for another process's build that it joined."""
+    join_seconds: float = 0.0
+    """Of ``build_seconds``, those spent computing rows of another process's build."""
+    waited_for_build: bool = False
+    """Whether the entry was published by another process while this call waited."""
+
+    @property
+    def word(self) -> str:
+        """What this process did, in one word (``Entry.outcome``): "hit" (found it),
+        "waited" (for another process's build), "joined" (computed rows of that build),
+        "built", or "pulled" (downloaded it from the remote tier)."""
+        return outcome_word(self.source, self.waited_for_build)
+
+    @property
+    def row_counts(self) -> tuple[int, int, int]:
+        """(rows decoded by this call, rows other processes decoded for its build, rows
+        copied from other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.
+
+        A builder's come from its manifest's origin (a build that resumed dead builds counts
+        their rows as joined: other processes decoded them); a joiner decoded the rows it
+        filled, and everyone else decoded or copied the rest, counted as joined. They add up
+        to the entry's rows, and are all 0 on a hit."""
+        manifest = self.entry.manifest
+        if self.source == "built":
+            origin = manifest.origin
+            if origin is None or not origin.adds_up(manifest.rows):
+                return manifest.rows, 0, 0  # no origin (memoize), or one that is not ours
+            return origin.decoded, origin.joined, origin.rows_reused
+        if self.source == "joined":
+            decoded = min(self.rows_filled, manifest.rows)
+            return decoded, manifest.rows - decoded, 0
+        return 0, 0, 0
+
+
+def outcome_word(source: str, waited_for_build: bool = False) -> str:
+    """What a call whose entry came from ``source`` did, in one word (``Entry.outcome``)."""
+    if source == "local":
+        return "waited" if waited_for_build else "hit"
+    return {"remote": "pulled"}.get(source, source)
