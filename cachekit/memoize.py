@@ -28,7 +28,8 @@ import numpy as np
 
 from . import _fs, arrays, keys
 from .code_identity import function_identity
-from .obtain import Built, Expected
+from .obtain import Expected
+from .obtain.built import Built
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .store.manifest import MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir

@@ -7,6 +7,7 @@ entry must look like; on a miss only, the :class:`Build` that makes it) and gets
 opens it. Modules, in the order a call meets them: ``build`` (the seam: request and build),
 ``flow`` (obtain), ``outcome`` (what it was asked and returns), ``lookup`` (a hit: the store
 reads, the call records the use), ``miss`` (a miss, imported only then: wait, then build),
+``built`` (what a build made, for the manifest),
 ``local_wait`` (the build lock, live builders, joining), ``wait`` (the one wait loop,
 bounded by ``lock_timeout``), ``remote`` (the remote tier: download or lease, then share),
 ``commit`` (building in a private directory and the atomic commit), ``accounting`` (the
@@ -20,12 +21,12 @@ map) and ``staleness`` (did a hit's files change).
 
 from __future__ import annotations
 
-from .build import Build, Built, Request
+from .build import Build, Request
 from .expected import Expected
 from .flow import obtain
 from .outcome import Outcome
 from .row_call import BuildSettings, RowCall
 from .row_request import RowRequest
 
-__all__ = ["Build", "BuildSettings", "Built", "Expected", "Outcome", "Request", "RowCall",
+__all__ = ["Build", "BuildSettings", "Expected", "Outcome", "Request", "RowCall",
            "RowRequest", "obtain"]

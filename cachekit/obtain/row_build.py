@@ -30,7 +30,7 @@ from ..store import manifest as manifests
 from ..messages import say, speaking
 from ..store.shared_rows import SharedRows, open_shared_rows
 from . import donors, parts
-from .build import Built
+from .built import Built
 from .donors import Rows
 from .row_call import BuildSettings, RowCall, Template
 from .row_files import no_rows, write_row_files

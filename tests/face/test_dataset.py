@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, Subset, WeightedRandomSampler
 import cachekit
 from cachekit import arrays
 from cachekit.store import manifest as manifests
-from cachekit.obtain import Built, obtain
+from cachekit.obtain import obtain
+from cachekit.obtain.built import Built
 from cachekit.store import LocalStore
 from cachekit.dataset import DatasetCorruptError, EntryDataset
 from helpers import FunctionRequest

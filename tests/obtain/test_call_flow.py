@@ -108,7 +108,8 @@ def test_a_memoize_hit_makes_no_build(cache_root: Path):
     assert upward(calls) == set()
 
 
-BUILD_MODULES = {"cachekit.obtain.miss", "cachekit.obtain.row_build", "cachekit.obtain.commit",
+BUILD_MODULES = {"cachekit.obtain.miss", "cachekit.obtain.built", "cachekit.obtain.row_build",
+                 "cachekit.obtain.commit",
                  "cachekit.obtain.local_wait", "cachekit.obtain.wait",
                  "cachekit.obtain.donors", "cachekit.engine.filling.claimed",
                  "cachekit.engine.filling.builder", "cachekit.engine.running.executors",

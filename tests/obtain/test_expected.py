@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit.obtain import Built, Expected, obtain
+from cachekit.obtain import Expected, obtain
+from cachekit.obtain.built import Built
 from cachekit.store.manifest import FileRecord, Manifest
 from cachekit.store import LocalStore
 from helpers import FunctionRequest, rewrite_entry
