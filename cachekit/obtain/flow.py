@@ -2,12 +2,12 @@
 
 A hit reads top to bottom: :func:`obtain` looks the key up (:mod:`.lookup`), checks the
 manifest against the request, and returns; nothing a build needs is made, or imported. A
-miss goes to :class:`~.miss.Miss`, which starts the request's build, waits for the key's build lock and for
-the live builders it cannot see, joining their builds when it may (:mod:`.local_wait`);
-with a remote tier it then downloads the key's entry or takes its lease
-(:mod:`.remote`); holding the lock with no live builder left, it builds and commits,
-resuming this user's dead builds of the key (:mod:`.commit`), and with a lease hands
-what it built to the upload. The whole wait is bounded by one ``lock_timeout``
+miss goes to :class:`~.miss.Miss`, which starts the request's build, waits for the key's
+build lock and for the live builders it cannot see, joining their builds when it may
+(:mod:`.local_wait`); with a remote tier it then downloads the key's entry or takes its
+lease (:mod:`.remote`); holding the lock with no live builder left, it builds and
+commits, resuming this user's dead builds of the key (:mod:`.commit`), and with a lease
+hands what it built to the upload. The whole wait is bounded by one ``lock_timeout``
 (:mod:`.wait`). The caller opens the entry.
 
 This module only coordinates; where bytes live is the store's business
