@@ -37,15 +37,9 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
                    settings: Optional[urls.FetchSettings] = None) -> np.ndarray:
     """(size, mtime_ns) of each local file, (size, tag) of each remote object, as an
     int64 (N, 2) array; (-1, -1) where there is none."""
-    if plain_paths(values):
-        return keys.stat_signature(values)
-    remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
+    out, remote = local_stat_signature(values)
     if not remote:
-        return keys.stat_signature([urls.local_path(v) if isinstance(v, str) else v
-                                    for v in values])
-    local = [("\0" if urls.is_remote(v) else urls.local_path(v)) if isinstance(v, str)
-             else v for v in values]
-    out = keys.stat_signature(local)  # "\0" is no file name: (-1, -1), filled in below
+        return out
     settings = settings or urls.FetchSettings()
     groups: dict[tuple[str, str], list[int]] = {}
     for row in remote:
@@ -69,6 +63,18 @@ def stat_signature(values: Sequence[Any], storage_options: Optional[dict[str, An
                                 thread_name_prefix="cachekit-list") as pool:
             list(pool.map(run, jobs))
     return out
+
+
+def local_stat_signature(values: Sequence[Any]) -> tuple[np.ndarray, list[int]]:
+    """(size, mtime_ns) of each local file (a path or ``file://`` URL) as an int64 (N, 2)
+    array, and the rows that are remote objects, left at (-1, -1): no request is made."""
+    if plain_paths(values):
+        return keys.stat_signature(values), []
+    remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
+    at = set(remote)
+    names = [("\0" if i in at else urls.local_path(v)) if isinstance(v, str) else v
+             for i, v in enumerate(values)]  # "\0" is no file name: (-1, -1)
+    return keys.stat_signature(names), remote
 
 
 def plain_paths(values: Sequence[Any]) -> bool:

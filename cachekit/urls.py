@@ -117,14 +117,14 @@ def column_protocols(column: Any) -> set[str]:
     """:func:`remote_protocols` of a pandas Series. A column of strings held by pyarrow is
     first searched for ``:`` in its bytes, so that a column of plain paths (a hit's common
     case) never becomes a Python str per row."""
-    import numpy as np
+    if getattr(column.dtype, "storage", None) == "pyarrow":
+        import numpy as np
 
-    chunked = getattr(getattr(column, "array", None), "__arrow_array__", None)
-    if getattr(column.dtype, "storage", None) == "pyarrow" and chunked is not None:
-        chunks = chunked().chunks
-        if all(len(c.buffers()) == 3 for c in chunks) and not any(
-                c.buffers()[2] is not None and (np.frombuffer(c.buffers()[2], np.uint8) == 58).any()
-                for c in chunks):  # (the values' bytes, offsets aside: ":" is 58)
+        # (validity, offsets, the values' bytes) of each chunk; any ":" sends it the long way
+        buffers = [chunk.buffers() for chunk in column.array.__arrow_array__().chunks]
+        if all(len(b) == 3 for b in buffers) and not any(
+                b[2] is not None and (np.frombuffer(b[2], np.uint8) == ord(":")).any()
+                for b in buffers):
             return set()
     return remote_protocols(column.to_numpy(dtype=object))
 

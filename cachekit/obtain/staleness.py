@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import keys, redaction, source_stats, urls
+from .. import redaction, source_stats
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_STATS_FILE, Manifest
@@ -148,27 +148,11 @@ def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 
     """(row, path, stat then, stat now) of each of ``rows`` whose file differs."""
     values = paths.iloc[rows].to_numpy(dtype=object)
     recorded = np.asarray(recorded[rows])  # one gather, whichever files hold them
-    if source_stats.plain_paths(values):  # local paths only: one tight loop of stats
-        now = keys.stat_signature(values)
-        differ = np.flatnonzero((now != recorded).any(axis=1))[:stop_at or None]
-        return [(int(rows[i]), redaction.value(values[i]),
-                 (int(recorded[i, 0]), int(recorded[i, 1])), (int(now[i, 0]), int(now[i, 1])))
-                for i in differ]
-    found = []
-    for at, (row, path) in enumerate(zip(rows, values)):
-        if urls.is_remote(path):
-            continue  # not checked: a hit makes no request (docs/object-stores.md)
-        try:
-            st = os.stat(urls.local_path(path))
-            now = (st.st_size, st.st_mtime_ns)
-        except (OSError, TypeError, ValueError):
-            now = (-1, -1)
-        then = (int(recorded[at, 0]), int(recorded[at, 1]))
-        if now != then:
-            found.append((int(row), redaction.value(path), then, now))
-            if len(found) == stop_at:
-                break
-    return found
+    now, remote = source_stats.local_stat_signature(values)
+    now[remote] = recorded[remote]  # not checked: a hit makes no request (docs/object-stores.md)
+    differ = np.flatnonzero((now != recorded).any(axis=1))[:stop_at or None]
+    return [(int(rows[i]), redaction.value(values[i]), (int(recorded[i, 0]), int(recorded[i, 1])),
+             (int(now[i, 0]), int(now[i, 1]))) for i in differ]
 
 
 def _tell(found: Optional[Found], manifest: Manifest, changed: list[Any]) -> None:

@@ -102,3 +102,25 @@ def test_the_next_call_heals_the_entry_decoding_only_the_changed_row(built):
     after = _run(work, listing)  # and then a hit, with nothing left to say
     assert after.stdout.split()[:3] == ["hit", "0", "0"] and after.stdout.split()[3] == row
     assert "changed" not in after.stderr
+
+
+def test_a_column_of_paths_file_urls_and_bucket_objects_is_checked_without_a_request(
+        tmp_path, monkeypatch):
+    """The check compares a local path and a ``file://`` URL with their files, and leaves
+    an object in a bucket alone: a hit makes no request (any would fail here)."""
+    from cachekit import keys, urls
+    from cachekit.obtain import staleness
+
+    files = write_sample_images(tmp_path / "c", 3, seed=5)
+    column = pd.Series([files[0], "file://" + files[1], "s3://no-such-bucket/a.jpg", files[2]])
+    recorded = keys.stat_signature([files[0], files[1], "\0", files[2]])
+    recorded[2] = (7, 7)  # whatever the object's record, it is not looked at
+    monkeypatch.setattr(urls, "filesystem", lambda *a, **k: pytest.fail("a request was made"))
+    rows = np.arange(len(column))
+    assert staleness._changed(rows, recorded, column) == []
+    os.utime(files[1], ns=(1, 1))
+    os.utime(files[2], ns=(2, 2))
+    changed = staleness._changed(rows, recorded, column)
+    assert [(row, now) for row, _, _, now in changed] == [
+        (1, (int(recorded[1, 0]), 1)), (3, (int(recorded[3, 0]), 2))]
+    assert len(staleness._changed(rows, recorded, column, stop_at=1)) == 1
