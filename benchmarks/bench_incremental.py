@@ -149,7 +149,7 @@ def staleness(paths: list[str], work: Path, rows: int, repeats: int) -> float:
     import numpy as np
     import pandas as pd
 
-    from cachekit import _fs, arrays, keys
+    from cachekit import _fs, arrays, source_stats
     from cachekit.obtain import staleness as stale
     from cachekit.store import manifest as manifests
 
@@ -158,7 +158,7 @@ def staleness(paths: list[str], work: Path, rows: int, repeats: int) -> float:
     folder.mkdir()
     with _fs.DirHandle.open(folder) as handle:
         arrays.write_small(handle, manifests.ROW_STATS_FILE,
-                           keys.stat_signature(column.to_numpy(dtype=object)))
+                           source_stats.file_stats(column.to_numpy(dtype=object)))
     size, checksum = arrays.checksum(folder / manifests.ROW_STATS_FILE)
     stats = manifests.FileRecord(manifests.ROW_STATS_FILE, (rows, 2), "<i8", size, checksum)
     data = manifests.FileRecord(manifests.DATA_FILE, (rows, 1), "|u1", rows, checksum)

@@ -87,7 +87,6 @@ def cache(root: Path, **options: Any):
 
 
 def folds(paths: list[str], work: Path) -> dict[str, float]:
-    import numpy as np
     import pandas as pd
 
     root = work / "folds"

@@ -233,7 +233,7 @@ class Cache:
             entry = Entry.from_outcome(outcome)
             if request.checks_staleness(outcome):
                 staleness.check(outcome.entry.path, outcome.entry.manifest, call.column,
-                                request.record_stale)
+                                request.record_stale, request.shared_on_record(outcome))
             return entry
 
         return self._obtain(request, open_entry)

@@ -32,15 +32,12 @@ this module stays cheap.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import _fs
 from .errors import InvalidArgument, InvalidArgumentType
 
 FORMAT_VERSION = 3
@@ -49,7 +46,6 @@ FORMAT_VERSION = 3
 format are never hits nor sources of rows (:mod:`cachekit.store.manifest` checks it on reading)."""
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
 KEY_HEX_LENGTH = 32
-_READ_BLOCK = 1 << 20
 
 Write = Callable[[bytes], Any]
 
@@ -281,17 +277,28 @@ def row_identities(column: Any, extra: Sequence[np.ndarray] = (),
         else:
             hashes, passed_here = _row_hashes(column, hash_key)
         passed = passed or passed_here
-        parts: dict[str, Any] = {"value": hashes}
-        if types is not None:
-            parts["type"] = types.to_numpy()
-        for i, block in enumerate(words):
-            for j in range(block.shape[1]):
-                parts[f"extra{i}.{j}"] = block[:, j]
-        frame = pd.DataFrame(parts, copy=False)
-        halves.append(pd.util.hash_pandas_object(frame, index=False, categorize=False,
-                                                 hash_key=hash_key).to_numpy(dtype=np.uint64))
+        parts = [hashes, *([] if types is None else [types.to_numpy()]),
+                 *(block[:, j] for block in words for j in range(block.shape[1]))]
+        halves.append(frame_hashes(parts, hash_key))
     ids = np.ascontiguousarray(np.stack(halves, axis=1)).astype("<u8", copy=False)
     return ids, [dtype, SURROGATEPASS] if passed else dtype
+
+
+def frame_hashes(columns: Sequence[np.ndarray], hash_key: str) -> np.ndarray:
+    """``hash_pandas_object(DataFrame(columns), index=False, categorize=False,
+    hash_key=hash_key)`` as uint64, without making the frame (which costs more than the
+    hashing on a fold's rows): each column's ``hash_array`` combined as pandas combines a
+    frame's columns (tests/test_keys.py pins the two equal)."""
+    import pandas as pd
+
+    out = np.full(len(columns[0]), 0x345678, dtype=np.uint64)
+    mult = np.uint64(1000003)
+    for i, values in enumerate(columns):
+        inverse = len(columns) - i
+        out ^= pd.util.hash_array(np.asarray(values), hash_key=hash_key, categorize=False)
+        out *= mult
+        mult += np.uint64(82520 + inverse + inverse)
+    return out + np.uint64(97531)
 
 
 def entry_key(kind: str, fields: dict[str, Any]) -> str:
@@ -356,40 +363,6 @@ def column_dtype(column: Any) -> Any:
     if column.dtype == object:
         return ["object", [type(v).__qualname__ for v in column]]
     return str(column.dtype)
-
-
-def stat_signature(paths: Sequence[str]) -> np.ndarray:
-    """(size, mtime_ns) of each file as an int64 (N, 2) array; (-1, -1) where stat fails,
-    or where the path is no file name at all (a NUL byte): that row fails alone when it is
-    decoded, never the whole call."""
-    found = []
-    add, stat = found.extend, os.stat  # (a fold of 100k rows makes 100k calls)
-    for path in paths:
-        try:
-            st = stat(path)
-        except (OSError, ValueError):
-            add((-1, -1))
-            continue
-        add((st.st_size, st.st_mtime_ns))
-    return np.array(found, dtype="<i8").reshape(len(paths), 2)
-
-
-def content_signature(paths: Sequence[str], workers: int) -> np.ndarray:
-    """A 16-byte blake2b of each file's bytes as a (N, 16) uint8 array; zeros where unreadable."""
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        digests = list(pool.map(_file_digest, paths))
-    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(paths), 16)
-
-
-def _file_digest(path: str) -> bytes:
-    hasher = hashlib.blake2b(digest_size=16)
-    try:
-        with _fs.open_regular(path, follow_symlinks=True) as f:  # a FIFO would block
-            for block in iter(lambda: f.read(_READ_BLOCK), b""):
-                hasher.update(block)
-    except (OSError, ValueError):  # ValueError: a NUL byte in the path
-        return bytes(16)
-    return hasher.digest()
 
 
 def is_key(text: str) -> bool:

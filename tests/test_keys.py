@@ -180,6 +180,20 @@ def test_row_identities_are_pinned_and_follow_each_row():
     assert not (changed[1] == keys.row_identities(values, [stat])[0][1]).any()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.text(max_size=6),
+                          st.integers(-2**63, 2**63 - 1)), min_size=1, max_size=30),
+       st.integers(0, 2), st.sampled_from(keys.ROW_HASH_KEYS))
+def test_frame_hashes_are_pandas_hashes_of_the_frame(rows, width, hash_key):
+    words, texts, signed = map(list, zip(*rows))
+    columns = [np.array(words, dtype=np.uint64), np.array(texts, dtype=object),
+               np.array(signed, dtype="<i8").view("<u8")][:width + 1]
+    frame = pd.DataFrame({str(i): c for i, c in enumerate(columns)})
+    expected = pd.util.hash_pandas_object(frame, index=False, categorize=False,
+                                          hash_key=hash_key).to_numpy(dtype=np.uint64)
+    assert keys.frame_hashes(columns, hash_key).tolist() == expected.tolist()
+
+
 def test_row_identities_tell_value_types_apart_where_the_key_does():
     mixed, dtype = keys.row_identities(pd.Series([1, "1"], dtype=object))
     assert dtype == "object" and not (mixed[0] == mixed[1]).any()

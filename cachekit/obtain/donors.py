@@ -2,9 +2,15 @@
 
 The row index (:mod:`cachekit.store.row_index`) names the entries that may hold rows of
 the column; each is opened and checked (:mod:`cachekit.store.shared_rows`), and only rows
-whose full identity matches, that did not fail, and (with ``validate="path"``) whose
-file's stat is the one recorded when that entry was built, are shared: the build links
-the files that hold them (:mod:`cachekit.obtain.parts`) and decodes only the others.
+whose full identity matches, that did not fail, and (with ``validate="path"`` or
+``"stat"``) whose file's stat is the one recorded when that entry was built, are shared:
+the build links the files that hold them (:mod:`cachekit.obtain.parts`) and decodes only
+the others.
+
+A build of local paths under ``validate="path"`` does not stat every file it shares: it
+checks them as a hit checks its entry's files (:mod:`cachekit.obtain.staleness`), a
+sample now (:func:`stats_on_record`; every file when one of those changed) and every file
+in the background once the entry is committed.
 """
 
 from __future__ import annotations
@@ -14,18 +20,21 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import source_stats
 from ..messages import say
 from ..store import LocalStore
 from ..store.shared_rows import SharedRows, open_shared_rows
 from ..units import count
+from .staleness import SAMPLE_ROWS
 
 
 @dataclass(frozen=True)
 class Rows:
     """A per-row build's rows as reuse sees them: the recipe, each row's identity (an
     (N, 2) ``<u8`` array of the value's; for ``validate="content"`` two more words, the
-    identity of the file's digest), for images each file's (size, mtime_ns) now, and
-    whether a row is reused only where that stat is the one its donor recorded
+    identity of the file's digest), for images each file's (size, mtime_ns) now (None:
+    not taken yet, the donors' records are checked by :func:`stats_on_record` instead),
+    and whether a row is reused only where that stat is the one its donor recorded
     (``validate="path"`` or ``"stat"``; under ``"content"`` the digest words must match)."""
 
     recipe: str
@@ -150,12 +159,37 @@ def _usable(source: SharedRows, src: np.ndarray, dst: np.ndarray, rows: Rows,
             return src[:0], dst[:0]
         same &= (source.ids[src, 2:] == rows.ids[dst, 2:]).all(axis=1)
     if rows.same_stat:
-        if source.stats is None or rows.stats is None:
+        if source.stats is None:
             return src[:0], dst[:0]
+        if rows.stats is None:  # the record is checked after (stats_on_record)
+            same &= source.stats[src, 0] >= 0
+            return src[same], dst[same]
         unchanged = (source.stats[src] == rows.stats[dst]).all(axis=1) & (rows.stats[dst, 0] >= 0)
         changed[dst[same & ~unchanged]] = True
         same &= unchanged
     return src[same], dst[same]
+
+
+def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
+    """Each row's file stat for a build that found ``found`` without stat-ing its files
+    (local paths, ``validate="path"``): the stat its donor recorded for a shared row, the
+    file's now for the others. None when the file of one of a sample of the shared rows
+    (:data:`~.staleness.SAMPLE_ROWS`, as a hit checks) differs from its record: the column
+    changed in bulk, and the caller stats every row and finds the donors again. The files
+    the sample misses are compared in the background once the entry is committed."""
+    stats = np.full((len(values), 2), -1, dtype=np.int64)
+    shared = np.zeros(len(values), dtype=bool)
+    for donor in found.donors:
+        stats[donor.dst] = donor.source.stats[donor.src]
+        shared[donor.dst] = True
+    held = np.flatnonzero(shared)
+    picked = np.random.default_rng().choice(held, min(SAMPLE_ROWS, len(held)), replace=False)
+    now, _ = source_stats.local_stat_signature(values[picked])
+    if (now != stats[picked]).any():
+        return None
+    rest = np.flatnonzero(~shared)
+    stats[rest] = source_stats.local_stat_signature(values[rest])[0]
+    return stats
 
 
 def say_shared(key: str, found: Donors, rows: int) -> None:

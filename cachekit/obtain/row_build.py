@@ -14,6 +14,7 @@ rows). The donors, the entries that hold its rows, are found by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -76,6 +77,10 @@ class RowBuild:
         which files failed) rather than propagated."""
         self._values: Optional[np.ndarray] = None
         self._rows_of_build: Optional[Rows] = None
+        self.shared_on_record: Optional[np.ndarray] = None
+        """The stats its entry records, when the build shared rows on their donors'
+        records (:meth:`_donors`): its files are then checked in the background, as a
+        hit's are."""
 
     def values(self) -> np.ndarray:
         """The column's values: only a build or a join needs them, made once."""
@@ -91,11 +96,11 @@ class RowBuild:
         call, settings, values = self.call, self.settings, self.values()
         current.record_cpus(runs_at_once(settings.executor, settings.workers))
         builder = _decoders() if call.kind == "images" else None
-        rows = self._rows_of_build = self._rows(builder)
         aside, self.aside = self.aside, None
         healed = None if aside is None else aside.source
         try:
-            with donors.find(self.store, self.key, rows, call.template, healed) as found:
+            rows, found = self._donors(self._rows(builder, on_record=healed is None), healed)
+            with found:
                 donors.say_shared(self.key, found, len(values))
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
@@ -153,9 +158,34 @@ class RowBuild:
         return RowSpec(self.settings.workers, self.record, template or self.call.template,
                       self.key, self.settings.executor)
 
-    def _rows(self, builder: Optional[dict[str, Any]]) -> Rows:
+    def _donors(self, rows: Rows, healed: Optional[SharedRows]) -> tuple[Rows, donors.Donors]:
+        """The build's rows, each with its file's stat, and the donors that hold them.
+        Rows without stats yet share on their donors' records, checked as a hit checks
+        (:func:`.donors.stats_on_record`): a sample now, which when a file changed has every
+        file stat'ed and the donors found again; the others in the background after the
+        commit (:attr:`shared_on_record`)."""
+        found = donors.find(self.store, self.key, rows, self.call.template, healed)
+        if rows.stats is None and rows.same_stat:
+            try:
+                stats = donors.stats_on_record(found, self.values())
+            except BaseException:
+                found.close()
+                raise
+            if stats is None:
+                found.close()
+                stats = source_stats.stat_signature(self.values())
+                rows = dataclasses.replace(rows, stats=stats)
+                found = donors.find(self.store, self.key, rows, self.call.template, healed)
+            else:
+                rows = dataclasses.replace(rows, stats=stats)
+                self.shared_on_record = stats if found.rows else None
+        self._rows_of_build = rows
+        return rows, found
+
+    def _rows(self, builder: Optional[dict[str, Any]], on_record: bool) -> Rows:
         """The build's recipe and each row's identity under it, plus for images each file's
-        stat now (unless the key already took it).
+        stat now (unless the key already took it; or, with ``on_record``, for a column of
+        local paths under ``validate="path"``, left to :meth:`_donors`).
 
         The recipe (:func:`cachekit.keys.reuse_recipe`) leaves out ``on_error`` and
         ``validate``, so entries built with others lend their good rows; what ``validate``
@@ -169,11 +199,15 @@ class RowBuild:
             proof, _ = keys.row_identities(call.column, [call.material["content"]])
             ids = np.concatenate([ids, proof], axis=1)
         stats = call.material.get("stat")
+        same_stat = "content" not in call.material
+        if stats is None and same_stat and on_record \
+                and source_stats.plain_paths(self.values()):
+            return Rows(recipe, ids, None, same_stat=True)
         if stats is None:  # (URL rows: from the store's listings, cachekit.source_stats)
             stats = source_stats.stat_signature(
                 self.values(), getattr(call.row_fn, "storage_options", None),
                 getattr(call.row_fn, "fetch", None))
-        return Rows(recipe, ids, stats, same_stat="content" not in call.material)
+        return Rows(recipe, ids, stats, same_stat=same_stat)
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

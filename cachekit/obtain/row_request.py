@@ -38,13 +38,15 @@ class RowRequest:
             dtype=None if dtype is None else np.dtype(dtype).str)
         self.raise_failures = call.on_error == "raise"
         self._aside: Optional["SetAside"] = None
+        self._build: Optional["RowBuild"] = None
 
     def start(self) -> "RowBuild":
         """The build (on a miss), given the entry set aside to be built again, if any."""
         from .row_build import RowBuild
 
         aside, self._aside = self._aside, None
-        return RowBuild(self.store, self.call, self.settings, aside)
+        self._build = RowBuild(self.store, self.call, self.settings, aside)
+        return self._build
 
     def settle(self, outcome: Outcome) -> None:
         """Between obtaining and opening the entry: index a downloaded one, so that its rows
@@ -65,15 +67,24 @@ class RowRequest:
             say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
                 "shares its rows and cannot be removed here (another user's, or a "
                 "read-only root); returned as it is")
-        if self.checks_staleness(outcome):
+        if outcome.source == "local" and self.checks_staleness(outcome):
             self._heal_if_stale(outcome.entry)
 
     def checks_staleness(self, outcome: Outcome) -> bool:
-        """Whether the files of this hit are checked for changes: images keyed by their
-        paths alone (``validate="path"``) found in the local root."""
+        """Whether the files of the entry are checked for changes: images keyed by their
+        paths alone (``validate="path"``) found in the local root, or built here sharing
+        rows on their donors' recorded stats (:attr:`.RowBuild.shared_on_record`)."""
         call = self.call
-        return (outcome.source == "local" and call.kind == "images"
-                and call.params.get("validate") == "path")
+        if call.kind != "images" or call.params.get("validate") != "path":
+            return False
+        return outcome.source == "local" or self.shared_on_record(outcome) is not None
+
+    def shared_on_record(self, outcome: Outcome) -> Optional[np.ndarray]:
+        """The file stats the entry records, when this call built it sharing rows on their
+        donors' records (:attr:`.RowBuild.shared_on_record`); None otherwise."""
+        if outcome.source != "built" or self._build is None:
+            return None
+        return self._build.shared_on_record
 
     def record_stale(self, key: str, created: float, rows: list[int]) -> None:
         """Keep what a check found beside the entry (``locks/KEY.stale.json``), so that

@@ -1,4 +1,5 @@
 """The check a hit of an images entry keyed by its paths alone makes: did its files change?
+(A build that shares rows on their donors' recorded stats checks its entry the same way.)
 
 With ``validate="path"`` (the default) the key is made from the paths, so a file rewritten
 under the same name is a hit and serves the pixels decoded before. An entry records each
@@ -9,7 +10,9 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
   changed in bulk (a data set regenerated, a folder copied over) at once;
 - the first time an entry is hit in a process, starts a background thread that compares
   every row's file (about 0.5 s for 130k files on a local disk), so that one file
-  rewritten among many is found too, without slowing the hit.
+  rewritten among many is found too, without slowing the hit. The threads run one at a
+  time, and a row whose file this process already found unchanged against the same
+  record is not stat'ed again: ten folds of one column stat each file once.
 
 Either says so once per process and entry, as one :class:`StaleEntryWarning` attributed to
 the user's call (the background check's too), or as a line on stderr where warnings of
@@ -58,6 +61,11 @@ _warned: set[str] = set()
 _started: set[str] = set()
 _lock = threading.Lock()
 _threads: list[threading.Thread] = []
+_serial = threading.Lock()
+"""Held by the background check that runs: one at a time, each after what the others
+confirmed."""
+_confirmed = np.zeros(0, dtype=np.uint64)
+"""Sorted hashes of (path, recorded stat) that a background check found unchanged."""
 
 
 Found = Callable[[str, float, list[int]], None]
@@ -65,35 +73,42 @@ Found = Callable[[str, float, list[int]], None]
 
 
 def check(entry_path: Path, manifest: Manifest, paths: Any,
-          found: Optional[Found] = None) -> None:
+          found: Optional[Found] = None, built: Optional[np.ndarray] = None) -> None:
     """Check the files of the column ``paths`` against the stats ``manifest``'s entry
     recorded: a sample now, every row in a background thread (see the module docstring).
     What changed is told to ``found`` (which records it, so that the next call of the
-    column heals the entry) before it is said."""
+    column heals the entry) before it is said. ``built``: the stats the entry records, when
+    this call built it sharing rows on their donors' records (the build took the sample):
+    only the background check runs."""
     mode = check_mode()
     record = manifest.row_file(ROW_STATS_FILE)
     if mode == "off" or record is None or manifest.key in _warned or not manifest.rows:
         return
-    try:  # (mapped: the sample reads 16 rows of it, the background check all)
-        recorded = open_row_file(entry_path, manifest, ROW_STATS_FILE)
-    except (OSError, CacheCorruptError):
-        return  # a hit does not stop for an advisory record
-    if recorded.shape != (manifest.rows, 2):
-        return
-    rows = np.unique(np.random.default_rng().integers(0, manifest.rows, size=SAMPLE_ROWS))
-    changed = _changed(rows, recorded, paths, stop_at=1)
     caller = _callers_frame()
-    if changed:
-        _tell(found, manifest, changed)
-        _warn(manifest.key, changed, None, caller)
-        return
+    if built is not None:
+        recorded = built
+    else:
+        try:  # (mapped: the sample reads 16 rows of it, the background check all)
+            recorded = open_row_file(entry_path, manifest, ROW_STATS_FILE)
+        except (OSError, CacheCorruptError):
+            return  # a hit does not stop for an advisory record
+        if recorded.shape != (manifest.rows, 2):
+            return
+        rows = np.unique(np.random.default_rng().integers(0, manifest.rows, size=SAMPLE_ROWS))
+        changed = _changed(rows, recorded, paths, stop_at=1)
+        if changed:
+            _tell(found, manifest, changed)
+            _warn(manifest.key, changed, None, caller)
+            return
     with _lock:
         if mode != "all" or manifest.key in _started:
             return
         _started.add(manifest.key)
         if not _threads:
             _at_exit()
-    thread = threading.Thread(target=_check_all, args=(manifest, recorded, paths, caller, found),
+    thread = threading.Thread(target=_check_all,
+                              args=(manifest, recorded, paths, caller, found,
+                                    built is not None),
                               name=f"cachekit stale check {manifest.key[:12]}", daemon=True)
     _threads.append(thread)
     thread.start()
@@ -132,15 +147,40 @@ def _at_exit() -> None:
 
 
 def _check_all(manifest: Manifest, recorded: np.ndarray, paths: Any, caller: Any,
-               found: Optional[Found]) -> None:
+               found: Optional[Found], built: bool) -> None:
+    global _confirmed
     time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
-    changed = _changed(np.arange(len(recorded)), recorded, paths)
+    with _serial:
+        recorded = np.asarray(recorded[:])  # one gather, whichever files hold them
+        hashes = _hashes(paths, recorded)
+        rows = np.flatnonzero(~_isin_sorted(hashes, _confirmed))
+        changed = _changed(rows, recorded, paths)
+        unchanged = np.ones(len(rows), dtype=bool)
+        unchanged[np.searchsorted(rows, [row for row, _, _, _ in changed])] = False
+        _confirmed = np.union1d(_confirmed, hashes[rows[unchanged]])
     if changed:
         _tell(found, manifest, changed)
         try:
-            _warn(manifest.key, changed, len(changed), caller)
+            _warn(manifest.key, changed, len(changed), caller, built)
         except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
             say(str(e), always=True)
+
+
+def _hashes(paths: Any, recorded: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row's (path, recorded stat)."""
+    import pandas as pd
+
+    hashed = pd.util.hash_array(paths.to_numpy(dtype=object))
+    for word, odd in zip(recorded.T, (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)):
+        hashed ^= pd.util.hash_array(np.ascontiguousarray(word)) * np.uint64(odd)
+    return hashed
+
+
+def _isin_sorted(values: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
+    if not len(sorted_values):
+        return np.zeros(len(values), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_values, values), len(sorted_values) - 1)
+    return sorted_values[at] == values
 
 
 def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 0
@@ -161,7 +201,7 @@ def _tell(found: Optional[Found], manifest: Manifest, changed: list[Any]) -> Non
 
 
 def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
-          total: Optional[int], caller: Any) -> None:
+          total: Optional[int], caller: Any, built: bool = False) -> None:
     """Say once per process and entry that files changed: all of them (``total``, from the
     full check) or at least the first one found (the sample)."""
     with _lock:
@@ -176,7 +216,8 @@ def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, in
         shown = ", ".join(p for _, p, _, _ in changed[:SHOWN_PATHS])
         more = f" and {total - SHOWN_PATHS} more" if total > SHOWN_PATHS else ""
         what = f"{total} files changed since entry {key[:12]} was built ({shown}{more})"
-    text = (f"{what}; this hit serves the pixels decoded then, because validate=\"path\" "
+    served = ("the entry this call built shares" if built else "this hit serves")
+    text = (f"{what}; {served} the pixels decoded then, because validate=\"path\" "
             "keys the paths only. The next call of this column builds the entry again, "
             "decoding only the rows whose files changed (the others are shared); pass "
             "validate=\"stat\" to key each file's size and mtime as well")

@@ -21,6 +21,7 @@ import pytest
 import cachekit
 from cachekit.cli.main import main as cli_main
 from cachekit.engine.decoding import images
+from cachekit.obtain import donors, staleness
 from cachekit.errors import StaleEntryWarning
 from cachekit.store import manifest as manifests
 from helpers import write_pictures
@@ -185,16 +186,77 @@ def test_with_validate_stat_a_rewritten_file_costs_one_decode(cache, pictures, d
     assert not np.array_equal(expected[17], old[17])
 
 
-def test_with_validate_path_a_build_never_copies_a_row_whose_file_changed(
-        cache, pictures, decodes, tmp_path):
+@pytest.fixture
+def sample_every_file(monkeypatch):
+    """A build's sample of the files it shares takes them all: what it finds is certain."""
+    monkeypatch.setattr(donors, "SAMPLE_ROWS", 10**6)
+
+
+@pytest.fixture
+def sample_no_file(monkeypatch):
+    """A build's sample of the files it shares takes none: only the background check of
+    its entry can find a changed file."""
+    monkeypatch.setattr(donors, "SAMPLE_ROWS", 0)
+
+
+def test_with_validate_path_a_build_never_shares_a_row_whose_changed_file_its_sample_saw(
+        cache, pictures, decodes, tmp_path, sample_every_file):
     cache.images(column(pictures, range(100)), 8)
     decodes.take()
     _write_picture(Path(pictures[5]), 20_000)
     os.utime(pictures[5], ns=(2, 2))
-    grown = cache.images(column(pictures, range(110)), 8)  # a miss: rows 0..99 may be copied
+    grown = cache.images(column(pictures, range(110)), 8)  # a miss: rows 0..99 may be shared
     assert sorted(decodes.take()) == sorted([pictures[5], *pictures[100:110]])
     assert counts(grown) == (11, 0, 99)
     np.testing.assert_array_equal(grown.array, fresh(tmp_path, column(pictures, range(110))))
+
+
+def test_a_changed_file_the_sample_missed_is_said_by_the_background_check_and_healed_next(
+        cache, pictures, decodes, tmp_path, sample_no_file):
+    """A build shares rows as a hit serves them: on their recorded stat, checked in the
+    background; the changed file is said, and the next call decodes that row alone."""
+    cache.images(column(pictures, range(N)), 8)
+    decodes.take()
+    _write_picture(Path(pictures[N - 3]), 20_000)
+    os.utime(pictures[N - 3], ns=(2, 2))
+    fold = column(pictures, range(10, N))
+    with pytest.warns(StaleEntryWarning, match="the entry this call built shares") as caught:
+        built = cache.images(fold, 8)
+        staleness.wait_for_checks(timeout=60)
+    assert counts(built) == (0, 0, N - 10) and pictures[N - 3] in str(caught[0].message)
+    assert decodes.take() == []
+    healed = cache.images(fold, 8)
+    assert decodes.take() == [pictures[N - 3]] and counts(healed) == (1, 0, N - 11)
+    np.testing.assert_array_equal(healed.array, fresh(tmp_path, fold))
+
+
+def test_a_bulk_change_is_found_by_the_sample_and_nothing_changed_is_shared(
+        cache, pictures, decodes):
+    cache.images(column(pictures, range(N)), 8)
+    decodes.take()
+    for path in pictures[:N]:  # a data set regenerated: every file touched
+        os.utime(path, ns=(4, 4))
+    fold = cache.images(column(pictures, range(10, N)), 8)
+    assert counts(fold) == (N - 10, 0, 0) and len(decodes.take()) == N - 10
+
+
+def test_the_background_checks_of_overlapping_builds_stat_each_file_once(
+        cache, pictures, monkeypatch):
+    cache.images(column(pictures, range(N)), 8)
+    checked: list[int] = []
+    real = staleness._changed
+
+    def counted(rows, recorded, paths, stop_at=0):
+        if not stop_at:  # the background check's, not a sample's
+            checked.append(len(rows))
+        return real(rows, recorded, paths, stop_at)
+
+    monkeypatch.setattr(staleness, "_changed", counted)
+    first = cache.images(column(pictures, range(0, 400)), 8)
+    second = cache.images(column(pictures, range(200, N)), 8)
+    staleness.wait_for_checks(timeout=60)
+    assert first.rows_reused == second.rows_reused == 400
+    assert checked == [400, 200]  # the second skips the 200 files the first found unchanged
 
 
 def test_a_hit_warns_once_when_files_of_its_column_changed(cache, pictures, decodes):
@@ -429,7 +491,7 @@ def test_a_failed_row_is_never_copied(cache, pictures, decodes, tmp_path):
 
 
 def test_the_build_says_which_rows_it_decodes_new_failed_before_or_changed(
-        cache_root, pictures, tmp_path, capsys):
+        cache_root, pictures, tmp_path, capsys, sample_every_file):
     missing = str(tmp_path / "missing.png")
     quiet = cachekit.Cache(cache_root, workers=1, progress=False)
     quiet.images(pd.Series([*pictures[:20], missing]), 8, on_error="zero")
@@ -526,8 +588,6 @@ def test_switching_validate_copies_every_row_whose_file_proves_unchanged(
 
 
 def test_a_hit_finds_one_changed_file_among_many_off_its_own_path(cache, pictures, capsys):
-    from cachekit.obtain import staleness
-
     col = column(pictures, range(N))
     cache.images(col, 8)
     os.utime(pictures[N - 3], ns=(5, 5))  # one file among 600: a sample of 16 may miss it

@@ -108,12 +108,12 @@ def test_a_column_of_paths_file_urls_and_bucket_objects_is_checked_without_a_req
         tmp_path, monkeypatch):
     """The check compares a local path and a ``file://`` URL with their files, and leaves
     an object in a bucket alone: a hit makes no request (any would fail here)."""
-    from cachekit import keys, urls
+    from cachekit import source_stats, urls
     from cachekit.obtain import staleness
 
     files = write_sample_images(tmp_path / "c", 3, seed=5)
     column = pd.Series([files[0], "file://" + files[1], "s3://no-such-bucket/a.jpg", files[2]])
-    recorded = keys.stat_signature([files[0], files[1], "\0", files[2]])
+    recorded = source_stats.file_stats([files[0], files[1], "\0", files[2]])
     recorded[2] = (7, 7)  # whatever the object's record, it is not looked at
     monkeypatch.setattr(urls, "filesystem", lambda *a, **k: pytest.fail("a request was made"))
     rows = np.arange(len(column))

@@ -357,19 +357,19 @@ def fetch_one(url: str, max_read_bytes: int, storage_options: Optional[dict[str,
 def content_signature(values: Sequence[Any], workers: int, max_read_bytes: int,
                       storage_options: Optional[dict[str, Any]] = None,
                       settings: Optional[urls.FetchSettings] = None) -> Any:
-    """:func:`cachekit.keys.content_signature` of a column of paths and URLs: a 16-byte
+    """:func:`cachekit.source_stats.file_digests` of a column of paths and URLs: a 16-byte
     blake2b of each file's or object's bytes, zeros where unreadable (a remote object
     larger than the cap included). The objects are fetched as rows are, in one window."""
     import hashlib
 
     import numpy as np
 
-    from ... import keys
+    from ... import source_stats
 
     remote = [i for i, v in enumerate(values) if urls.is_remote(v)]
     local = [("\0" if urls.is_remote(v) else urls.local_path(v)) if isinstance(v, str) else v
              for v in values]
-    out = keys.content_signature(local, workers)  # "\0": zeros, filled in below
+    out = source_stats.file_digests(local, workers)  # "\0": zeros, filled in below
     if not remote:
         return out
     out = np.array(out)
