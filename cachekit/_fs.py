@@ -5,7 +5,6 @@ Platform and filesystem differences live here and nowhere else.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 import json
@@ -15,7 +14,7 @@ import socket
 import stat
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Optional
+from typing import Any, BinaryIO, Optional
 
 _HOST = socket.gethostname()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -64,7 +63,7 @@ class DirHandle:
         flags = os.O_RDONLY | _DIRECTORY | (0 if follow else _NOFOLLOW)
         if parent is None:
             return cls(os.open(path, flags), Path(path))
-        with _naming(parent.path / path):
+        with _naming(parent.path, str(path)):
             return cls(os.open(path, flags, dir_fd=parent.fd), parent.path / path)
 
     def close(self) -> None:
@@ -86,7 +85,7 @@ class DirHandle:
         return DirHandle.open(name, parent=self)
 
     def mkdir(self, name: str, mode: int) -> None:
-        with _naming(self.path / name):
+        with _naming(self.path, name):
             os.mkdir(name, mode, dir_fd=self.fd)
 
     def names(self) -> list[str]:
@@ -98,14 +97,14 @@ class DirHandle:
     def create(self, name: str, mode: Optional[int] = None) -> int:
         """Create ``name`` fresh (never through a symlink, never over a file) for writing."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW
-        with _naming(self.path / name):
+        with _naming(self.path, name):
             return os.open(name, flags, private_file_mode() if mode is None else mode,
                            dir_fd=self.fd)
 
     def open_file(self, name: str, *, writable: bool = False) -> BinaryIO:
         """Open the regular file ``name``: no symlink, no FIFO or device (never blocks)."""
         flags = (os.O_RDWR if writable else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK
-        with _naming(self.path / name):
+        with _naming(self.path, name):
             fd = _regular(os.open(name, flags, dir_fd=self.fd), self.path / name)
         return os.fdopen(fd, "r+b" if writable else "rb")
 
@@ -219,16 +218,26 @@ class DirHandle:
                          os.fstat(f.fileno()))
 
 
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
+class _naming:
     """Re-raise an OSError of a call relative to a handle with the full path as its filename
-    (the call itself only knew the name inside the directory)."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None or str(e.filename) == str(path):
-            raise
-        raise type(e)(e.errno, e.strerror, str(path)) from None
+    (the call itself only knew the name inside the directory); the path is joined only
+    then, as a call that succeeds needs none."""
+
+    __slots__ = ("folder", "name")
+
+    def __init__(self, folder: Path, name: str) -> None:
+        self.folder, self.name = folder, name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if not isinstance(error, OSError):
+            return
+        path = str(self.folder / self.name)
+        if error.filename is None or str(error.filename) == path:
+            return
+        raise type(error)(error.errno, error.strerror, path) from None
 
 
 def same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -236,14 +245,16 @@ def same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 def private_dir_mode() -> int:
-    """A build directory's mode: no write for group or others, whatever the umask (members
-    of a shared cache's group must not plant files in another's build)."""
-    return 0o755 & ~umask()
+    """A build directory's mode as ``mkdir`` is given it: no write for group or others,
+    whatever the umask (members of a shared cache's group must not plant files in
+    another's build); the kernel takes the umask off."""
+    return 0o755
 
 
 def private_file_mode() -> int:
-    """A file cachekit writes: never writable by group or others."""
-    return 0o644 & ~umask()
+    """A file cachekit creates, as ``open`` is given it: never writable by group or others
+    (the kernel takes the umask off)."""
+    return 0o644
 
 
 def shared_dir_mode() -> int:

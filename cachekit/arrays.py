@@ -199,13 +199,15 @@ def _pread_all(fd: int, size: int, position: int, path: Path) -> bytes:
     return data
 
 
-def write_small(directory: _fs.DirHandle, name: str, array: np.ndarray) -> None:
+def write_small(directory: _fs.DirHandle, name: str, array: np.ndarray) -> str:
     """Write ``array`` as a new .npy file ``name`` of ``directory`` (an entry's per-row
-    records: row identities, block digests, file stats). Not flushed: a build's commit
-    fsyncs every file it publishes."""
-    out = create_array(directory, name, array.shape, array.dtype)
-    out[...] = array
-    del out
+    records: row identities, block digests, file stats), as :func:`create_array` lays it
+    out; its checksum, so that the seal need not read it again. Not flushed: a build's
+    commit fsyncs every file it publishes."""
+    array = np.ascontiguousarray(array)
+    data = _padded_header(array.shape, array.dtype, HEADER_ALIGN) + array.tobytes()
+    directory.write_new(name, data, durable=False)
+    return checksum_of_bytes(data)
 
 
 def read_small(directory: _fs.DirHandle, name: str, shape: tuple[int, ...], dtype: np.dtype,

@@ -42,24 +42,27 @@ class RowFiles:
 def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
                     held: Parts) -> RowFiles:
     """Write the row identities, the data's block digests, (images) the file stats and (a
-    derived entry) the row map into the build directory next to its data file."""
+    derived entry) the row map into the build directory next to its data file, each
+    checksummed as it is written."""
     shape, dtype = filled.shape, np.dtype(filled.dtype)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
     whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
     own = held.own_rows if held.derived else slice(None)  # they describe data.npy's rows
-    arrays.write_small(directory, manifests.ROW_IDS_FILE, np.ascontiguousarray(rows.ids[own]))
-    arrays.write_small(directory, manifests.ROW_BLOCKS_FILE, blocks)
-    files = [(manifests.ROW_IDS_FILE, "numpy"), (manifests.ROW_BLOCKS_FILE, "numpy")]
     digests = {manifests.DATA_FILE: whole}
+    files: list[tuple[str, str]] = []
+
+    def write(name: str, array: np.ndarray) -> None:
+        digests[name] = arrays.write_small(directory, name, array)
+        files.append((name, "numpy"))
+
+    write(manifests.ROW_IDS_FILE, rows.ids[own])
+    write(manifests.ROW_BLOCKS_FILE, blocks)
     linked: frozenset[str] = frozenset()
     if rows.stats is not None:
-        arrays.write_small(directory, manifests.ROW_STATS_FILE,
-                           np.ascontiguousarray(rows.stats[own], dtype="<i8"))
-        files.append((manifests.ROW_STATS_FILE, "numpy"))
+        write(manifests.ROW_STATS_FILE, np.asarray(rows.stats[own], dtype="<i8"))
     if held.derived:
-        arrays.write_small(directory, manifests.ROW_MAP_FILE, held.row_map())
-        files.append((manifests.ROW_MAP_FILE, "numpy"))
+        write(manifests.ROW_MAP_FILE, held.row_map())
         shared = {**dict(zip(held.names, held.records)), **held.sidecars}
         files += [(name, "numpy") for name in sorted(shared)]
         digests.update((name, record.checksum) for name, record in shared.items())
