@@ -195,7 +195,7 @@ class Cache:
         ``cachekit clear`` may remove the entry between reading its manifest and opening
         its data, and ``open_entry`` may set it aside to be built again (FileNotFoundError):
         neither is corruption, so it is obtained again (a rebuild) instead of raising."""
-        with quiet(self.progress is False):
+        with quiet(self.progress is False), staleness.call_running():
             for attempt in range(_OPEN_ATTEMPTS):
                 outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
                                  join=self.join, remote=self._remote_tier())

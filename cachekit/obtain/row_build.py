@@ -30,7 +30,7 @@ from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..messages import say, speaking
 from ..store.shared_rows import SharedRows, open_shared_rows
-from . import donors, parts
+from . import donors, parts, staleness
 from .built import Built
 from .donors import Rows
 from .row_call import BuildSettings, RowCall, Template
@@ -77,10 +77,10 @@ class RowBuild:
         which files failed) rather than propagated."""
         self._values: Optional[np.ndarray] = None
         self._rows_of_build: Optional[Rows] = None
-        self.shared_on_record: Optional[np.ndarray] = None
-        """The stats its entry records, when the build shared rows on their donors'
-        records (:meth:`_donors`): its files are then checked in the background, as a
-        hit's are."""
+        self.shared_on_record: Optional[staleness.Built] = None
+        """Its entry's rows, when the build shared rows on their donors' records
+        (:meth:`_donors`): their files are then checked in the background, as a hit's
+        are."""
 
     def values(self) -> np.ndarray:
         """The column's values: only a build or a join needs them, made once."""
@@ -178,7 +178,8 @@ class RowBuild:
                 found = donors.find(self.store, self.key, rows, self.call.template, healed)
             else:
                 rows = dataclasses.replace(rows, stats=stats)
-                self.shared_on_record = stats if found.rows else None
+                if found.rows:
+                    self.shared_on_record = staleness.Built(rows.ids[:, 0], stats)
         self._rows_of_build = rows
         return rows, found
 

@@ -24,6 +24,7 @@ from .row_call import BuildSettings, RowCall
 
 if TYPE_CHECKING:  # imported on a miss only: a hit needs none of the build's machinery
     from .row_build import RowBuild, SetAside
+    from .staleness import Built
 
 
 class RowRequest:
@@ -79,9 +80,9 @@ class RowRequest:
             return False
         return outcome.source == "local" or self.shared_on_record(outcome) is not None
 
-    def shared_on_record(self, outcome: Outcome) -> Optional[np.ndarray]:
-        """The file stats the entry records, when this call built it sharing rows on their
-        donors' records (:attr:`.RowBuild.shared_on_record`); None otherwise."""
+    def shared_on_record(self, outcome: Outcome) -> Optional["Built"]:
+        """The entry's rows, when this call built it sharing rows on their donors'
+        records (:attr:`.RowBuild.shared_on_record`); None otherwise."""
         if outcome.source != "built" or self._build is None:
             return None
         return self._build.shared_on_record

@@ -12,7 +12,9 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
   every row's file (about 0.5 s for 130k files on a local disk), so that one file
   rewritten among many is found too, without slowing the hit. The threads run one at a
   time, and a row whose file this process already found unchanged against the same
-  record is not stat'ed again: ten folds of one column stat each file once.
+  record is not stat'ed again: ten folds of one column stat each file once. They stat
+  while no cachekit call runs in the process (:func:`call_running`; each waits at most
+  :data:`YIELD_SECONDS` for that), so that the calls do not wait for the interpreter.
 
 Either says so once per process and entry, as one :class:`StaleEntryWarning` attributed to
 the user's call (the background check's too), or as a line on stderr where warnings of
@@ -29,6 +31,7 @@ not checked: a hit makes no request (validate="stat" keys their size and tag ins
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -36,14 +39,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from .. import redaction, source_stats
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
-from ..store.manifest import ROW_STATS_FILE, Manifest
+from ..store.manifest import ROW_IDS_FILE, ROW_STATS_FILE, Manifest
 from ..store.row_view import open_row_file
 
 SAMPLE_ROWS = 16
@@ -55,6 +58,10 @@ SHOWN_PATHS = 3
 EXIT_WAIT = 1.0
 """Seconds an exiting process waits for its background checks (130,000 files take about
 0.7 s on a local disk)."""
+YIELD_SECONDS = 1.0
+"""Seconds a background check waits, at most, for the process's cachekit calls to end."""
+CHUNK_ROWS = 256
+"""Files a background check stats between two looks at whether a call runs."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
 CHECKS = ("all", "sample", "off")
 _warned: set[str] = set()
@@ -65,29 +72,37 @@ _serial = threading.Lock()
 """Held by the background check that runs: one at a time, each after what the others
 confirmed."""
 _confirmed = np.zeros(0, dtype=np.uint64)
-"""Sorted hashes of (path, recorded stat) that a background check found unchanged."""
+"""Sorted hashes of (row identity, recorded stat) a background check found unchanged."""
+_calls = 0
+_no_call = threading.Condition()
 
 
 Found = Callable[[str, float, list[int]], None]
 """Told (key, the entry's created time, the changed rows found) when files changed."""
 
 
+class Built(NamedTuple):
+    """The rows of an entry this call built sharing rows on their donors' records: each
+    row's identity word (``row_ids.npy``'s first column) and its file's recorded stat."""
+
+    ids: np.ndarray
+    stats: np.ndarray
+
+
 def check(entry_path: Path, manifest: Manifest, paths: Any,
-          found: Optional[Found] = None, built: Optional[np.ndarray] = None) -> None:
+          found: Optional[Found] = None, built: Optional[Built] = None) -> None:
     """Check the files of the column ``paths`` against the stats ``manifest``'s entry
     recorded: a sample now, every row in a background thread (see the module docstring).
     What changed is told to ``found`` (which records it, so that the next call of the
-    column heals the entry) before it is said. ``built``: the stats the entry records, when
-    this call built it sharing rows on their donors' records (the build took the sample):
-    only the background check runs."""
+    column heals the entry) before it is said. ``built``: the entry's rows, when this call
+    built it sharing rows on their donors' records (the build took the sample): only the
+    background check runs."""
     mode = check_mode()
     record = manifest.row_file(ROW_STATS_FILE)
     if mode == "off" or record is None or manifest.key in _warned or not manifest.rows:
         return
     caller = _callers_frame()
-    if built is not None:
-        recorded = built
-    else:
+    if built is None:
         try:  # (mapped: the sample reads 16 rows of it, the background check all)
             recorded = open_row_file(entry_path, manifest, ROW_STATS_FILE)
         except (OSError, CacheCorruptError):
@@ -107,11 +122,26 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
         if not _threads:
             _at_exit()
     thread = threading.Thread(target=_check_all,
-                              args=(manifest, recorded, paths, caller, found,
-                                    built is not None),
+                              args=(entry_path, manifest, built, paths, caller, found),
                               name=f"cachekit stale check {manifest.key[:12]}", daemon=True)
     _threads.append(thread)
     thread.start()
+
+
+@contextlib.contextmanager
+def call_running() -> Iterator[None]:
+    """Tell the background checks that a cachekit call runs in this process: they stat
+    between calls (for at most :data:`YIELD_SECONDS`), not while the call waits for the
+    interpreter (the GIL) behind them."""
+    global _calls
+    with _no_call:
+        _calls += 1
+    try:
+        yield
+    finally:
+        with _no_call:
+            _calls -= 1
+            _no_call.notify_all()
 
 
 def check_mode() -> str:
@@ -146,34 +176,50 @@ def _at_exit() -> None:
     atexit.register(wait)
 
 
-def _check_all(manifest: Manifest, recorded: np.ndarray, paths: Any, caller: Any,
-               found: Optional[Found], built: bool) -> None:
+def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Built], paths: Any,
+               caller: Any, found: Optional[Found]) -> None:
     global _confirmed
     time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
     with _serial:
-        recorded = np.asarray(recorded[:])  # one gather, whichever files hold them
-        hashes = _hashes(paths, recorded)
+        deadline = time.monotonic() + YIELD_SECONDS
+        try:
+            ids, recorded = built or _rows_of(entry_path, manifest)
+        except (OSError, CacheCorruptError, IndexError):
+            return  # removed or damaged meanwhile: the next open says so
+        hashes = _hashes(ids, recorded)
         rows = np.flatnonzero(~_isin_sorted(hashes, _confirmed))
-        changed = _changed(rows, recorded, paths)
+        changed = []
+        for first in range(0, len(rows), CHUNK_ROWS):
+            with _no_call:
+                _no_call.wait_for(lambda: not _calls, max(0.0, deadline - time.monotonic()))
+            changed += _changed(rows[first:first + CHUNK_ROWS], recorded, paths)
         unchanged = np.ones(len(rows), dtype=bool)
         unchanged[np.searchsorted(rows, [row for row, _, _, _ in changed])] = False
         _confirmed = np.union1d(_confirmed, hashes[rows[unchanged]])
     if changed:
         _tell(found, manifest, changed)
         try:
-            _warn(manifest.key, changed, len(changed), caller, built)
+            _warn(manifest.key, changed, len(changed), caller, built is not None)
         except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
             say(str(e), always=True)
 
 
-def _hashes(paths: Any, recorded: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each row's (path, recorded stat)."""
-    import pandas as pd
+def _rows_of(entry_path: Path, manifest: Manifest) -> Built:
+    """The identity words and recorded stats of every row of a hit's entry, read whole
+    (gathered through a derived entry's row map)."""
+    ids = open_row_file(entry_path, manifest, ROW_IDS_FILE)
+    stats = open_row_file(entry_path, manifest, ROW_STATS_FILE)
+    return Built(np.asarray(ids[:])[:, 0], np.asarray(stats[:]))
 
-    hashed = pd.util.hash_array(paths.to_numpy(dtype=object))
-    for word, odd in zip(recorded.T, (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)):
-        hashed ^= pd.util.hash_array(np.ascontiguousarray(word)) * np.uint64(odd)
-    return hashed
+
+def _hashes(ids: np.ndarray, recorded: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row's (identity word, recorded stat): what a check found
+    unchanged is known by it."""
+    mixed = np.array(ids, dtype=np.uint64)
+    for word, odd in zip(recorded.astype(np.uint64).T, (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)):
+        mixed ^= (word + np.uint64(odd)) * np.uint64(odd)
+        mixed ^= mixed >> np.uint64(29)
+    return mixed
 
 
 def _isin_sorted(values: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
