@@ -124,3 +124,40 @@ def test_a_column_of_paths_file_urls_and_bucket_objects_is_checked_without_a_req
     assert [(row, now) for row, _, _, now in changed] == [
         (1, (int(recorded[1, 0]), 1)), (3, (int(recorded[3, 0]), 2))]
     assert len(staleness._changed(rows, recorded, column, stop_at=1)) == 1
+
+
+def test_a_background_check_stats_nothing_while_a_call_of_its_process_runs(
+        built, monkeypatch):
+    """The check waits for the process's cachekit calls to end (they would wait for the
+    interpreter behind it), then finds the changed file."""
+    import time
+    import warnings
+
+    import cachekit
+    from cachekit.errors import StaleEntryWarning
+    from cachekit.obtain import staleness
+
+    work, _, paths = built
+    monkeypatch.setattr(staleness, "SAMPLE_ROWS", 0)  # only the background check looks
+    monkeypatch.setattr(staleness, "START_DELAY", 0.0)
+    monkeypatch.setattr(staleness, "YIELD_SECONDS", 120.0)
+    looked: list[int] = []
+    real = staleness._changed
+
+    def counted(rows, recorded, column, stop_at=0):
+        if not stop_at:
+            looked.append(len(rows))
+        return real(rows, recorded, column, stop_at)
+
+    monkeypatch.setattr(staleness, "_changed", counted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with staleness.call_running():  # another call of this process, still running
+            hit = cachekit.Cache(work / "cache", progress=False).images(paths, 8, backend="pil")
+            assert hit.hit
+            time.sleep(0.5)
+            assert looked == []
+        staleness.wait_for_checks(timeout=60)
+    assert sum(looked) == ROWS
+    assert [w.category for w in caught] == [StaleEntryWarning]
+    assert paths[CHANGED] in str(caught[0].message)
