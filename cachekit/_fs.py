@@ -13,6 +13,7 @@ import shutil
 import socket
 import stat
 import uuid
+from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
@@ -53,18 +54,26 @@ class DirHandle:
     allows one for a path the user gave (the cache root itself).
     """
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: str | Path, name: Optional[str] = None) -> None:
         self.fd = fd
-        self.path = Path(path)
+        self._where = (path, name)
+
+    @cached_property
+    def path(self) -> Path:
+        """Where it was opened (``name`` inside ``path``, when given): for messages and
+        for the callers that need one, made on first use."""
+        base, name = self._where
+        base = base.path if isinstance(base, DirHandle) else Path(base)
+        return base if name is None else base / name
 
     @classmethod
     def open(cls, path: str | Path, *, follow: bool = False,
              parent: Optional["DirHandle"] = None) -> "DirHandle":
         flags = os.O_RDONLY | _DIRECTORY | (0 if follow else _NOFOLLOW)
         if parent is None:
-            return cls(os.open(path, flags), Path(path))
-        with _naming(parent.path, str(path)):
-            return cls(os.open(path, flags, dir_fd=parent.fd), parent.path / path)
+            return cls(os.open(path, flags), path)
+        with _naming(parent, str(path)):
+            return cls(os.open(path, flags, dir_fd=parent.fd), parent, str(path))
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -85,7 +94,7 @@ class DirHandle:
         return DirHandle.open(name, parent=self)
 
     def mkdir(self, name: str, mode: int) -> None:
-        with _naming(self.path, name):
+        with _naming(self, name):
             os.mkdir(name, mode, dir_fd=self.fd)
 
     def names(self) -> list[str]:
@@ -97,15 +106,15 @@ class DirHandle:
     def create(self, name: str, mode: Optional[int] = None) -> int:
         """Create ``name`` fresh (never through a symlink, never over a file) for writing."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW
-        with _naming(self.path, name):
+        with _naming(self, name):
             return os.open(name, flags, private_file_mode() if mode is None else mode,
                            dir_fd=self.fd)
 
     def open_file(self, name: str, *, writable: bool = False) -> BinaryIO:
         """Open the regular file ``name``: no symlink, no FIFO or device (never blocks)."""
         flags = (os.O_RDWR if writable else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK
-        with _naming(self.path, name):
-            fd = _regular(os.open(name, flags, dir_fd=self.fd), self.path / name)
+        with _naming(self, name):
+            fd = _regular(os.open(name, flags, dir_fd=self.fd), self, name)
         return os.fdopen(fd, "r+b" if writable else "rb")
 
     def write_new(self, name: str, data: bytes, *, durable: bool = True) -> None:
@@ -225,7 +234,7 @@ class _naming:
 
     __slots__ = ("folder", "name")
 
-    def __init__(self, folder: Path, name: str) -> None:
+    def __init__(self, folder: DirHandle, name: str) -> None:
         self.folder, self.name = folder, name
 
     def __enter__(self) -> None:
@@ -234,7 +243,7 @@ class _naming:
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         if not isinstance(error, OSError):
             return
-        path = str(self.folder / self.name)
+        path = str(self.folder.path / self.name)
         if error.filename is None or str(error.filename) == path:
             return
         raise type(error)(error.errno, error.strerror, path) from None
@@ -324,12 +333,14 @@ def read_capped(path: str | Path, max_bytes: int, *,
     return io.BytesIO(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
-def _regular(fd: int, where: str | Path) -> int:
+def _regular(fd: int, where: str | Path | DirHandle, name: Optional[str] = None) -> int:
     """``fd``, opened with O_NONBLOCK (so a FIFO could not block the open), once it is known
-    to be a regular file, switched back to blocking reads; closed and EINVAL otherwise."""
+    to be a regular file, switched back to blocking reads; closed and EINVAL otherwise
+    (naming ``where``, or ``name`` inside the handle ``where``)."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(where))
+            path = where.path / str(name) if isinstance(where, DirHandle) else where
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         if _NONBLOCK:
             os.set_blocking(fd, True)
     except BaseException:

@@ -25,6 +25,7 @@ import contextlib
 import os
 import stat
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -71,15 +72,26 @@ class Layout:
 
     @property
     def entries(self) -> Path:
-        return self.root / "entries"
+        return self.folder("entries")
 
     @property
     def tmp(self) -> Path:
-        return self.root / "tmp"
+        return self.folder("tmp")
 
     @property
     def locks(self) -> Path:
-        return self.root / "locks"
+        return self.folder("locks")
+
+    def folder(self, name: str) -> Path:
+        """The path of the root's folder ``name``, joined once per layout."""
+        known = self._folders.get(name)
+        if known is None:
+            known = self._folders[name] = self.root / name
+        return known
+
+    @cached_property
+    def _folders(self) -> dict[str, Path]:
+        return {}
 
     def entry_dir(self, key: str) -> Path:
         if not is_key(key):
@@ -122,7 +134,7 @@ class Layout:
     def _open_child(self, name: str) -> _fs.DirHandle:
         """The root's folder ``name`` in one open: the root may be a symlink the user made,
         the folder never is (``O_NOFOLLOW`` applies to the last component alone)."""
-        path = self.root / name
+        path = self.folder(name)
         try:
             return _fs.DirHandle.open(path)
         except OSError as e:
