@@ -87,14 +87,19 @@ class Heartbeat:
     ``beat`` is what one beat does: :func:`touch` of a file the caller holds open, or a
     rewrite of a remote lease's heartbeat object. It must not raise (a failed beat is
     simply missed; the next comes well within the lease). ``where``: the directory it beats
-    for, which this process then counts as one of its own live builds.
+    for, which this process then counts as one of its own live builds. The heartbeats of a
+    process share one timer thread (starting one is an entry in a table, not a thread),
+    except one whose beat ``may_block`` (a request over the network), which gets its own,
+    so that it never holds up another's beat.
     """
 
     def __init__(self, beat: Callable[[], None], lease: Optional[float] = None,
-                 where: Optional[Path] = None) -> None:
+                 where: Optional[Path] = None, *, may_block: bool = False) -> None:
         self.beat = beat
         self.lease = lease_from_env() if lease is None else lease
+        self.interval = self.lease / BEATS_PER_LEASE
         self.where = None if where is None else str(where)
+        self.may_block = may_block
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -102,21 +107,75 @@ class Heartbeat:
         if self.where is not None:
             _BEATING_HERE.add(self.where)
         self.beat()
-        self._thread = threading.Thread(target=self._run, name="cachekit-heartbeat",
-                                        daemon=True)
-        self._thread.start()
+        if self.may_block:
+            self._thread = threading.Thread(target=self._run, name="cachekit-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            _timer.add(self)
         return self
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread: no beat comes after this returns
-        (idempotent)."""
+        """Stop beating: no beat comes after this returns (idempotent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        else:
+            _timer.remove(self)
         if self.where is not None:
             _BEATING_HERE.discard(self.where)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.lease / BEATS_PER_LEASE):
+        while not self._stop.wait(self.interval):
             self.beat()
+
+
+class _Timer:
+    """The thread that beats every heartbeat of the process whose beat cannot block, each
+    on its own interval; made by the first one started."""
+
+    IDLE_SECONDS = 3600.0
+
+    def __init__(self) -> None:
+        self._due: dict[Heartbeat, float] = {}
+        self._changed = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, heartbeat: Heartbeat) -> None:
+        with self._changed:
+            self._due[heartbeat] = time.monotonic() + heartbeat.interval
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cachekit-heartbeats",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def remove(self, heartbeat: Heartbeat) -> None:
+        """Forget ``heartbeat``: once this returns, it never beats again (the beats run
+        holding the same lock)."""
+        with self._changed:
+            self._due.pop(heartbeat, None)
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for heartbeat, due in list(self._due.items()):
+                    if due <= now:
+                        heartbeat.beat()
+                        self._due[heartbeat] = now + heartbeat.interval
+                soonest = min(self._due.values(), default=now + self.IDLE_SECONDS)
+                self._changed.wait(max(0.0, soonest - time.monotonic()))
+
+
+def _new_timer() -> None:
+    """A forked child has no timer thread (and may hold a copy of a taken lock): it makes
+    its own timer when it starts a heartbeat."""
+    global _timer
+    _timer = _Timer()
+
+
+_timer = _Timer()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_timer)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -86,6 +87,54 @@ def test_a_heartbeat_runs_any_beat_on_its_timer_and_none_after_stop():
     time.sleep(0.2)
     assert len(beats) == stopped  # stop() waits for the thread: nothing beats after it
     beat.stop()  # idempotent
+
+
+def test_heartbeats_share_one_thread_and_a_blocking_beat_holds_none_up():
+    fast: list[int] = []
+    stuck: list[int] = []
+    release = threading.Event()
+
+    def hung() -> None:  # from its second beat on, a request that does not come back
+        stuck.append(1)
+        if len(stuck) > 1:
+            release.wait(30)
+
+    threads = threading.active_count()
+    blocking = liveness.Heartbeat(hung, lease=0.2, may_block=True).start()
+    beats = [liveness.Heartbeat(lambda: fast.append(1), lease=0.2).start() for _ in range(6)]
+    try:
+        assert threading.active_count() <= threads + 2  # the shared timer and the hung one's
+        deadline = time.monotonic() + 10
+        while len(fast) < 6 * 4:  # each beats again and again, the hung beat whatever
+            assert time.monotonic() < deadline, "a blocked beat held the others up"
+            time.sleep(0.02)
+        assert len(stuck) == 2
+    finally:
+        release.set()
+        for beat in beats:
+            beat.stop()
+        blocking.stop()
+    stopped = len(fast)
+    time.sleep(0.2)
+    assert len(fast) == stopped
+
+
+def test_a_forked_child_beats_on_a_timer_of_its_own():
+    liveness.Heartbeat(lambda: None, lease=60).start().stop()  # the parent's timer exists
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's timer thread is not here
+        try:
+            beats: list[int] = []
+            beat = liveness.Heartbeat(lambda: beats.append(1), lease=0.2).start()
+            deadline = time.monotonic() + 10
+            while len(beats) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            beat.stop()
+            os._exit(0 if len(beats) >= 3 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_the_lease_comes_from_the_environment(monkeypatch):

@@ -81,7 +81,7 @@ class Lease:
         self._done: Optional[int] = None
         self._total: Optional[int] = None
         self._state = BUILDING
-        self._heartbeat = liveness.Heartbeat(self.beat, self.lease)
+        self._heartbeat = liveness.Heartbeat(self.beat, self.lease, may_block=True)
 
     def start(self) -> "Lease":
         self._heartbeat.start()

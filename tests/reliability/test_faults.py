@@ -44,7 +44,7 @@ TARGETS = {
     "cachekit._fs.os.open": OSError(errno.EDQUOT, "Disk quota exceeded"),
     "cachekit._fs.os.write": OSError(errno.ENOSPC, "No space left on device"),
     "cachekit.arrays.os.ftruncate": OSError(errno.EFBIG, "File too large"),
-    "cachekit.arrays._checksum_of": OSError(errno.EIO, "Input/output error"),
+    "cachekit.arrays.block_checksums": OSError(errno.EIO, "Input/output error"),
     "cachekit.arrays.flush_bytes": OSError(errno.EIO, "Input/output error"),
     "cachekit._fs.json.dumps": OSError(errno.ENOSPC, "No space left on device"),
 }
