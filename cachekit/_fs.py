@@ -160,7 +160,7 @@ class DirHandle:
     def replace_json(self, name: str, value: Any) -> None:
         """Write ``value`` as JSON to ``name`` so readers see the old file or the new one."""
         tmp = f".{name}.{unique_suffix()}.tmp"
-        self.write_new(tmp, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode(),
+        self.write_new(tmp, (json.dumps(value, sort_keys=True) + "\n").encode(),
                        durable=False)
         try:
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)

@@ -13,8 +13,10 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
   rewritten among many is found too, without slowing the hit. The threads run one at a
   time, and a row whose file this process already found unchanged against the same
   record is not stat'ed again: ten folds of one column stat each file once. They stat
-  while no cachekit call runs in the process (:func:`call_running`; each waits at most
-  :data:`YIELD_SECONDS` for that), so that the calls do not wait for the interpreter.
+  only once the process has made no cachekit call for :data:`QUIET_SECONDS`
+  (:func:`call_running`; each waits at most :data:`YIELD_SECONDS` for that in all), so
+  that neither the call that started one nor the calls that follow it wait for the
+  interpreter behind them.
 
 Either says so once per process and entry, as one :class:`StaleEntryWarning` attributed to
 the user's call (the background check's too), or as a line on stderr where warnings of
@@ -50,18 +52,18 @@ from ..store.manifest import ROW_IDS_FILE, ROW_STATS_FILE, Manifest
 from ..store.row_view import open_row_file
 
 SAMPLE_ROWS = 16
-START_DELAY = 0.05
-"""Seconds the background check waits before it starts, so that a new thread does not
-take the interpreter from the hit that started it (the switch interval is 5 ms)."""
+QUIET_SECONDS = 0.05
+"""Seconds without a cachekit call in the process before a background check stats files
+(the interpreter's switch interval is 5 ms: a call would wait behind the check)."""
 SHOWN_PATHS = 3
 """Paths a warning names; it counts the others."""
 EXIT_WAIT = 1.0
 """Seconds an exiting process waits for its background checks (130,000 files take about
 0.7 s on a local disk)."""
 YIELD_SECONDS = 1.0
-"""Seconds a background check waits, at most, for the process's cachekit calls to end."""
+"""Seconds a background check waits, at most, for the process's calls to leave it quiet."""
 CHUNK_ROWS = 256
-"""Files a background check stats between two looks at whether a call runs."""
+"""Files a background check stats between two looks at whether a call ran."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
 CHECKS = ("all", "sample", "off")
 _warned: set[str] = set()
@@ -74,6 +76,7 @@ confirmed."""
 _confirmed = np.zeros(0, dtype=np.uint64)
 """Sorted hashes of (row identity, recorded stat) a background check found unchanged."""
 _calls = 0
+_last_call_ended = 0.0
 _no_call = threading.Condition()
 
 
@@ -131,9 +134,9 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
 @contextlib.contextmanager
 def call_running() -> Iterator[None]:
     """Tell the background checks that a cachekit call runs in this process: they stat
-    between calls (for at most :data:`YIELD_SECONDS`), not while the call waits for the
-    interpreter (the GIL) behind them."""
-    global _calls
+    once the calls have left the process quiet for :data:`QUIET_SECONDS`, not while a call
+    would wait for the interpreter (the GIL) behind them."""
+    global _calls, _last_call_ended
     with _no_call:
         _calls += 1
     try:
@@ -141,7 +144,23 @@ def call_running() -> Iterator[None]:
     finally:
         with _no_call:
             _calls -= 1
+            _last_call_ended = time.monotonic()
             _no_call.notify_all()
+
+
+def _wait_for_quiet(deadline: float) -> None:
+    """Return once no cachekit call ran in the process for :data:`QUIET_SECONDS`, or at
+    ``deadline``."""
+    with _no_call:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            quiet = now - _last_call_ended
+            if not _calls and quiet >= QUIET_SECONDS:
+                return
+            _no_call.wait(deadline - now if _calls else min(QUIET_SECONDS - quiet,
+                                                            deadline - now))
 
 
 def check_mode() -> str:
@@ -179,9 +198,9 @@ def _at_exit() -> None:
 def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Built], paths: Any,
                caller: Any, found: Optional[Found]) -> None:
     global _confirmed
-    time.sleep(START_DELAY)  # yield the GIL: the hit returns before the check begins
+    deadline = time.monotonic() + YIELD_SECONDS
+    _wait_for_quiet(deadline)  # the call that started it returns first
     with _serial:
-        deadline = time.monotonic() + YIELD_SECONDS
         try:
             ids, recorded = built or _rows_of(entry_path, manifest)
         except (OSError, CacheCorruptError, IndexError):
@@ -190,8 +209,7 @@ def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Built], pat
         rows = np.flatnonzero(~_isin_sorted(hashes, _confirmed))
         changed = []
         for first in range(0, len(rows), CHUNK_ROWS):
-            with _no_call:
-                _no_call.wait_for(lambda: not _calls, max(0.0, deadline - time.monotonic()))
+            _wait_for_quiet(deadline)
             changed += _changed(rows[first:first + CHUNK_ROWS], recorded, paths)
         unchanged = np.ones(len(rows), dtype=bool)
         unchanged[np.searchsorted(rows, [row for row, _, _, _ in changed])] = False

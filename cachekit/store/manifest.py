@@ -248,7 +248,7 @@ def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
     """The bytes of ``manifest.json`` for ``manifest``, signed when CACHEKIT_SIGNING_KEY is
     set. ``extra``: fields added to the JSON object (and so signed with it), such as the
     upload a remote manifest names; reading ignores fields it does not know."""
-    text = json.dumps({**manifest.to_json(), **(extra or {})}, indent=1, sort_keys=True)
+    text = json.dumps({**manifest.to_json(), **(extra or {})}, sort_keys=True)  # (no indent: C-encoded)
     if len(text) > WRITE_LIMIT:  # what a reader refuses is never written
         raise CachekitError(f"the manifest of entry {manifest.key} would be {len(text)} "
                             f"bytes, more than the {WRITE_LIMIT} a reader accepts; "
@@ -259,7 +259,7 @@ def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
         # lists for tuples), so writer and reader canonicalize the same object.
         parsed = json.loads(text)
         parsed[signing.FIELD] = signing.sign(signing.canonical(parsed), secret)
-        text = json.dumps(parsed, indent=1, sort_keys=True)
+        text = json.dumps(parsed, sort_keys=True)
     return (text + "\n").encode()
 
 

@@ -139,7 +139,7 @@ def test_a_background_check_stats_nothing_while_a_call_of_its_process_runs(
 
     work, _, paths = built
     monkeypatch.setattr(staleness, "SAMPLE_ROWS", 0)  # only the background check looks
-    monkeypatch.setattr(staleness, "START_DELAY", 0.0)
+    monkeypatch.setattr(staleness, "QUIET_SECONDS", 0.0)
     monkeypatch.setattr(staleness, "YIELD_SECONDS", 120.0)
     looked: list[int] = []
     real = staleness._changed
