@@ -110,13 +110,12 @@ def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "
         return _map(f, shape, dtype, mode, offset)
 
 
-def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None, *,
-         durable: bool = False) -> tuple[tuple[int, ...], np.dtype, int, str]:
+def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None
+         ) -> tuple[tuple[int, ...], np.dtype, int, str]:
     """(shape, dtype, size, checksum) of a .npy file this process wrote into ``directory``,
-    after checking its header against its size and fsyncing it: one open descriptor.
-    ``digest``: the checksum of the bytes the writer wrote, computed as it wrote them (a
-    download), which saves reading the file again. ``durable``: a link to a file that its
-    own entry's commit fsynced, not fsynced again."""
+    after checking its header against its size: one open descriptor. ``digest``: the
+    checksum of the bytes the writer wrote, computed as it wrote them, which saves reading
+    the file again. (The build's seal fsyncs its files together afterwards.)"""
     path = directory.path / name
     try:
         f = directory.open_file(name)
@@ -130,8 +129,6 @@ def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None, *,
     with f:
         shape, dtype = _header(f, path)
         _validated_offset(f, path, shape, dtype, None)
-        if not durable:
-            os.fsync(f.fileno())
         if digest is None:
             size, digest = _checksum_of(f)
         else:

@@ -103,6 +103,9 @@ class BuildDir:
         self._heartbeat = liveness.Heartbeat(liveness.touch(beat_fd), where=self.path).start()
         self.resume_from: list[_fs.DirHandle] = []
         """Dead builds claimed to resume from (``resumed.N`` inside this directory)."""
+        self.unsynced: list[str] = []
+        """Files sealed but not fsynced yet: the commit fsyncs them with the manifest and
+        the directory, all at once (:mod:`cachekit.flushing`)."""
 
     def still_ours(self) -> bool:
         """Whether ``tmp/NAME`` is still this build's directory: False once another process

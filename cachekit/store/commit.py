@@ -1,9 +1,9 @@
 """Publishing a build directory: the correctness point of the local store.
 
-Every listed file is fsynced and checksummed (:func:`seal`), the manifest is written last,
-and the directory is renamed into ``entries/`` in one atomic step that never replaces an
-existing entry (:func:`commit`), so a published entry is complete by construction and of
-two racing builders the first rename wins.
+Every listed file is checksummed (:func:`seal`), the manifest is written last, every file
+and the directory are fsynced together, and the directory is renamed into ``entries/`` in
+one atomic step that never replaces an existing entry (:func:`commit`), so a published
+entry is complete by construction and of two racing builders the first rename wins.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Callable, Iterable, Optional
 
-from .. import _fs, arrays
+from .. import _fs, arrays, flushing
 from . import manifest as manifests
 from ..errors import BuildGone, CacheCorruptError
 from .build_dirs import BuildDir, is_build_state
@@ -28,8 +28,9 @@ RENAME_ATTEMPTS = 3
 def seal(build: BuildDir, files: Iterable[tuple[str, str]],
          digests: Optional[dict[str, str]] = None,
          durable: Iterable[str] = ()) -> tuple[FileRecord, ...]:
-    """fsync and checksum the data files of ``build`` as (name, leaf kind) pairs, in order;
-    their shape and dtype come from (and are checked against) each .npy header.
+    """Checksum the data files of ``build`` as (name, leaf kind) pairs, in order, for the
+    commit to fsync them (:attr:`BuildDir.unsynced`); their shape and dtype come from (and
+    are checked against) each .npy header.
     ``digests``: checksums the writer computed as it wrote (a download), by name.
     ``durable``: the names of links to files of committed entries (not fsynced again)."""
     durable = frozenset(durable)
@@ -37,9 +38,9 @@ def seal(build: BuildDir, files: Iterable[tuple[str, str]],
     for index, (name, kind) in enumerate(files):
         if not manifests.allowed_file_name(index, name):
             raise ValueError(f"file {index} of a build must be {manifests.file_name(index)}")
-        shape, dtype, size, digest = arrays.seal(build.dir, name, (digests or {}).get(name),
-                                                 durable=name in durable)
+        shape, dtype, size, digest = arrays.seal(build.dir, name, (digests or {}).get(name))
         records.append(FileRecord(name, shape, dtype.str, size, digest, kind))
+    build.unsynced += [r.name for r in records if r.name not in durable]
     return tuple(records)
 
 
@@ -61,12 +62,15 @@ def commit(build: BuildDir, manifest: Manifest, entries: _fs.DirHandle,
                                             "build directory; nothing was published")
     if not build.still_ours():
         raise BuildGone(str(build.path))  # taken over while we were paused
-    manifests.write_at(build.dir, manifest)  # the last file written
+    manifests.write_at(build.dir, manifest, durable=False)  # the last file written
     build.stop()
     for name in build.dir.names():  # from here to the rename a crash means rebuilding
         if unpublished(name):
             _remove_working(build, name)
-    build.dir.fsync()
+    # Every file, the manifest and the directory's names on disk before the rename, in
+    # one batch of fsyncs: a device flushes them together (cachekit.flushing).
+    flushing.fsync_names(build.dir, [*build.unsynced, manifests.MANIFEST_FILE],
+                         directory_too=True)
     # Any member of the group may now remove it; nobody writes in it. (A setgid bit
     # inherited from the root stays: fchmod would clear it.)
     build.dir.chmod(_fs.shared_dir_mode() | (os.fstat(build.dir.fd).st_mode & stat.S_ISGID))

@@ -268,8 +268,8 @@ class LocalStore:
     def seal(self, build: BuildDir, files: Iterable[tuple[str, str]],
              digests: Optional[dict[str, str]] = None,
              durable: Iterable[str] = ()) -> tuple[FileRecord, ...]:
-        """:func:`cachekit.store.commit.seal`: fsync and checksum the data files of
-        ``build``, checked against their .npy headers."""
+        """:func:`cachekit.store.commit.seal`: checksum the data files of ``build``,
+        checked against their .npy headers (the commit fsyncs them)."""
         return commits.seal(build, files, digests, durable)
 
     def commit(self, build: BuildDir, manifest: Manifest, *,

@@ -92,17 +92,17 @@ ZYGOTE = textwrap.dedent(r'''
             decoded.append(row)
             return real["load"](path, *args, **kwargs)
 
-        def seal(directory, name, digest=None, **kw):  # fsyncs, then checksums, each file
+        def seal(directory, name, digest=None):  # each file's header check, then the fsyncs
             reach("fsync")
-            return real["seal"](directory, name, digest, **kw)
+            return real["seal"](directory, name, digest)
 
         def checksum(directory, name, block_rows):  # the data file's, before the seal
             reach("checksum")
             return real["checksum"](directory, name, block_rows)
 
-        def write_manifest(directory, manifest):
+        def write_manifest(directory, manifest, **kw):
             reach("manifest")
-            real["write_manifest"](directory, manifest)
+            real["write_manifest"](directory, manifest, **kw)
             reach("manifest-written")
 
         def rename(directory, name, to, new_name):
