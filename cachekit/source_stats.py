@@ -2,15 +2,15 @@
 ``validate="stat"`` keys, what an entry records per row (``row_stats.npy``) and what row
 reuse compares; and each local file's content digest, what ``validate="content"`` keys.
 
-A local path (or ``file://`` URL) is :func:`file_stats`' (size, mtime_ns). A remote object is (size, tag) from the store's listings: one LIST per prefix
-(the URL up to its last ``/``), however many of its objects the column holds, never one
-HEAD per object, except for stores that cannot list (``http(s)://``: one HEAD each, run
-concurrently). Every listing and HEAD has the fetch settings' deadline. The
-tag is the first of the object's version id, generation, ETag or MD5 the listing gives
-(its modification time otherwise), as a signed 64-bit hash: an object rewritten in place
-has another ETag (and, mostly, size), so it is another row. An object that is missing, or
-whose listing failed, is (-1, -1), like a file that cannot be stat'ed: it is never reused,
-and fails alone when it is fetched.
+A local path (or ``file://`` URL) is :func:`file_stats`' (size, mtime_ns). A remote object
+is (size, tag) from the store's listings: one LIST per prefix (the URL up to its last
+``/``), however many of its objects the column holds, never one HEAD per object, except for
+stores that cannot list (``http(s)://``: one HEAD each, run concurrently). Every listing
+and HEAD has the fetch settings' deadline. The tag is the first of the object's version id,
+generation, ETag or MD5 the listing gives (its modification time otherwise), as a signed
+64-bit hash: an object rewritten in place has another ETag (and, mostly, size), so it is
+another row. An object that is missing, or whose listing failed, is (-1, -1), like a file
+that cannot be stat'ed: it is never reused, and fails alone when it is fetched.
 """
 
 from __future__ import annotations

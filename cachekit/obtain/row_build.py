@@ -77,7 +77,7 @@ class RowBuild:
         which files failed) rather than propagated."""
         self._values: Optional[np.ndarray] = None
         self._rows_of_build: Optional[Rows] = None
-        self.shared_on_record: Optional[staleness.Built] = None
+        self.shared_on_record: Optional[staleness.Recorded] = None
         """Its entry's rows, when the build shared rows on their donors' records
         (:meth:`_donors`): their files are then checked in the background, as a hit's
         are."""
@@ -179,7 +179,7 @@ class RowBuild:
             else:
                 rows = dataclasses.replace(rows, stats=stats)
                 if found.rows:
-                    self.shared_on_record = staleness.Built(rows.ids[:, 0], stats)
+                    self.shared_on_record = staleness.Recorded(rows.ids[:, 0], stats)
         self._rows_of_build = rows
         return rows, found
 

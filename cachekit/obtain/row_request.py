@@ -24,7 +24,7 @@ from .row_call import BuildSettings, RowCall
 
 if TYPE_CHECKING:  # imported on a miss only: a hit needs none of the build's machinery
     from .row_build import RowBuild, SetAside
-    from .staleness import Built
+    from .staleness import Recorded
 
 
 class RowRequest:
@@ -80,7 +80,7 @@ class RowRequest:
             return False
         return outcome.source == "local" or self.shared_on_record(outcome) is not None
 
-    def shared_on_record(self, outcome: Outcome) -> Optional["Built"]:
+    def shared_on_record(self, outcome: Outcome) -> Optional["Recorded"]:
         """The entry's rows, when this call built it sharing rows on their donors'
         records (:attr:`.RowBuild.shared_on_record`); None otherwise."""
         if outcome.source != "built" or self._build is None:

@@ -84,16 +84,16 @@ Found = Callable[[str, float, list[int]], None]
 """Told (key, the entry's created time, the changed rows found) when files changed."""
 
 
-class Built(NamedTuple):
-    """The rows of an entry this call built sharing rows on their donors' records: each
-    row's identity word (``row_ids.npy``'s first column) and its file's recorded stat."""
+class Recorded(NamedTuple):
+    """An entry's rows as a background check compares them: each row's identity word
+    (``row_ids.npy``'s first column) and its file's recorded stat."""
 
     ids: np.ndarray
     stats: np.ndarray
 
 
 def check(entry_path: Path, manifest: Manifest, paths: Any,
-          found: Optional[Found] = None, built: Optional[Built] = None) -> None:
+          found: Optional[Found] = None, built: Optional[Recorded] = None) -> None:
     """Check the files of the column ``paths`` against the stats ``manifest``'s entry
     recorded: a sample now, every row in a background thread (see the module docstring).
     What changed is told to ``found`` (which records it, so that the next call of the
@@ -195,8 +195,8 @@ def _at_exit() -> None:
     atexit.register(wait)
 
 
-def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Built], paths: Any,
-               caller: Any, found: Optional[Found]) -> None:
+def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Recorded],
+               paths: Any, caller: Any, found: Optional[Found]) -> None:
     global _confirmed
     deadline = time.monotonic() + YIELD_SECONDS
     _wait_for_quiet(deadline)  # the call that started it returns first
@@ -222,12 +222,12 @@ def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Built], pat
             say(str(e), always=True)
 
 
-def _rows_of(entry_path: Path, manifest: Manifest) -> Built:
+def _rows_of(entry_path: Path, manifest: Manifest) -> Recorded:
     """The identity words and recorded stats of every row of a hit's entry, read whole
     (gathered through a derived entry's row map)."""
     ids = open_row_file(entry_path, manifest, ROW_IDS_FILE)
     stats = open_row_file(entry_path, manifest, ROW_STATS_FILE)
-    return Built(np.asarray(ids[:])[:, 0], np.asarray(stats[:]))
+    return Recorded(np.asarray(ids[:])[:, 0], np.asarray(stats[:]))
 
 
 def _hashes(ids: np.ndarray, recorded: np.ndarray) -> np.ndarray:

@@ -248,7 +248,8 @@ def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
     """The bytes of ``manifest.json`` for ``manifest``, signed when CACHEKIT_SIGNING_KEY is
     set. ``extra``: fields added to the JSON object (and so signed with it), such as the
     upload a remote manifest names; reading ignores fields it does not know."""
-    text = json.dumps({**manifest.to_json(), **(extra or {})}, sort_keys=True)  # (no indent: C-encoded)
+    # No indent: json's C encoder, several times faster than its indenting one.
+    text = json.dumps({**manifest.to_json(), **(extra or {})}, sort_keys=True)
     if len(text) > WRITE_LIMIT:  # what a reader refuses is never written
         raise CachekitError(f"the manifest of entry {manifest.key} would be {len(text)} "
                             f"bytes, more than the {WRITE_LIMIT} a reader accepts; "
