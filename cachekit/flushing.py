@@ -2,9 +2,9 @@
 
 A build publishes a handful of small files (its row identities, block digests, file stats,
 a derived entry's row map) next to its data file, and each must be on disk before the
-commit. fsynced one after another, each waits for its own flush of the device: about
-0.2 ms on a local SSD, but milliseconds on a virtual or network disk, where a fold call's
-flushes were most of its time. fsynced at once from a few threads (``fsync`` releases the
+commit. fsynced one after another, each waits for its own flush of the device: about 0.2 ms
+on a local SSD, but milliseconds on a virtual or network disk, where a fold call's flushes
+were a large part of its time. fsynced at once from a few threads (``fsync`` releases the
 interpreter), the filesystem commits them together. Each file is still fsynced, so the
 guarantee is the same on every filesystem.
 """

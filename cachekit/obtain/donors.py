@@ -184,11 +184,10 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
         shared[donor.dst] = True
     held = np.flatnonzero(shared)
     picked = np.random.default_rng().choice(held, min(SAMPLE_ROWS, len(held)), replace=False)
-    now, _ = source_stats.local_stat_signature(values[picked])
-    if (now != stats[picked]).any():
+    if (source_stats.file_stats(values[picked]) != stats[picked]).any():
         return None
     rest = np.flatnonzero(~shared)
-    stats[rest] = source_stats.local_stat_signature(values[rest])[0]
+    stats[rest] = source_stats.file_stats(values[rest])
     return stats
 
 

@@ -206,14 +206,13 @@ def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Recorded],
         except (OSError, CacheCorruptError, IndexError):
             return  # removed or damaged meanwhile: the next open says so
         hashes = _hashes(ids, recorded)
-        rows = np.flatnonzero(~_isin_sorted(hashes, _confirmed))
+        rows = np.flatnonzero(~np.isin(hashes, _confirmed))
         changed = []
         for first in range(0, len(rows), CHUNK_ROWS):
             _wait_for_quiet(deadline)
             changed += _changed(rows[first:first + CHUNK_ROWS], recorded, paths)
-        unchanged = np.ones(len(rows), dtype=bool)
-        unchanged[np.searchsorted(rows, [row for row, _, _, _ in changed])] = False
-        _confirmed = np.union1d(_confirmed, hashes[rows[unchanged]])
+        unchanged = rows[~np.isin(rows, [row for row, _, _, _ in changed])]
+        _confirmed = np.union1d(_confirmed, hashes[unchanged])
     if changed:
         _tell(found, manifest, changed)
         try:
@@ -238,13 +237,6 @@ def _hashes(ids: np.ndarray, recorded: np.ndarray) -> np.ndarray:
         mixed ^= (word + np.uint64(odd)) * np.uint64(odd)
         mixed ^= mixed >> np.uint64(29)
     return mixed
-
-
-def _isin_sorted(values: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
-    if not len(sorted_values):
-        return np.zeros(len(values), dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_values, values), len(sorted_values) - 1)
-    return sorted_values[at] == values
 
 
 def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 0
