@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Sequence
 
 from . import _fs
@@ -40,13 +40,16 @@ def fsync_names(directory: _fs.DirHandle, names: Sequence[str], *,
 
 
 def fsync_all(fds: Sequence[int]) -> None:
-    """fsync every descriptor of ``fds``, at the same time when there are several."""
+    """fsync every descriptor of ``fds``, at the same time when there are several; the
+    first error is raised once every fsync is done (the caller then closes the
+    descriptors, which no thread may still be using)."""
     if len(fds) < 2:
         for fd in fds:
             os.fsync(fd)
         return
-    done = [_threads().submit(os.fsync, fd) for fd in fds]
-    for future in done:
+    futures = [_threads().submit(os.fsync, fd) for fd in fds]
+    wait(futures)
+    for future in futures:
         future.result()
 
 

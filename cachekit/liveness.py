@@ -101,12 +101,13 @@ class Heartbeat:
         self.where = None if where is None else str(where)
         self.may_block = may_block
         self._stop = threading.Event()
+        self._beating = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "Heartbeat":
         if self.where is not None:
             _BEATING_HERE.add(self.where)
-        self.beat()
+        self.beat_now()
         if self.may_block:
             self._thread = threading.Thread(target=self._run, name="cachekit-heartbeat",
                                             daemon=True)
@@ -114,6 +115,22 @@ class Heartbeat:
         else:
             _timer.add(self)
         return self
+
+    def beat_now(self) -> None:
+        """One beat, never at the same time as another of this heartbeat."""
+        with self._beating:
+            self.beat()
+
+    def retarget(self, beat: Callable[[], None]) -> None:
+        """Beat with ``beat`` from now on, at once and then on the timer: once this returns,
+        no beat of the old kind runs or comes (a builder moves its heartbeat to its
+        directory before its heartbeat file goes: see
+        :meth:`cachekit.store.build_dirs.BuildDir.beat_on_directory`). A stopped heartbeat
+        stays stopped."""
+        with self._beating:
+            self.beat = beat
+        if not self._stop.is_set():
+            self.beat_now()
 
     def stop(self) -> None:
         """Stop beating: no beat comes after this returns (idempotent)."""
@@ -128,7 +145,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.beat()
+            self.beat_now()
 
 
 class _Timer:
@@ -163,7 +180,7 @@ class _Timer:
                 now = time.monotonic()
                 for heartbeat, due in list(self._due.items()):
                     if due <= now:
-                        heartbeat.beat()
+                        heartbeat.beat_now()
                         self._due[heartbeat] = now + heartbeat.interval
                 soonest = min(self._due.values(), default=now + self.IDLE_SECONDS)
                 self._changed.wait(max(0.0, soonest - time.monotonic()))

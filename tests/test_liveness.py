@@ -89,6 +89,28 @@ def test_a_heartbeat_runs_any_beat_on_its_timer_and_none_after_stop():
     beat.stop()  # idempotent
 
 
+@pytest.mark.parametrize("may_block", [False, True])
+def test_a_retargeted_heartbeat_beats_only_its_new_beat(may_block):
+    old: list[float] = []
+    new: list[float] = []
+    beat = liveness.Heartbeat(lambda: old.append(1), lease=0.08, may_block=may_block).start()
+    try:
+        time.sleep(0.05)
+        beat.retarget(lambda: new.append(1))
+        before = len(old)
+        assert new == [1]  # at once
+        deadline = time.monotonic() + 10
+        while len(new) < 4:
+            assert time.monotonic() < deadline, "the new beat never came on the timer"
+            time.sleep(0.01)
+        assert len(old) == before  # the old beat never ran after retarget returned
+    finally:
+        beat.stop()
+    beat.retarget(lambda: new.append(2))
+    time.sleep(0.05)
+    assert 2 not in new  # a stopped heartbeat stays stopped
+
+
 def test_heartbeats_share_one_thread_and_a_blocking_beat_holds_none_up():
     fast: list[int] = []
     stuck: list[int] = []
@@ -196,3 +218,51 @@ def test_a_builder_whose_rows_outlast_the_lease_is_never_taken_over(tmp_path):
     assert not list((root / "tmp").iterdir())
     (entry_dir,) = (root / "entries").iterdir()
     assert str(np.load(entry_dir / "data.npy").tolist()) == expected
+
+
+SLOW_COMMIT_AGENT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import numpy as np, pandas as pd
+    import cachekit
+    from cachekit import flushing
+
+    root, work, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    flush = flushing.fsync_names
+
+    def slow_flush(*args, **kwargs):  # a busy disk: the commit's flushes outlast the lease
+        (work / "committing").touch()
+        time.sleep(3)
+        return flush(*args, **kwargs)
+
+    def row(v):
+        with open(work / "rows.txt", "a") as f:
+            f.write(f"{me} {v}\\n")
+        return np.array([v, 7 * v], dtype=np.int64)
+
+    if me == "first":
+        flushing.fsync_names = slow_flush
+    else:
+        while not (work / "committing").exists():
+            time.sleep(0.01)
+    entry = cachekit.Cache(root, workers=1, progress=False).map(row, pd.Series(range(3)))
+    print(entry.outcome, np.asarray(entry.array).tolist())
+""")
+
+
+def test_a_builder_whose_commit_outlasts_the_lease_is_never_taken_over(tmp_path):
+    """The commit removes the build's heartbeat file with its other working files, then
+    flushes: the build keeps beating on its directory until the rename, so a process that
+    comes meanwhile waits for it instead of claiming it as dead and building again."""
+    script, root = tmp_path / "agent.py", tmp_path / "cache"
+    script.write_text(SLOW_COMMIT_AGENT)
+    env = {**os.environ, "CACHEKIT_LOCK": "none", "CACHEKIT_LOCK_LEASE": "1"}
+    agents = [subprocess.Popen([sys.executable, str(script), str(root), str(tmp_path), name],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env) for name in ("first", "second")]
+    outs = [p.communicate(timeout=120) for p in agents]
+    assert [p.returncode for p in agents] == [0, 0], outs
+    expected = str([[v, 7 * v] for v in range(3)])
+    assert [out.strip() for out, _ in outs] == [f"built {expected}", f"waited {expected}"]
+    assert sorted((tmp_path / "rows.txt").read_text().splitlines()) == \
+        ["first 0", "first 1", "first 2"]

@@ -148,6 +148,17 @@ class BuildDir:
         except FileNotFoundError:
             raise BuildGone(str(self.path)) from None  # taken over while we were paused
 
+    def beat_on_directory(self) -> None:
+        """Make the directory's own mtime the heartbeat, which is what another process reads
+        once the heartbeat file is gone: the commit removes it with the other working files
+        and then flushes every file, which on a busy disk can take longer than a lease.
+        Until the rename the build beats on, so no waiter takes it for dead and claims
+        it."""
+        self._heartbeat.retarget(liveness.touch(self.dir.fd))
+        if self._beat_fd is not None:
+            os.close(self._beat_fd)
+            self._beat_fd = None
+
     def stop(self) -> None:
         """Stop the heartbeat (idempotent)."""
         self._heartbeat.stop()

@@ -63,7 +63,7 @@ def commit(build: BuildDir, manifest: Manifest, entries: _fs.DirHandle,
     if not build.still_ours():
         raise BuildGone(str(build.path))  # taken over while we were paused
     manifests.write_at(build.dir, manifest, durable=False)  # the last file written
-    build.stop()
+    build.beat_on_directory()
     for name in build.dir.names():  # from here to the rename a crash means rebuilding
         if unpublished(name):
             _remove_working(build, name)
