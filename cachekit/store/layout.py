@@ -184,6 +184,15 @@ class Layout:
         with entry:
             yield entry
 
+    def still_entry(self, key: str, entry: _fs.DirHandle) -> bool:
+        """Whether the directory open as ``entry`` is still ``entries/KEY``: False once a
+        removal renamed it aside (``clear``, ``prune`` and the budget do that first)."""
+        try:
+            with self.open_folder("entries") as entries:
+                return _fs.same_file(entries.lstat(key), os.fstat(entry.fd))
+        except FileNotFoundError:
+            return False
+
 
 @dataclass(frozen=True)
 class Published:

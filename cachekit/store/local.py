@@ -61,7 +61,8 @@ class LocalStore:
         """The published entry for ``key``, or None. Takes no lock and writes nothing: the
         caller records the use (:meth:`record_use`).
 
-        CacheCorruptError when the entry exists but its manifest is missing or bad. With
+        CacheCorruptError when the entry exists but its manifest is missing or bad (an
+        entry that a removal takes away while we read it is a miss). With
         ``CACHEKIT_SIGNING_KEY`` set, an entry without a valid signature is returned as
         :class:`Refused`, for the caller to remove (:meth:`remove_refused`) and build again.
         """
@@ -72,6 +73,8 @@ class LocalStore:
             try:
                 return Published(entry_dir, manifests.read_at(entry, key))
             except FileNotFoundError:
+                if not self.layout.still_entry(key, entry):
+                    return None  # removed while we read it (renamed aside, then deleted)
                 raise CacheCorruptError(entry_dir / manifests.MANIFEST_FILE,
                                         "the manifest is missing") from None
             except UnsignedEntryError as refused:

@@ -100,8 +100,8 @@ def test_readers_of_an_entry_never_fail_while_builders_evict_it(tmp_path):
         builder.map(_row, _column(10_000 + 1000 * built))
         built += 1
     rebuilds = []
-    for reader in readers:
-        out, err = reader.communicate(timeout=120)
+    outs = [reader.communicate(timeout=120) for reader in readers]  # none left running
+    for reader, (out, err) in zip(readers, outs):
         assert reader.returncode == 0, err
         calls, rebuilt = map(int, out.split()[-2:])
         assert calls > 0

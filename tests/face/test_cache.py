@@ -393,6 +393,25 @@ def test_entry_directory_without_manifest_is_corrupt_not_a_miss(cache_root, cove
         cache.images(pd.Series(cover_paths), 8)
 
 
+def test_an_entry_removed_while_a_lookup_reads_it_is_a_miss_not_corrupt(cache_root, cover_paths,
+                                                                        monkeypatch):
+    """``clear``, ``prune`` and the budget rename an entry aside and then delete its files: a
+    lookup that opened the entry's directory just before reads no manifest there, and
+    builds again instead of calling the entry corrupt."""
+    first = cachekit.Cache(cache_root).images(pd.Series(cover_paths), 8)
+    store, read = LocalStore(cache_root), manifests.read_at
+
+    def removed_meanwhile(directory, key):
+        monkeypatch.setattr(manifests, "read_at", read)
+        assert store.remove_entry(key)
+        return read(directory, key)
+
+    monkeypatch.setattr(manifests, "read_at", removed_meanwhile)
+    again = cachekit.Cache(cache_root).images(pd.Series(cover_paths), 8)
+    assert again.outcome == "built" and again.key == first.key
+    np.testing.assert_array_equal(np.asarray(again.array), np.asarray(first.array))
+
+
 def test_content_validation_does_not_hang_on_a_fifo(tmp_path, cover_paths):
     import subprocess
     import sys
