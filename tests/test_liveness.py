@@ -232,7 +232,10 @@ SLOW_COMMIT_AGENT = textwrap.dedent("""
 
     def slow_flush(*args, **kwargs):  # a busy disk: the commit's flushes outlast the lease
         (work / "committing").touch()
-        time.sleep(3)
+        deadline = time.monotonic() + 60
+        while not (work / "calling").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(2.5)  # two leases and more after the second process calls
         return flush(*args, **kwargs)
 
     def row(v):
@@ -245,6 +248,7 @@ SLOW_COMMIT_AGENT = textwrap.dedent("""
     else:
         while not (work / "committing").exists():
             time.sleep(0.01)
+        (work / "calling").touch()
     entry = cachekit.Cache(root, workers=1, progress=False).map(row, pd.Series(range(3)))
     print(entry.outcome, np.asarray(entry.array).tolist())
 """)
