@@ -98,7 +98,7 @@ def test_a_retargeted_heartbeat_beats_only_its_new_beat(may_block):
         time.sleep(0.05)
         beat.retarget(lambda: new.append(1))
         before = len(old)
-        assert new == [1]  # at once
+        assert new  # at once, before retarget returned
         deadline = time.monotonic() + 10
         while len(new) < 4:
             assert time.monotonic() < deadline, "the new beat never came on the timer"

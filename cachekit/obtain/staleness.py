@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
-from .. import redaction, source_stats
+from .. import keys, redaction, source_stats
 from ..errors import CacheCorruptError, InvalidArgument, StaleEntryWarning
 from ..messages import say
 from ..store.manifest import ROW_IDS_FILE, ROW_STATS_FILE, Manifest
@@ -232,11 +232,7 @@ def _rows_of(entry_path: Path, manifest: Manifest) -> Recorded:
 def _hashes(ids: np.ndarray, recorded: np.ndarray) -> np.ndarray:
     """A 64-bit hash of each row's (identity word, recorded stat): what a check found
     unchanged is known by it."""
-    mixed = np.array(ids, dtype=np.uint64)
-    for word, odd in zip(recorded.astype(np.uint64).T, (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)):
-        mixed ^= (word + np.uint64(odd)) * np.uint64(odd)
-        mixed ^= mixed >> np.uint64(29)
-    return mixed
+    return keys.frame_hashes([ids, recorded[:, 0], recorded[:, 1]], keys.PANDAS_HASH_KEY)
 
 
 def _changed(rows: np.ndarray, recorded: np.ndarray, paths: Any, stop_at: int = 0

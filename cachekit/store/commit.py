@@ -62,7 +62,7 @@ def commit(build: BuildDir, manifest: Manifest, entries: _fs.DirHandle,
                                             "build directory; nothing was published")
     if not build.still_ours():
         raise BuildGone(str(build.path))  # taken over while we were paused
-    manifests.write_at(build.dir, manifest, durable=False)  # the last file written
+    manifests.write_at(build.dir, manifest)  # the last file written
     build.beat_on_directory()
     for name in build.dir.names():  # from here to the rename a crash means rebuilding
         if unpublished(name):

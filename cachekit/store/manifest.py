@@ -264,11 +264,11 @@ def dumps(manifest: Manifest, extra: Optional[dict[str, Any]] = None) -> bytes:
     return (text + "\n").encode()
 
 
-def write_at(build: _fs.DirHandle, manifest: Manifest, *, durable: bool = True) -> None:
-    """Write ``manifest.json`` into the open build directory ``build``, fresh (and fsynced,
-    unless the caller fsyncs it with the directory): the one place a manifest is written,
-    as the last file of a build."""
-    build.write_new(MANIFEST_FILE, dumps(manifest), durable=durable)
+def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into the open build directory ``build``, fresh: the one place
+    a manifest is written, as the last file of a build. Not flushed: the commit fsyncs it
+    with the build's other files and the directory."""
+    build.write_new(MANIFEST_FILE, dumps(manifest), durable=False)
 
 
 # Parsing ---------------------------------------------------------------------------------
