@@ -501,7 +501,8 @@ MODES_CHILD = textwrap.dedent("""
 
     root, umask, paths = Path(sys.argv[1]), int(sys.argv[2], 8), sys.argv[3:]
     os.umask(umask)
-    entry = cachekit.Cache(root, progress=False).images(pd.Series(paths), 8)
+    # pil: the modes are the store's, whatever decodes, and no torch to import
+    entry = cachekit.Cache(root, progress=False).images(pd.Series(paths), 8, backend="pil")
     soft = locks.SoftLock(root / "locks" / "held.lock.soft")
     assert soft.acquire(timeout=0)
     os_lock = locks.OsLock(root / "locks" / "held.lock")
