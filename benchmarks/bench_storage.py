@@ -267,9 +267,10 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
                    **retry(paths, work), **read(paths, work, repeats),
                    **remote(paths, work, f"{url}/{i}")}
         rounds.append(figures)
-        shutil.rmtree(work)
-    # After the rounds: removing its 131,300 files slows this VM's disk for minutes (its
-    # fsyncs went from 0.2 to 2.4 ms), which no round's fold calls should measure.
+    # The rounds' folders stay until the scratch folder goes, after the last figure:
+    # removing a round's files slows this VM's disk for minutes (its fsyncs went from 0.2
+    # to 2.4 ms, and one round's fold calls took 4x as long right after the previous
+    # round's removal), which no round's fold calls or hit should measure.
     say(f"the first hit of {args.hit_rows:,} rows")
     work = base / "hit"
     work.mkdir()

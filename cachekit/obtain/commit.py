@@ -219,8 +219,8 @@ def _claim_dead_builds(store: LocalStore, current: BuildDir) -> int:
     build state is never resumed, copied or joined: it is left for its owner (``cachekit
     clear`` removes it). Returns the number claimed."""
     claimed = 0
-    for state in store.builds(current.key):
-        if state.alive or state.path == current.path or state.uid != os.geteuid():
+    for state in store.builds(current.key, besides=current.name):
+        if state.alive or state.uid != os.geteuid():
             continue
         if state.same_version and store.claim_dead(current, state) is not None:
             claimed += 1

@@ -94,7 +94,6 @@ class RowBuild:
         derived entry's row map). Rows that fail under ``on_error="raise"`` make it a
         failed build, whose good rows the commit keeps (:attr:`Built.failure`)."""
         call, settings, values = self.call, self.settings, self.values()
-        current.record_cpus(runs_at_once(settings.executor, settings.workers))
         builder = _decoders() if call.kind == "images" else None
         aside, self.aside = self.aside, None
         healed = None if aside is None else aside.source
@@ -112,7 +111,8 @@ class RowBuild:
         with contextlib.closing(held):
             if held.derived and not len(held.todo):  # nothing to decode: no fill at all
                 filled = no_rows(current.dir, found.template)
-            else:
+            else:  # (the cores it runs on, said before its plan lets anyone join it)
+                current.record_cpus(runs_at_once(settings.executor, settings.workers))
                 report = Report(on_chunk, settings.progress, f"cachekit {call.kind}",
                                 lines=speaking() and not settings.progress)
                 filled = fill_build(current.dir, manifests.DATA_FILE, values, call.row_fn,

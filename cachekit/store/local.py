@@ -142,13 +142,15 @@ class LocalStore:
                 raise ReadOnlyCacheError(self.root, key) from None
             raise
 
-    def builds(self, key: str) -> list[BuildState]:
-        """Every build directory of ``key`` under ``tmp/``, live or dead."""
+    def builds(self, key: str, *, besides: Optional[str] = None) -> list[BuildState]:
+        """Every build directory of ``key`` under ``tmp/``, live or dead, but the one
+        named ``besides`` (the caller's own, which it need not read)."""
         tmp = self.layout.open_folder_if_any("tmp")
         if tmp is None:
             return []
         with tmp:
-            states = (self._state(tmp, n) for n in tmp.names() if n.startswith(f"{key}."))
+            states = (self._state(tmp, n) for n in tmp.names()
+                      if n.startswith(f"{key}.") and n != besides)
             return [s for s in states if s is not None and s.key == key]
 
     def build_state(self, path: Path) -> Optional[BuildState]:
