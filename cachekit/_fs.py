@@ -351,11 +351,15 @@ def _regular(fd: int, where: str | Path | DirHandle, name: Optional[str] = None)
 
 def umask() -> int:
     """The process umask, read without changing it where the platform allows."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
+    try:  # Linux 4.7+: the second line of /proc/self/status (the first is the name)
+        fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.read(fd, 512)
+        finally:
+            os.close(fd)
+        for line in head.split(b"\n"):
+            if line.startswith(b"Umask:"):
+                return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
     current = os.umask(0o022)  # not thread-safe, hence only a fallback off Linux
