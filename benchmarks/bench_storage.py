@@ -6,8 +6,9 @@ reading a derived entry costs, as ratios in one run.
     python benchmarks/bench_storage.py --quick           # 200 covers: checks the script
 
 Before the first round a build of 20 covers imports the decoders (torch), so that the first
-round's fresh build is timed as the others are. Every round works in roots of its own
-(``Cache(workers=2)``, exact pixels, 64x64 RGB):
+round's fresh build is timed as the others are. Each phase runs its rounds one after
+another, and every round works in roots of its own (``Cache(workers=2)``, exact pixels,
+64x64 RGB):
 
 - "folds": a fresh build of the N covers (the full entry), then the 5 training and 5
   validation columns of a shuffled 5-fold split, each a call in the same root. Disk is the
@@ -257,20 +258,25 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
 
     say("warming up: the decoders' imports (torch) are no round's fresh build's")
     cache(base / "warm").images(pd.Series(paths[:20]), SIZE)
-    rounds = []
-    for i in range(args.rounds):
-        work = base / f"round-{i}"
-        work.mkdir()
-        say(f"round {i + 1}: folds, append, retry, read, remote")
-        repeats = 1 if args.quick else 3
-        figures = {**folds(paths, work), **append(paths, extra, work),
-                   **retry(paths, work), **read(paths, work, repeats),
-                   **remote(paths, work, f"{url}/{i}")}
-        rounds.append(figures)
-    # The rounds' folders stay until the scratch folder goes, after the last figure:
-    # removing a round's files slows this VM's disk for minutes (its fsyncs went from 0.2
-    # to 2.4 ms, and one round's fold calls took 4x as long right after the previous
-    # round's removal), which no round's fold calls or hit should measure.
+    repeats = 1 if args.quick else 3
+    phases = {"folds": lambda work, i: folds(paths, work),
+              "append": lambda work, i: append(paths, extra, work),
+              "retry": lambda work, i: retry(paths, work),
+              "read": lambda work, i: read(paths, work, repeats),
+              "remote": lambda work, i: remote(paths, work, f"{url}/{i}")}
+    rounds: list[dict[str, float]] = [{} for _ in range(args.rounds)]
+    # Each phase's rounds run back to back, so that every round of a phase follows the
+    # same work: a round of fold calls right after the previous round's remote phase (a
+    # server writing its volumes on the same disk) took 0.051x where the others took 0.044x.
+    # The folders stay until the scratch folder goes, after the last figure: removing a
+    # round's files slows this VM's disk for minutes (its fsyncs went from 0.2 to 2.4 ms,
+    # and fold calls right after took 4x as long).
+    for name, phase in phases.items():
+        for i, figures in enumerate(rounds):
+            work = base / f"round-{i}"
+            work.mkdir(exist_ok=True)
+            say(f"{name}, round {i + 1} of {args.rounds}")
+            figures.update(phase(work, i))
     say(f"the first hit of {args.hit_rows:,} rows")
     work = base / "hit"
     work.mkdir()
