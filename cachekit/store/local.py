@@ -143,14 +143,13 @@ class LocalStore:
             raise
 
     def builds(self, key: str, *, besides: Optional[str] = None) -> list[BuildState]:
-        """Every build directory of ``key`` under ``tmp/``, live or dead, but the one
-        named ``besides`` (the caller's own, which it need not read)."""
+        """Every build directory of ``key`` under ``tmp/``, live or dead, but ``besides``."""
         tmp = self.layout.open_folder_if_any("tmp")
         if tmp is None:
             return []
         with tmp:
-            states = (self._state(tmp, n) for n in tmp.names()
-                      if n.startswith(f"{key}.") and n != besides)
+            names = (n for n in tmp.names() if n.startswith(f"{key}.") and n != besides)
+            states = (self._state(tmp, n) for n in names)
             return [s for s in states if s is not None and s.key == key]
 
     def build_state(self, path: Path) -> Optional[BuildState]:
