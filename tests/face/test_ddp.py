@@ -84,7 +84,10 @@ def test_two_ranks_share_one_build_and_each_says_what_it_did(job):
     assert sources in (["built", "joined"], ["built", "local"]), ranks
     for source, decoded, joined, reused, rows, total in ranks.values():
         assert rows == ROWS and reused == 0
-        assert decoded + joined == ROWS  # every row accounted for, on each rank
+        if source == "local":  # waited for the build, which a slow start can leave no rows to join
+            assert decoded == joined == 0
+        else:
+            assert decoded + joined == ROWS  # every row accounted for, on a rank that built
         assert total == ROWS  # and decoded once across the ranks (an all_reduce of the counts)
     assert sum(decoded for _, decoded, *_ in ranks.values()) == ROWS
     # Every line cachekit says names its rank; the builder's names whoever joined it.
