@@ -136,7 +136,9 @@ class LocalWait:
             return found
         states = self.store.builds(self.key)
         if not any(state.alive for state in states) or self._past_foreign_bound(states):
-            return None
+            # A commit renames its build into entries/: one that lands between our two
+            # looks leaves no build and an entry, which we then use rather than rebuild.
+            return find_entry(self.store, self.key)
         if not self._join_live_builds(states):
             time.sleep(seconds)  # after a join, look at once: we may have filled the last chunk
         return WAITING

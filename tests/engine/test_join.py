@@ -15,10 +15,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import cachekit
 import hosts
+from cachekit.obtain.local_wait import LocalWait
+from cachekit.obtain.wait import Wait
+from cachekit.store import LocalStore, locks
 from helpers import build_journal, leftovers, rows_by
 from hosts import HostProcess, StartBarrier, finish, wait_for
 
@@ -339,3 +343,26 @@ def test_a_dead_joiner_on_another_host_loses_its_chunk_once_its_heartbeat_is_a_l
     assert sorted(computed["host-a"]) == list(range(64))  # its chunk too, once it was stale
     assert report["ok"] and report["source"] == "built"
     assert entries(a.root) == [report["key"]] and leftovers(a.root) == []
+
+
+def test_a_commit_that_lands_between_the_waiters_two_looks_is_used_not_rebuilt(tmp_path,
+                                                                              monkeypatch):
+    # A commit renames the build into entries/ at once: a waiter that looked for the entry
+    # just before and at the builds just after sees neither, and must look again.
+    root = tmp_path / "cache"
+    entry = cachekit.Cache(root, progress=None).map(lambda v: np.full(4, v), pd.Series(range(8)))
+    store = LocalStore(root)
+    lookup, looks = store.lookup, []
+
+    def committed_just_after_the_first_look(key):
+        looks.append(key)
+        return None if len(looks) == 1 else lookup(key)
+
+    monkeypatch.setattr(store, "lookup", committed_just_after_the_first_look)
+    wait = Wait(entry.key, None)
+    local = LocalWait(store, entry.key, wait, locks.make_lock(store.layout.lock_path(entry.key)),
+                      join=lambda directory, spare: None)
+
+    found = local.for_live_builders()
+
+    assert len(looks) == 2 and found is not None and found.path.name == entry.key
