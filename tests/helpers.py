@@ -229,3 +229,11 @@ class FunctionRequest:
 
     def committed(self, published) -> None:
         pass
+
+
+def entry_disk_bytes(entry_dir: Path) -> int:
+    """The bytes of an entry's files and of its row index files (ROOT/index/RECIPE/KEY.npy),
+    which go with it: what ``cachekit ls`` counts as the entry's."""
+    index = entry_dir.parent.parent / "index"
+    files = list(entry_dir.iterdir()) + list(index.glob(f"*/{entry_dir.name}.npy"))
+    return sum(p.stat().st_size for p in files)

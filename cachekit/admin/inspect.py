@@ -146,14 +146,16 @@ def scan(store: LocalStore) -> Scan:
 
 
 def list_entries(store: LocalStore) -> tuple[list[EntryInfo], list[Problem]]:
-    """Published entries (sorted by creation), and problems met on the way."""
+    """Published entries (sorted by creation), and problems met on the way. An entry's
+    files include its row index files, which go with it."""
     entries: list[EntryInfo] = []
     problems: list[Problem] = []
+    indexed = store.row_index.files()
     for item in store.entry_dirs():
         if not is_key(item.name) or not item.is_dir():
             problems.append(Problem(None, item, "not a cache entry (cachekit did not make it)"))
             continue
-        info = entry_info(item)
+        info = entry_info(item, indexed.get(item.name, ()))
         if info is None:
             continue  # removed while we looked
         entries.append(info)
@@ -166,11 +168,12 @@ def list_entries(store: LocalStore) -> tuple[list[EntryInfo], list[Problem]]:
     return entries, problems
 
 
-def entry_info(path: Path) -> Optional[EntryInfo]:
-    """Describe the entry directory ``path``; None when it no longer exists."""
+def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optional[EntryInfo]:
+    """Describe the entry directory ``path``, with the files ``also`` (device, inode, size)
+    that go with it outside; None when it no longer exists."""
     try:
         used = path.stat().st_mtime
-        files = _tree_files(path)
+        files = _tree_files(path) + tuple(also)
     except FileNotFoundError:
         return None
     size = sum(f[2] for f in files)

@@ -249,7 +249,8 @@ def build(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.csv} has no column {args.column!r}; its columns are "
                          f"{', '.join(map(str, frame.columns))}")
     _check_column(frame, args.column, args.csv)
-    cache = Cache(local_store(args).root, remote=args.remote_url, workers=args.workers,
+    store = local_store(args)
+    cache = Cache(store.root, remote=args.remote_url, workers=args.workers,
                   executor=args.executor)
     height, width = args.size
     say(f"cachekit build: {len(frame)} images from column {args.column!r} of {args.csv} "
@@ -279,7 +280,8 @@ def build(args: argparse.Namespace) -> int:
     how = {"hit": "already cached", "pulled": "downloaded",
            "waited": "built by another process", "joined": "built with another process"
            }.get(entry.outcome, "built")
-    described = inspect.entry_info(entry.path)  # the size `ls` shows: every file of the entry
+    described = inspect.entry_info(  # the size `ls` shows: every file of the entry
+        entry.path, store.row_index.files().get(entry.key, ()))
     size = described.bytes if described is not None else entry.array.nbytes
     zeros = f", {units.count(failed, 'failed row')} stored as zeros" if failed else ""
     say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} "

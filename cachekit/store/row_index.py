@@ -116,6 +116,22 @@ class RowIndex:
                     f"of recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those "
                     "entries lend no rows to this build", always=True)
 
+    def files(self) -> dict[str, list[tuple[int, int, int]]]:
+        """(device, inode, size) of the index files of each key, in every recipe's folder:
+        bytes that belong to their entry (:meth:`forget` removes them with it)."""
+        found: dict[str, list[tuple[int, int, int]]] = {}
+        try:
+            index = self.layout.open_folder_if_any(INDEX_FOLDER)
+        except OSError:
+            return found
+        if index is None:
+            return found
+        with index:
+            for recipe in (name for name in index.names() if is_key(name)):
+                for key, file in _files_in(index, recipe):
+                    found.setdefault(key, []).append(file)
+        return found
+
     def forget(self, key: str) -> None:
         """Remove the index files of the entry ``key`` (which was removed), in every
         recipe's folder, and the folders this leaves empty; best effort (a symlink in place
@@ -223,6 +239,24 @@ def _recipe_folder(index: _fs.DirHandle, recipe: str) -> _fs.DirHandle:
     except FileExistsError:
         pass
     return index.child(recipe)
+
+
+def _files_in(index: _fs.DirHandle, recipe: str) -> Iterator[tuple[str, tuple[int, int, int]]]:
+    """(key, (device, inode, size)) of each entry's file in the folder of ``recipe``; what
+    is removed or swapped meanwhile is left out."""
+    try:
+        with index.child(recipe) as folder:
+            for name in folder.names():
+                key = name[:-len(".npy")]
+                if not (name.endswith(".npy") and is_key(key)):
+                    continue
+                try:
+                    st = folder.lstat(name)
+                except OSError:
+                    continue
+                yield key, (st.st_dev, st.st_ino, st.st_size)
+    except OSError:
+        return
 
 
 def _published(entries: _fs.DirHandle, key: str) -> bool:

@@ -23,7 +23,7 @@ import cachekit
 from cachekit import arrays, units
 from cachekit.store import manifest as manifests
 from cachekit.cli.main import main
-from helpers import GATED_ROWS, start_gated_builder
+from helpers import GATED_ROWS, entry_disk_bytes, start_gated_builder
 
 SCRIPT = Path(sys.executable).with_name("cachekit")
 DAY = 86400.0
@@ -251,7 +251,7 @@ def test_ls_table_and_json(cache_root, three, cover_paths):
     first = next(e for e in listed if e["key"] == images.key)
     assert first["kind"] == "images" and first["rows"] == 2 and first["shape"] == [2, 3, 8, 8]
     assert first["dtype"] == "uint8" and first["path"] == str(images.path)
-    assert first["bytes"] == sum(p.stat().st_size for p in images.path.iterdir())
+    assert first["bytes"] == entry_disk_bytes(images.path)
     assert isinstance(first["created"], float) and isinstance(first["last_used"], float)
 
 

@@ -18,7 +18,7 @@ from cachekit import arrays, units
 from cachekit.admin import inspect as maintenance, removal
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
-from helpers import GATED_ROWS, start_gated_builder
+from helpers import GATED_ROWS, entry_disk_bytes, start_gated_builder
 from cachekit.admin.integrity import verify
 
 DAY = 86400.0
@@ -133,7 +133,7 @@ def test_entries_describe_images_and_map_entries(cache_root, cover_paths):
     assert (info.kind, info.rows, info.shape, info.dtype) == ("images", 3, (3, 3, 8, 6), "uint8")
     assert info.column == "img_path" and info.params["size"] == [8, 6]
     assert info.path == images.path and info.problem is None and info.failed_rows == 0
-    assert info.bytes == sum(p.stat().st_size for p in images.path.iterdir())
+    assert info.bytes == entry_disk_bytes(images.path)
     assert info.created == images.manifest["created"] and info.last_used >= info.created - 1
     assert found[mapped.key].shape == (5, 4, 8) and found[mapped.key].kind == "map"
     with pytest.raises(Exception):

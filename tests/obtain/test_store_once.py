@@ -284,8 +284,9 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     for fold in folds:
         assert listed[fold.key].shared_bytes == data
         assert listed[fold.key].own_bytes < data / 4
-    unique = {}
-    for path in (cache.root / "entries").rglob("*"):
+    unique = {}  # every file of the root: the entries' and their row index files
+    assert list((cache.root / "index").rglob("*.npy"))
+    for path in cache.root.rglob("*"):
         if path.is_file():
             st = path.lstat()
             unique[(st.st_dev, st.st_ino)] = st.st_size
