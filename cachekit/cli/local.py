@@ -281,7 +281,7 @@ def build(args: argparse.Namespace) -> int:
            "waited": "built by another process", "joined": "built with another process"
            }.get(entry.outcome, "built")
     described = inspect.entry_info(  # the size `ls` shows: every file of the entry
-        entry.path, store.row_index.files().get(entry.key, ()))
+        entry.path, store.row_index.files(entry.key).get(entry.key, ()))
     size = described.bytes if described is not None else entry.array.nbytes
     zeros = f", {units.count(failed, 'failed row')} stored as zeros" if failed else ""
     say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} "

@@ -116,9 +116,10 @@ class RowIndex:
                     f"of recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those "
                     "entries lend no rows to this build", always=True)
 
-    def files(self) -> dict[str, list[tuple[int, int, int]]]:
-        """(device, inode, size) of the index files of each key, in every recipe's folder:
-        bytes that belong to their entry (:meth:`forget` removes them with it)."""
+    def files(self, key: Optional[str] = None) -> dict[str, list[tuple[int, int, int]]]:
+        """(device, inode, size) of the index files of each key (or of ``key`` alone), in
+        every recipe's folder: bytes that belong to their entry (:meth:`forget` removes
+        them with it)."""
         found: dict[str, list[tuple[int, int, int]]] = {}
         try:
             index = self.layout.open_folder_if_any(INDEX_FOLDER)
@@ -128,8 +129,8 @@ class RowIndex:
             return found
         with index:
             for recipe in (name for name in index.names() if is_key(name)):
-                for key, file in _files_in(index, recipe):
-                    found.setdefault(key, []).append(file)
+                for name, file in _files_in(index, recipe, key):
+                    found.setdefault(name, []).append(file)
         return found
 
     def forget(self, key: str) -> None:
@@ -241,12 +242,13 @@ def _recipe_folder(index: _fs.DirHandle, recipe: str) -> _fs.DirHandle:
     return index.child(recipe)
 
 
-def _files_in(index: _fs.DirHandle, recipe: str) -> Iterator[tuple[str, tuple[int, int, int]]]:
-    """(key, (device, inode, size)) of each entry's file in the folder of ``recipe``; what
-    is removed or swapped meanwhile is left out."""
+def _files_in(index: _fs.DirHandle, recipe: str, only: Optional[str] = None
+              ) -> Iterator[tuple[str, tuple[int, int, int]]]:
+    """(key, (device, inode, size)) of each entry's file in the folder of ``recipe`` (of
+    the entry ``only``, when given); what is removed or swapped meanwhile is left out."""
     try:
         with index.child(recipe) as folder:
-            for name in folder.names():
+            for name in folder.names() if only is None else [f"{only}.npy"]:
                 key = name[:-len(".npy")]
                 if not (name.endswith(".npy") and is_key(key)):
                     continue
