@@ -110,6 +110,16 @@ class TempDir:
 
 
 @dataclass(frozen=True)
+class StrayIndex:
+    """The row index files of an entry removed outside cachekit (``ROOT/index/*/KEY.npy``
+    with no ``entries/KEY``): bytes no entry holds, which name nothing. A lookup that meets
+    one removes it, and so do ``prune`` and ``clear``."""
+
+    key: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class Problem:
     """Something wrong on disk: a corrupt entry, or an item cachekit did not put there."""
 
@@ -126,11 +136,13 @@ class Scan:
     entries: tuple[EntryInfo, ...]
     temp_dirs: tuple[TempDir, ...]
     problems: tuple[Problem, ...]
+    stray_index: tuple[StrayIndex, ...] = ()
 
     @property
     def bytes(self) -> int:
         """Bytes on disk: each file once, however many entries link it."""
-        return stored_bytes(self.entries) + sum(t.bytes for t in self.temp_dirs)
+        return (stored_bytes(self.entries) + sum(t.bytes for t in self.temp_dirs)
+                + sum(s.bytes for s in self.stray_index))
 
 
 def stored_bytes(entries: Iterable[EntryInfo]) -> int:
@@ -140,17 +152,24 @@ def stored_bytes(entries: Iterable[EntryInfo]) -> int:
 
 def scan(store: LocalStore) -> Scan:
     """Describe every entry and temporary directory of ``store``; never raises for bad items."""
-    entries, problems = list_entries(store)
+    indexed = store.row_index.files()
+    entries, problems = list_entries(store, indexed)
     temp_dirs, temp_problems = list_temp_dirs(store)
-    return Scan(store.root, tuple(entries), tuple(temp_dirs), tuple(problems + temp_problems))
+    named = {e.key for e in entries} | {p.path.name for p in problems if p.key is None}
+    strays = tuple(StrayIndex(key, sum(f[2] for f in set(files)))
+                   for key, files in sorted(indexed.items()) if key not in named)
+    return Scan(store.root, tuple(entries), tuple(temp_dirs), tuple(problems + temp_problems),
+                strays)
 
 
-def list_entries(store: LocalStore) -> tuple[list[EntryInfo], list[Problem]]:
+def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, int, int]]]]
+                 = None) -> tuple[list[EntryInfo], list[Problem]]:
     """Published entries (sorted by creation), and problems met on the way. An entry's
-    files include its row index files, which go with it."""
+    files include its row index files (``indexed``: ``store.row_index.files()``, listed before
+    the entries), which go with it."""
     entries: list[EntryInfo] = []
     problems: list[Problem] = []
-    indexed = store.row_index.files()
+    indexed = store.row_index.files() if indexed is None else indexed
     for item in store.entry_dirs():
         if not is_key(item.name) or not item.is_dir():
             problems.append(Problem(None, item, "not a cache entry (cachekit did not make it)"))

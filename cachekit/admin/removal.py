@@ -32,12 +32,15 @@ from .. import units
 from ..messages import say
 from ..store import FAILED, LocalStore
 from ..store.manifest import Manifest
-from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, TempDir, ago, resolve_keys, scan,
-                      stored_bytes, temp_dir_info)
+from ..store.row_index import INDEX_FOLDER
+from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
+                      resolve_keys, scan, stored_bytes, temp_dir_info)
 
 ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
+STRAY_INDEX = "stray index file"
 """What an :class:`Item` is (``Item.noun``): a published entry, a directory under ``tmp/``
-left by a dead builder or an interrupted removal, a key's recorded build failure."""
+left by a dead builder or an interrupted removal, a key's recorded build failure, the row
+index files of an entry removed outside cachekit."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,8 @@ class LocalRemoval(Removal):
             return _remove_entry(self.store, item.subject, self.unused_since.get(item.key or ""))
         if item.noun == LEFTOVER_DIRECTORY:
             return _remove_temp_dir(self.store, item.subject)
+        if item.noun == STRAY_INDEX:
+            return None if self.store.row_index.forget_stray(item.key) else "its entry is back"
         self.store.forget_record(FAILED, item.subject)
         return None
 
@@ -209,7 +214,8 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
                       now: Optional[float] = None) -> LocalRemoval:
     """Removing entries (all, or ``keys`` / unique prefixes), optionally only those not
     used for ``older_than`` seconds, with their orphaned build directories, interrupted
-    removals and (unless ``older_than``) recorded build failures. Live builds are listed as
+    removals and (unless ``older_than``) recorded build failures; clearing everything also
+    takes the row index files of entries removed outside cachekit. Live builds are listed as
     skipped.
     """
     found = scan(store)
@@ -228,8 +234,9 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
     records = [] if older_than is not None else [
         k for k in failures if wanted is None or k in wanted]
+    strays = found.stray_index if wanted is None and older_than is None else ()
     return LocalRemoval(
-        items=_items(store, entries, [t for t in temps if t.removable], records, now),
+        items=_items(store, entries, [t for t in temps if t.removable], records, now, strays),
         skipped=tuple(_skip_live(t) for t in temps if not t.removable),
         goal=f"in {store.root}", store=store,
         unused_since={e.key: e.last_used for e in entries} if older_than is not None else {})
@@ -239,7 +246,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
                       keep: Iterable[str] = ()) -> LocalRemoval:
     """Removing the least recently used entries until the cache holds <= ``max_bytes``.
 
-    Orphaned build directories and interrupted removals go first (they are garbage); live
+    The row index files of entries removed outside cachekit always go (they name nothing);
+    orphaned build directories and interrupted removals go next (they are garbage); live
     builds are not counted and are listed as skipped; the entries ``keep`` names are
     counted and never removed (the entry a call returns, under a budget).
     """
@@ -263,7 +271,7 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         entries += _freeing([entry], [entry], holders)
         total -= entries[-1].own_bytes
     return LocalRemoval(
-        items=_items(store, entries, temps, [], time.time()),
+        items=_items(store, entries, temps, [], time.time(), found.stray_index),
         skipped=tuple(_skip_live(t) for t in found.temp_dirs if not t.removable),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
         unused_since={e.key: e.last_used for e in entries})
@@ -305,10 +313,15 @@ def _freeing(entries: Iterable[EntryInfo], chosen: Iterable[EntryInfo],
 
 
 def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[TempDir],
-           records: Iterable[str], now: float) -> tuple[Item, ...]:
-    """The items of a local removal: garbage under ``tmp/`` first, then entries, then
-    failure records."""
-    items = [_temp_item(t) for t in temps]
+           records: Iterable[str], now: float, strays: Iterable[StrayIndex] = ()
+           ) -> tuple[Item, ...]:
+    """The items of a local removal: garbage (stray index files, then ``tmp/``) first,
+    then entries, then failure records."""
+    items = [Item(s.key, STRAY_INDEX, f"the row index file of {s.key[:SHORT_KEY]}",
+                  store.root / INDEX_FOLDER, s.bytes,
+                  f"{s.key[:SHORT_KEY]}  row index of an entry removed outside cachekit  "
+                  f"{units.format_size(s.bytes)}", s) for s in strays]
+    items += [_temp_item(t) for t in temps]
     items += [Item(e.key, ENTRY, e.key, e.path, e.own_bytes,
                    f"{e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.own_bytes):>9}  "
                    f"last used {ago(e.last_used, now)}", e) for e in entries]

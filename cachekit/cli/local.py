@@ -39,6 +39,7 @@ def ls(args: argparse.Namespace) -> int:
     found = inspect.scan(store)
     listed = sorted(found.entries, key=lambda e: getattr(e, SORTS[args.sort]), reverse=True)
     entries = [e for e in listed if e.failed_build is None]
+    stray = sum(s.bytes for s in found.stray_index)
     now = time.time()
     listing(entries, listed, args.json, f"no entries in {store.root}",
             ("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED", "CREATED", "LAST USED",
@@ -50,11 +51,15 @@ def ls(args: argparse.Namespace) -> int:
                        _note(e)),
             right=(2, 5, 6),
             total=lambda: f"{count(len(entries), 'entry', 'entries')}, "
-                          f"{units.format_size(inspect.stored_bytes(listed))} on disk in "
-                          f"{store.root} (a shared file counted once)")
+                          f"{units.format_size(inspect.stored_bytes(listed) + stray)} on disk "
+                          f"in {store.root} (a shared file counted once)")
     if not args.json:
         _report_failed_builds([e for e in listed if e.failed_build is not None],
                               store.failure_keys())
+    if found.stray_index:
+        say(f"{count(len(found.stray_index), 'row index file', 'row index files')} of entries "
+            f"removed outside cachekit ({units.format_size(stray)}); `cachekit prune` or "
+            "`cachekit clear` removes them", file=sys.stderr)
     _report_temp_dirs(found.temp_dirs)
     for problem in found.problems:
         if problem.key is None:

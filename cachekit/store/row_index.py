@@ -19,7 +19,8 @@ costs a later build some reuse, never a wrong row. Whatever a file says, the bui
 reuses rows checks them against the entry itself (:mod:`cachekit.store.shared_rows`): its
 manifest, the row identities it lists and the checksum of every block it copies. The store
 removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry removed any
-other way is deleted by the next lookup that meets it.
+other way is deleted by the next lookup that meets it, or by ``prune`` and ``clear``
+(:meth:`RowIndex.forget_stray`).
 """
 
 from __future__ import annotations
@@ -155,6 +156,19 @@ class RowIndex:
                         index.remove_empty_dir(recipe)
         except OSError:
             return
+
+    def forget_stray(self, key: str) -> bool:
+        """Remove the index files of ``key`` when no entry ``key`` is published: the files
+        of an entry removed outside cachekit, which name nothing (what a lookup does when it
+        meets one). False, and nothing removed, when the entry is there."""
+        try:
+            with self.layout.open_folder("entries") as entries:
+                if _published(entries, key):
+                    return False
+        except FileNotFoundError:
+            pass
+        self.forget(key)
+        return True
 
     def _keys_by_size(self, folder: _fs.DirHandle, exclude: str,
                       skipped: list[str]) -> list[str]:

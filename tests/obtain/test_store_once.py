@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -298,6 +299,62 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     from cachekit import units
     assert f"{units.format_size(sum(unique.values()))} on disk" in capsys.readouterr().out
     assert cli_main(["--root", str(cache.root), "verify"]) == 0
+
+
+def root_file_bytes(root: Path) -> int:
+    """Bytes of every file of the root but the lock files, each file once (as ``du``)."""
+    unique = {}
+    for path in root.rglob("*"):
+        if path.is_file() and path.parent.name != "locks":
+            st = path.lstat()
+            unique[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(unique.values())
+
+
+def test_the_index_file_of_an_entry_removed_outside_cachekit_is_counted_and_pruned(
+        cache, pictures, capsys):
+    from cachekit import units
+
+    full = cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, N, 2)), 8)
+    expected = np.asarray(full.array)[::2].copy()
+    shutil.rmtree(full.path)  # as `rm -rf` does: its row index file names nothing now
+    stray = list((cache.root / "index").rglob(f"{full.key}.npy"))
+    assert len(stray) == 1
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache.root), "ls"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{units.format_size(root_file_bytes(cache.root))} on disk" in out
+    assert "1 row index file of entries removed outside cachekit" in err
+    assert cli_main(["--root", str(cache.root), "prune", "--max-size", "1G", "--yes"]) == 0
+    assert "removed 0 entries and 1 stray index file" in capsys.readouterr().out
+    assert not stray[0].exists()
+    assert [e.key for e in cache.entries()] == [fold.key]
+    assert cli_main(["--root", str(cache.root), "ls"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{units.format_size(root_file_bytes(cache.root))} on disk" in out
+    assert "removed outside" not in err
+    again = cachekit.Cache(cache.root, workers=1, progress=False).images(
+        column(pictures, range(0, N, 2)), 8)
+    assert again.hit
+    np.testing.assert_array_equal(np.asarray(again.array), expected)
+
+
+def test_a_stray_index_file_is_spared_when_its_entry_is_published_again(cache, pictures):
+    from cachekit.admin.removal import removal_for_clear
+    from cachekit.store.local import LocalStore
+
+    col = column(pictures, range(N))
+    entry = cache.images(col, 8)
+    shutil.rmtree(entry.path)
+    store = LocalStore(cache.root)
+    planned = removal_for_clear(store)  # found the stray index file
+    assert [item.noun for item in planned.items] == ["stray index file"]
+    again = cache.images(col, 8)  # published again, with its index file, before it runs
+    assert again.key == entry.key and not again.hit
+    report = planned.execute()
+    assert not report.removed and [s.reason for s in report.skipped] == ["its entry is back"]
+    assert list((cache.root / "index").rglob(f"{entry.key}.npy"))
 
 
 def test_the_budget_counts_shared_bytes_once_and_keeps_what_folds_link(
