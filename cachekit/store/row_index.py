@@ -160,7 +160,8 @@ class RowIndex:
     def forget_stray(self, key: str) -> bool:
         """Remove the index files of ``key`` when no entry ``key`` is published: the files
         of an entry removed outside cachekit, which name nothing (what a lookup does when it
-        meets one). False, and nothing removed, when the entry is there."""
+        meets one). False, and nothing removed, when the entry is there; PermissionError
+        when a file stays (another member's, in a folder that forbids it)."""
         try:
             with self.layout.open_folder("entries") as entries:
                 if _published(entries, key):
@@ -168,6 +169,8 @@ class RowIndex:
         except FileNotFoundError:
             pass
         self.forget(key)
+        if self.files(key):
+            raise PermissionError(f"could not remove the row index file of {key[:12]}")
         return True
 
     def _keys_by_size(self, folder: _fs.DirHandle, exclude: str,

@@ -357,6 +357,21 @@ def test_a_stray_index_file_is_spared_when_its_entry_is_published_again(cache, p
     assert list((cache.root / "index").rglob(f"{entry.key}.npy"))
 
 
+def test_a_stray_index_file_that_cannot_be_removed_is_reported_so_not_as_freed(
+        cache, pictures, capsys, monkeypatch):
+    from cachekit.store.row_index import RowIndex
+
+    entry = cache.images(column(pictures, range(N)), 8)
+    shutil.rmtree(entry.path)
+    monkeypatch.setattr(RowIndex, "forget", lambda self, key: None)  # as a folder that forbids it
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache.root), "prune", "--max-size", "1G", "--yes"]) != 0
+    out, err = capsys.readouterr()
+    assert "removed 0 entries, freed 0 B" in out
+    assert f"could not remove the row index file of {entry.key[:12]}" in err
+    assert list((cache.root / "index").rglob(f"{entry.key}.npy"))
+
+
 def test_the_budget_counts_shared_bytes_once_and_keeps_what_folds_link(
         cache_root, pictures, tmp_path):
     full = cachekit.Cache(cache_root, workers=1, progress=False).images(
