@@ -59,7 +59,7 @@ def ls(args: argparse.Namespace) -> int:
     if found.stray_index:
         say(f"{count(len(found.stray_index), 'row index file', 'row index files')} of entries "
             f"removed outside cachekit ({units.format_size(stray)}); `cachekit prune` or "
-            "`cachekit clear` removes them", file=sys.stderr)
+            "`cachekit clear --all` removes them", file=sys.stderr)
     _report_temp_dirs(found.temp_dirs)
     for problem in found.problems:
         if problem.key is None:
