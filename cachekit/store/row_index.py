@@ -134,42 +134,49 @@ class RowIndex:
                     found.setdefault(name, []).append(file)
         return found
 
-    def forget(self, key: str) -> None:
+    def forget(self, key: str) -> bool:
         """Remove the index files of the entry ``key`` (which was removed), in every
-        recipe's folder, and the folders this leaves empty; best effort (a symlink in place
-        of the folder is never followed, and the index is only ever a hint: a file another
-        process adds to a folder removed meanwhile is lost, and its entry is decoded)."""
+        recipe's folder, and the folders this leaves empty. True when none is left; False
+        when one stayed (another member's, in a folder that forbids removing it). Best
+        effort otherwise: a symlink in place of a folder is never followed, and the index is
+        only ever a hint (a file another process adds to a folder removed meanwhile is lost,
+        and its entry is decoded)."""
+        kept = False
         try:
             index = self.layout.open_folder_if_any(INDEX_FOLDER)
             if index is None:
-                return
+                return True
             with index:
                 recipes = [name for name in index.names() if is_key(name)]
                 for recipe in recipes:
                     try:
                         with index.child(recipe) as folder:
-                            folder.unlink(f"{key}.npy")
+                            try:
+                                folder.unlink(f"{key}.npy")
+                            except OSError:
+                                kept = True
+                                continue
                             empty = not folder.names()
                     except OSError:
                         continue
                     if empty:
                         index.remove_empty_dir(recipe)
         except OSError:
-            return
+            return False
+        return not kept
 
     def forget_stray(self, key: str) -> bool:
         """Remove the index files of ``key`` when no entry ``key`` is published: the files
         of an entry removed outside cachekit, which name nothing (what a lookup does when it
         meets one). False, and nothing removed, when the entry is there; PermissionError
-        when a file stays (another member's, in a folder that forbids it)."""
+        when a file stays (:meth:`forget`)."""
         try:
             with self.layout.open_folder("entries") as entries:
                 if _published(entries, key):
                     return False
         except FileNotFoundError:
             pass
-        self.forget(key)
-        if self.files(key):
+        if not self.forget(key):
             raise PermissionError(f"could not remove the row index file of {key[:12]}")
         return True
 

@@ -19,8 +19,10 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import _fs
+from cachekit import _fs, units
+from cachekit.admin.removal import removal_for_clear
 from cachekit.cli.main import main as cli_main
+from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
 from cachekit.store.remote import RemoteStore
 from cachekit.store.row_view import RowView
@@ -273,6 +275,16 @@ def test_a_part_not_named_by_its_checksum_is_corrupt(cache, pictures):
 # --- accounting: ls, verify, the budget -----------------------------------------------------
 
 
+def root_file_bytes(root: Path) -> int:
+    """Bytes of every file of the root but the lock files, each file once (as ``du``)."""
+    unique = {}
+    for path in root.rglob("*"):
+        if path.is_file() and path.parent.name != "locks":
+            st = path.lstat()
+            unique[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(unique.values())
+
+
 def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
         cache, pictures, capsys):
     full = cache.images(column(pictures, range(N)), 8)
@@ -285,36 +297,18 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     for fold in folds:
         assert listed[fold.key].shared_bytes == data
         assert listed[fold.key].own_bytes < data / 4
-    unique = {}  # every file of the root: the entries' and their row index files
-    assert list((cache.root / "index").rglob("*.npy"))
-    for path in cache.root.rglob("*"):
-        if path.is_file():
-            st = path.lstat()
-            unique[(st.st_dev, st.st_ino)] = st.st_size
+    assert list((cache.root / "index").rglob("*.npy"))  # counted too: every file of the root
     capsys.readouterr()
     assert cli_main(["--root", str(cache.root), "ls", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert sum(e["own_bytes"] for e in shown) + data == sum(unique.values())
+    assert sum(e["own_bytes"] for e in shown) + data == root_file_bytes(cache.root)
     assert cli_main(["--root", str(cache.root), "ls"]) == 0
-    from cachekit import units
-    assert f"{units.format_size(sum(unique.values()))} on disk" in capsys.readouterr().out
+    assert f"{units.format_size(root_file_bytes(cache.root))} on disk" in capsys.readouterr().out
     assert cli_main(["--root", str(cache.root), "verify"]) == 0
-
-
-def root_file_bytes(root: Path) -> int:
-    """Bytes of every file of the root but the lock files, each file once (as ``du``)."""
-    unique = {}
-    for path in root.rglob("*"):
-        if path.is_file() and path.parent.name != "locks":
-            st = path.lstat()
-            unique[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(unique.values())
 
 
 def test_the_index_file_of_an_entry_removed_outside_cachekit_is_counted_and_pruned(
         cache, pictures, capsys):
-    from cachekit import units
-
     full = cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, N, 2)), 8)
     expected = np.asarray(full.array)[::2].copy()
@@ -341,9 +335,6 @@ def test_the_index_file_of_an_entry_removed_outside_cachekit_is_counted_and_prun
 
 
 def test_a_stray_index_file_is_spared_when_its_entry_is_published_again(cache, pictures):
-    from cachekit.admin.removal import removal_for_clear
-    from cachekit.store.local import LocalStore
-
     col = column(pictures, range(N))
     entry = cache.images(col, 8)
     shutil.rmtree(entry.path)
@@ -359,11 +350,16 @@ def test_a_stray_index_file_is_spared_when_its_entry_is_published_again(cache, p
 
 def test_a_stray_index_file_that_cannot_be_removed_is_reported_so_not_as_freed(
         cache, pictures, capsys, monkeypatch):
-    from cachekit.store.row_index import RowIndex
-
     entry = cache.images(column(pictures, range(N)), 8)
     shutil.rmtree(entry.path)
-    monkeypatch.setattr(RowIndex, "forget", lambda self, key: None)  # as a folder that forbids it
+    unlink = _fs.DirHandle.unlink
+
+    def forbidden(handle, name):  # as a folder that forbids removing another member's file
+        if name == f"{entry.key}.npy":
+            raise PermissionError(13, "Permission denied", name)
+        unlink(handle, name)
+
+    monkeypatch.setattr(_fs.DirHandle, "unlink", forbidden)
     capsys.readouterr()
     assert cli_main(["--root", str(cache.root), "prune", "--max-size", "1G", "--yes"]) != 0
     out, err = capsys.readouterr()
@@ -624,7 +620,6 @@ def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_id
     (here every row is zeros): a part is named by its bytes, so the second entry's rows are
     not taken through the first one's row identities; they are decoded."""
     from cachekit import keys
-    from cachekit.store import LocalStore
     from cachekit.store.shared_rows import open_shared_rows
 
     cache = cachekit.Cache(cache_root, workers=1, progress=False)
@@ -641,8 +636,6 @@ def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_id
 
 def test_contiguous_true_says_so_when_the_derived_entry_cannot_be_replaced(
         cache_root, pictures, monkeypatch, capsys):
-    from cachekit.store import LocalStore
-
     loud = cachekit.Cache(cache_root, workers=1, progress=None)
     loud.images(column(pictures, range(N)), 8)
     loud.images(column(pictures, range(0, N, 2)), 8)
