@@ -214,8 +214,8 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
                       now: Optional[float] = None) -> LocalRemoval:
     """Removing entries (all, or ``keys`` / unique prefixes), optionally only those not
     used for ``older_than`` seconds, with their orphaned build directories, interrupted
-    removals and (unless ``older_than``) recorded build failures; clearing everything also
-    takes the row index files of entries removed outside cachekit. Live builds are listed as
+    removals and (unless ``older_than``) recorded build failures and the row index files of
+    entries removed outside cachekit (which have no last use). Live builds are listed as
     skipped.
     """
     found = scan(store)
@@ -223,7 +223,8 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
     failures = store.failure_keys()
     wanted: Optional[set[str]] = None
     if keys is not None:
-        known = [e.key for e in found.entries] + [t.key for t in found.temp_dirs] + failures
+        known = ([e.key for e in found.entries] + [t.key for t in found.temp_dirs] + failures
+                 + [s.key for s in found.stray_index])
         wanted = set(resolve_keys(keys, known))
 
     def selected(key: str, used: float) -> bool:
@@ -234,7 +235,8 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
     records = [] if older_than is not None else [
         k for k in failures if wanted is None or k in wanted]
-    strays = found.stray_index if wanted is None and older_than is None else ()
+    strays = () if older_than is not None else [
+        s for s in found.stray_index if wanted is None or s.key in wanted]
     return LocalRemoval(
         items=_items(store, entries, [t for t in temps if t.removable], records, now, strays),
         skipped=tuple(_skip_live(t) for t in temps if not t.removable),

@@ -334,6 +334,20 @@ def test_the_index_file_of_an_entry_removed_outside_cachekit_is_counted_and_prun
     np.testing.assert_array_equal(np.asarray(again.array), expected)
 
 
+def test_clear_key_removes_the_stray_index_file_of_that_key_only(cache, pictures, capsys):
+    first = cache.images(column(pictures, range(N)), 8)
+    second = cache.images(column(pictures, range(N)), 4)
+    shutil.rmtree(first.path)
+    shutil.rmtree(second.path)
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache.root), "clear", first.key[:12], "--yes"]) == 0
+    assert "removed 0 entries and 1 stray index file" in capsys.readouterr().out
+    assert not list((cache.root / "index").rglob(f"{first.key}.npy"))
+    assert list((cache.root / "index").rglob(f"{second.key}.npy"))  # another key's stays
+    assert cli_main(["--root", str(cache.root), "clear", "--older-than", "0s", "--yes"]) == 0
+    assert list((cache.root / "index").rglob(f"{second.key}.npy"))  # it has no last use
+
+
 def test_a_stray_index_file_is_spared_when_its_entry_is_published_again(cache, pictures):
     col = column(pictures, range(N))
     entry = cache.images(col, 8)
