@@ -4,7 +4,9 @@ plain users sharing one cache root, a real S3 server on loopback."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -30,7 +32,8 @@ compile cachekit anew (``__pycache__`` is ignored by git)."""
 def pytest_configure(config: pytest.Config) -> None:
     """Compile cachekit and the tests' helpers once, before any worker starts: the plain
     uids of the shared-root tests (:mod:`users`) cannot write into the checkout, so without
-    this each of their interpreters compiles every module it imports anew."""
+    this each of their interpreters compiles every module it imports anew. An xdist
+    controller also starts the workers' one S3 server (:func:`s3_server`)."""
     if hasattr(config, "workerinput"):
         return  # an xdist worker: the controller compiled them
     import compileall
@@ -38,6 +41,32 @@ def pytest_configure(config: pytest.Config) -> None:
     here = Path(__file__).resolve().parent
     for folder in (here.parent / "cachekit", here):
         compileall.compile_dir(folder, quiet=2, workers=0)
+    if (config.getoption("numprocesses", None) and config.getoption("dist", "no") != "no"
+            and not config.option.collectonly and s3.why_no_server() is None):
+        config.stash[_SHARED_SEAWEED] = s3.Seaweed(
+            Path(tempfile.mkdtemp(prefix="cachekit-tests-seaweed-"))).launch()
+
+
+_SHARED_SEAWEED = pytest.StashKey[s3.Seaweed]()
+"""The controller's S3 server, which every xdist worker uses."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Tell each xdist worker where the controller's S3 server is."""
+    server = node.config.stash.get(_SHARED_SEAWEED, None)
+    if server is not None:
+        node.workerinput[_SHARED_SEAWEED_INPUT] = server.describe()
+
+
+_SHARED_SEAWEED_INPUT = "cachekit_tests_seaweed"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server = config.stash.get(_SHARED_SEAWEED, None)
+    if server is not None:
+        server.stop()
+        shutil.rmtree(server.directory, ignore_errors=True)
 
 
 settings.register_profile("shared-machine", deadline=None,
@@ -101,13 +130,20 @@ def shared_root(tmp_path: Path) -> Iterator[users.SharedRoot]:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3.Seaweed]:
+def s3_server(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3.Seaweed]:
     """One SeaweedFS ``weed mini`` for the session, on 127.0.0.1 only, free ports, with
-    credentials of its own (see tests/s3.py); stopped at the end of the session. Skips when
-    ``weed`` is not installed."""
+    credentials of its own (see tests/s3.py); stopped at the end of the session. Under
+    xdist the workers share the one their controller started (each test has a prefix of
+    its own, :func:`s3_env`): one server idles instead of four. Skips when ``weed`` is not
+    installed."""
     reason = s3.why_no_server()
     if reason is not None:
         pytest.skip(reason)
+    shared = getattr(request.config, "workerinput", {}).get(_SHARED_SEAWEED_INPUT)
+    if shared is not None:
+        yield s3.Seaweed.attach(shared)  # the controller stops it
+        return
     server = s3.Seaweed(tmp_path_factory.mktemp("seaweed")).start()
     try:
         yield server

@@ -79,7 +79,31 @@ class Seaweed:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
 
+    def describe(self) -> dict:
+        """What another process needs to use this server (:meth:`attach`), as JSON."""
+        return {"directory": str(self.directory), "bucket": self.bucket,
+                "access_key": self.access_key, "secret_key": self.secret_key,
+                "ports": self.ports}
+
+    @classmethod
+    def attach(cls, description: dict, timeout: float = 60.0) -> "Seaweed":
+        """The server another process started and described (:meth:`describe`), once it
+        answers; that process stops it, :meth:`stop` here does nothing."""
+        server = cls(Path(description["directory"]), description["bucket"])
+        server.access_key = description["access_key"]
+        server.secret_key = description["secret_key"]
+        server.ports = dict(description["ports"])
+        server.wait_ready(timeout)
+        return server
+
     def start(self, timeout: float = 60.0) -> "Seaweed":
+        """Start the server and wait until it answers."""
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def launch(self) -> "Seaweed":
+        """Start the server without waiting for it (:meth:`wait_ready` does)."""
         data = self.directory / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.directory / "s3.json"
@@ -98,17 +122,15 @@ class Seaweed:
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
-        self._wait_ready(timeout)
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 60.0) -> None:
         """Until the bucket answers an anonymous request (403/200: S3 is up and the
         bucket exists; 404: not yet created)."""
         deadline = time.monotonic() + timeout
         url = f"{self.endpoint}/{self.bucket}"
         while True:
-            assert self.process is not None
-            if self.process.poll() is not None:
+            if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"weed mini exited {self.process.returncode}; see "
                                    f"{self.directory / 'weed.log'}")
             try:
