@@ -27,6 +27,10 @@ sys.dont_write_bytecode = False
 ``PYTHONDONTWRITEBYTECODE`` is set (the development machines set it), each of them would
 compile cachekit anew (``__pycache__`` is ignored by git)."""
 
+_SHARED_SEAWEED = pytest.StashKey[s3.Seaweed]()
+"""The controller's S3 server, which every xdist worker uses."""
+_SHARED_SEAWEED_INPUT = "cachekit_tests_seaweed"
+"""Its key in each worker's ``workerinput``: what :meth:`s3.Seaweed.attach` needs."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,10 +51,6 @@ def pytest_configure(config: pytest.Config) -> None:
             Path(tempfile.mkdtemp(prefix="cachekit-tests-seaweed-"))).launch()
 
 
-_SHARED_SEAWEED = pytest.StashKey[s3.Seaweed]()
-"""The controller's S3 server, which every xdist worker uses."""
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node) -> None:
     """Tell each xdist worker where the controller's S3 server is."""
@@ -59,10 +59,8 @@ def pytest_configure_node(node) -> None:
         node.workerinput[_SHARED_SEAWEED_INPUT] = server.describe()
 
 
-_SHARED_SEAWEED_INPUT = "cachekit_tests_seaweed"
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the controller's S3 server once every worker is done."""
     server = config.stash.get(_SHARED_SEAWEED, None)
     if server is not None:
         server.stop()
