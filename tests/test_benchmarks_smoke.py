@@ -179,6 +179,7 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
                    "retry: bytes added / (1 row + row map)",
                    "shuffled epoch: fold speed / contiguous",
                    "sequential epoch: fold speed / contiguous",
+                   "one shuffled epoch s (contiguous)",
                    "remote: bucket bytes / the host's root",
                    "remote: a fold pulled, bytes read / its rows",
                    "first hit: derived s / contiguous s"):

@@ -113,7 +113,7 @@ class TempDir:
 class StrayIndex:
     """The row index files of an entry removed outside cachekit (``ROOT/index/*/KEY.npy``
     with no ``entries/KEY``): bytes no entry holds, which name nothing. A lookup that meets
-    one removes it, and so do ``prune`` and ``clear --all``."""
+    one removes it, and so do ``prune``, ``clear --all`` and ``clear KEY``."""
 
     key: str
     bytes: int
