@@ -6,6 +6,7 @@ made on a miss only, is :mod:`.row_build`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Optional
 
 from .. import keys
@@ -41,6 +42,7 @@ class RowCall:
     contiguous: bool = False
     """Store every row in one data file of its own, even rows other entries hold."""
 
-    @property
+    @cached_property
     def key(self) -> str:
+        """The entry's key, digested once (a hit and a build each ask for it)."""
         return keys.rows_key(self.kind, self.params, self.material, len(self.column))
