@@ -407,7 +407,8 @@ RACER = textwrap.dedent('''
     import numpy as np, pandas as pd
     import cachekit
     root, paths, me, stop = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    cache = cachekit.Cache(root, workers=1, progress=False)
+    budget = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    cache = cachekit.Cache(root, workers=1, progress=False, max_size=budget)
     rng = np.random.default_rng(me)
     checked = 0
     while not os.path.exists(stop) or checked < 6:
@@ -461,6 +462,36 @@ def test_clear_and_prune_racing_derived_builds_and_reads_never_break_them(
         assert proc.returncode == 0, err[-3000:]
         assert json.loads(out.splitlines()[-1])["checked"] >= 6
     assert clearer.returncode == 0 and int(rounds[0]) > 5, rounds[1][-2000:]
+
+
+def test_budget_eviction_racing_derived_builds_and_reads_never_breaks_them(
+        cache_root, pictures, tmp_path):
+    """Two processes keep building and reading folds of one full entry, each under a budget
+    about the full entry's size: every commit evicts the least recently used entries, the
+    full entry whose file the folds link among them. Every read has the right bytes."""
+    truth = fresh(tmp_path, column(pictures, range(N)))
+    np.save(tmp_path / "truth.npy", truth)
+    full = cachekit.Cache(cache_root, workers=1, progress=False).images(
+        column(pictures, range(N)), 8)
+    budget = sum(e.bytes for e in cachekit.Cache(cache_root).entries())
+    stop = tmp_path / "stop"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(cache_root),
+                                json.dumps(pictures), str(me), str(stop), str(budget)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+              for me in range(2)]
+    try:
+        import time
+        time.sleep(6)
+    finally:
+        stop.touch()
+        results = [p.communicate(timeout=180) for p in racers]
+    for proc, (out, err) in zip(racers, results):
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.splitlines()[-1])["checked"] >= 6
+    assert full.key not in {e.key for e in cachekit.Cache(cache_root).entries()}
+    np.testing.assert_array_equal(np.asarray(full.array), truth)  # its file lives on
 
 
 # --- a derived build killed, resumed --------------------------------------------------------
