@@ -53,7 +53,9 @@ class Cache:
     ``max_size``: the root's budget in bytes (an int, or a size such as "50G"; None:
     ``$CACHEKIT_MAX_SIZE``, unset: no budget): after each build or download this process
     commits, the least recently used entries are removed until the root fits, never the
-    entry the call returns nor a live build.
+    entry the call returns nor a live build; an entry the call made whose rows are shared
+    from files larger than the budget is first copied into one file of its own, when that
+    is smaller (docs/managing.md).
     """
 
     def __init__(self, root: Optional[PathLike] = None, *, remote: Optional[str] = None,
@@ -226,7 +228,7 @@ class Cache:
         of its recipe that hold them), settle it, open it and, for images keyed by their
         paths alone, check a sample of their files for changes."""
         settings = BuildSettings(self.workers, self.executor, progress=self._show_progress())
-        request = RowRequest(self._store, call, settings)
+        request = RowRequest(self._store, call, settings, self.max_size)
 
         def open_entry(outcome: Outcome) -> Entry:
             request.settle(outcome)

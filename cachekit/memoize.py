@@ -119,6 +119,7 @@ class _Build:
     """The build of a memoize entry: one whole call of the function, never joined."""
 
     joinable = False
+    replaces = False
 
     def __init__(self, run: Callable[[BuildDir], Built]) -> None:
         self.run = run

@@ -32,6 +32,10 @@ class Build(Protocol):
 
     joinable: bool
     """Whether :meth:`join` may fill chunks of another process's build (per-row builds)."""
+    replaces: bool
+    """Whether it builds the key again in place of its entry, set aside (to be made
+    contiguous, or healed): the remote tier's copy of the key is then never downloaded
+    instead, for it is that entry's."""
 
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
         """Fill ``current``, reporting (rows done, rows total) after each chunk."""

@@ -191,9 +191,10 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
     return stats
 
 
-def say_shared(key: str, found: Donors, rows: int) -> None:
-    """Say on stderr how many rows the build shares and with how many entries, and what
-    the rows it decodes are: new, failed in the entry that holds them, or changed."""
+def say_shared(key: str, found: Donors, rows: int, copied: bool = False) -> None:
+    """Say on stderr how many rows the build shares (or with ``copied``, copies: a
+    contiguous build) and with how many entries, and what the rows it decodes are: new,
+    failed in the entry that holds them, or changed."""
     if found.donors:
         entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
         new = rows - found.rows - found.failed_before - found.changed
@@ -203,8 +204,10 @@ def say_shared(key: str, found: Donors, rows: int) -> None:
         if found.changed:
             parts.append(f"{found.changed} whose files changed")
         rest = "decoding " + " and ".join(parts) if parts else "nothing left to decode"
-        say(f"entry {key[:12]}: sharing {count(found.rows, 'row')} with {entries} of the "
-            f"same recipe (stored once); {rest}")
+        how = (f"copying {count(found.rows, 'row')} from" if copied else
+               f"sharing {count(found.rows, 'row')} with")
+        say(f"entry {key[:12]}: {how} {entries} of the same recipe"
+            f"{'' if copied else ' (stored once)'}; {rest}")
     for skipped in found.skipped:
         say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
             "are not reused")

@@ -79,9 +79,10 @@ class Miss:
     def _download_or_build(self, wait: Wait, waited: float) -> Outcome:
         """Holding the lock with no live local builder left: with a remote tier, its entry
         or its lease (:func:`remote_tier.download_or_lease`); then build and commit (under
-        the lease, uploading afterwards)."""
+        the lease, uploading afterwards). A build that replaces the key's entry never
+        downloads it again (:attr:`~.build.Build.replaces`)."""
         remote = self.options.remote
-        if remote is None:
+        if remote is None or self.build.replaces:
             # "built" even when another builder's rename won the race: this call did the work.
             return self._outcome(build_and_commit(self.store, self.key, self.build, self.work),
                                  "built", waited)

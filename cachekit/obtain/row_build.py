@@ -71,6 +71,7 @@ class RowBuild:
     def __init__(self, store: LocalStore, call: RowCall, settings: BuildSettings,
                  aside: Optional[SetAside] = None) -> None:
         self.store, self.call, self.settings, self.aside = store, call, settings, aside
+        self.replaces = aside is not None
         self.key = call.key
         self.record = call.kind == "images" or call.on_error == "zero"
         """Whether a row that raises is recorded as a failure (images always: they say
@@ -100,7 +101,7 @@ class RowBuild:
         try:
             rows, found = self._donors(self._rows(builder, on_record=healed is None), healed)
             with found:
-                donors.say_shared(self.key, found, len(values))
+                donors.say_shared(self.key, found, len(values), copied=call.contiguous)
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,

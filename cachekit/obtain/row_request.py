@@ -3,21 +3,28 @@ what its entry must look like for a hit, its :class:`~.row_build.RowBuild` on a 
 what happens between obtaining the entry and opening it (:meth:`RowRequest.settle`).
 
 Settling may send the call back for a build: when an earlier check recorded that files of
-the entry changed (``locks/KEY.stale.json``), or when a contiguous entry was asked for and
-the one found shares its rows. The entry is then opened as a donor, set aside, and the call
-obtains the key again; its build shares every row it can with the entry set aside
-(:func:`.donors.find`'s ``healed``), which is removed once the build has linked its files.
+the entry changed (``locks/KEY.stale.json``), when a contiguous entry was asked for and
+the one found shares its rows, or when the entry this call made shares its rows from files
+larger than the cache's budget, which copying its rows shrinks (:func:`copying_shrinks`).
+The entry is then opened as a donor, set aside, and the call obtains the key again, built
+here (never downloaded: the remote tier's copy of the key is that entry's); its build
+shares every row it can with the entry set aside (:func:`.donors.find`'s ``healed``),
+which is removed once the build has linked or copied its files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import math
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from ..messages import say
 from ..store import STALE, LocalStore, Published
+from ..store.manifest import Manifest
+from ..units import format_size
 from .expected import Expected
 from .outcome import Outcome
 from .row_call import BuildSettings, RowCall
@@ -30,8 +37,9 @@ if TYPE_CHECKING:  # imported on a miss only: a hit needs none of the build's ma
 class RowRequest:
     """One per-row call to ``store``, as obtain and the public face see it."""
 
-    def __init__(self, store: LocalStore, call: RowCall, settings: BuildSettings) -> None:
-        self.store, self.call, self.settings = store, call, settings
+    def __init__(self, store: LocalStore, call: RowCall, settings: BuildSettings,
+                 budget: Optional[int] = None) -> None:
+        self.store, self.call, self.settings, self.budget = store, call, settings, budget
         self.key = call.key
         shape, dtype = call.template or (None, None)
         self.expected: Optional[Expected] = Expected(
@@ -53,7 +61,9 @@ class RowRequest:
         """Between obtaining and opening the entry: index a downloaded one, so that its rows
         may serve later builds; build it again (FileNotFoundError: obtain it again) when a
         contiguous entry was asked for and it shares its rows, or when a check recorded
-        that its files changed."""
+        that its files changed, or when this call made it sharing its rows from files larger
+        than the budget that a copy of its rows would shrink (it is built again
+        contiguous)."""
         if self._aside is not None:  # another process built the key meanwhile
             self._aside.close()
             self._aside = None
@@ -68,6 +78,14 @@ class RowRequest:
             say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
                 "shares its rows and cannot be removed here (another user's, or a "
                 "read-only root); returned as it is")
+        elif self.budget is not None and outcome.word in ("built", "pulled") \
+                and copying_shrinks(outcome.entry.manifest, self.budget):
+            manifest = outcome.entry.manifest
+            self.call = dataclasses.replace(self.call, contiguous=True)
+            self._build_again(outcome.entry, (
+                f"its rows ({format_size(rows_bytes(manifest))}) are shared from files of "
+                f"{format_size(manifest.bytes)}, more than the cache budget of "
+                f"{format_size(self.budget)}; copying them into one file of its own"))
         if outcome.source == "local" and self.checks_staleness(outcome):
             self._heal_if_stale(outcome.entry)
 
@@ -132,3 +150,16 @@ class RowRequest:
         self._aside = SetAside(self.store, self.key, source, name)
         say(f"entry {self.key[:12]}: {why}")
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
+
+
+def rows_bytes(manifest: Manifest) -> int:
+    """The bytes of an entry's rows: what a contiguous copy of them stores."""
+    return manifest.rows * math.prod(manifest.shape[1:]) * manifest.dtype.itemsize
+
+
+def copying_shrinks(manifest: Manifest, budget: int) -> bool:
+    """Whether the derived entry of ``manifest`` holds more bytes than ``budget`` (the files
+    it shares, which evicting every other entry cannot free) and a contiguous copy of its
+    rows would hold fewer than its data files (the rows of theirs it does not use)."""
+    return (not manifest.contiguous and manifest.bytes > budget
+            and rows_bytes(manifest) < sum(f.bytes for f in manifest.data_files))

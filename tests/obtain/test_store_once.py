@@ -395,6 +395,27 @@ def test_the_budget_counts_shared_bytes_once_and_keeps_what_folds_link(
                                       np.asarray(full.array)[fold_rows(fold, pictures)])
 
 
+def test_a_fold_sharing_files_larger_than_the_budget_is_copied_so_that_the_root_fits(
+        cache_root, pictures, capsys):
+    """The full entry's file is larger than the budget, and a fold of half its rows links
+    it: evicting every other entry cannot bring the root within the budget, so the fold is
+    built again as a copy of its rows, and then the full entry goes."""
+    full = cachekit.Cache(cache_root, workers=1, progress=False).images(
+        column(pictures, range(N)), 8)
+    want = np.array(full.array)[::2]
+    budget = root_file_bytes(cache_root) * 3 // 4
+    capsys.readouterr()
+    tight = cachekit.Cache(cache_root, workers=1, max_size=budget)
+    fold = tight.images(column(pictures, range(0, N, 2)), 8)
+    assert "copying them into one file of its own" in capsys.readouterr().err
+    assert fold.contiguous and fold.outcome == "built" and fold.rows_decoded == 0
+    np.testing.assert_array_equal(np.asarray(fold.array), want)
+    assert [e.key for e in tight.entries()] == [fold.key]
+    assert root_file_bytes(cache_root) <= budget
+    again = tight.images(column(pictures, range(0, N, 2)), 8)
+    assert again.hit and again.contiguous
+
+
 def fold_rows(entry: cachekit.Entry, pictures: list[str]) -> list[int]:
     return [pictures.index(p) for p in entry._labels]
 
@@ -657,6 +678,48 @@ def test_a_host_holding_the_full_entry_pulls_a_fold_without_its_rows(
     linked = [p for p in fold.path.iterdir() if manifests.is_part_name(p.name)]
     assert [p.stat().st_ino for p in linked] == [
         (full.path / manifests.DATA_FILE).stat().st_ino]
+
+
+def test_a_host_asking_a_pulled_fold_to_be_contiguous_copies_its_rows_here(
+        s3_env, tmp_path, pictures):
+    """The bucket holds the fold derived: the second host copies its rows into one file
+    of its own instead of pulling the derived entry again (five times, then failing)."""
+    from cachekit.obtain import background
+
+    here = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    full = np.array(here.images(column(pictures, range(N)), 8).array)
+    assert not here.images(column(pictures, range(0, N, 2)), 8).contiguous
+    background.wait_all()
+    there = cachekit.Cache(tmp_path / "b", workers=1, progress=False)
+    fold = there.images(column(pictures, range(0, N, 2)), 8, contiguous=True)
+    assert fold.contiguous and fold.outcome == "built" and fold.rows_decoded == 0
+    np.testing.assert_array_equal(np.asarray(fold.array), full[::2])
+
+
+def test_a_stale_entry_is_healed_here_never_pulled_back_from_the_bucket(
+        s3_env, tmp_path, pictures):
+    """The bucket holds the entry as first built; once a file changed, the next call
+    builds the entry again here, with the file's new pixels, instead of downloading the
+    bucket's copy of the key, which is the stale entry itself."""
+    import warnings
+
+    from PIL import Image
+
+    from cachekit.obtain import background, staleness
+
+    col = column(pictures, range(N))
+    cache = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    cache.images(col, 8)
+    background.wait_all()
+    Image.fromarray(np.full((10, 12, 3), 200, np.uint8)).save(pictures[7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cache.images(col, 8).hit  # its check finds the file changed
+        staleness.wait_for_checks(timeout=60)
+    healed = cache.images(col, 8)
+    assert (healed.outcome, healed.rows_decoded) == ("built", 1)
+    truth = cachekit.Cache(tmp_path / "truth", remote="", workers=1, progress=False)
+    np.testing.assert_array_equal(np.asarray(healed.array), truth.images(col, 8).array)
 
 
 def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_identities(
