@@ -504,7 +504,7 @@ def test_budget_eviction_racing_derived_builds_and_reads_never_breaks_them(
               for me in range(2)]
     try:
         import time
-        time.sleep(6)
+        time.sleep(4)
     finally:
         stop.touch()
         results = [p.communicate(timeout=180) for p in racers]
