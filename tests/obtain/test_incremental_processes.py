@@ -99,7 +99,9 @@ def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
     computed(tmp_path)
     reports = run_agents(tmp_path, root, (20, 140), 2)
     rows = computed(tmp_path)
-    assert sorted(v for _, v in rows) == list(range(40, 140))  # each new row once, no other
+    twice = sorted({(pid, v) for pid, v in rows if sum(w == v for _, w in rows) > 1})
+    assert sorted(v for _, v in rows) == list(range(40, 140)), (  # each new row once, no other
+        f"rows computed twice, (pid, value): {twice}; the agents: {reports}")
     by_source = {r["source"]: r for r in reports}
     assert set(by_source) == {"built", "joined"}, reports
     built, joined = by_source["built"], by_source["joined"]
