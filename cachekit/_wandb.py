@@ -16,8 +16,6 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .messages import prefix
 from .store.manifest import MEMOIZE_KIND
 
@@ -118,8 +116,8 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
         "wait_seconds": waited,
         "rows": manifest.rows,
         "shape": list(manifest.shape),
-        "bytes": int(np.prod(manifest.shape)) * manifest.dtype.itemsize if manifest.kind !=
-        MEMOIZE_KIND else sum(f.data_bytes for f in manifest.files),  # the rows, once
+        "bytes": manifest.array_bytes if manifest.kind != MEMOIZE_KIND
+        else sum(f.data_bytes for f in manifest.files),  # the rows, once
         "entries": _totals["entries"],
         "build_seconds_total": round(_totals["build"], 3),
         "decode_seconds_total": round(_totals["decode"], 3),

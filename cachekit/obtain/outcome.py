@@ -52,6 +52,12 @@ class Outcome:
         return outcome_word(self.source, self.waited_for_build)
 
     @property
+    def committed_here(self) -> bool:
+        """Whether this process put the entry into the root (it built or pulled it): the
+        calls that answer for the cache's budget."""
+        return self.source in ("built", "remote")
+
+    @property
     def row_counts(self) -> tuple[int, int, int]:
         """(rows decoded by this call, rows other processes decoded for its build, rows
         copied from other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.

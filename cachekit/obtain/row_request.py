@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import math
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -78,12 +77,12 @@ class RowRequest:
             say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
                 "shares its rows and cannot be removed here (another user's, or a "
                 "read-only root); returned as it is")
-        elif self.budget is not None and outcome.word in ("built", "pulled") \
+        elif self.budget is not None and outcome.committed_here \
                 and copying_shrinks(outcome.entry.manifest, self.budget):
             manifest = outcome.entry.manifest
             self.call = dataclasses.replace(self.call, contiguous=True)
             self._build_again(outcome.entry, (
-                f"its rows ({format_size(rows_bytes(manifest))}) are shared from files of "
+                f"its rows ({format_size(manifest.array_bytes)}) are shared from files of "
                 f"{format_size(manifest.bytes)}, more than the cache budget of "
                 f"{format_size(self.budget)}; copying them into one file of its own"))
         if outcome.source == "local" and self.checks_staleness(outcome):
@@ -152,14 +151,9 @@ class RowRequest:
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
 
 
-def rows_bytes(manifest: Manifest) -> int:
-    """The bytes of an entry's rows: what a contiguous copy of them stores."""
-    return manifest.rows * math.prod(manifest.shape[1:]) * manifest.dtype.itemsize
-
-
 def copying_shrinks(manifest: Manifest, budget: int) -> bool:
     """Whether the derived entry of ``manifest`` holds more bytes than ``budget`` (the files
     it shares, which evicting every other entry cannot free) and a contiguous copy of its
     rows would hold fewer than its data files (the rows of theirs it does not use)."""
     return (not manifest.contiguous and manifest.bytes > budget
-            and rows_bytes(manifest) < sum(f.bytes for f in manifest.data_files))
+            and manifest.array_bytes < sum(f.data_bytes for f in manifest.data_files))

@@ -136,6 +136,10 @@ class Manifest:
     def bytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
+    @property
+    def array_bytes(self) -> int:  # its rows, each once: what a contiguous copy holds
+        return math.prod(self.shape) * self.dtype.itemsize
+
     def row_file(self, name: str) -> Optional[FileRecord]:
         """The record of the row file ``name`` (:data:`ROW_FILES`), or None when the entry
         has none (made by an older cachekit, or a memoize entry)."""
