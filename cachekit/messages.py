@@ -90,7 +90,10 @@ class _Stderr(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            print(self.format(record), file=sys.stderr, flush=True)
+            # One write of the line and its newline: where stderr writes through
+            # (PYTHONUNBUFFERED), print's two writes let another process's line fall between.
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
         except Exception:
             self.handleError(record)
 

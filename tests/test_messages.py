@@ -100,3 +100,24 @@ def test_lines_go_through_the_cachekit_logger_and_a_quiet_call_keeps_its_warning
     assert [(r.levelname, r.getMessage()) for r in records] == [
         ("INFO", "a note"), ("INFO", "a note of a quiet call"), ("WARNING", "a warning")]
     assert capfd.readouterr().err == f"{prefix()}: a note\n{prefix()}: a warning\n"
+
+
+def test_processes_sharing_one_stderr_never_split_each_other_s_lines(tmp_path):
+    """Sweep agents and torchrun ranks share one log. With ``PYTHONUNBUFFERED`` (common in
+    containers and job scripts, which want lines at once) stderr writes through, so a line
+    written as its text and then its newline lets another process's line fall between the
+    two. Each line goes out in one write, whole."""
+    code = ("import sys\nfrom cachekit.messages import say\n"
+            "for i in range(2000):\n    say(f'line {i} of {sys.argv[1]}')\n")
+    log = tmp_path / "shared.log"
+    with open(log, "ab") as shared:
+        agents = [subprocess.Popen([sys.executable, "-c", code, str(n)], stderr=shared,
+                                   env={**os.environ, **RANKLESS, "PYTHONUNBUFFERED": "1"})
+                  for n in range(4)]
+        assert [agent.wait(timeout=120) for agent in agents] == [0] * 4
+    lines = log.read_text(encoding="utf-8").splitlines()
+    whole = re.compile(r"cachekit\[pid \d+\]: line (\d+) of (\d)")
+    assert [line for line in lines if not whole.fullmatch(line)] == []
+    for n in range(4):
+        assert [int(m[1]) for m in map(whole.fullmatch, lines) if m[2] == str(n)] == \
+            list(range(2000))
