@@ -102,12 +102,17 @@ def test_lines_go_through_the_cachekit_logger_and_a_quiet_call_keeps_its_warning
     assert capfd.readouterr().err == f"{prefix()}: a note\n{prefix()}: a warning\n"
 
 
-def test_processes_sharing_one_stderr_never_split_each_other_s_lines(tmp_path):
+@pytest.mark.parametrize("say, said", [
+    ("from cachekit.messages import say", r"cachekit\[pid \d+\]: "),
+    ("from cachekit.cli.output import say as print_line\n"
+     "say = lambda text: print_line(text, file=sys.stderr)", ""),  # the command line's own
+], ids=["library", "command-line"])
+def test_processes_sharing_one_stderr_never_split_each_other_s_lines(tmp_path, say, said):
     """Sweep agents and torchrun ranks share one log. With ``PYTHONUNBUFFERED`` (common in
     containers and job scripts, which want lines at once) stderr writes through, so a line
     written as its text and then its newline lets another process's line fall between the
     two. Each line goes out in one write, whole."""
-    code = ("import sys\nfrom cachekit.messages import say\n"
+    code = (f"import sys\n{say}\n"
             "for i in range(2000):\n    say(f'line {i} of {sys.argv[1]}')\n")
     log = tmp_path / "shared.log"
     with open(log, "ab") as shared:
@@ -116,7 +121,7 @@ def test_processes_sharing_one_stderr_never_split_each_other_s_lines(tmp_path):
                   for n in range(4)]
         assert [agent.wait(timeout=120) for agent in agents] == [0] * 4
     lines = log.read_text(encoding="utf-8").splitlines()
-    whole = re.compile(r"cachekit\[pid \d+\]: line (\d+) of (\d)")
+    whole = re.compile(said + r"line (\d+) of (\d)")
     assert [line for line in lines if not whole.fullmatch(line)] == []
     for n in range(4):
         assert [int(m[1]) for m in map(whole.fullmatch, lines) if m[2] == str(n)] == \

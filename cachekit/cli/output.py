@@ -17,9 +17,14 @@ from ..messages import printable
 __all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
            "listing", "printable", "say", "shape", "table", "when"]
 
-def say(text: Any = "", **kwargs: Any) -> None:
-    """``print`` one line (``kwargs`` as for print) with control characters escaped."""
-    print(printable(text), **kwargs)
+def say(text: Any = "", *, file: Any = None, end: str = "\n", flush: bool = False) -> None:
+    """Print ``text`` and ``end`` (as ``print`` would) with control characters escaped, in
+    one write: where the stream writes through (PYTHONUNBUFFERED), print's separate write
+    of ``end`` lets another process's line fall into ours."""
+    stream = sys.stdout if file is None else file
+    stream.write(printable(text) + end)
+    if flush:
+        stream.flush()
 
 
 def fail(message: str, status: int) -> int:
