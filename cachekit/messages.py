@@ -5,7 +5,8 @@ Several sweep agents or torchrun ranks share one terminal or log, so a line such
 pid always, and the rank, world size and local rank that torch.distributed's launchers put
 in ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` when they are set. The command line's own
 results and errors (``cachekit: error: ...``) are not library messages and keep their form.
-Every line has its control characters escaped (:func:`printable`), the command line's too.
+Every line has its control characters escaped (:func:`printable`), the command line's too,
+and goes out in one write, so that processes sharing a log never split each other's lines.
 
 Lines go through the ``cachekit`` logger, whose one handler writes them to stderr with the
 prefix (a formatter). What a call says of its own work (whom it waits for, what it shares,
