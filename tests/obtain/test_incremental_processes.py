@@ -25,7 +25,7 @@ import cachekit
 from helpers import write_pictures
 
 AGENT = textwrap.dedent('''
-    import json, os, sys, time
+    import json, os, sys, time, traceback
     from pathlib import Path
     import numpy as np, pandas as pd
     import cachekit
@@ -36,8 +36,9 @@ AGENT = textwrap.dedent('''
     def slow(v):
         if v == crash_at:
             os._exit(3)  # as a killed agent would, mid-build
+        calls = "<".join(f.name for f in reversed(traceback.extract_stack()[-12:-1]))
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.write(fd, f"{os.getpid()} {v}\\n".encode())
+        os.write(fd, f"{os.getpid()} {v} {calls}\\n".encode())
         os.close(fd)
         time.sleep(0.02)
         return np.full(512, v, dtype=np.int64)  # 4 KiB rows: a chunk is a few rows
@@ -84,12 +85,18 @@ def run_agents(work: Path, root: Path, rows: tuple[int, int], agents: int, *,
 
 def computed(work: Path) -> list[tuple[int, int]]:
     """(pid, value) of every row computed so far, then forget them."""
+    return [(pid, v) for pid, v, _ in computed_where(work)]
+
+
+def computed_where(work: Path) -> list[tuple[int, int, str]]:
+    """(pid, value, the calls that computed it, innermost first) of every row computed so
+    far, then forget them."""
     log = work / "computed.log"
     if not log.exists():
         return []
     lines = log.read_text().splitlines()
     log.unlink()
-    return [(int(pid), int(v)) for pid, v in (line.split() for line in lines)]
+    return [(int(pid), int(v), calls) for pid, v, calls in (line.split() for line in lines)]
 
 
 def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
@@ -98,10 +105,11 @@ def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
     assert first["counts"] == [40, 0, 0]
     computed(tmp_path)
     reports = run_agents(tmp_path, root, (20, 140), 2)
-    rows = computed(tmp_path)
-    twice = sorted({(pid, v) for pid, v in rows if sum(w == v for _, w in rows) > 1})
+    where = computed_where(tmp_path)
+    rows = [(pid, v) for pid, v, _ in where]
+    twice = sorted(row for row in where if sum(w == row[1] for _, w in rows) > 1)
     assert sorted(v for _, v in rows) == list(range(40, 140)), (  # each new row once, no other
-        f"rows computed twice, (pid, value): {twice}; the agents: {reports}")
+        f"rows computed twice, (pid, value, calls): {twice}; the agents: {reports}")
     by_source = {r["source"]: r for r in reports}
     assert set(by_source) == {"built", "joined"}, reports
     built, joined = by_source["built"], by_source["joined"]
