@@ -156,7 +156,9 @@ def test_a_stalling_server_ends_in_failed_rows_without_a_hang(covers, tmp_path, 
 
 
 def test_many_requests_are_in_flight_and_the_window_bounds_what_is_held(covers, monkeypatch):
-    settings = urls.FetchSettings(timeout=5, attempts=2, concurrency=64, window=1 << 30)
+    # A deadline a loaded machine keeps: a clean-clone run of the suite once missed 5 s
+    # against the loopback server. The test is about what is in flight, not how fast.
+    settings = urls.FetchSettings(timeout=30, attempts=2, concurrency=64, window=1 << 30)
     column = covers.urls * 4  # 96 objects in one run
     batch = fetch.Batch(column, 1 << 20, None, settings)
     got = list(batch)
@@ -164,7 +166,7 @@ def test_many_requests_are_in_flight_and_the_window_bounds_what_is_held(covers, 
     pool = fetch.pool_for("s3", None, settings)
     assert pool.most_in_flight >= 64
     assert pool.held == 0 or _settled(pool)
-    small = urls.FetchSettings(timeout=5, attempts=2, concurrency=64, window=1)
+    small = urls.FetchSettings(timeout=30, attempts=2, concurrency=64, window=1)
     batch = fetch.Batch(covers.urls, 1 << 20, None, small)
     rows = iter(batch)
     first = next(rows)  # one object held (being decoded): nothing else may start
