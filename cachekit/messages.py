@@ -6,7 +6,8 @@ pid always, and the rank, world size and local rank that torch.distributed's lau
 in ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` when they are set. The command line's own
 results and errors (``cachekit: error: ...``) are not library messages and keep their form.
 Every line has its control characters escaped (:func:`printable`), the command line's too,
-and goes out in one write, so that processes sharing a log never split each other's lines.
+and goes out in one write (:func:`write_line`), so that processes sharing a log do not split
+each other's lines (a write under 4 KiB to a pipe or an appended file is never interleaved).
 
 Lines go through the ``cachekit`` logger, whose one handler writes them to stderr with the
 prefix (a formatter). What a call says of its own work (whom it waits for, what it shares,
@@ -55,6 +56,15 @@ def printable(text: Any) -> str:
     return text.translate(_ESCAPES) if _NEEDS_ESCAPE.search(text) else text
 
 
+def write_line(stream: Any, text: str, *, end: str = "\n", flush: bool = True) -> None:
+    """Write ``text`` and ``end`` to ``stream`` in one write (then flush): where the stream
+    writes through (``PYTHONUNBUFFERED``), ``print``'s separate write of the newline lets
+    another process's line fall between the two."""
+    stream.write(text + end)
+    if flush:
+        stream.flush()
+
+
 def say(text: str, *, always: bool = False) -> None:
     """Say ``text`` as one line on stderr, after this process's :func:`prefix`, with its
     control characters escaped: a note of this call's work, or with ``always`` a warning
@@ -91,10 +101,7 @@ class _Stderr(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            # One write of the line and its newline: where stderr writes through
-            # (PYTHONUNBUFFERED), print's two writes let another process's line fall between.
-            sys.stderr.write(self.format(record) + "\n")
-            sys.stderr.flush()
+            write_line(sys.stderr, self.format(record))
         except Exception:
             self.handleError(record)
 

@@ -12,19 +12,15 @@ from typing import Any, Callable, Optional, Sequence
 
 from .. import units
 from ..admin.inspect import SHORT_KEY, ago, local_time
-from ..messages import printable
+from ..messages import printable, write_line
 
 __all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
            "listing", "printable", "say", "shape", "table", "when"]
 
 def say(text: Any = "", *, file: Any = None, end: str = "\n", flush: bool = False) -> None:
-    """Print ``text`` and ``end`` (as ``print`` would) with control characters escaped, in
-    one write: where the stream writes through (PYTHONUNBUFFERED), print's separate write
-    of ``end`` lets another process's line fall into ours."""
-    stream = sys.stdout if file is None else file
-    stream.write(printable(text) + end)
-    if flush:
-        stream.flush()
+    """Print ``text`` and ``end`` (as ``print`` would, to stdout unless ``file``) with
+    control characters escaped, in one write (:func:`~cachekit.messages.write_line`)."""
+    write_line(sys.stdout if file is None else file, printable(text), end=end, flush=flush)
 
 
 def fail(message: str, status: int) -> int:

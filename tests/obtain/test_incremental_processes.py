@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
     reports = run_agents(tmp_path, root, (20, 140), 2)
     where = computed_where(tmp_path)
     rows = [(pid, v) for pid, v, _ in where]
-    twice = sorted(row for row in where if sum(w == row[1] for _, w in rows) > 1)
+    times = Counter(v for _, v in rows)
+    twice = sorted(row for row in where if times[row[1]] > 1)
     assert sorted(v for _, v in rows) == list(range(40, 140)), (  # each new row once, no other
         f"rows computed twice, (pid, value, calls): {twice}; the agents: {reports}")
     by_source = {r["source"]: r for r in reports}
