@@ -77,7 +77,9 @@ def _ranks(done: subprocess.CompletedProcess) -> dict[int, tuple]:
     return ranks
 
 
-def test_two_ranks_share_one_build_and_each_says_what_it_did(job):
+def test_two_ranks_share_one_build_each_says_what_it_did_and_a_second_job_decodes_nothing(job):
+    # One test, not two: each torchrun job starts three interpreters that import torch, the
+    # suite's dearest kind, and the second job needs the first one's entry anyway.
     done = _torchrun(job)
     ranks = _ranks(done)
     sources = sorted(source for source, *_ in ranks.values())
@@ -99,8 +101,5 @@ def test_two_ranks_share_one_build_and_each_says_what_it_did(job):
         assert any(re.match(rf"cachekit\[pid \d+ rank {builder}/2 local {builder}\]: built entry "
                             r"\w+ with 1 joining process", line) for line in said), said
 
-
-def test_a_second_job_maps_the_entry_and_decodes_nothing(job):
-    _torchrun(job)
     again = _ranks(_torchrun(job))
     assert all(counts == ("local", 0, 0, 0, ROWS, 0) for counts in again.values()), again
