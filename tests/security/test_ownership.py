@@ -10,7 +10,9 @@ that pauses.
   the lease, whose build the other host took over and published, never writes into the
   published entry when it wakes, and returns that entry.
 
-Every child is a real interpreter; every wait is bounded by a subprocess timeout.
+Every child is a real interpreter; every wait is bounded by a subprocess timeout. Images are
+decoded with Pillow (``backend="pil"``): no attack depends on the backend, and then no child
+imports torch, which costs seconds of CPU each.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ the test machine's disk (a correct victim never comes near it)."""
 
 
 VICTIM = textwrap.dedent(r'''
-    """Victim: the team's normal ``Cache(root).images(paths, size)`` call; reports what it
-    got against the right pixels, and how much it wrote.
+    """Victim: the team's normal ``Cache(root).images(paths, size)`` call (Pillow backend, as
+    every images call here); reports what it got against the right pixels, and how much it
+    wrote.
 
     argv: ROOT CONFIG. config: paths, size, expected (an .npy of the right pixels),
     lock_timeout, fsize_cap (RLIMIT_FSIZE in bytes, SIGXFSZ ignored: growing a file past
@@ -82,7 +85,7 @@ VICTIM = textwrap.dedent(r'''
     out = {}
     try:
         entry = cachekit.Cache(root, lock_timeout=config.get("lock_timeout")).images(
-            config["paths"], config["size"])
+            config["paths"], config["size"], backend="pil")
         got = np.asarray(entry.array)
     except Exception as e:
         out.update(outcome="error", type=type(e).__name__, message=str(e)[:800],
@@ -136,7 +139,8 @@ INTERRUPTED_ATTACKER = textwrap.dedent(r'''
 
     cachekit.engine.decoding.images.load_image = load_image
     try:
-        cachekit.Cache(root, workers=1, progress=False).images(config["paths"], config["size"])
+        cachekit.Cache(root, workers=1, progress=False).images(config["paths"], config["size"],
+                                                                backend="pil")
     except KeyboardInterrupt:
         pass
     else:
@@ -274,7 +278,8 @@ def tiny_images(directory: Path, count: int) -> list[str]:
 def reference(shared: users.SharedRoot, paths: list[str], size: int) -> tuple[str, Path]:
     """(key, .npy file of the right pixels) of ``images(paths, size)``, from a fresh build in
     an empty root of this process's own."""
-    entry = cachekit.Cache(shared.base / "reference", progress=False).images(paths, size)
+    entry = cachekit.Cache(shared.base / "reference", progress=False).images(paths, size,
+                                                                             backend="pil")
     expected = shared.work / "expected.npy"
     np.save(expected, np.asarray(entry.array))
     expected.chmod(0o644)
@@ -364,7 +369,7 @@ POISONED_FAILED_ATTACKER = textwrap.dedent(r'''
     cachekit.engine.decoding.images.load_image = load_image
     cache = cachekit.Cache(root, workers=1, progress=False)
     try:
-        cache.images([*config["paths"], config["bad"]], config["size"])
+        cache.images([*config["paths"], config["bad"]], config["size"], backend="pil")
     except cachekit.ImageDecodeError:
         pass
     report(kept=[e.key for e in cache.entries() if e.failed_build is not None])
