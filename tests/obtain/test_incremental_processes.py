@@ -26,7 +26,7 @@ import cachekit
 from helpers import write_pictures
 
 AGENT = textwrap.dedent('''
-    import json, os, sys, time, traceback
+    import json, logging, os, sys, time, traceback
     from pathlib import Path
     import numpy as np, pandas as pd
     import cachekit
@@ -39,11 +39,16 @@ AGENT = textwrap.dedent('''
             os._exit(3)  # as a killed agent would, mid-build
         calls = "<".join(f.name for f in reversed(traceback.extract_stack()[-12:-1]))
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.write(fd, f"{os.getpid()} {v} {calls}\\n".encode())
+        os.write(fd, f"{os.getpid()} {v} {time.monotonic():.3f} {calls}\\n".encode())
         os.close(fd)
         time.sleep(0.02)
         return np.full(512, v, dtype=np.int64)  # 4 KiB rows: a chunk is a few rows
 
+    class Notes(logging.Handler):  # what the quiet call would have said, for a failure's message
+        def emit(self, record):
+            sys.stderr.write(f"said: {record.getMessage()}\\n")
+
+    logging.getLogger("cachekit").addHandler(Notes())
     cache = cachekit.Cache(root, workers=1, executor="threads", progress=False)
     Path(ready).touch()
     while not os.path.exists(start):
@@ -80,24 +85,26 @@ def run_agents(work: Path, root: Path, rows: tuple[int, int], agents: int, *,
             reports.append(None)
             continue
         assert proc.returncode == 0, err
-        reports.append(json.loads(out))
+        said = [line[6:] for line in err.splitlines() if line.startswith("said: ")]
+        reports.append({**json.loads(out), "said": said[:6] + said[6:][-6:]})
     return reports
 
 
 def computed(work: Path) -> list[tuple[int, int]]:
     """(pid, value) of every row computed so far, then forget them."""
-    return [(pid, v) for pid, v, _ in computed_where(work)]
+    return [(pid, v) for pid, v, *_ in computed_where(work)]
 
 
-def computed_where(work: Path) -> list[tuple[int, int, str]]:
-    """(pid, value, the calls that computed it, innermost first) of every row computed so
-    far, then forget them."""
+def computed_where(work: Path) -> list[tuple[int, int, float, str]]:
+    """(pid, value, when (time.monotonic), the calls that computed it, innermost first) of
+    every row computed so far, then forget them."""
     log = work / "computed.log"
     if not log.exists():
         return []
     lines = log.read_text().splitlines()
     log.unlink()
-    return [(int(pid), int(v), calls) for pid, v, calls in (line.split() for line in lines)]
+    return [(int(pid), int(v), float(at), calls)
+            for pid, v, at, calls in (line.split() for line in lines)]
 
 
 def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
@@ -107,11 +114,12 @@ def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
     computed(tmp_path)
     reports = run_agents(tmp_path, root, (20, 140), 2)
     where = computed_where(tmp_path)
-    rows = [(pid, v) for pid, v, _ in where]
+    rows = [(pid, v) for pid, v, *_ in where]
     times = Counter(v for _, v in rows)
     twice = sorted(row for row in where if times[row[1]] > 1)
     assert sorted(v for _, v in rows) == list(range(40, 140)), (  # each new row once, no other
-        f"rows computed twice, (pid, value, calls): {twice}; the agents: {reports}")
+        f"rows computed twice, (pid, value, when, calls): {twice}; the agents, with the "
+        f"first and last lines each said: {reports}")
     by_source = {r["source"]: r for r in reports}
     assert set(by_source) == {"built", "joined"}, reports
     built, joined = by_source["built"], by_source["joined"]
