@@ -273,6 +273,34 @@ def test_join_false_only_waits(tmp_path):
     assert [r["source"] for r in reports] == ["built", "local"]
 
 
+def test_a_joiner_claims_nothing_of_a_journal_the_commit_moved_out(tmp_path):
+    """The commit moves a build's journal out of its directory, then deletes its records
+    one by one. A joiner that still holds the journal (paused, or slow to look again)
+    claims no chunk of it, not even one whose done record is gone: it computes nothing of
+    a build that is over. (Seen under load before: a chunk computed again after the
+    commit, and counted by neither process.)"""
+    from cachekit import _fs
+    from cachekit.engine.filling.builder import fill
+    from cachekit.engine.filling.claimed import RowSpec
+    from cachekit.engine.filling.journal import Journal, journal_name
+    from cachekit.errors import BuildGone
+
+    (tmp_path / "build").mkdir()
+    with _fs.DirHandle.open(tmp_path) as parent, parent.child("build") as build:
+        fill(build, "data.npy", list(range(64)), lambda v: np.full(1024, v, np.int32),
+             rows=RowSpec(workers=1, record=False))
+        with Journal.open(build, "data.npy") as journal:
+            chunks = journal.plan.chunks
+            assert len(chunks) > 2 and journal.done_indices() == list(range(len(chunks)))
+            assert next(journal.claimable(chunks), None) is None  # all done: nothing to claim
+            build.rename(journal_name("data.npy"), parent, "trash")  # as the commit does
+            for index in (0, len(chunks) - 1):
+                (tmp_path / "trash" / f"done.{index}").unlink()
+            with pytest.raises(BuildGone):
+                next(journal.claimable(chunks))
+    assert not list((tmp_path / "trash").glob("claim.*"))  # the claim it made, given up
+
+
 def test_join_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match="join must be True or False"):
         cachekit.Cache(tmp_path, join="yes")

@@ -22,6 +22,11 @@ needs no lock and means the same on every host of a shared root::
                     a core a joiner of the builder's host uses, held while it joins
                     (cachekit.engine.filling.cores)
 
+A build can be joined while its journal is in its build directory. The commit first moves
+the journal out (to the trash), then deletes it record by record; so a process that claimed
+a chunk checks that the chunk is not done and then, in that order, that the journal is still
+in place: a done record the commit deleted is never taken for a chunk left to fill.
+
 Only the builder writes its data file. A chunk a joiner finished is in the joiner's rows
 file until the builder copies it in, checking its checksum; a resumed build copies the
 verified done chunks of a dead one into a file of its own. So no file that is published is
@@ -109,24 +114,26 @@ class Claim:
 
 
 class Journal:
-    """The journal folder of one build, open as ``dir``."""
+    """The journal folder of one build, open as ``dir``; ``home``, the build directory
+    where it is named ``name`` (the caller keeps it open while it uses the journal)."""
 
-    def __init__(self, directory: _fs.DirHandle, plan: Optional[Plan] = None) -> None:
+    def __init__(self, directory: _fs.DirHandle, home: _fs.DirHandle, name: str) -> None:
         self.dir = directory
-        self.plan = plan
+        self.home, self.name = home, name
+        self.plan: Optional[Plan] = None
         self.marked: set[int] = set()
         """The chunks this process recorded done through this handle."""
 
     @classmethod
     def create(cls, build_dir: _fs.DirHandle, name: str) -> "Journal":
         build_dir.mkdir(journal_name(name), _fs.private_dir_mode())
-        return cls(build_dir.child(journal_name(name)))
+        return cls(build_dir.child(journal_name(name)), build_dir, journal_name(name))
 
     @classmethod
     def open(cls, build_dir: _fs.DirHandle, name: str) -> "Journal":
         """Open the journal of ``name`` and read its plan. OSError when there is none (or it
         is a symlink or not a folder); ValueError when the plan is unreadable."""
-        journal = cls(build_dir.child(journal_name(name)))
+        journal = cls(build_dir.child(journal_name(name)), build_dir, journal_name(name))
         try:
             journal.plan = journal.read_plan()
         except BaseException:
@@ -180,7 +187,8 @@ class Journal:
 
     def claimable(self, chunks: Iterable[Chunk]) -> Iterator[Claim]:
         """Claim each chunk of ``chunks`` that is neither done nor held by a live claim, in
-        order, as the caller pulls them (so a slow caller leaves chunks to others)."""
+        order, as the caller pulls them (so a slow caller leaves chunks to others).
+        BuildGone once the journal is no longer in its build directory (committed)."""
         names = self.dir.names()
         done = {n for n in names if n.startswith("done.")}
         newest = _newest_claims(names)
@@ -199,7 +207,18 @@ class Journal:
             if self.is_done(chunk):  # finished since we listed the folder
                 claim.release()
                 continue
+            if not self.in_place():  # after is_done: see the module's docstring
+                claim.release()
+                raise BuildGone(str(self.dir.path))
             yield claim
+
+    def in_place(self) -> bool:
+        """Whether this journal is still in its build directory: the commit moves it out
+        before it deletes its records, so one that is not belongs to a build that is over."""
+        try:
+            return _fs.same_file(self.home.lstat(self.name), os.fstat(self.dir.fd))
+        except FileNotFoundError:
+            return False
 
     def _claim_alive(self, index: int, generation: int) -> Optional[bool]:
         """Whether claim ``generation`` of chunk ``index`` is alive; None when it is gone."""
