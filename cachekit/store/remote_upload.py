@@ -1,14 +1,16 @@
 """Uploading a local entry to a bucket, and telling whose upload a remote manifest names.
 
-Every upload writes its data objects under an upload id of its own (32 hex digits, fresh
-per upload), and its row data files into the pool (each once: one that is there, of its
-size, is not sent again), then tries to create the manifest naming it (``"upload": UPLOAD``),
-create-only; the store lets exactly one succeed, and the loser removes its upload's objects (never pool
-objects, which other entries may name: ``cachekit clear --remote`` removes those that none
-names). No uploader removes objects that a manifest may name: a create that fails without saying
-"exists" may have landed, so the manifest is read back first. An uploader paused between
-its data and its manifest may find, once its manifest wins, that a sweep removed its data:
-it checks after every win and withdraws its manifest then.
+Every upload writes its data objects under an upload id of its own (32 hex digits, fresh per
+upload), and its row data files into the pool (each once: one that is there, of its size, is
+not sent again, and the uploads of one process look for and send a pool object one at a
+time, so that uploads running at once do not each send it), then tries to create the
+manifest naming it (``"upload": UPLOAD``), create-only; the store lets exactly one succeed,
+and the loser removes its upload's objects (never pool objects, which other entries may
+name: ``cachekit clear --remote`` removes those that none names). No uploader removes
+objects that a manifest may name: a create that fails without saying "exists" may have
+landed, so the manifest is read back first. An uploader paused between its data and its
+manifest may find, once its manifest wins, that a sweep removed its data: it checks after
+every win and withdraws its manifest then.
 
 The functions work on a :class:`~cachekit.store.bucket.Bucket` and the entry layout of
 :mod:`.remote_entry`; :class:`~cachekit.store.bucket.RemoteStore` has them as its methods
@@ -18,6 +20,7 @@ The functions work on a :class:`~cachekit.store.bucket.Bucket` and the entry lay
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from typing import Any, Callable, Optional
 
@@ -83,12 +86,18 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
         objects = object_paths(bucket, manifest, upload_id)
         try:
             for record, path in zip(manifest.files, objects):
-                if pooled(manifest, record) and _holds(bucket, path, record):
-                    if bar is not None:
-                        bar.update(record.bytes)
-                    continue
-                _put(bucket, published, record, path, bar)
-                sent(record.bytes)
+                if pooled(manifest, record):
+                    with _pool_object(bucket, path):
+                        put = not _holds(bucket, path, record)
+                        if put:
+                            _put(bucket, published, record, path, bar)
+                else:
+                    put = True
+                    _put(bucket, published, record, path, bar)
+                if put:
+                    sent(record.bytes)
+                elif bar is not None:
+                    bar.update(record.bytes)
             check_sizes(bucket, key, manifest.files, objects)  # all there before the commit
         except BaseException:
             remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
@@ -159,6 +168,28 @@ def withdraw(bucket: Bucket, key: str, upload: str) -> bool:
     bucket.remove([path], f"withdrawing {bucket.object_url(path)}")
     remove_upload(bucket, key, upload, quiet=True)
     return True
+
+
+_POOL_PUTS: dict[str, threading.Lock] = {}
+_POOL_PUTS_GUARD = threading.Lock()
+
+
+def _pool_object(bucket: Bucket, path: str) -> threading.Lock:
+    """The lock this process's uploads hold while they look for the pool object ``path``
+    and send it if it is missing: uploads of entries that share a data file (a fold and
+    its full entry, pushed in the background at once) then send it once, not each."""
+    with _POOL_PUTS_GUARD:
+        return _POOL_PUTS.setdefault(bucket.object_url(path), threading.Lock())
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's upload threads, so none of their locks."""
+    global _POOL_PUTS, _POOL_PUTS_GUARD
+    _POOL_PUTS, _POOL_PUTS_GUARD = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _holds(bucket: Bucket, path: str, record: FileRecord) -> bool:

@@ -5,6 +5,7 @@ removes the pool objects that no manifest names, never one that a manifest names
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,33 @@ def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_name
     listing = remote.scan()
     assert listing.keys == [] or all(k.manifest is None for k in listing.keys)
     assert listing.pool == []
+
+
+def test_uploads_running_at_once_send_each_pool_object_once(s3_env, tmp_path, monkeypatch):
+    """The full entry and three folds of it, each call's upload started in the background
+    without waiting for the one before, send each row file they share once between them
+    (the full entry's rows; the folds' own empty data file): an upload that finds another
+    upload of its process sending it waits, then finds it in the pool. Every write is
+    slowed, so that the uploads look for an object while another is still sending it."""
+    from cachekit.store.bucket import Bucket
+
+    written: list[str] = []
+    write_file = Bucket.write_file
+
+    def slow_write(self, path, *args, **kwargs):
+        time.sleep(0.5)
+        written.append(path)
+        return write_file(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Bucket, "write_file", slow_write)
+    cache = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    full = cache.map(_int_row, list(range(300)), version="1")
+    for k in range(3):
+        cache.map(_int_row, list(range(k, 300, 3)), version="1")
+    background.wait_all()
+    rows = pool_path(RemoteStore(s3_env["CACHEKIT_REMOTE"]), full._manifest.files[0].checksum)
+    assert rows in written
+    assert [path for path, times in Counter(written).items() if times > 1] == []
 
 
 def test_a_pool_object_that_a_manifest_came_to_name_since_the_scan_is_spared(
