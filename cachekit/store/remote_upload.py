@@ -86,15 +86,7 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
         objects = object_paths(bucket, manifest, upload_id)
         try:
             for record, path in zip(manifest.files, objects):
-                if pooled(manifest, record):
-                    with _pool_object(bucket, path):
-                        put = not _holds(bucket, path, record)
-                        if put:
-                            _put(bucket, published, record, path, bar)
-                else:
-                    put = True
-                    _put(bucket, published, record, path, bar)
-                if put:
+                if _send(bucket, published, record, path, bar):
                     sent(record.bytes)
                 elif bar is not None:
                     bar.update(record.bytes)
@@ -190,6 +182,20 @@ def _forget_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _send(bucket: Bucket, published: Published, record: FileRecord, path: str,
+          bar: Any) -> bool:
+    """Send the entry's file ``record`` to ``path``; a pool object only if the pool lacks
+    it, looked for and sent under the object's lock. Whether it was sent."""
+    if not pooled(published.manifest, record):
+        _put(bucket, published, record, path, bar)
+        return True
+    with _pool_object(bucket, path):
+        if _holds(bucket, path, record):
+            return False
+        _put(bucket, published, record, path, bar)
+        return True
 
 
 def _holds(bucket: Bucket, path: str, record: FileRecord) -> bool:
