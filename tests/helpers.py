@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import subprocess
 import sys
@@ -10,6 +11,21 @@ import time
 from pathlib import Path
 
 import filelock
+
+
+class LazyModule:
+    """A module imported when a test first uses one of its names, not when its test file is
+    collected: every xdist worker collects every file, and ``import torchvision`` alone costs
+    seconds of CPU (its models import torch._dynamo) that only the workers running its tests
+    should pay."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):  # pytest's collection asks for __test__, __bases__
+            raise AttributeError(attribute)
+        return getattr(importlib.import_module(self._name), attribute)
 
 
 def assert_cache_as_it_was(root: Path) -> None:

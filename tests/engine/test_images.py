@@ -20,10 +20,9 @@ from PIL import Image, ImageOps
 from cachekit import _fs
 from cachekit.engine.decoding.decode_pil import RESAMPLES, _draft_request
 from cachekit.engine.decoding.images import BACKENDS, FITS, MODES, load_image
+from helpers import LazyModule
 
-torchvision = pytest.importorskip("torchvision")
-from torchvision import transforms  # noqa: E402
-from torchvision.transforms import InterpolationMode  # noqa: E402
+transforms = LazyModule("torchvision.transforms")  # imported by the tests that use it
 
 SRC_W, SRC_H = 37, 23  # odd, non-square: crop and pad both have work to do
 SIZES = [(16, 20), (24, 12)]  # (height, width): wider and taller than the source ratio
@@ -135,7 +134,7 @@ def test_pixels_match_reference(
     _check_layout(out, mode, size)
     conv = _reference_converted(sources[source], mode)
     if fit == "stretch":
-        ref = transforms.Resize(size, interpolation=InterpolationMode.BILINEAR)(conv)
+        ref = transforms.Resize(size, interpolation=transforms.InterpolationMode.BILINEAR)(conv)
     elif fit == "crop":
         # The docstring's definition: largest centered box of the target ratio, in floats.
         scale = max(w / conv.width, h / conv.height)
@@ -193,7 +192,7 @@ def test_resample_filters_match_torchvision_and_differ(tmp_path: Path) -> None:
     outs = {}
     for name in RESAMPLES:
         outs[name] = load_image(str(path), (17, 23), resample=name, backend="pil")
-        tv = transforms.Resize((17, 23), interpolation=InterpolationMode[name.upper()])
+        tv = transforms.Resize((17, 23), interpolation=transforms.InterpolationMode[name.upper()])
         np.testing.assert_array_equal(outs[name], _np_chw(tv(Image.fromarray(noise))))
     names = list(outs)
     for i, a in enumerate(names):

@@ -23,18 +23,17 @@ from PIL import Image, ImageOps, features
 import cachekit
 from cachekit.engine.decoding import decode_pil, decode_tensor, images, jpeg_header, resize_tensor
 from cachekit.engine.decoding.images import load_image
+from helpers import LazyModule
 
-torch = pytest.importorskip("torch")
-torchvision = pytest.importorskip("torchvision")
-import torchvision.io as tvio  # noqa: E402
-import torchvision.transforms.v2.functional as VF  # noqa: E402
-from torchvision.transforms import InterpolationMode  # noqa: E402
+import torch  # noqa: E402  (resize_tensor imported it already)
+
+tvio = LazyModule("torchvision.io")  # torchvision: imported by the tests that use it
+VF = LazyModule("torchvision.transforms.v2.functional")
 
 FITS = ("stretch", "crop", "pad")
 MODES = ("RGB", "L", "RGBA")
 MODES_CHANNELS = {"RGB": 3, "L": 1, "RGBA": 4}
 FILTERS = ("bilinear", "bicubic")
-INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 TENSOR_CASES = {("stretch", "bilinear"), ("pad", "bilinear")}
 """(fit, resample) that torch's kernel resizes; the rest is the "pil" pipeline throughout."""
 
@@ -115,7 +114,7 @@ def reference(path: str, size: tuple[int, int], mode: str, fit: str, resample: s
               ) -> np.ndarray:
     """torchvision v2's pixels for cachekit's tensor path, on torchvision.io's tensor."""
     t = pillow_mode(decoded_tensor(path), mode)
-    interpolation = INTERPOLATION[resample]
+    interpolation = LazyModule("torchvision.transforms").InterpolationMode[resample.upper()]
     if fit == "stretch":
         out = VF.resize(t, list(size), interpolation, antialias=True)
     else:
@@ -403,7 +402,7 @@ def test_torchs_kernel_would_be_more_than_a_level_off_there(tmp_path: Path) -> N
     blocks[50:150, 100:180] = 255
     blocks[200:260, ::7] = 255
     path = write(tmp_path / "blocks.png", Image.fromarray(blocks))
-    v2_cubic = VF.resize(decoded_tensor(path), [224, 224], InterpolationMode.BICUBIC,
+    v2_cubic = VF.resize(decoded_tensor(path), [224, 224], VF.InterpolationMode.BICUBIC,
                          antialias=True)
     pil_cubic = load_image(path, (224, 224), "RGB", "stretch", "bicubic", backend="pil")
     assert off_by(v2_cubic.numpy(), pil_cubic) > 1
