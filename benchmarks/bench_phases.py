@@ -36,6 +36,7 @@ class Config:
     agents: int = 4
     workers: int = 2
     agents_import_torch: bool = True  # every agent imports torch, as a training agent does
+    builds_import_torchvision: bool = True  # False: cachekit's builds import torch only
     fresh_process_per_run: bool = True  # False: repeats of a build or hit share a process
     dataloader_rows: int = 50_000
 
@@ -43,7 +44,8 @@ class Config:
 FULL = Config(covers=2000, rss_small=500, agents_rows=2000, hit_rows=130_000, repeats=3)
 """The full run: about 10 minutes on 2 quiet cores."""
 QUICK = Config(covers=120, rss_small=40, agents_rows=80, hit_rows=5_000, repeats=1,
-               agents_import_torch=False, fresh_process_per_run=False, dataloader_rows=5_000)
+               agents_import_torch=False, builds_import_torchvision=False,
+               fresh_process_per_run=False, dataloader_rows=5_000)
 """``--quick``: small sizes and shared processes, to check the script (its numbers are not
 for quoting)."""
 
@@ -140,7 +142,8 @@ def measure_builds(data: Data, config: Config, contestants: set[str]) -> list[Ro
             store = fresh_store(data.work, f"build-{who}")
             result = run_worker("build", {"contestant": who, "paths_file": str(data.covers[rows]),
                                           "store": str(store), "workers": workers,
-                                          "draft": draft, "repeats": per_process})
+                                          "draft": draft, "repeats": per_process,
+                                          "torchvision": config.builds_import_torchvision})
             shutil.rmtree(store, ignore_errors=True)
             for name, runs in result["seconds"].items():
                 name = label or BUILD_LABELS[name]

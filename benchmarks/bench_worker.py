@@ -176,7 +176,11 @@ def role_build(a: dict[str, Any]) -> dict[str, Any]:
         # Its default decoder is torch's. A training process has torch loaded, and the
         # seed imports torchvision before its clock too: otherwise a build's first row
         # would time torch's import (a --quick run's one build showed 1.4 images/s).
-        from torchvision import transforms  # noqa: F401
+        # A --quick run imports torch alone, which keeps it off the clock as well.
+        if a.get("torchvision", True):
+            from torchvision import transforms  # noqa: F401
+        else:
+            import torch  # noqa: F401
     column = read_column(a["paths_file"])
     seconds: dict[str, list[float]] = {}
     peaks, anon_peaks = [], []

@@ -164,6 +164,9 @@ def phase_notes(config: Config, phases: set[str]) -> dict[str, str]:
             f"{config.covers:,} generated covers (200-500 x 300-700 px JPEG, quality 90) in "
             "shuffled row order, warm in the page cache (caches are not dropped: that needs "
             "root and disturbs other users of the machine).")
+        if not config.builds_import_torchvision:
+            notes["build"] += (" Quick run: cachekit's build processes import torch, not "
+                               "torchvision, so their peak RSS is lower than a full run's.")
     if "hit" in phases:
         notes["hit"] = (
             f"The column has {config.hit_rows:,} rows; the seed is timed on the object column "
