@@ -1,8 +1,11 @@
-"""The ``cachekit`` command line, run as the real console script (and ``python -m cachekit``)
-in subprocesses against real cache roots."""
+"""The ``cachekit`` command line against real cache roots: ``cachekit.cli.main`` in this
+process, and every command also as the real console script (and ``python -m cachekit``) in
+a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pty
@@ -32,18 +35,47 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="console script not 
 
 
 def cachekit_cmd(*args: str, root: Path | None = None, stdin: str | None = "",
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``cachekit [--root ROOT] ARGS`` with stdin not a terminal."""
-    argv = [str(SCRIPT)] + (["--root", str(root)] if root is not None else []) + list(args)
-    result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **(env or {})})
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
+                 env: dict[str, str] | None = None, script: bool = False
+                 ) -> subprocess.CompletedProcess:
+    """Run ``cachekit [--root ROOT] ARGS`` with stdin not a terminal, and what it printed.
+
+    By default ``cachekit.cli.main`` runs in this process, the script's own code without an
+    interpreter's start-up (a third of a second of CPU each, seventy times here); with
+    ``script`` the installed console script runs, as a user types it: each command tested
+    here does in at least one test (``demo`` in tests/face/test_demo.py)."""
+    argv = (["--root", str(root)] if root is not None else []) + list(args)
+    if script:
+        result = subprocess.run([str(SCRIPT), *argv], input=stdin, capture_output=True,
+                                text=True, timeout=120, env={**os.environ, **(env or {})})
+        assert "Traceback" not in result.stderr, result.stderr
+        return result
+    out, err = io.StringIO(), io.StringIO()
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                _stdin(io.StringIO(stdin or "")):
+            status = main(argv)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _stdin(stream):
+    saved, sys.stdin = sys.stdin, stream
+    try:
+        yield
+    finally:
+        sys.stdin = saved
 
 
 def in_process(capsys, *args: str, root: Path | None = None) -> tuple[int, str, str]:
-    """Run ``cachekit.cli.main`` here (same code as the script, no interpreter start-up):
-    for the many argument checks; every command also runs through the script below."""
+    """Run ``cachekit.cli.main`` here, its output taken from ``capsys``."""
     status = main((["--root", str(root)] if root is not None else []) + list(args))
     captured = capsys.readouterr()
     return status, captured.out, captured.err
@@ -77,14 +109,14 @@ def three(cache_root: Path) -> list[cachekit.Entry]:
 def test_dir_prints_the_root_from_option_or_environment(tmp_path):
     assert cachekit_cmd("dir", root=tmp_path / "a").stdout.strip() == str(tmp_path / "a")
     assert cachekit_cmd("dir", "--root", str(tmp_path / "b")).stdout.strip() == str(tmp_path / "b")
-    result = cachekit_cmd("dir", env={"CACHEKIT_DIR": str(tmp_path / "c")})
+    result = cachekit_cmd("dir", script=True, env={"CACHEKIT_DIR": str(tmp_path / "c")})
     assert result.returncode == 0 and result.stdout.strip() == str(tmp_path / "c")
 
 
 def test_python_dash_m_is_the_same_command_line(cache_root, three):
     via_m = subprocess.run([sys.executable, "-m", "cachekit", "--root", str(cache_root), "ls",
                             "--json"], capture_output=True, text=True, timeout=120)
-    via_script = cachekit_cmd("ls", "--json", root=cache_root)
+    via_script = cachekit_cmd("ls", "--json", root=cache_root, script=True)
     assert via_m.returncode == via_script.returncode == 0
     assert json.loads(via_m.stdout) == json.loads(via_script.stdout)
     bad = subprocess.run([sys.executable, "-m", "cachekit", "frobnicate"], capture_output=True,
@@ -93,11 +125,11 @@ def test_python_dash_m_is_the_same_command_line(cache_root, three):
 
 
 def test_help_and_usage_errors(cache_root, capsys):
-    result = cachekit_cmd("--help")
+    result = cachekit_cmd("--help", script=True)
     assert result.returncode == 0
     for command in ("dir", "ls", "info", "clear", "prune", "verify", "build", "demo"):
         assert command in result.stdout
-    result = cachekit_cmd("ls", "--sort", "name", root=cache_root)
+    result = cachekit_cmd("ls", "--sort", "name", root=cache_root, script=True)
     assert result.returncode == 2 and result.stderr.startswith("cachekit: error: argument --sort")
     assert len(result.stderr.strip().splitlines()) == 1
     assert in_process(capsys, "demo", "--help")[0] == 0
@@ -234,7 +266,7 @@ def test_ls_on_an_empty_or_missing_root(tmp_path):
 
 def test_ls_table_and_json(cache_root, three, cover_paths):
     images = cachekit.Cache(cache_root).images(pd.Series(cover_paths[:2], name="img_path"), 8)
-    table = cachekit_cmd("ls", root=cache_root)
+    table = cachekit_cmd("ls", root=cache_root, script=True)
     assert table.returncode == 0
     lines = table.stdout.splitlines()
     assert lines[0].split() == ["KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED",
@@ -302,7 +334,7 @@ def test_text_from_manifests_reaches_the_terminal_escaped(cache_root):
            failed_rows=[[1, "\x1b[31mbad.jpg", "gone\x1b[0m\u00e9 \u4e2d"]])
     (cache_root / "entries" / "\x1b[32mjunk").write_text("")
     listing = cachekit_cmd("ls", root=cache_root)
-    info = cachekit_cmd("info", entry.key[:6], root=cache_root)
+    info = cachekit_cmd("info", entry.key[:6], root=cache_root, script=True)
     dry = cachekit_cmd("clear", "--all", "--dry-run", root=cache_root)
     for result in (listing, info, dry):
         assert result.returncode == 0, result.stderr
@@ -426,7 +458,7 @@ def test_every_command_taking_keys_rejects_bad_ones_alike(cache_root, three, cap
 def test_clear_needs_a_selection_and_confirmation(cache_root, three, capsys):
     for args in (["clear", "--yes"], ["clear", three[0].key, "--all", "--yes"]):
         assert in_process(capsys, *args, root=cache_root)[0] == 2
-    result = cachekit_cmd("clear", "--all", root=cache_root)  # stdin is not a terminal
+    result = cachekit_cmd("clear", "--all", root=cache_root, script=True)  # not a terminal
     assert result.returncode == 2 and "--yes" in result.stderr
     assert len(keys_in(cache_root)) == 3
 
@@ -458,7 +490,7 @@ def test_clear_older_than(cache_root, three):
 
 
 def test_clear_all(cache_root, three):
-    result = cachekit_cmd("clear", "--all", "--yes", root=cache_root)
+    result = cachekit_cmd("clear", "--all", "--yes", root=cache_root, script=True)
     assert result.returncode == 0 and "removed 3 entries" in result.stdout
     assert keys_in(cache_root) == set()
     assert list((cache_root / "tmp").iterdir()) == []
@@ -529,7 +561,8 @@ def test_prune_removes_the_least_recently_used_first(cache_root, three):
     assert dry.returncode == 0 and "would remove 1 entry" in dry.stdout
     assert three[0].key[:12] in dry.stdout and len(keys_in(cache_root)) == 3
     assert cachekit_cmd("prune", "--max-size", str(keep_two), root=cache_root).returncode == 2
-    result = cachekit_cmd("prune", "--max-size", str(keep_two), "--yes", root=cache_root)
+    result = cachekit_cmd("prune", "--max-size", str(keep_two), "--yes", root=cache_root,
+                          script=True)
     assert result.returncode == 0 and "removed 1 entry" in result.stdout
     assert keys_in(cache_root) == {three[1].key, three[2].key}
     keep_one = str(sizes[three[2].key])  # (a per-row entry's data start on a 4 KiB page)
@@ -542,7 +575,7 @@ def test_prune_removes_the_least_recently_used_first(cache_root, three):
 # -- verify --------------------------------------------------------------------------------
 
 def test_verify_passes_a_healthy_cache_and_fails_on_a_flipped_byte(cache_root, three):
-    healthy = cachekit_cmd("verify", root=cache_root)
+    healthy = cachekit_cmd("verify", root=cache_root, script=True)
     assert healthy.returncode == 0 and "3 entries verified, no problems" in healthy.stdout
     data = three[1].path / manifests.DATA_FILE
     with open(data, "r+b") as f:
@@ -550,7 +583,7 @@ def test_verify_passes_a_healthy_cache_and_fails_on_a_flipped_byte(cache_root, t
         last = f.read(1)[0]
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last ^ 0x01]))
-    result = cachekit_cmd("verify", root=cache_root)
+    result = cachekit_cmd("verify", root=cache_root, script=True)
     assert result.returncode == 1
     assert f"{three[1].key}: checksum mismatch in data.npy" in result.stdout
     assert "1 problem in 3 entries" in result.stdout
@@ -569,7 +602,7 @@ def write_csv(path: Path, paths: list[str]) -> Path:
 def test_build_prints_the_key_that_training_code_will_hit(tmp_path, cache_root, cover_paths):
     csv = write_csv(tmp_path / "train.csv", cover_paths[:4])
     result = cachekit_cmd("build", str(csv), "--column", "img_path", "--size", "12x10",
-                          root=cache_root)
+                          root=cache_root, script=True)
     assert result.returncode == 0, result.stderr
     key = result.stdout.strip()
     assert "built: 4 rows 4x3x12x10 uint8" in result.stderr
