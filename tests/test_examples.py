@@ -28,6 +28,9 @@ The rules (docs/index.md, "About the examples", says the same for readers):
   block of the same page defined. The commands of one console block run in one bash
   process (a variable set on one line is seen on the next), with ``set -e``. Running a
   block first runs the page's earlier blocks (so ``-k`` picking one block still works).
+- A page's python interpreter is forked from one that imported numpy, pandas, Pillow and
+  torch once for all pages (:mod:`page_sessions`; never cachekit), then takes the page's
+  folder and environment: each page would otherwise import torch again.
 - A ``needs: s3`` block runs on its own, in a fresh interpreter or shell with the s3
   environment: it must not depend on other blocks.
 - A comment ``# -> TEXT`` on a line of a python block claims what that line's statement
@@ -59,12 +62,13 @@ from typing import Optional, Sequence
 
 import pytest
 
+from page_sessions import BLOCK_TIMEOUT, PythonSession, Zygote
+
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = ("python", "console")
 SAMPLE_IMAGES = 24
 PLACEHOLDER_URL = "s3://bucket/prefix"  # in a `needs: s3` block: the test server's bucket
-BLOCK_TIMEOUT = 180.0  # seconds; generous for a loaded machine, never hit by a sane block
 
 _FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
 _MARK = re.compile(r"^\s*<!--\s*(not run|needs)\s*:(.*?)-->\s*$")
@@ -209,126 +213,6 @@ def claim_problems(block: Block, printed: dict[int, str]) -> list[str]:
 
 # --- running -------------------------------------------------------------------------------
 
-_SESSION = r"""
-import sys
-
-
-def _serve():
-    import importlib, json, os, traceback
-    requests, replies = os.fdopen(int(sys.argv[1])), os.fdopen(int(sys.argv[2]), "w")
-    for name in sys.argv[3:]:  # what the page's blocks import anyway, while others run
-        try:
-            importlib.import_module(name)
-        except Exception:
-            pass  # the block that imports it reports the error
-    # The blocks run in __main__'s own namespace, as a script's code would, so that what
-    # they define pickles by reference (a process pool's workers find it after a fork).
-    namespace = sys.modules["__main__"].__dict__
-    saved = os.dup(1), os.dup(2)
-    for line in requests:
-        request = json.loads(line)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1), os.dup2(log, 2), os.close(log)
-        ok, printed, stdout = True, {}, sys.stdout
-        try:
-            # Padded so that line numbers in tracebacks are the markdown file's own.
-            code = compile("\n" * (request["line"] - 1) + request["code"], request["file"],
-                           "exec")
-            sys.stdout = _ByLine(stdout, code, printed)
-            exec(code, namespace)
-        except BaseException:
-            ok = False
-            traceback.print_exc()
-        finally:
-            sys.stdout = stdout
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        replies.write(json.dumps({"ok": ok, "printed": printed}) + "\n")
-        replies.flush()
-
-
-class _ByLine:
-    # sys.stdout while a block runs: what is written goes on to the real stream, and is
-    # noted under the line of the block (its own code, not a function's) that was running.
-
-    def __init__(self, stream, code, printed):
-        self._stream, self._code, self._printed = stream, code, printed
-
-    def write(self, text):
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code is not self._code:
-            frame = frame.f_back
-        if frame is not None:
-            line = str(frame.f_lineno)
-            self._printed[line] = self._printed.get(line, "") + text
-        return self._stream.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-_serve()
-"""
-
-
-class PythonSession:
-    """One interpreter that runs python blocks in order, in one namespace."""
-
-    def __init__(self, cwd: Path, env: dict[str, str], preload: Sequence[str] = ()) -> None:
-        self.cwd = cwd
-        to_child, self._requests = os.pipe()
-        self._replies, from_child = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SESSION, str(to_child), str(from_child), *preload],
-            cwd=cwd, env=env, stdin=subprocess.DEVNULL, pass_fds=(to_child, from_child))
-        os.close(to_child)
-        os.close(from_child)
-        self._send = os.fdopen(self._requests, "w")
-        self._receive = os.fdopen(self._replies)
-
-    def run(self, block: Block, log: Path) -> tuple[bool, str]:
-        """Run ``block``; (succeeded, its output). What each line of it printed is then in
-        ``printed`` (markdown line -> text)."""
-        self.printed: dict[int, str] = {}
-        self._send.write(json.dumps({"code": block.code, "line": block.first_code_line,
-                                     "file": str(block.page), "log": str(log)}) + "\n")
-        self._send.flush()
-        reply = _read_line(self._receive, BLOCK_TIMEOUT)
-        output = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
-        if reply is None:
-            self.close()
-            return False, output + f"\n(the interpreter died or hung; exit status " \
-                                   f"{self.proc.returncode})"
-        answer = json.loads(reply)
-        self.printed = {int(line): text for line, text in answer["printed"].items()}
-        return answer["ok"], output
-
-    def finish(self) -> None:
-        """Let the interpreter exit (it does once its requests end), without waiting."""
-        for f in (self._send, self._receive):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.finish()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _read_line(f, timeout: float) -> Optional[str]:
-    import select
-
-    ready, _, _ = select.select([f], [], [], timeout)
-    if not ready:
-        return None
-    return f.readline() or None
-
-
 @dataclass(frozen=True)
 class Command:
     """A ``$ `` command of a console block: its markdown line, its text, and the lines the
@@ -454,14 +338,14 @@ class Page:
     The session starts at once, importing what the page's blocks import, so that the slow
     imports (torch takes seconds) overlap the blocks of the page before it."""
 
-    def __init__(self, folder: Path, blocks: Sequence[Block]) -> None:
+    def __init__(self, folder: Path, blocks: Sequence[Block], zygote: Zygote) -> None:
         self.folder = folder
         self.env = base_env(folder)
         self.done: dict[Block, bool] = {}
         self.session: Optional[PythonSession] = None
         in_order = [b for b in blocks if _runs_in_page_order(b) and b.language == "python"]
         if in_order:
-            self.session = PythonSession(folder, self.env, imported_modules(in_order))
+            self.session = PythonSession(folder, self.env, imported_modules(in_order), zygote)
         self.logs = 0
 
     def run(self, block: Block, extra_env: Optional[dict[str, str]] = None) -> tuple[bool, str]:
@@ -507,6 +391,7 @@ def pages(tmp_path_factory, request):
     samples = tmp_path_factory.mktemp("samples")
     make_samples(samples)
     made: dict[Path, Page] = {}
+    zygote = Zygote(base_env(samples))  # a page's environment but for CACHEKIT_DIR
 
     selected = [item.callspec.params["block"] for item in request.session.items
                 if getattr(item, "callspec", None) and "block" in item.callspec.params]
@@ -516,7 +401,7 @@ def pages(tmp_path_factory, request):
         if path not in made:
             folder = tmp_path_factory.mktemp(path.stem.lower())
             shutil.copytree(samples, folder, dirs_exist_ok=True)
-            made[path] = Page(folder, [b for b in ALL_BLOCKS if b.page == path])
+            made[path] = Page(folder, [b for b in ALL_BLOCKS if b.page == path], zygote)
         return made[path]
 
     def page_of(path: Path) -> Page:
@@ -525,9 +410,14 @@ def pages(tmp_path_factory, request):
             make(order[order.index(path) + 1])  # its imports overlap this page's blocks
         return page
 
-    yield page_of
-    for page in made.values():
-        page.close()
+    try:
+        yield page_of
+    finally:
+        try:
+            for page in made.values():
+                page.close()
+        finally:
+            zygote.close()
 
 
 def marking_problem(block: Block) -> Optional[str]:
