@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -50,28 +51,11 @@ def cachekit_cmd(*args: str, root: Path | None = None, stdin: str | None = "",
         assert "Traceback" not in result.stderr, result.stderr
         return result
     out, err = io.StringIO(), io.StringIO()
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                _stdin(io.StringIO(stdin or "")):
-            status = main(argv)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with mock.patch.dict(os.environ, env or {}), \
+            mock.patch.object(sys, "stdin", io.StringIO(stdin or "")), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
     return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
-
-
-@contextlib.contextmanager
-def _stdin(stream):
-    saved, sys.stdin = sys.stdin, stream
-    try:
-        yield
-    finally:
-        sys.stdin = saved
 
 
 def in_process(capsys, *args: str, root: Path | None = None) -> tuple[int, str, str]:

@@ -114,7 +114,7 @@ def reference(path: str, size: tuple[int, int], mode: str, fit: str, resample: s
               ) -> np.ndarray:
     """torchvision v2's pixels for cachekit's tensor path, on torchvision.io's tensor."""
     t = pillow_mode(decoded_tensor(path), mode)
-    interpolation = LazyModule("torchvision.transforms").InterpolationMode[resample.upper()]
+    interpolation = VF.InterpolationMode[resample.upper()]
     if fit == "stretch":
         out = VF.resize(t, list(size), interpolation, antialias=True)
     else:
