@@ -541,6 +541,29 @@ def test_a_failing_python_block_reports_its_markdown_line(tmp_path) -> None:
         session.close()
 
 
+def test_a_forked_page_session_is_the_pages_own_and_ends_when_asked(tmp_path) -> None:
+    # What a fresh interpreter would have: the page's folder and environment, a __main__ of
+    # its own, no cachekit before the page imports it; and its atexit work runs.
+    samples, page = tmp_path / "samples", tmp_path / "page"
+    samples.mkdir(), page.mkdir()
+    zygote = Zygote(base_env(samples))
+    try:
+        session = PythonSession(page, base_env(page), (), zygote)
+        code = ("import atexit, os, sys\n"
+                "print(os.getcwd(), os.environ['CACHEKIT_DIR'], 'cachekit' in sys.modules,\n"
+                "      sorted(n for n in dir() if not n.startswith('_')))\n"
+                "atexit.register(lambda: open('exited', 'w').close())\n")
+        ok, output = session.run(Block(page / "p.md", 1, "python", code, None, ()),
+                                 tmp_path / "log")
+        assert ok, output
+        assert output == f"{page} {page / 'cache'} False ['atexit', 'os', 'sys']\n"
+        session.close()
+        assert (page / "exited").exists() and session.pid != zygote.proc.pid
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0
+
+
 def test_a_failing_command_stops_its_block(tmp_path) -> None:
     block = Block(REPO / "x.md", 1, "console", "$ false\n$ echo unreachable\n", None, ())
     ok, output, _ = run_console(block, tmp_path, base_env(tmp_path))
