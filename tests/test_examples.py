@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ast
 import io
-import json
 import os
 import re
 import shutil
