@@ -162,7 +162,6 @@ class PythonSession:
 
     def __init__(self, cwd: Path, env: dict[str, str], preload: Sequence[str] = (),
                  zygote: Optional[Zygote] = None) -> None:
-        self.cwd = cwd
         to_child, self._requests = os.pipe()
         self._replies, from_child = os.pipe()
         self.proc: Optional[subprocess.Popen] = None

@@ -58,11 +58,10 @@ def cachekit_cmd(*args: str, root: Path | None = None, stdin: str | None = "",
     return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
 
 
-def in_process(capsys, *args: str, root: Path | None = None) -> tuple[int, str, str]:
-    """Run ``cachekit.cli.main`` here, its output taken from ``capsys``."""
-    status = main((["--root", str(root)] if root is not None else []) + list(args))
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+def in_process(*args: str, root: Path | None = None) -> tuple[int, str, str]:
+    """(status, stdout, stderr) of ``cachekit [--root ROOT] ARGS`` run in this process."""
+    result = cachekit_cmd(*args, root=root)
+    return result.returncode, result.stdout, result.stderr
 
 
 def block(value: int) -> np.ndarray:
@@ -108,7 +107,7 @@ def test_python_dash_m_is_the_same_command_line(cache_root, three):
     assert bad.returncode == 2
 
 
-def test_help_and_usage_errors(cache_root, capsys):
+def test_help_and_usage_errors(cache_root):
     result = cachekit_cmd("--help", script=True)
     assert result.returncode == 0
     for command in ("dir", "ls", "info", "clear", "prune", "verify", "build", "demo"):
@@ -116,13 +115,13 @@ def test_help_and_usage_errors(cache_root, capsys):
     result = cachekit_cmd("ls", "--sort", "name", root=cache_root, script=True)
     assert result.returncode == 2 and result.stderr.startswith("cachekit: error: argument --sort")
     assert len(result.stderr.strip().splitlines()) == 1
-    assert in_process(capsys, "demo", "--help")[0] == 0
+    assert in_process("demo", "--help")[0] == 0
     for args in (["frobnicate"], [], ["prune"],
                  ["prune", "--max-size", "lots", "--yes"], ["clear", "--older-than", "7x", "--yes"],
                  ["build", "x.csv", "--column", "p", "--size", "3by3"],
                  ["build", "x.csv", "--column", "p", "--size", "8", "--workers", "0"],
                  ["demo", "--images", "-3"]):
-        status, _, err = in_process(capsys, *args, root=cache_root)
+        status, _, err = in_process(*args, root=cache_root)
         assert status == 2, args
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("cachekit: error:"), err
@@ -133,18 +132,18 @@ def test_help_and_usage_errors(cache_root, capsys):
      ("3by3", "0x8", "8x0", "0", "8x8x8", "x8", "8x", "\u00b2", "-8", "")),
     ("--workers", {"1": 1, "16": 16}, ("0", "-1", "1.5", "\u00b2", "two", "")),
 ])
-def test_argument_types_accept_and_reject(cache_root, capsys, monkeypatch, option, good, bad):
+def test_argument_types_accept_and_reject(cache_root, monkeypatch, option, good, bad):
     seen = {}
     monkeypatch.setattr("cachekit.cli.local.build",
                         lambda args: seen.setdefault("args", args) and 0)
     for text, value in good.items():
         seen.clear()
-        status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",
+        status, _, err = in_process("build", "x.csv", "--column", "p", "--size", "8",
                                     option, text, root=cache_root)
         assert status == 0, err
         assert getattr(seen["args"], option[2:]) == value
     for text in bad:
-        status, _, err = in_process(capsys, "build", "x.csv", "--column", "p", "--size", "8",
+        status, _, err = in_process("build", "x.csv", "--column", "p", "--size", "8",
                                     f"{option}={text}", root=cache_root)
         assert status == 2, text
         assert err.startswith(f"cachekit: error: argument {option}: ") and repr(text) in err, err
@@ -178,13 +177,13 @@ def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
     (ValueError("CACHEKIT_SOMETHING='x' is bad"), 2,
      "cachekit: error: CACHEKIT_SOMETHING='x' is bad\n"),
 ])
-def test_exit_status_of_each_kind_of_error(cache_root, capsys, monkeypatch, error, status,
+def test_exit_status_of_each_kind_of_error(cache_root, monkeypatch, error, status,
                                            message):
     def fail(layout):
         raise error
 
     monkeypatch.setattr("cachekit.admin.inspect.scan", fail)
-    assert in_process(capsys, "ls", root=cache_root) == (status, "", message)
+    assert in_process("ls", root=cache_root) == (status, "", message)
 
 
 @pytest.mark.parametrize("env", [{"CACHEKIT_LOCK": "bogus"}, {"CACHEKIT_LOCK_LEASE": "-1"}])
@@ -408,30 +407,30 @@ def make_twin(cache_root: Path, entry: cachekit.Entry) -> Path:
     return twin
 
 
-def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three, capsys):
+def test_info_rejects_ambiguous_unknown_and_malformed_keys(cache_root, three):
     twin = make_twin(cache_root, three[0])
     result = cachekit_cmd("info", three[0].key[:4], root=cache_root)
     assert result.returncode == 2 and "ambiguous" in result.stderr
     assert three[0].key in result.stderr and twin.name in result.stderr
-    assert in_process(capsys, "info", three[0].key[:5], root=cache_root)[0] == 0
+    assert in_process("info", three[0].key[:5], root=cache_root)[0] == 0
     result = cachekit_cmd("info", "../entries", root=cache_root)
     assert result.returncode == 2 and "not a cache key" in result.stderr
     for bad in ("ab/cd", "xyz", "..", three[0].key + "0", "", "-"):
-        status, _, err = in_process(capsys, "info", "--", bad, root=cache_root)
+        status, _, err = in_process("info", "--", bad, root=cache_root)
         assert status == 2 and "not a cache key" in err, bad
     missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
-    status, _, err = in_process(capsys, "info", missing, root=cache_root)
+    status, _, err = in_process("info", missing, root=cache_root)
     assert status == 2 and "no cache entry matches" in err
 
 
 @pytest.mark.parametrize("command", [["info"], ["clear", "--yes"], ["verify"]])
-def test_every_command_taking_keys_rejects_bad_ones_alike(cache_root, three, capsys, command):
+def test_every_command_taking_keys_rejects_bad_ones_alike(cache_root, three, command):
     make_twin(cache_root, three[0])
     missing = "0123" if not any(k.startswith("0123") for k in keys_in(cache_root)) else "fedc"
     for key, message in (("zz", "not a cache key or key prefix: 'zz'"),
                          (missing, f"no cache entry matches '{missing}'"),
                          (three[0].key[:4], f"key prefix '{three[0].key[:4]}' is ambiguous")):
-        status, out, err = in_process(capsys, *command, "--", key, root=cache_root)
+        status, out, err = in_process(*command, "--", key, root=cache_root)
         assert status == 2 and out == "", (key, out)
         assert err.startswith(f"cachekit: error: {message}") and err.count("\n") == 1, err
     assert len(keys_in(cache_root)) == 4
@@ -439,9 +438,9 @@ def test_every_command_taking_keys_rejects_bad_ones_alike(cache_root, three, cap
 
 # -- clear ---------------------------------------------------------------------------------
 
-def test_clear_needs_a_selection_and_confirmation(cache_root, three, capsys):
+def test_clear_needs_a_selection_and_confirmation(cache_root, three):
     for args in (["clear", "--yes"], ["clear", three[0].key, "--all", "--yes"]):
-        assert in_process(capsys, *args, root=cache_root)[0] == 2
+        assert in_process(*args, root=cache_root)[0] == 2
     result = cachekit_cmd("clear", "--all", root=cache_root, script=True)  # not a terminal
     assert result.returncode == 2 and "--yes" in result.stderr
     assert len(keys_in(cache_root)) == 3
@@ -705,14 +704,14 @@ def test_prune_answers_in_the_unit_it_was_given(cache_root):
     assert result.returncode == 0 and "at most 300 MB" in result.stdout + result.stderr
 
 
-def test_build_usage_errors(tmp_path, cache_root, cover_paths, capsys):
+def test_build_usage_errors(tmp_path, cache_root, cover_paths):
     csv = write_csv(tmp_path / "train.csv", cover_paths[:1])
     result = cachekit_cmd("build", str(csv), "--column", "path", "--size", "8", root=cache_root)
     assert result.returncode == 2 and "img_path" in result.stderr
-    status, _, err = in_process(capsys, "build", str(tmp_path / "nope.csv"), "--column",
+    status, _, err = in_process("build", str(tmp_path / "nope.csv"), "--column",
                                 "img_path", "--size", "8", root=cache_root)
     assert status == 2 and "nope.csv" in err
-    status, _, err = in_process(capsys, "build", str(csv), "--column", "img_path", "--size",
+    status, _, err = in_process("build", str(csv), "--column", "img_path", "--size",
                                 "8", "--mode", "CMYK", root=cache_root)
     assert status == 2 and "--mode" in err
     assert keys_in(cache_root) == set()
