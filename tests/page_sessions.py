@@ -63,6 +63,7 @@ def _serve():
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
         replies.write(json.dumps({"ok": ok, "printed": printed}) + "\n")
         replies.flush()
+    return replies  # kept open till the process ends, after its atexit work: see close()
 
 
 class _ByLine:
@@ -85,7 +86,7 @@ class _ByLine:
         return getattr(self._stream, name)
 
 
-_serve()
+_replies = _serve()
 """
 
 _ZYGOTE = r"""
