@@ -158,9 +158,10 @@ def make_loader(dataset: Any, workers: int):
                       persistent_workers=workers > 0)
 
 
-def throughput(contestants: dict[str, Any], repeats: int,
-               log: Callable[[str], None]) -> dict[tuple[str, int], list[float]]:
-    """Items/s of every (contestant, workers), ``repeats`` runs each, round-robin."""
+def throughput(contestants: dict[str, Any], repeats: int, log: Callable[[str], None],
+               run_seconds: float = RUN_SECONDS) -> dict[tuple[str, int], list[float]]:
+    """Items/s of every (contestant, workers), ``repeats`` runs of ``run_seconds`` each,
+    round-robin."""
     loaders = {}
     for name, dataset in contestants.items():
         for workers in WORKERS:
@@ -174,8 +175,8 @@ def throughput(contestants: dict[str, Any], repeats: int,
         spent = dict.fromkeys(loaders, 0.0)
         for _ in range(ROUNDS):
             for key, loader in loaders.items():
-                if spent[key] < RUN_SECONDS:  # a slow contestant's one epoch may be enough
-                    done, elapsed = timed_epochs(loader, RUN_SECONDS / ROUNDS)
+                if spent[key] < run_seconds:  # a slow contestant's one epoch may be enough
+                    done, elapsed = timed_epochs(loader, run_seconds / ROUNDS)
                     rows[key] += done
                     spent[key] += elapsed
         for key in loaders:
@@ -260,7 +261,8 @@ def readers_pss(entry_dir: Path, barrier: Path, count: int = READERS) -> dict[st
 
 def measure(rows: int = 50_000, repeats: int = 3, *, work: Optional[Path] = None,
             paths_file: Optional[Path] = None, seed_rows: int = SEED_ROWS,
-            pss_repeats: int = 1, log: Optional[Callable[[str], None]] = None) -> list[dict]:
+            pss_repeats: int = 1, run_seconds: float = RUN_SECONDS,
+            log: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Measure everything; return dicts with the fields of ``bench_report.Row``.
 
     Each has ``section`` ("dataloader"), ``label``, ``runs`` (one figure per repeat),
@@ -269,6 +271,7 @@ def measure(rows: int = 50_000, repeats: int = 3, *, work: Optional[Path] = None
     ``cachekit`` (True for the reference rows). ``paths_file``: a text file of image
     paths for the seed's Dataset (else ``seed_rows`` sample covers are written).
     ``pss_repeats``: PSS is page counting, not timing, so one run is the default.
+    ``run_seconds``: each contestant's time in one timed run.
     """
     log = log or _say
     import torch
@@ -305,7 +308,7 @@ def measure(rows: int = 50_000, repeats: int = 3, *, work: Optional[Path] = None
                 seed_dataset(paths),
         }
         log("DataLoader throughput ...")
-        runs = throughput(contestants, repeats, log)
+        runs = throughput(contestants, repeats, log, run_seconds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

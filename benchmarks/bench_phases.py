@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import bench_report
 from bench_report import Row
@@ -39,13 +39,15 @@ class Config:
     builds_import_torchvision: bool = True  # False: cachekit's builds import torch only
     fresh_process_per_run: bool = True  # False: repeats of a build or hit share a process
     dataloader_rows: int = 50_000
+    dataloader_seconds: Optional[float] = None  # a DataLoader contestant's time in one
+    # timed run (None: bench_dataloader.RUN_SECONDS)
 
 
 FULL = Config(covers=2000, rss_small=500, agents_rows=2000, hit_rows=130_000, repeats=3)
 """The full run: about 10 minutes on 2 quiet cores."""
 QUICK = Config(covers=120, rss_small=40, agents_rows=80, hit_rows=5_000, repeats=1,
                agents_import_torch=False, builds_import_torchvision=False,
-               fresh_process_per_run=False, dataloader_rows=5_000)
+               fresh_process_per_run=False, dataloader_rows=5_000, dataloader_seconds=0.2)
 """``--quick``: small sizes and shared processes, to check the script (its numbers are not
 for quoting)."""
 
@@ -359,9 +361,10 @@ def measure_dataloader(data: Data, config: Config) -> tuple[list[Row], list[str]
     import bench_dataloader
 
     pss_repeats = config.repeats if config.fresh_process_per_run else 1
+    seconds = config.dataloader_seconds or bench_dataloader.RUN_SECONDS
     results = bench_dataloader.measure(rows=config.dataloader_rows, repeats=config.repeats,
                                        work=data.work, paths_file=data.covers[config.covers],
-                                       pss_repeats=pss_repeats, log=say)
+                                       pss_repeats=pss_repeats, run_seconds=seconds, log=say)
     rows = [Row(**result) for result in results]
     for row in rows:
         if "PSS" in row.label:  # ratios to the entry size, not items/s: a panel of their own
