@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import arrays, units
+from cachekit import units
 from cachekit.store import manifest as manifests
 from cachekit.cli.main import main
 from helpers import GATED_ROWS, entry_disk_bytes, start_gated_builder

@@ -11,7 +11,6 @@ import os
 import re
 import textwrap
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from cachekit import redaction
