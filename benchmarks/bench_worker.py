@@ -177,7 +177,7 @@ def role_build(a: dict[str, Any]) -> dict[str, Any]:
         # seed imports torchvision before its clock too: otherwise a build's first row
         # would time torch's import (a --quick run's one build showed 1.4 images/s).
         # A --quick run imports torch alone, which keeps it off the clock as well.
-        if a.get("torchvision", True):
+        if a["torchvision"]:
             from torchvision import transforms  # noqa: F401
         else:
             import torch  # noqa: F401

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 import pytest
+import torch  # resize_tensor imports it anyway
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image, ImageOps, features
 
@@ -24,8 +25,6 @@ import cachekit
 from cachekit.engine.decoding import decode_pil, decode_tensor, images, jpeg_header, resize_tensor
 from cachekit.engine.decoding.images import load_image
 from helpers import LazyModule
-
-import torch  # noqa: E402  (resize_tensor imported it already)
 
 tvio = LazyModule("torchvision.io")  # torchvision: imported by the tests that use it
 VF = LazyModule("torchvision.transforms.v2.functional")
