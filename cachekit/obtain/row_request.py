@@ -90,12 +90,14 @@ class RowRequest:
 
     def checks_staleness(self, outcome: Outcome) -> bool:
         """Whether the files of the entry are checked for changes: images keyed by their
-        paths alone (``validate="path"``) found in the local root, or built here sharing
-        rows on their donors' recorded stats (:attr:`.RowBuild.shared_on_record`)."""
+        paths alone (``validate="path"``) found in the local root or downloaded from the
+        remote tier (built on another host, perhaps long ago), or built here sharing rows
+        on their donors' recorded stats (:attr:`.RowBuild.shared_on_record`)."""
         call = self.call
         if call.kind != "images" or call.params.get("validate") != "path":
             return False
-        return outcome.source == "local" or self.shared_on_record(outcome) is not None
+        return (outcome.source in ("local", "remote")
+                or self.shared_on_record(outcome) is not None)
 
     def shared_on_record(self, outcome: Outcome) -> Optional["Recorded"]:
         """The entry's rows, when this call built it sharing rows on their donors'

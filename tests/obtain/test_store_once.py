@@ -722,6 +722,33 @@ def test_a_stale_entry_is_healed_here_never_pulled_back_from_the_bucket(
     np.testing.assert_array_equal(np.asarray(healed.array), truth.images(col, 8).array)
 
 
+def test_an_entry_pulled_from_the_bucket_is_checked_for_changed_files_as_a_hit_is(
+        s3_env, tmp_path, pictures):
+    """A host that downloads an entry another host built checks its files on that call, as
+    a local hit would: a file rewritten since the upload is said at once (not at the next
+    call), and the call after heals the entry here."""
+    import warnings
+
+    from PIL import Image
+
+    from cachekit.obtain import background, staleness
+
+    col = column(pictures, range(N))
+    cachekit.Cache(tmp_path / "a", workers=1, progress=False).images(col, 8)
+    background.wait_all()
+    Image.fromarray(np.full((10, 12, 3), 200, np.uint8)).save(pictures[7])
+    there = cachekit.Cache(tmp_path / "b", workers=1, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pulled = there.images(col, 8)
+        staleness.wait_for_checks(timeout=60)
+    assert pulled.outcome == "pulled"
+    said = [str(w.message) for w in caught if issubclass(w.category, cachekit.StaleEntryWarning)]
+    assert len(said) == 1 and pictures[7] in said[0], said
+    healed = there.images(col, 8)
+    assert (healed.outcome, healed.rows_decoded) == ("built", 1)
+
+
 def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_identities(
         cache_root):
     """Two data files may be byte for byte alike while their rows are of other values
