@@ -104,6 +104,17 @@ class Bucket:
                 delay *= 2
         raise AssertionError("unreachable")
 
+    def write_call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`call` for a write. "Not found" answered to a write is never about the
+        object: the bucket itself is missing (S3's NoSuchBucket, a typo in the URL), so it
+        is RemoteUnavailableError, as any other store that does not work."""
+        try:
+            return self.call(what, fn, *args, **kwargs)
+        except FileNotFoundError as e:
+            said = describe(e)
+            raise RemoteUnavailableError(self.display, what, said if "bucket" in said.lower()
+                                         else f"the bucket does not exist ({said})") from None
+
     def create(self, path: str, data: bytes, what: str, *,
                after_abandoned: Optional[Callable[[], None]] = None) -> bool:
         """Write ``data`` to ``path`` only if no object is there: True when this call made
@@ -131,7 +142,7 @@ class Bucket:
                     after_abandoned()
 
         try:
-            made = self.call(what, attempt)
+            made = self.write_call(what, attempt)
         except BaseException:
             abandoned.set()
             raise
@@ -144,7 +155,7 @@ class Bucket:
 
     def write(self, path: str, data: bytes) -> None:
         """Write (or overwrite) the object ``path`` with ``data`` in one call."""
-        self.call(f"writing {self.object_url(path)}", self.fs.pipe_file, path, data)
+        self.write_call(f"writing {self.object_url(path)}", self.fs.pipe_file, path, data)
 
     def write_file(self, path: str, source: IO[bytes], size: int,
                    done: Callable[[int], None] = lambda n: None) -> None:
@@ -155,15 +166,15 @@ class Bucket:
         url = self.object_url(path)
         part = self.part_bytes
         if size <= part:
-            self.call(f"writing {url}", self.fs.pipe_file, path, source.read())
+            self.write_call(f"writing {url}", self.fs.pipe_file, path, source.read())
             done(size)
             return
-        out = self.call(f"writing {url}", self.fs.open, path, "wb", block_size=part)
+        out = self.write_call(f"writing {url}", self.fs.open, path, "wb", block_size=part)
         try:
             for block in iter(lambda: source.read(part), b""):
-                self.call(f"writing {url}", out.write, block)
+                self.write_call(f"writing {url}", out.write, block)
                 done(len(block))
-            self.call(f"writing {url}", out.close)
+            self.write_call(f"writing {url}", out.close)
         except BaseException:
             _discard(out)
             raise

@@ -14,6 +14,7 @@ import signal
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ import hosts
 import s3
 from helpers import lines_in, rewrite_entry
 from cachekit import _wandb
+from cachekit.cli.main import main as cli_main
 from cachekit.obtain import Outcome, background, remote as remote_tier
 from cachekit.errors import RemoteWarning
 from cachekit.store import LocalStore
@@ -242,6 +244,25 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
     again = cache.map(row, list(range(11)))  # a second failure: no second warning
     assert again.source == "built"
     assert env["AWS_SECRET_ACCESS_KEY"] not in str(remote_tier._warned)
+
+
+def test_a_bucket_that_does_not_exist_warns_once_and_the_entry_is_built_locally(
+        s3_env, tmp_path, monkeypatch, capsys):
+    """A typo in the bucket's name: the server answers NoSuchBucket (404) to the lease's
+    create-only write, which is the remote not working, never a FileNotFoundError out of
+    the call; ``cachekit push`` says it and exits 1."""
+    remote = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p"
+    monkeypatch.setenv("CACHEKIT_REMOTE", remote)
+    cache = cachekit.Cache(tmp_path / "root", workers=2, progress=False)
+    with pytest.warns(RemoteWarning, match="(?s)bucket does not exist.*carrying on with the "
+                                           "local cache"):
+        entry = cache.map(row, list(range(10)))
+    assert entry.source == "built" and RemoteStore(remote).lookup(entry.key) is None
+    capsys.readouterr()
+    assert cli_main(["--root", str(tmp_path / "root"), "push", entry.key]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cachekit: error: remote {remote} did not work while writing"), err
+    assert "bucket does not exist" in err
 
 
 def test_a_stalled_remote_warns_once_and_no_call_hangs_past_the_timeout(s3_server, s3_env,
