@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterable, Iterator, Optional, TypeVar
 
+from .. import urls
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from .remote_fs import (CHECK, EXISTS, TIMEOUT_ENV, Timeout, classify_failed_create,
                         describe, filesystem, redact, timeout_from_env, within)
@@ -84,14 +85,19 @@ class Bucket:
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` against the remote within one timeout, retrying transient
-        failures with backoff while time remains. FileNotFoundError passes through; any
-        other failure, or running out of time, is RemoteUnavailableError."""
+        failures with backoff while time remains. FileNotFoundError (no such object)
+        passes through; any other failure, the bucket itself missing (S3's NoSuchBucket)
+        or running out of time is RemoteUnavailableError."""
         deadline = time.monotonic() + self.timeout
         delay = 0.2
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 return within(deadline, fn, *args, **kwargs)
-            except (FileNotFoundError, RemoteUnavailableError):
+            except FileNotFoundError as e:
+                if urls.http_answer(e)[1] == "NoSuchBucket":
+                    raise RemoteUnavailableError(self.display, what, describe(e)) from None
+                raise
+            except RemoteUnavailableError:
                 raise
             except Timeout:
                 raise RemoteUnavailableError(self.display, what, f"no answer within "
@@ -103,17 +109,6 @@ class Bucket:
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
-
-    def write_call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """:meth:`call` for a write. "Not found" answered to a write is never about the
-        object: the bucket itself is missing (S3's NoSuchBucket, a typo in the URL), so it
-        is RemoteUnavailableError, as any other store that does not work."""
-        try:
-            return self.call(what, fn, *args, **kwargs)
-        except FileNotFoundError as e:
-            said = describe(e)
-            raise RemoteUnavailableError(self.display, what, said if "bucket" in said.lower()
-                                         else f"the bucket does not exist ({said})") from None
 
     def create(self, path: str, data: bytes, what: str, *,
                after_abandoned: Optional[Callable[[], None]] = None) -> bool:
@@ -142,7 +137,7 @@ class Bucket:
                     after_abandoned()
 
         try:
-            made = self.write_call(what, attempt)
+            made = self.call(what, attempt)
         except BaseException:
             abandoned.set()
             raise
@@ -155,7 +150,7 @@ class Bucket:
 
     def write(self, path: str, data: bytes) -> None:
         """Write (or overwrite) the object ``path`` with ``data`` in one call."""
-        self.write_call(f"writing {self.object_url(path)}", self.fs.pipe_file, path, data)
+        self.call(f"writing {self.object_url(path)}", self.fs.pipe_file, path, data)
 
     def write_file(self, path: str, source: IO[bytes], size: int,
                    done: Callable[[int], None] = lambda n: None) -> None:
@@ -166,15 +161,15 @@ class Bucket:
         url = self.object_url(path)
         part = self.part_bytes
         if size <= part:
-            self.write_call(f"writing {url}", self.fs.pipe_file, path, source.read())
+            self.call(f"writing {url}", self.fs.pipe_file, path, source.read())
             done(size)
             return
-        out = self.write_call(f"writing {url}", self.fs.open, path, "wb", block_size=part)
+        out = self.call(f"writing {url}", self.fs.open, path, "wb", block_size=part)
         try:
             for block in iter(lambda: source.read(part), b""):
-                self.write_call(f"writing {url}", out.write, block)
+                self.call(f"writing {url}", out.write, block)
                 done(len(block))
-            self.write_call(f"writing {url}", out.close)
+            self.call(f"writing {url}", out.close)
         except BaseException:
             _discard(out)
             raise

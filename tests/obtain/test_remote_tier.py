@@ -28,7 +28,7 @@ from helpers import lines_in, rewrite_entry
 from cachekit import _wandb
 from cachekit.cli.main import main as cli_main
 from cachekit.obtain import Outcome, background, remote as remote_tier
-from cachekit.errors import RemoteWarning
+from cachekit.errors import RemoteUnavailableError, RemoteWarning
 from cachekit.store import LocalStore
 from cachekit.store.remote import RemoteStore
 from cachekit.store.lease import generations, lease_path
@@ -248,21 +248,24 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
 
 def test_a_bucket_that_does_not_exist_warns_once_and_the_entry_is_built_locally(
         s3_env, tmp_path, monkeypatch, capsys):
-    """A typo in the bucket's name: the server answers NoSuchBucket (404) to the lease's
-    create-only write, which is the remote not working, never a FileNotFoundError out of
-    the call; ``cachekit push`` says it and exits 1."""
+    """A typo in the bucket's name: the server answers NoSuchBucket (404), which is the
+    remote not working, never a missing object (a miss) nor a FileNotFoundError out of the
+    call (the lease's write); ``cachekit push`` and ``ls --remote`` say it and exit 1."""
     remote = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p"
     monkeypatch.setenv("CACHEKIT_REMOTE", remote)
     cache = cachekit.Cache(tmp_path / "root", workers=2, progress=False)
     with pytest.warns(RemoteWarning, match="(?s)bucket does not exist.*carrying on with the "
                                            "local cache"):
         entry = cache.map(row, list(range(10)))
-    assert entry.source == "built" and RemoteStore(remote).lookup(entry.key) is None
+    assert entry.source == "built"
+    with pytest.raises(RemoteUnavailableError, match="NoSuchBucket"):  # not "no entry"
+        RemoteStore(remote).lookup(entry.key)
     capsys.readouterr()
-    assert cli_main(["--root", str(tmp_path / "root"), "push", entry.key]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith(f"cachekit: error: remote {remote} did not work while writing"), err
-    assert "bucket does not exist" in err
+    for command in (["push", entry.key], ["ls", "--remote"]):
+        assert cli_main(["--root", str(tmp_path / "root"), *command]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"cachekit: error: remote {remote} did not work while "), err
+        assert "The specified bucket does not exist (HTTP 404 NoSuchBucket)" in err
 
 
 def test_a_stalled_remote_warns_once_and_no_call_hangs_past_the_timeout(s3_server, s3_env,
