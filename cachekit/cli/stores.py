@@ -19,12 +19,15 @@ def local_store(args: argparse.Namespace) -> LocalStore:
 
 
 def remote_store(args: argparse.Namespace) -> RemoteStore:
-    """The remote tier; a usage error when there is none, or its URL is not one."""
+    """The remote tier; a usage error when there is none, or its URL is not one that
+    fsspec can open here (an unknown protocol, a store whose package is missing)."""
     url = getattr(args, "remote_url", None) or os.environ.get(REMOTE_ENV)
     if not url:
         raise UsageError(f"no remote: pass --remote URL before the command, or set "
                          f"{REMOTE_ENV}")
     try:
-        return RemoteStore(url)
-    except ValueError as e:
+        store = RemoteStore(url)
+        store.fs  # noqa: B018 (opened now: every command that asks for it calls it)
+    except (ValueError, ImportError) as e:
         raise UsageError(str(e)) from None
+    return store

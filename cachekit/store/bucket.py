@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from .. import urls
-from ..errors import CacheCorruptError, RemoteUnavailableError
+from ..errors import CacheCorruptError, InvalidArgument, RemoteUnavailableError
 from .remote_fs import (CHECK, EXISTS, TIMEOUT_ENV, Timeout, classify_failed_create,
                         describe, filesystem, redact, timeout_from_env, within)
 
@@ -39,6 +39,11 @@ class Bucket:
         if not isinstance(url, str) or not url:
             raise ValueError(f"remote must be an fsspec URL such as s3://bucket/prefix, "
                              f"not {url!r}")
+        scheme, sep, rest = url.partition("://")
+        if sep and not rest.strip("/"):  # fsspec would take "s3:" for a local folder
+            raise InvalidArgument(f"remote must name a bucket or folder after {scheme}://, "
+                                  f"not {redact(url)!r} (for example s3://bucket/prefix or "
+                                  "file:///mnt/shared/cachekit)")
         self.url = url.rstrip("/")
         self.display = redact(self.url)
         self.timeout = timeout_from_env() if timeout is None else float(timeout)

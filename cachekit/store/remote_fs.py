@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 from .. import redaction, units, urls
-from ..errors import CachekitError
+from ..errors import CachekitError, InvalidArgument
 
 REMOTE_ENV = "CACHEKIT_REMOTE"
 TIMEOUT_ENV = "CACHEKIT_REMOTE_TIMEOUT"
@@ -90,6 +90,9 @@ def filesystem(url: str, timeout: float) -> tuple[Any, str]:
     except ImportError as e:
         raise ImportError(f"no fsspec filesystem for {redact(url)!r}: {e}; for S3: "
                           'pip install "cachekit[remote]"') from None
+    except ValueError as e:  # "Protocol not known: foo"
+        raise InvalidArgument(f"remote {redact(url)!r} is not a URL fsspec can open: "
+                              f"{e}") from None
     return fs, root.rstrip("/")
 
 

@@ -91,11 +91,32 @@ def test_the_global_remote_option_wins_over_the_environment(s3_env, local, capsy
     assert status == 0 and "2 entries" in out
 
 
+def protocol_whose_package_is_missing() -> str:
+    """A protocol fsspec knows whose package is not installed here (gcsfs's "gs" on a
+    machine with the dev extra only)."""
+    import importlib.util
+
+    from fsspec.registry import known_implementations
+
+    for protocol, spec in sorted(known_implementations.items()):
+        package = spec["class"].split(".")[0]
+        if "err" in spec and importlib.util.find_spec(package) is None:
+            return protocol
+    raise AssertionError("every store package fsspec knows is installed")
+
+
 def test_remote_commands_refuse_bad_input_as_usage_errors(s3_env, local, capsys, monkeypatch):
     root, _ = local
+    absent = protocol_whose_package_is_missing()
     assert run(capsys, "--root", root, "push")[0] == 2  # neither KEYs nor --all
     assert run(capsys, "--root", root, "pull", "abc")[0] == 2  # matches nothing
     assert run(capsys, "info", "--remote", "zz")[0] == 2
+    for url, said in [("s3://", "remote must name a bucket or folder after s3://"),
+                      ("file:///", "remote must name a bucket or folder after file://"),
+                      ("nosuch://bucket/p", "is not a URL fsspec can open"),
+                      (f"{absent}://bucket/p", f"no fsspec filesystem for '{absent}://")]:
+        status, _, err = run(capsys, "--remote", url, "ls", "--remote")
+        assert status == 2 and err.startswith(f"cachekit: error: ") and said in err, err
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "-1")
     status, _, err = run(capsys, "ls", "--remote")
     assert status == 2 and "CACHEKIT_REMOTE_TIMEOUT" in err

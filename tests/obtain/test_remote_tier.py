@@ -303,6 +303,11 @@ def test_remote_none_reads_the_environment_and_empty_means_local_only(s3_env, tm
     assert cachekit.Cache(tmp_path).remote is None
     with pytest.raises(TypeError):
         cachekit.Cache(tmp_path, remote=Path("/x"))
+    with pytest.raises(cachekit.InvalidArgument, match="name a bucket or folder after s3://"):
+        cachekit.Cache(tmp_path, remote="s3://")  # fsspec would write to a folder "s3:"
+    unknown = cachekit.Cache(tmp_path / "unknown", remote="nosuch://bucket/p")
+    with pytest.raises(cachekit.InvalidArgument, match="Protocol not known: nosuch"):
+        unknown.map(row, [1, 2])  # on the first miss: a hit never opens the remote
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="CACHEKIT_REMOTE_TIMEOUT"):
         cachekit.Cache(tmp_path, remote="s3://b/p")
