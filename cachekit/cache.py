@@ -349,14 +349,15 @@ def _image_size(size: Any) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def _value_column(values: Any):
+def _value_column(values: Any, name: str = "values"):
+    """``values`` (the argument ``name``) as a non-empty Series."""
     import pandas as pd
 
     if not isinstance(values, pd.Series):
         if (isinstance(values, (str, bytes, pd.DataFrame)) or not hasattr(values, "__len__")
                 or getattr(values, "ndim", 1) != 1):
             raise InvalidArgumentType(
-                "values must be a pandas Series (or a list), one value per row; got "
+                f"{name} must be a pandas Series (or a list), one value per row; got "
                 f"{type(values).__qualname__} (pick a column: df['img_path'])")
         values = list(values)
         try:
@@ -364,7 +365,7 @@ def _value_column(values: Any):
         except UnicodeEncodeError:  # pandas' str dtype holds UTF-8 only: a path that is
             values = pd.Series(values, dtype=object)  # not (see keys._row_hashes) stays str
     if len(values) == 0:
-        raise InvalidArgument("values is empty; there is nothing to cache: pass a column "
+        raise InvalidArgument(f"{name} is empty; there is nothing to cache: pass a column "
                               "with at least one row")
     return values
 
@@ -375,7 +376,7 @@ def _path_column(paths: Any):
     a list of pathlib.Path has the key of the Series of the same str."""
     import pandas as pd
 
-    column = _value_column(paths)
+    column = _value_column(paths, "paths")
     all_str = pd.api.types.infer_dtype(column, skipna=False) == "string"
     if all_str and (column.dtype == object or not column.hasnans):
         return column  # an object column of only str has no NaN/None: skip the isna pass

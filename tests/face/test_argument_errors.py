@@ -44,6 +44,8 @@ BAD_CALLS = [
     ("progress", lambda c, p, t: cachekit.Cache(t / "r", progress="loud"), ValueError),
     ("join", lambda c, p, t: cachekit.Cache(t / "r", join="yes"), TypeError),
     ("remote type", lambda c, p, t: cachekit.Cache(t / "r", remote=5), TypeError),
+    ("remote without a bucket", lambda c, p, t: cachekit.Cache(t / "r", remote="s3://"),
+     ValueError),
     ("map a non-Series", lambda c, p, t: c.map(_double, 5), TypeError),
     ("map empty", lambda c, p, t: c.map(_double, []), ValueError),
     ("memoize an unsupported argument",
@@ -67,6 +69,15 @@ def test_a_bad_argument_is_a_cachekit_error_of_the_builtin_kind_naming_a_fix(
     assert isinstance(info.value, kind)
     assert isinstance(info.value, (cachekit.InvalidArgument, cachekit.InvalidArgumentType))
     assert FIX.search(str(info.value)), str(info.value)
+
+
+def test_a_bad_column_is_named_as_the_call_names_it(cache: cachekit.Cache) -> None:
+    with pytest.raises(cachekit.InvalidArgument, match="^paths is empty"):
+        cache.images(pd.Series([], dtype=str), size=8)
+    with pytest.raises(cachekit.InvalidArgumentType, match="^paths must be a pandas Series"):
+        cache.images(pd.DataFrame({"a": ["x.jpg"]}), size=8)
+    with pytest.raises(cachekit.InvalidArgument, match="^values is empty"):
+        cache.map(_double, [])
 
 
 @pytest.mark.parametrize("cls", [cachekit.InvalidArgument, cachekit.InvalidArgumentType])
