@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import _fs, liveness, processes, small_json
-from ..errors import CacheCorruptError
+from ..errors import CacheCorruptError, InvalidArgument
 
 LOCK_ENV = "CACHEKIT_LOCK"
 KINDS = ("os", "soft", "none")
@@ -44,11 +44,12 @@ _RECORD_LIMIT = 4096
 
 
 def kind_from_env() -> str:
-    """The lock kind named by $CACHEKIT_LOCK (default "os"); ValueError for anything else."""
+    """The lock kind named by $CACHEKIT_LOCK (default "os"); InvalidArgument (a
+    ValueError) for anything else."""
     kind = os.environ.get(LOCK_ENV, "").strip().lower() or "os"
     if kind not in KINDS:
-        raise ValueError(f"{LOCK_ENV}={os.environ[LOCK_ENV]!r} is not one of "
-                         f"{', '.join(KINDS)}")
+        raise InvalidArgument(f"{LOCK_ENV}={os.environ[LOCK_ENV]!r} must be one of "
+                              f"{', '.join(KINDS)}")
     return kind
 
 

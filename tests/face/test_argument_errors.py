@@ -80,6 +80,21 @@ def test_a_bad_column_is_named_as_the_call_names_it(cache: cachekit.Cache) -> No
         cache.map(_double, [])
 
 
+@pytest.mark.parametrize("name, value", [("CACHEKIT_LOCK", "bogus"),
+                                         ("CACHEKIT_LOCK_LEASE", "0"),
+                                         ("CACHEKIT_MAX_SIZE", "lots"),
+                                         ("CACHEKIT_STALE_CHECK", "maybe")])
+def test_a_bad_setting_is_an_invalid_argument_naming_it(
+        name: str, value: str, cover_paths: list[str], tmp_path: Path, monkeypatch) -> None:
+    cache = cachekit.Cache(tmp_path / "root", workers=1, progress=False)
+    cache.images(cover_paths, size=8)  # so that the call below is a hit, which checks files
+    monkeypatch.setenv(name, value)
+    with pytest.raises(cachekit.InvalidArgument, match=f"{name}.*(must|use)") as info:
+        cachekit.Cache(tmp_path / "root", workers=1, progress=False).images(cover_paths, 8)
+        cachekit.Cache(tmp_path / "root", workers=1, progress=False).map(_double, [1, 2])
+    assert value in str(info.value)
+
+
 @pytest.mark.parametrize("cls", [cachekit.InvalidArgument, cachekit.InvalidArgumentType])
 def test_argument_errors_survive_pickling(cls) -> None:
     error = pickle.loads(pickle.dumps(cls("size must be positive; pass size=32")))
