@@ -14,7 +14,10 @@ waits for before it exits (:mod:`cachekit.obtain.background`).
 
 A remote that fails or does not answer within ``$CACHEKIT_REMOTE_TIMEOUT`` warns once per
 process (:class:`cachekit.errors.RemoteWarning`) and cachekit carries on locally, building
-if it must: a remote is a shared convenience, never a reason for a call to fail. A remote
+if it must: a remote is a shared convenience, never a reason for a call to fail. For
+:data:`RETRY_AFTER` seconds after it failed, the process's later misses build without
+trying it again, each saying so in one line (each try of a remote that is down costs up
+to the timeout, retries included). A remote
 entry that fails its checks (a manifest that is malformed or not validly signed, a data
 object missing, short or with another checksum) is a miss, as in Nix's and Bazel's caches:
 nothing of it is published, it warns once, and the host that takes the lease repairs it:
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from ..errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
-from ..messages import prefix
+from ..messages import prefix, say
 from ..store import LocalStore, Published, locks
 from ..store.manifest import Manifest
 from ..store.remote import RemoteEntry, RemoteStore
@@ -42,6 +45,10 @@ from .lookup import find_entry
 from .wait import WAITING, Awaited, Wait
 
 _warned: set[str] = set()
+RETRY_AFTER = 60.0
+"""Seconds after a remote failed during which this process's misses do not try it."""
+_failed_at: dict[str, float] = {}
+"""When (time.monotonic()) each remote last failed in this process."""
 Expect = Callable[[Manifest], Optional[str]]
 """What disagrees with the call in a manifest, or None: ``Expected.check`` of
 :mod:`cachekit.obtain.expected`."""
@@ -67,6 +74,12 @@ def download_or_lease(tier: Tier, local: LocalStore, key: str, *, wait: Wait,
     None; one that disagrees is refused before it is downloaded, as a miss. The caller
     releases the lease, or hands it to :func:`share` with what it built.
     """
+    failed = _failed_at.get(tier.store.display)
+    if failed is not None and time.monotonic() - failed < RETRY_AFTER:
+        say(f"remote {tier.store.display} failed {time.monotonic() - failed:.0f} s ago in "
+            f"this process: entry {key[:12]} is built here without it, neither looked up "
+            f"nor shared (the remote is tried again {RETRY_AFTER:g} s after it failed)")
+        return None
     reader = _Reader(tier, local, key, expect)
     try:
         got = reader.fetch()
@@ -228,7 +241,9 @@ def _wait_for_lease(tier: Tier, reader: _Reader, wait: Wait) -> Any:
 
 
 def warn_once(remote: RemoteStore, error: Exception) -> None:
-    """Warn (once per process and remote) that the remote failed and we carry on locally."""
+    """Warn (once per process and remote) that the remote failed and we carry on locally;
+    its next :data:`RETRY_AFTER` seconds of misses do not try it."""
+    _failed_at[remote.display] = time.monotonic()
     if remote.display in _warned:
         return
     _warned.add(remote.display)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -227,22 +228,38 @@ def row(v):
     return np.full((3, 8, 8), v % 251, dtype=np.uint8)
 
 
-def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, monkeypatch):
+def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The first miss tries the remote, warns and builds; the misses of the next
+    RETRY_AFTER seconds build without trying it (each try of a remote that is down costs
+    up to its timeout), each saying so; after that, a miss tries it again."""
+    from cachekit.store.bucket import Bucket
+
     reason = s3.why_no_server()
     if reason:
         pytest.skip(reason)
     server = s3.Seaweed(tmp_path / "seaweed").start()
-    env = server.env("down")
+    env = server.env(f"down-{uuid.uuid4().hex[:8]}")
     server.stop()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "5")
-    cache = cachekit.Cache(tmp_path / "root", workers=2, progress=False)
+    tried: list[str] = []
+    call = Bucket.call
+    monkeypatch.setattr(Bucket, "call", lambda self, what, *a, **k: (
+        tried.append(what), call(self, what, *a, **k))[1])
+    cache = cachekit.Cache(tmp_path / "root", workers=2, progress=None)
     with pytest.warns(RemoteWarning, match="carrying on with the local cache"):
         entry = cache.map(row, list(range(10)))
-    assert entry.source == "built"
-    again = cache.map(row, list(range(11)))  # a second failure: no second warning
-    assert again.source == "built"
+    assert entry.source == "built" and tried
+    tried.clear()
+    capsys.readouterr()
+    again = cache.map(row, list(range(11)))  # no second try, no second warning
+    assert again.source == "built" and tried == []
+    assert re.search(r"remote s3://\S+ failed \d+ s ago in this process: entry [0-9a-f]{12} "
+                     "is built here without it", " ".join(capsys.readouterr().err.split()))
+    monkeypatch.setattr(remote_tier, "RETRY_AFTER", 0.0)
+    assert cache.map(row, list(range(12))).source == "built" and tried  # tried again
     assert env["AWS_SECRET_ACCESS_KEY"] not in str(remote_tier._warned)
 
 
