@@ -116,7 +116,8 @@ class Seaweed:
         argv = ["weed", "mini", f"-dir={data}", f"-bucket={self.bucket}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", f"-s3.config={config}", "-admin.ui=false",
                 "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.telemetry=false", "-s3.autoCreateBucket=false"]
+                "-master.telemetry=false",
+                "-s3.autoCreateBucket=false"]  # NoSuchBucket for any other bucket, as AWS
         argv += [f"-{flag}={port}" for flag, port in self.ports.items()]
         self._log = open(self.directory / "weed.log", "ab")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,

@@ -116,7 +116,7 @@ def test_remote_commands_refuse_bad_input_as_usage_errors(s3_env, local, capsys,
                       ("nosuch://bucket/p", "is not a URL fsspec can open"),
                       (f"{absent}://bucket/p", f"no fsspec filesystem for '{absent}://")]:
         status, _, err = run(capsys, "--remote", url, "ls", "--remote")
-        assert status == 2 and err.startswith(f"cachekit: error: ") and said in err, err
+        assert status == 2 and err.startswith("cachekit: error: ") and said in err, err
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "-1")
     status, _, err = run(capsys, "ls", "--remote")
     assert status == 2 and "CACHEKIT_REMOTE_TIMEOUT" in err

@@ -90,6 +90,7 @@ def test_a_bad_setting_is_an_invalid_argument_naming_it(
     cache.images(cover_paths, size=8)  # so that the call below is a hit, which checks files
     monkeypatch.setenv(name, value)
     with pytest.raises(cachekit.InvalidArgument, match=f"{name}.*(must|use)") as info:
+        # A setting read on a hit raises here; one read by a build only, on the miss below.
         cachekit.Cache(tmp_path / "root", workers=1, progress=False).images(cover_paths, 8)
         cachekit.Cache(tmp_path / "root", workers=1, progress=False).map(_double, [1, 2])
     assert value in str(info.value)

@@ -265,9 +265,10 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
 
 def test_a_bucket_that_does_not_exist_warns_once_and_the_entry_is_built_locally(
         s3_env, tmp_path, monkeypatch, capsys):
-    """A typo in the bucket's name: the server answers NoSuchBucket (404), which is the
-    remote not working, never a missing object (a miss) nor a FileNotFoundError out of the
-    call (the lease's write); ``cachekit push`` and ``ls --remote`` say it and exit 1."""
+    """A typo in the bucket's name: the server answers NoSuchBucket (404) to every call,
+    which is the remote not working, never a missing object (a miss, and then a
+    FileNotFoundError out of the lease's write); ``cachekit push`` and ``ls --remote`` say
+    it and exit 1."""
     remote = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p"
     monkeypatch.setenv("CACHEKIT_REMOTE", remote)
     cache = cachekit.Cache(tmp_path / "root", workers=2, progress=False)
