@@ -159,7 +159,7 @@ def make_loader(dataset: Any, workers: int):
 
 
 def throughput(contestants: dict[str, Any], repeats: int, log: Callable[[str], None],
-               run_seconds: float = RUN_SECONDS) -> dict[tuple[str, int], list[float]]:
+               run_seconds: float) -> dict[tuple[str, int], list[float]]:
     """Items/s of every (contestant, workers), ``repeats`` runs of ``run_seconds`` each,
     round-robin."""
     loaders = {}

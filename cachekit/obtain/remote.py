@@ -242,8 +242,10 @@ def _wait_for_lease(tier: Tier, reader: _Reader, wait: Wait) -> Any:
 
 def warn_once(remote: RemoteStore, error: Exception) -> None:
     """Warn (once per process and remote) that the remote failed and we carry on locally;
-    its next :data:`RETRY_AFTER` seconds of misses do not try it."""
-    _failed_at[remote.display] = time.monotonic()
+    when it did not work (not a local entry that failed its checks while uploading), its
+    next :data:`RETRY_AFTER` seconds of misses do not try it."""
+    if isinstance(error, RemoteUnavailableError):
+        _failed_at[remote.display] = time.monotonic()
     if remote.display in _warned:
         return
     _warned.add(remote.display)

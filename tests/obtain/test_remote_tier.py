@@ -246,8 +246,12 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "5")
     tried: list[str] = []
     call = Bucket.call
-    monkeypatch.setattr(Bucket, "call", lambda self, what, *a, **k: (
-        tried.append(what), call(self, what, *a, **k))[1])
+
+    def counted(self, what, *args, **kwargs):
+        tried.append(what)
+        return call(self, what, *args, **kwargs)
+
+    monkeypatch.setattr(Bucket, "call", counted)
     cache = cachekit.Cache(tmp_path / "root", workers=2, progress=None)
     with pytest.warns(RemoteWarning, match="carrying on with the local cache"):
         entry = cache.map(row, list(range(10)))
