@@ -30,11 +30,10 @@ from typing import Any, ClassVar, Iterable, Optional, Union
 
 from .. import units
 from ..messages import say
-from ..store import FAILED, LocalStore
-from ..store.manifest import Manifest
+from ..store import FAILED, LocalStore, Published
 from ..store.row_index import INDEX_FOLDER
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
-                      resolve_keys, scan, stored_bytes, temp_dir_info)
+                      entry_info, resolve_keys, scan, stored_bytes, temp_dir_info)
 
 ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
 STRAY_INDEX = "stray index file"
@@ -279,20 +278,22 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         unused_since={e.key: e.last_used for e in entries})
 
 
-def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
-    """Remove the least recently used entries until the root fits ``max_size``, never the
-    entry of manifest ``returned`` (which a call returns now); say what went, and when that
-    entry alone is larger than the budget."""
-    report = removal_for_prune(store, max_size, keep=[returned.key]).execute()
+def keep_to_budget(store: LocalStore, max_size: int, returned: Published) -> None:
+    """Remove the least recently used entries until the root fits ``max_size``, never
+    ``returned`` (the entry a call returns now); say what went, and when that entry alone
+    is larger than the budget: its bytes on disk, as ``cachekit ls`` counts them."""
+    report = removal_for_prune(store, max_size, keep=[returned.manifest.key]).execute()
     removed = [item for item in report.removed if item.noun == "entry"]
     if removed:
         say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
             f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
             f"({units.format_size(sum(item.bytes for item in removed))})")
-    if returned.bytes > max_size:
-        say(f"entry {returned.key[:12]} alone ({units.format_size(returned.bytes)}) is larger "
-            f"than the cache budget of {units.format_size(max_size)}; it is returned all the "
-            "same")
+    key = returned.manifest.key
+    kept = entry_info(returned.path, store.row_index.files(key).get(key, ()))
+    size = returned.manifest.bytes if kept is None else kept.bytes
+    if size > max_size:
+        say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
+            f"budget of {units.format_size(max_size)}; it is returned all the same")
 
 
 def _holders(entries: Iterable[EntryInfo]) -> collections.Counter:

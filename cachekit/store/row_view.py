@@ -105,6 +105,11 @@ class RowView:
                              "the rows of an entry")
         return self.take(wanted)
 
+    def __setitem__(self, index: Any, value: Any) -> None:
+        # numpy's own error for the read-only memmap of a contiguous entry: one except
+        # clause holds for both kinds of entry.
+        raise ValueError("assignment destination is read-only")
+
     def take(self, rows: np.ndarray) -> np.ndarray:
         """A new array of ``rows`` (integers, negative from the end), read file by file."""
         rows = np.asarray(rows, dtype=np.intp)

@@ -149,7 +149,7 @@ def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_
 
 
 def test_the_row_view_indexes_like_the_contiguous_array(cache, pictures, tmp_path):
-    cache.images(column(pictures, range(N)), 8)
+    full = cache.images(column(pictures, range(N)), 8)
     rows = list(range(N - 1, -1, -3))  # reversed, every third
     view = cache.images(column(pictures, rows), 8)
     assert not view.contiguous
@@ -166,6 +166,9 @@ def test_the_row_view_indexes_like_the_contiguous_array(cache, pictures, tmp_pat
             a[bad]
     with pytest.raises(IndexError):
         a[np.ones(3, dtype=bool)]
+    for read_only in (a, full.array):  # the same error for either kind of entry
+        with pytest.raises(ValueError, match="assignment destination is read-only"):
+            read_only[0] = 0
     np.testing.assert_array_equal(view.tensor().numpy(), b)
     loader = __import__("torch").utils.data.DataLoader(view.dataset(targets=np.arange(len(b))),
                                                        batch_size=7, shuffle=True)
