@@ -19,15 +19,17 @@ from typing import IO, Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from .. import urls
 from ..errors import CacheCorruptError, InvalidArgument, RemoteUnavailableError
-from .remote_fs import (CHECK, EXISTS, TIMEOUT_ENV, Timeout, classify_failed_create,
-                        describe, filesystem, redact, timeout_from_env, within)
+from .remote_fs import (CHECK, CLIENT_RETRIES, EXISTS, TIMEOUT_ENV, Timeout,
+                        classify_failed_create, describe, filesystem, redact,
+                        timeout_from_env, within)
 
 RANGE_BYTES = 16 << 20
 """Bytes per ranged read or written part: large enough for full speed, small enough that
 one part always fits well within the timeout on a working link."""
 PARALLEL_RANGES = 4
 ATTEMPTS = 3
-"""Tries per call (while its timeout lasts): transient failures are retried with backoff."""
+"""Tries per call (while its timeout lasts) to a store whose client does not retry by itself
+(:data:`~.remote_fs.CLIENT_RETRIES`: one try): transient failures are retried with backoff."""
 T = TypeVar("T")
 
 
@@ -46,6 +48,7 @@ class Bucket:
                                   "file:///mnt/shared/cachekit)")
         self.url = url.rstrip("/")
         self.display = redact(self.url)
+        self.attempts = 1 if sep and scheme.lower() in CLIENT_RETRIES else ATTEMPTS
         self.timeout = timeout_from_env() if timeout is None else float(timeout)
         self._fs: Any = None
         self._root = ""
@@ -90,12 +93,13 @@ class Bucket:
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` against the remote within one timeout, retrying transient
-        failures with backoff while time remains. FileNotFoundError (no such object)
+        failures with backoff while time remains (:attr:`attempts` tries: one where the
+        store's client retries by itself). FileNotFoundError (no such object)
         passes through; any other failure, the bucket itself missing (S3's NoSuchBucket)
         or running out of time is RemoteUnavailableError."""
         deadline = time.monotonic() + self.timeout
         delay = 0.2
-        for attempt in range(1, ATTEMPTS + 1):
+        for attempt in range(1, self.attempts + 1):
             try:
                 return within(deadline, fn, *args, **kwargs)
             except FileNotFoundError as e:
@@ -108,7 +112,7 @@ class Bucket:
                 raise RemoteUnavailableError(self.display, what, f"no answer within "
                                              f"{self.timeout:g} s ({TIMEOUT_ENV})") from None
             except Exception as e:  # botocore, aiohttp and asyncio errors are not OSErrors
-                if (attempt == ATTEMPTS or isinstance(e, PermissionError)
+                if (attempt == self.attempts or isinstance(e, PermissionError)
                         or time.monotonic() + delay >= deadline):
                     raise RemoteUnavailableError(self.display, what, describe(e)) from None
                 time.sleep(delay)

@@ -64,6 +64,13 @@ def classify_failed_create(error: BaseException) -> str:
     return OTHER
 
 
+CLIENT_RETRIES = ("s3", "s3a")
+"""Protocols whose client retries transient failures itself, as :func:`filesystem` sets it
+up (botocore's standard retry mode, and s3fs's own retries): cachekit tries each call to
+them once (:class:`~cachekit.store.bucket.Bucket`), so that a remote that is down costs
+one round of the client's retries, not one per attempt of cachekit's too."""
+
+
 def filesystem(url: str, timeout: float) -> tuple[Any, str]:
     """(fsspec filesystem, root path) for ``url``, with connect/read timeouts and retries
     set for S3 (within the user's own fsspec configuration)."""
@@ -80,7 +87,7 @@ def filesystem(url: str, timeout: float) -> tuple[Any, str]:
     options: dict[str, Any] = {"skip_instance_cache": True}
     if protocol in ("file", "local"):
         options["auto_mkdir"] = True  # object stores have no folders to make first
-    if protocol in ("s3", "s3a"):
+    if protocol in CLIENT_RETRIES:
         config = {"connect_timeout": min(timeout, 10.0), "read_timeout": timeout,
                   "retries": {"max_attempts": 3, "mode": "standard"}}
         user = (fsspec.config.conf.get(protocol) or {}).get("config_kwargs") or {}

@@ -233,6 +233,7 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
     """The first miss tries the remote, warns and builds; the misses of the next
     RETRY_AFTER seconds build without trying it (each try of a remote that is down costs
     up to its timeout), each saying so; after that, a miss tries it again."""
+    from cachekit.store import bucket as bucket_module
     from cachekit.store.bucket import Bucket
 
     reason = s3.why_no_server()
@@ -252,10 +253,19 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
         return call(self, what, *args, **kwargs)
 
     monkeypatch.setattr(Bucket, "call", counted)
+    attempts: list[str] = []
+    within = bucket_module.within
+
+    def attempt(deadline, fn, *args, **kwargs):
+        attempts.append(getattr(fn, "__name__", "?"))
+        return within(deadline, fn, *args, **kwargs)
+
+    monkeypatch.setattr(bucket_module, "within", attempt)
     cache = cachekit.Cache(tmp_path / "root", workers=2, progress=None)
     with pytest.warns(RemoteWarning, match="carrying on with the local cache"):
         entry = cache.map(row, list(range(10)))
     assert entry.source == "built" and tried
+    assert len(attempts) == len(tried)  # botocore retried the refused connects; no one again
     tried.clear()
     capsys.readouterr()
     again = cache.map(row, list(range(11)))  # no second try, no second warning
