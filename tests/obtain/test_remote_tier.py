@@ -253,11 +253,11 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
         return call(self, what, *args, **kwargs)
 
     monkeypatch.setattr(Bucket, "call", counted)
-    attempts: list[str] = []
+    attempts: list[object] = []
     within = bucket_module.within
 
     def attempt(deadline, fn, *args, **kwargs):
-        attempts.append(getattr(fn, "__name__", "?"))
+        attempts.append(fn)
         return within(deadline, fn, *args, **kwargs)
 
     monkeypatch.setattr(bucket_module, "within", attempt)
