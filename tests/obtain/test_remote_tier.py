@@ -228,6 +228,14 @@ def row(v):
     return np.full((3, 8, 8), v % 251, dtype=np.uint8)
 
 
+def _logged(log: list, fn):
+    """``fn``, appending the arguments of each call to ``log`` first."""
+    def logged(*args, **kwargs):
+        log.append(args)
+        return fn(*args, **kwargs)
+    return logged
+
+
 def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, monkeypatch,
                                                                     capsys):
     """The first miss tries the remote, warns and builds; the misses of the next
@@ -245,22 +253,10 @@ def test_a_stopped_server_warns_once_and_the_entry_is_built_locally(tmp_path, mo
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("CACHEKIT_REMOTE_TIMEOUT", "5")
-    tried: list[str] = []
-    call = Bucket.call
-
-    def counted(self, what, *args, **kwargs):
-        tried.append(what)
-        return call(self, what, *args, **kwargs)
-
-    monkeypatch.setattr(Bucket, "call", counted)
-    attempts: list[object] = []
-    within = bucket_module.within
-
-    def attempt(deadline, fn, *args, **kwargs):
-        attempts.append(fn)
-        return within(deadline, fn, *args, **kwargs)
-
-    monkeypatch.setattr(bucket_module, "within", attempt)
+    tried: list[tuple] = []  # Bucket.call's arguments, once a call
+    attempts: list[tuple] = []  # within's, once a try of a call
+    monkeypatch.setattr(Bucket, "call", _logged(tried, Bucket.call))
+    monkeypatch.setattr(bucket_module, "within", _logged(attempts, bucket_module.within))
     cache = cachekit.Cache(tmp_path / "root", workers=2, progress=None)
     with pytest.warns(RemoteWarning, match="carrying on with the local cache"):
         entry = cache.map(row, list(range(10)))
