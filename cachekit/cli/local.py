@@ -20,8 +20,8 @@ from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidA
                       UsageError)
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, joined_by, listing, say, \
-    shape, when
+from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, file_fields, joined_by, \
+    listing, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
@@ -113,11 +113,7 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
                   for name, value in sorted(e.params.items())]
     pairs += _origin_pairs(e.origin, published)
     fields(pairs)
-    files = manifest.get("files") or []
-    if files:  # aligned on their own: a derived entry's part names are long
-        say("files:")
-        fields([(f"  {f['name']}", f"{f['bytes']} bytes, checksum {f['checksum']}")
-                for f in files])
+    file_fields((f["name"], f["bytes"], f["checksum"]) for f in manifest.get("files") or [])
     failed = (manifest.get("failed_rows") or [])[:20]
     for row, path, reason in failed:
         say(f"  failed row {row}: {path}: {reason}")

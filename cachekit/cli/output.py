@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .. import units
 from ..admin.inspect import SHORT_KEY, ago, local_time
@@ -61,6 +61,17 @@ def fields(pairs: Sequence[tuple[str, Any]]) -> None:
     width = max(len(name) for name, _ in shown) + 1
     for name, value in shown:
         say(f"{name + ':':<{width}} {value}")
+
+
+def file_fields(files: Iterable[tuple[str, int, str]]) -> None:
+    """The ``files:`` block of ``info``: each (name, bytes, checksum) of an entry's files,
+    aligned on their own (a derived entry's part names are long) and not with the fields
+    above them."""
+    lines = [(f"  {name}", f"{size} bytes, checksum {checksum}")
+             for name, size, checksum in files]
+    if lines:
+        say("files:")
+        fields(lines)
 
 
 def joined_by(builder: Any) -> Optional[str]:

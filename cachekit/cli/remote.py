@@ -22,8 +22,8 @@ from ..obtain.remote import Tier, pull as pull_entry
 from ..store import Published
 from ..store.remote import RemoteEntry, RemoteStore, sent_note
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fields, joined_by, listing, say, \
-    shape, when
+from .output import SHORT_KEY, ByteProgress, ago, count, fields, file_fields, joined_by, \
+    listing, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store, remote_store
 
@@ -170,9 +170,8 @@ def _print_entry(remote: RemoteStore, entry: RemoteEntry, info: admin.RemoteEntr
         pairs.append(("decoders", ", ".join(f"{k} {v}" for k, v in sorted(decoders.items()))))
     pairs += [(f"  {name}", json.dumps(value, sort_keys=True))
               for name, value in sorted(m.params.items())]
-    for record in m.files:
-        pairs.append((record.name, f"{record.bytes} bytes, checksum {record.checksum}"))
     fields(pairs)
+    file_fields((record.name, record.bytes, record.checksum) for record in m.files)
 
 
 def verify(args: argparse.Namespace) -> int:

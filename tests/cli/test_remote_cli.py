@@ -51,7 +51,8 @@ def test_push_pull_ls_info_verify_and_clear_a_remote(s3_env, local, tmp_path, ca
 
     status, out, _ = run(capsys, "info", "--remote", images.key[:8])
     assert status == 0 and images.key in out and "libjpeg" in out and "pillow" in out
-    assert "upload:" in out and "checksum blake2b-128:" in out
+    assert "upload:" in out and "\nfiles:\n  data.npy: " in out  # as the local info says them
+    assert "checksum blake2b-128:" in out
 
     other = tmp_path / "b"
     status, out, _ = run(capsys, "--root", other, "pull", mapped.key[:8])
