@@ -124,7 +124,8 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
 def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
                   ) -> list[tuple[str, Any]]:
     """Where the entry's rows came from: decoded by its builder, by other processes, and
-    shared with which entries (still in the root, or gone since)."""
+    shared with which entries (in this root or not: removed since, or never here, as for an
+    entry pulled from a remote)."""
     if origin is None:
         return []
     reused = origin["reused"]
@@ -135,7 +136,7 @@ def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
                      f"{len(reused)} {'entry' if len(reused) == 1 else 'entries'}")]
     for key, rows in reused:
         pairs.append((f"  shared with {key[:SHORT_KEY]}",
-                      f"{rows} rows{'' if key in published else ' (since removed)'}"))
+                      f"{rows} rows{'' if key in published else ' (not in this root)'}"))
     return pairs
 
 

@@ -417,7 +417,7 @@ def test_progress_says_how_many_rows_are_reused_and_info_where_they_came_from(
     assert "rows from:" in out and "20 decoded by its builder" in out
     assert "300 shared with 2 entries" in out
     assert re.search(f"shared with {a.key[:12]}: +200 rows\n", out)
-    assert re.search(f"shared with {c.key[:12]}: +100 rows \\(since removed\\)", out)
+    assert re.search(f"shared with {c.key[:12]}: +100 rows \\(not in this root\\)", out)
 
 
 def test_memoize_stays_whole_call(cache):
