@@ -326,9 +326,12 @@ def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None,
                  if (wanted is None and not x.pool) or x.key in (wanted or ())]
     leftovers += _pool_freed(found, entries)
     now = time.time()
-    items = [Item(e.key, ENTRY, e.key, e.url, e.bytes,
+    # An entry's own objects: the pool objects it frees are the pool leftover's, counted
+    # once and only when no other entry names them.
+    items = [Item(e.key, ENTRY, e.key, e.url, e.bytes - e.pooled_bytes,
                   f"{e.key[:SHORT_KEY]}  {e.entry.manifest.kind if e.entry else '?':<7} "
-                  f"{units.format_size(e.bytes):>9}  created {ago(e.created, now)}", e)
+                  f"{units.format_size(e.bytes - e.pooled_bytes):>9}  "
+                  f"created {ago(e.created, now)}", e)
              for e in entries]
     items += [_leftover_item(remote, x) for x in leftovers if x.removable]
     return RemoteRemoval(items=tuple(items), goal=f"in {remote.display}", remote=remote,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import cachekit
+from cachekit import units
 from cachekit.admin.remote import removal_for_clear
 from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.cli.main import main as cli_main
@@ -68,14 +69,21 @@ def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_name
     said = capsys.readouterr().out
     assert f"of it linked from entries here, not downloaded) into {there}" in said
 
-    assert cli_main(["clear", "--remote", folds[0].key[:12], "--yes"]) == 0
+    def cleared(*selection: str) -> None:  # and said what it freed, each object once
+        before = remote.fs.du(remote.root)
+        assert cli_main(["clear", "--remote", *selection, "--yes"]) == 0
+        freed = units.format_size(before - remote.fs.du(remote.root))
+        assert f"freed {freed}\n" in capsys.readouterr().out
+
+    capsys.readouterr()
+    cleared(folds[0].key[:12])
     assert {o.path for o in remote.scan().pool} == set(named)  # the others name them all
     assert verify_remote(remote) == (3, [])
-    assert cli_main(["clear", "--remote", full.key[:12], "--yes"]) == 0
+    cleared(full.key[:12])
     assert pool_path(remote, data.checksum) in {o.path for o in remote.scan().pool}
     assert verify_remote(remote) == (2, [])  # the folds still name the full entry's rows
 
-    assert cli_main(["clear", "--remote", "--all", "--yes"]) == 0
+    cleared("--all")
     listing = remote.scan()
     assert listing.keys == [] or all(k.manifest is None for k in listing.keys)
     assert listing.pool == []
