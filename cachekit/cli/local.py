@@ -282,12 +282,14 @@ def build(args: argparse.Namespace) -> int:
     how = {"hit": "already cached", "pulled": "downloaded",
            "waited": "built by another process", "joined": "built with another process"
            }.get(entry.outcome, "built")
-    described = inspect.entry_info(  # the size `ls` shows: every file of the entry
-        entry.path, store.row_index.files(entry.key).get(entry.key, ()))
-    size = described.bytes if described is not None else entry.array.nbytes
+    # The sizes `ls` shows: every file of the entry, and those other entries hold too.
+    listed = next((e for e in inspect.list_entries(store)[0] if e.key == entry.key), None)
+    size = units.format_size(listed.bytes if listed is not None else entry.array.nbytes)
+    if listed is not None and listed.shared_bytes:
+        size += f" ({units.format_size(listed.shared_bytes)} of it shared with other entries)"
     zeros = f", {units.count(failed, 'failed row')} stored as zeros" if failed else ""
     say(f"{how}: {units.count(len(entry), 'row')} {shape(entry.array.shape)} "
-        f"{entry.array.dtype}, {units.format_size(size)}{zeros}", file=sys.stderr)
+        f"{entry.array.dtype}, {size}{zeros}", file=sys.stderr)
     say(entry.key)
     return 0
 

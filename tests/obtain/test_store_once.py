@@ -192,6 +192,18 @@ def test_contiguous_true_copies_a_derived_entry_into_one_file(cache, pictures, t
     assert cache.images(fold, 8).contiguous
 
 
+def test_cli_build_of_a_derived_entry_says_how_much_of_it_is_shared(cache, pictures,
+                                                                    tmp_path, capsys):
+    cache.images(column(pictures, range(N)), 8)
+    assert cli_main(["--root", str(cache.root), "build", _csv(tmp_path, column(
+        pictures, range(0, N, 2))), "--column", "img_path", "--size", "8"]) == 0
+    [derived] = [e for e in cache.entries() if e.rows == N // 2]
+    assert derived.shared_bytes > derived.own_bytes > 0
+    assert (f"built: {N // 2} rows {N // 2}x3x8x8 uint8, {units.format_size(derived.bytes)} "
+            f"({units.format_size(derived.shared_bytes)} of it shared with other entries)\n"
+            ) in capsys.readouterr().err
+
+
 def test_a_dataset_opened_before_its_key_was_made_contiguous_reads_the_new_files(
         cache, pictures, tmp_path):
     import pickle
