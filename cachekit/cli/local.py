@@ -85,7 +85,7 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
     pairs: list[tuple[str, Any]] = [("key", e.key), ("path", e.path), ("kind", e.kind)]
     if e.failed_build is not None:
         pairs.append(("kept rows of", f"the failed build of {e.failed_build}: its rows that "
-                                      "decoded, copied by the next build of them"))
+                                      "decoded, which the next build of them reuses"))
     if e.problem is not None:
         pairs.append(("PROBLEM", f"{e.problem} (remove it with `cachekit clear "
                                  f"{e.key[:SHORT_KEY]}`)"))
@@ -328,7 +328,7 @@ def _report_failed_builds(kept: list[inspect.EntryInfo], failed: list[str]) -> N
         good = (e.rows or 0) - e.failed_rows
         say(f"failed build of {key[:SHORT_KEY]}: {units.count(e.failed_rows, 'row')} failed; "
             f"{units.count(good, 'row')} kept as {e.key[:SHORT_KEY]} "
-            f"({units.format_size(e.bytes)}), which the next build of them copies")
+            f"({units.format_size(e.bytes)}), which the next build of them reuses")
 
 
 def _note(e: inspect.EntryInfo) -> str:

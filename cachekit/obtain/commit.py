@@ -105,7 +105,7 @@ def _build_and_commit(store: LocalStore, key: str, build: Build, work: OwnWork,
         build.committed(published)
     if made.failure is not None:
         say(f"entry {key[:12]}: kept the {made.rows - len(made.failure.failures)} rows "
-            f"that decoded (as {published_key[:12]}); a later build of these rows copies "
+            f"that decoded (as {published_key[:12]}); a later build of these rows reuses "
             "them and decodes only the rest")
         _record_failure(store, key, made.failure)
         raise made.failure

@@ -560,7 +560,7 @@ def test_a_failed_build_is_not_an_entry_and_ls_and_clear_show_and_remove_it(
     out = capsys.readouterr().out
     assert "no entries in" in out
     assert (f"failed build of {kept.failed_build[:12]}: 2 rows failed; 20 rows kept as "
-            f"{kept.key[:12]}") in out
+            f"{kept.key[:12]} (") in out and "), which the next build of them reuses" in out
     assert cli_main(["--root", str(cache_root), "info", kept.failed_build[:12]]) == 0
     assert "kept rows of" in capsys.readouterr().out
     assert cli_main(["--root", str(cache_root), "clear", "--all", "--yes"]) == 0

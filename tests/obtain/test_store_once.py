@@ -92,18 +92,24 @@ def test_folds_and_an_append_store_only_their_new_rows_and_link_the_full_entry(
                                   np.asarray(full.array)[[i for i in range(N) if i % 5 != 2]])
 
 
-def test_a_retry_after_one_bad_file_stores_only_that_row(cache, pictures, tmp_path):
+def test_a_retry_after_one_bad_file_stores_only_that_row(cache_root, pictures, tmp_path,
+                                                         capsys):
+    cache = cachekit.Cache(cache_root, workers=2, executor="threads", progress=None)  # lines
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not a picture")
     col = pd.Series([*pictures[:40], str(bad)])
     with pytest.raises(cachekit.ImageDecodeError):
         cache.images(col, 8)
     (kept,) = [e for e in cache.entries() if e.failed_build is not None]
+    assert (f"kept the 40 rows that decoded (as {kept.key[:12]}); a later build of these rows "
+            "reuses them and decodes only the rest") in " ".join(capsys.readouterr().err.split())
     kept_inode = (kept.path / manifests.DATA_FILE).stat().st_ino
     from PIL import Image
     Image.fromarray(np.full((10, 12, 3), 9, np.uint8)).save(bad)
     retry = cache.images(col, 8)
     assert (retry.rows_decoded, retry.rows_reused) == (1, 40) and own_rows(retry) == 1
+    said = capsys.readouterr().err
+    assert "cachekit images: filling 1 row\n" in said and "cachekit images: 1 row filled in" in said
     parts = [st for name, st in data_files(retry).items() if name != manifests.DATA_FILE]
     assert [st.st_ino for st in parts] == [kept_inode]
     assert parts[0].st_nlink == 1  # the kept rows' entry is gone; the retry holds its file

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ...messages import say
+from ...units import count
 from .claimed import Report
 
 LINE_SECONDS = 10.0
@@ -32,7 +33,7 @@ class _Lines:
         self.done = 0
         self.started = time.monotonic()
         self.next_line = self.started + LINE_SECONDS
-        say(f"{description}: filling {total} rows")
+        say(f"{description}: filling {count(total, 'row')}")
 
     def update(self, n: int) -> None:
         self.done += n
@@ -47,7 +48,7 @@ class _Lines:
 
     def close(self) -> None:
         seconds = time.monotonic() - self.started
-        say(f"{self.description}: {self.done} rows filled in {seconds:.1f} s")
+        say(f"{self.description}: {count(self.done, 'row')} filled in {seconds:.1f} s")
 
 
 def progress(total: int, report: Report) -> Any:
