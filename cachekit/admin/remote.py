@@ -59,6 +59,12 @@ class RemoteEntryInfo:
     pooled_bytes: int = 0
 
     @property
+    def own_bytes(self) -> int:
+        """Its manifest and upload: the bytes removing it frees besides pool objects,
+        which other entries may name too."""
+        return self.bytes - self.pooled_bytes
+
+    @property
     def created(self) -> float:
         if self.entry is not None:
             return self.entry.manifest.created
@@ -112,7 +118,7 @@ class RemoteScan:
         counted once: their manifests and uploads, and the pool objects they name."""
         entries = list(self.entries if entries is None else entries)
         named = _pool_names(entries) or set()
-        return (sum(e.bytes - e.pooled_bytes for e in entries)
+        return (sum(e.own_bytes for e in entries)
                 + sum(o.size for o in self.pool if o.path in named))
 
 
@@ -328,10 +334,9 @@ def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None,
     now = time.time()
     # An entry's own objects: the pool objects it frees are the pool leftover's, counted
     # once and only when no other entry names them.
-    items = [Item(e.key, ENTRY, e.key, e.url, e.bytes - e.pooled_bytes,
+    items = [Item(e.key, ENTRY, e.key, e.url, e.own_bytes,
                   f"{e.key[:SHORT_KEY]}  {e.entry.manifest.kind if e.entry else '?':<7} "
-                  f"{units.format_size(e.bytes - e.pooled_bytes):>9}  "
-                  f"created {ago(e.created, now)}", e)
+                  f"{units.format_size(e.own_bytes):>9}  created {ago(e.created, now)}", e)
              for e in entries]
     items += [_leftover_item(remote, x) for x in leftovers if x.removable]
     return RemoteRemoval(items=tuple(items), goal=f"in {remote.display}", remote=remote,
