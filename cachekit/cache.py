@@ -212,7 +212,7 @@ class Cache:
                 if self.max_size is not None and outcome.committed_here:
                     from .admin.removal import keep_to_budget
 
-                    keep_to_budget(self._store, self.max_size, outcome.entry)
+                    keep_to_budget(self._store, self.max_size, outcome.entry.manifest)
                 return opened
         raise AssertionError("unreachable")
 

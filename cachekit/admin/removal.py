@@ -30,10 +30,11 @@ from typing import Any, ClassVar, Iterable, Optional, Union
 
 from .. import units
 from ..messages import say
-from ..store import FAILED, LocalStore, Published
+from ..store import FAILED, LocalStore
+from ..store.manifest import Manifest
 from ..store.row_index import INDEX_FOLDER
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
-                      entry_info, resolve_keys, scan, stored_bytes, temp_dir_info)
+                      resolve_keys, scan, stored_bytes, temp_dir_info)
 
 ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
 STRAY_INDEX = "stray index file"
@@ -192,6 +193,9 @@ class LocalRemoval(Removal):
 
     store: LocalStore
     unused_since: dict[str, float] = field(default_factory=dict)
+    kept: tuple[EntryInfo, ...] = ()
+    """The entries a prune was told to keep, as its scan found them: counted, never
+    removed."""
 
     @property
     def temp_dirs(self) -> tuple[TempDir, ...]:
@@ -275,22 +279,24 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         items=_items(store, entries, temps, [], time.time(), found.stray_index),
         skipped=tuple(_skip_live(t) for t in found.temp_dirs if not t.removable),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
-        unused_since={e.key: e.last_used for e in entries})
+        unused_since={e.key: e.last_used for e in entries},
+        kept=tuple(e for e in found.entries if e.key in keep))
 
 
-def keep_to_budget(store: LocalStore, max_size: int, returned: Published) -> None:
+def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
     """Remove the least recently used entries until the root fits ``max_size``, never
-    ``returned`` (the entry a call returns now); say what went, and when that entry alone
-    is larger than the budget: its bytes on disk, as ``cachekit ls`` counts them."""
-    report = removal_for_prune(store, max_size, keep=[returned.manifest.key]).execute()
+    the entry of manifest ``returned`` (which a call returns now); say what went, and when
+    that entry alone is larger than the budget: its bytes on disk, as ``cachekit ls`` counts
+    them."""
+    key = returned.key
+    removal = removal_for_prune(store, max_size, keep=[key])
+    report = removal.execute()
     removed = [item for item in report.removed if item.noun == "entry"]
     if removed:
         say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
             f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
             f"({units.format_size(sum(item.bytes for item in removed))})")
-    key = returned.manifest.key
-    kept = entry_info(returned.path, store.row_index.files(key).get(key, ()))
-    size = returned.manifest.bytes if kept is None else kept.bytes
+    size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
             f"budget of {units.format_size(max_size)}; it is returned all the same")
