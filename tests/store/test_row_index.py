@@ -104,6 +104,36 @@ def test_shared_rows_are_refused_when_any_row_file_disagrees_with_the_manifest(t
     assert open_shared_rows(store, "5" * 32, recipe) is None  # no such entry
 
 
+def test_an_entry_opened_again_is_read_again_only_when_its_files_or_the_signing_key_changed(
+        tmp_path, monkeypatch):
+    """Ten folds of one column open the same entry ten times: its checked row files are
+    read once per process, and read again (and checked) once one of them is rewritten, or
+    under another signing key."""
+    monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "k" * 32)
+    cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
+    entry = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
+    store = LocalStore(tmp_path / "cache")
+    recipe = manifests.read(entry.path).reuse.recipe
+    reads = []
+    monkeypatch.setattr(cachekit.arrays, "read_small",
+                        _counting(cachekit.arrays.read_small, reads))
+    for _ in range(3):
+        with open_shared_rows(store, entry.key, recipe) as source:
+            assert source.ids.shape == (20, 2) and not source.ids.flags.writeable
+    assert len(reads) == 1  # the row identities, once
+    os.utime(entry.path / manifests.ROW_BLOCKS_FILE, ns=(0, 0))  # any row file written
+    assert open_shared_rows(store, entry.key, recipe) is not None and len(reads) == 2
+    monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "other" * 8)  # its signature is now wrong
+    assert open_shared_rows(store, entry.key, recipe) is None
+
+
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return fn(*args, **kwargs)
+    return counted
+
+
 def test_shared_rows_that_are_refused_cost_nothing_but_its_rows(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHEKIT_SIGNING_KEY", "k" * 32)
     cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
