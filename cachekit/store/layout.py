@@ -60,6 +60,18 @@ def check_root(root: Path) -> None:
         return
 
 
+def _root_not_made(root: Path, error: OSError) -> OSError:
+    """``error``, raised making ``root`` (a parent that refuses new folders, such as
+    ``/proc``, or no permission), said as the cache root that could not be made: the same
+    OSError type, so that what caught it still does."""
+    if type(error).__module__ != "builtins":  # (one of cachekit's own: said already)
+        return error
+    at = "" if error.filename in (None, str(root)) else f" at {error.filename}"
+    return type(error)(error.errno, f"the cache root {root} cannot be made ({error.strerror}"
+                       f"{at}); give Cache(root) (or --root, or CACHEKIT_DIR) a directory this "
+                       "user can write, or a path where one can be made")
+
+
 FAILED, STALE = "failed", "stale"
 """The records kept beside an entry: its last build failed, its files changed since."""
 
@@ -123,7 +135,10 @@ class Layout:
         except FileNotFoundError:
             if not create:
                 raise
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _root_not_made(self.root, e) from None
         with _fs.DirHandle.open(self.root, follow=True) as root:
             try:
                 root.mkdir(name, _fs.shared_dir_mode())

@@ -351,6 +351,16 @@ def test_a_root_that_is_a_file_is_refused_at_construction(tmp_path, below):
     assert not (tmp_path / "new").exists()  # nothing made before a build
 
 
+@pytest.mark.parametrize("root", ["/proc/cachekit-root", "/proc/cachekit-root/below"])
+def test_a_root_that_cannot_be_made_is_said_so_on_the_first_build(root, cover_paths):
+    """/proc exists and refuses new folders: the build's error names the root it could not
+    make and what to give instead, and stays the OSError that making it raised."""
+    with pytest.raises(FileNotFoundError) as caught:
+        cachekit.Cache(root, progress=False).images(pd.Series(cover_paths[:2]), 8)
+    assert str(caught.value).startswith(f"[Errno 2] the cache root {root} cannot be made")
+    assert "CACHEKIT_DIR" in str(caught.value)
+
+
 def test_public_names_match_all():
     public = {name for name in dir(cachekit) if not name.startswith("_")
               and not isinstance(getattr(cachekit, name), types.ModuleType)}
