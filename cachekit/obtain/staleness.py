@@ -11,8 +11,10 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
 - the first time an entry is hit in a process, starts a background thread that compares
   every row's file (about 0.5 s for 130k files on a local disk), so that one file
   rewritten among many is found too, without slowing the hit. The threads run one at a
-  time, and a row whose file this process already found unchanged against the same
-  record is not stat'ed again: ten folds of one column stat each file once. They stat
+  time, and a row whose file this process found unchanged against the same record within
+  the last :data:`CONFIRMED_SECONDS` is not stat'ed again: ten folds of one column called
+  one after another stat each file once, and a fold hit after the last one trained for
+  minutes stats them all again. They stat
   only once the process has made no cachekit call for :data:`QUIET_SECONDS`
   (:func:`call_running`; each waits at most :data:`YIELD_SECONDS` for that in all), so
   that neither the call that started one nor the calls that follow it wait for the
@@ -64,6 +66,9 @@ YIELD_SECONDS = 1.0
 """Seconds a background check waits, at most, for the process's calls to leave it quiet."""
 CHUNK_ROWS = 256
 """Files a background check stats between two looks at whether a call ran."""
+CONFIRMED_SECONDS = 60.0
+"""Seconds a file a background check found unchanged is not stat'ed again by the process's
+next checks; a file rewritten after that is found by the first check that follows."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
 CHECKS = ("all", "sample", "off")
 _warned: set[str] = set()
@@ -73,8 +78,9 @@ _threads: list[threading.Thread] = []
 _serial = threading.Lock()
 """Held by the background check that runs: one at a time, each after what the others
 confirmed."""
-_confirmed = np.zeros(0, dtype=np.uint64)
-"""Sorted hashes of (row identity, recorded stat) a background check found unchanged."""
+_confirmed: list[tuple[float, np.ndarray]] = []
+"""What the background checks found unchanged: (when the check began to stat, the hashes
+of its rows' (identity, recorded stat)), oldest first; used under ``_serial`` only."""
 _calls = 0
 _last_call_ended = 0.0
 _no_call = threading.Condition()
@@ -197,7 +203,6 @@ def _at_exit() -> None:
 
 def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Recorded],
                paths: Any, caller: Any, found: Optional[Found]) -> None:
-    global _confirmed
     deadline = time.monotonic() + YIELD_SECONDS
     _wait_for_quiet(deadline)  # the call that started it returns first
     with _serial:
@@ -206,19 +211,30 @@ def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Recorded],
         except (OSError, CacheCorruptError, IndexError):
             return  # removed or damaged meanwhile: the next open says so
         hashes = _hashes(ids, recorded)
-        rows = np.flatnonzero(~np.isin(hashes, _confirmed))
+        began = time.monotonic()
+        rows = np.flatnonzero(~np.isin(hashes, _recently_confirmed(began)))
         changed = []
         for first in range(0, len(rows), CHUNK_ROWS):
             _wait_for_quiet(deadline)
             changed += _changed(rows[first:first + CHUNK_ROWS], recorded, paths)
         unchanged = rows[~np.isin(rows, [row for row, _, _, _ in changed])]
-        _confirmed = np.union1d(_confirmed, hashes[unchanged])
+        _confirmed.append((began, hashes[unchanged]))
     if changed:
         _tell(found, manifest, changed)
         try:
             _warn(manifest.key, changed, len(changed), caller, built is not None)
         except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
             say(str(e), always=True)
+
+
+def _recently_confirmed(now: float) -> np.ndarray:
+    """The hashes the checks found unchanged within :data:`CONFIRMED_SECONDS` of ``now``;
+    older findings are forgotten."""
+    while _confirmed and now - _confirmed[0][0] > CONFIRMED_SECONDS:
+        _confirmed.pop(0)
+    if not _confirmed:
+        return np.zeros(0, dtype=np.uint64)
+    return np.concatenate([hashes for _, hashes in _confirmed])
 
 
 def _rows_of(entry_path: Path, manifest: Manifest) -> Recorded:

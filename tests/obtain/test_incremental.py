@@ -259,6 +259,24 @@ def test_the_background_checks_of_overlapping_builds_stat_each_file_once(
     assert sum(checked) == N  # not 800: the second skips the 200 files the first checked
 
 
+def test_a_file_rewritten_after_a_check_found_it_unchanged_is_found_by_a_later_check(
+        cache, pictures, monkeypatch):
+    """A check's word that a file is unchanged holds for CONFIRMED_SECONDS: the next fold,
+    hit after the last one trained for longer than that, stats its files again, and says
+    the one rewritten meanwhile."""
+    cache.images(column(pictures, range(N)), 8)
+    first = cache.images(column(pictures, range(0, 400)), 8)  # its files checked: unchanged
+    staleness.wait_for_checks(timeout=60)
+    _write_picture(Path(pictures[7]), 20_000)
+    os.utime(pictures[7], ns=(2, 2))
+    monkeypatch.setattr(staleness, "SAMPLE_ROWS", 0)  # only the background check looks
+    monkeypatch.setattr(staleness, "CONFIRMED_SECONDS", 0.0)  # "trained" longer than that
+    with pytest.warns(StaleEntryWarning) as caught:
+        cache.images(column(pictures, range(N)), 8)  # the full entry's first hit
+        staleness.wait_for_checks(timeout=60)
+    assert first.rows_reused == 400 and pictures[7] in str(caught[0].message)
+
+
 def test_a_hit_warns_once_when_files_of_its_column_changed(cache, pictures, decodes):
     col = column(pictures, range(10))
     cache.images(col, 8)
