@@ -8,9 +8,11 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
 - compares a few rows, picked at random, against the files now (:data:`SAMPLE_ROWS` stats,
   however many rows the entry has), on the hit's own path: that finds a column that
   changed in bulk (a data set regenerated, a folder copied over) at once;
-- the first time an entry is hit in a process, starts a background thread that compares
-  every row's file (about 0.5 s for 130k files on a local disk), so that one file
-  rewritten among many is found too, without slowing the hit. The threads run one at a
+- the first time an entry is hit in a process, and on a hit :data:`CONFIRMED_SECONDS` or
+  more after its last one (a sweep agent that runs trial after trial in one process),
+  starts a background thread that compares every row's file (about 0.5 s for 130k files
+  on a local disk), so that one file rewritten among many is found too, without slowing
+  the hit. The threads run one at a
   time, and a row whose file this process found unchanged against the same record within
   the last :data:`CONFIRMED_SECONDS` is not stat'ed again: ten folds of one column called
   one after another stat each file once, and a fold hit after the last one trained for
@@ -20,7 +22,8 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
   that neither the call that started one nor the calls that follow it wait for the
   interpreter behind them.
 
-Either says so once per process and entry, as one :class:`StaleEntryWarning` attributed to
+Either says so once per process and entry (an entry built again under the same key, as
+healing does, is another entry), as one :class:`StaleEntryWarning` attributed to
 the user's call (the background check's too), or as a line on stderr where warnings of
 that kind are filtered out: how many rows and the first few paths. What it finds is told
 to the caller, which records it beside the entry, so that the next call of the column
@@ -68,13 +71,21 @@ CHUNK_ROWS = 256
 """Files a background check stats between two looks at whether a call ran."""
 CONFIRMED_SECONDS = 60.0
 """Seconds a file a background check found unchanged is not stat'ed again by the process's
-next checks; a file rewritten after that is found by the first check that follows."""
+next checks, and an entry's files are not checked again in the background after a hit;
+a file rewritten after that is found by the first check that follows."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
 CHECKS = ("all", "sample", "off")
-_warned: set[str] = set()
-_started: set[str] = set()
+Entry = tuple[str, float]
+"""An entry as the checks know it: its key and its manifest's ``created`` time, so that the
+entry built again under the key (healed) is checked and said anew."""
+_warned: set[Entry] = set()
+_started: dict[Entry, float] = {}
+"""When each entry's last background check was started (``time.monotonic()``)."""
 _lock = threading.Lock()
 _threads: list[threading.Thread] = []
+"""The background checks not known to have ended (the ended ones are dropped as new ones
+start)."""
+_waits_at_exit = False
 _serial = threading.Lock()
 """Held by the background check that runs: one at a time, each after what the others
 confirmed."""
@@ -108,7 +119,8 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
     background check runs."""
     mode = check_mode()
     record = manifest.row_file(ROW_STATS_FILE)
-    if mode == "off" or record is None or manifest.key in _warned or not manifest.rows:
+    entry = (manifest.key, manifest.created)
+    if mode == "off" or record is None or entry in _warned or not manifest.rows:
         return
     caller = _callers_frame()
     if built is None:
@@ -122,19 +134,23 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
         changed = _changed(rows, recorded, paths, stop_at=1)
         if changed:
             _tell(found, manifest, changed)
-            _warn(manifest.key, changed, None, caller)
+            _warn(entry, changed, None, caller)
             return
+    global _waits_at_exit
     with _lock:
-        if mode != "all" or manifest.key in _started:
+        now = time.monotonic()
+        if mode != "all" or now - _started.get(entry, -CONFIRMED_SECONDS) < CONFIRMED_SECONDS:
             return
-        _started.add(manifest.key)
-        if not _threads:
+        _started[entry] = now
+        if not _waits_at_exit:
             _at_exit()
-    thread = threading.Thread(target=_check_all,
-                              args=(entry_path, manifest, built, paths, caller, found),
-                              name=f"cachekit stale check {manifest.key[:12]}", daemon=True)
-    _threads.append(thread)
-    thread.start()
+            _waits_at_exit = True
+        thread = threading.Thread(target=_check_all,
+                                  args=(entry_path, manifest, built, paths, caller, found),
+                                  name=f"cachekit stale check {manifest.key[:12]}", daemon=True)
+        _threads[:] = [t for t in _threads if t.is_alive()]
+        _threads.append(thread)
+        thread.start()  # (under the lock: a waiter never joins a thread not started yet)
 
 
 @contextlib.contextmanager
@@ -222,7 +238,8 @@ def _check_all(entry_path: Path, manifest: Manifest, built: Optional[Recorded],
     if changed:
         _tell(found, manifest, changed)
         try:
-            _warn(manifest.key, changed, len(changed), caller, built is not None)
+            _warn((manifest.key, manifest.created), changed, len(changed), caller,
+                  built is not None)
         except StaleEntryWarning as e:  # warnings made errors: no traceback from a thread
             say(str(e), always=True)
 
@@ -268,14 +285,15 @@ def _tell(found: Optional[Found], manifest: Manifest, changed: list[Any]) -> Non
         found(manifest.key, manifest.created, [row for row, _, _, _ in changed])
 
 
-def _warn(key: str, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
+def _warn(entry: Entry, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
           total: Optional[int], caller: Any, built: bool = False) -> None:
     """Say once per process and entry that files changed: all of them (``total``, from the
     full check) or at least the first one found (the sample)."""
     with _lock:
-        if key in _warned:
+        if entry in _warned:
             return
-        _warned.add(key)
+        _warned.add(entry)
+    key = entry[0]
     row, path, then, now = changed[0]
     if total is None or total == 1:
         what = (f"the file of row {row} ({path}) changed since entry {key[:12]} was built "

@@ -277,6 +277,44 @@ def test_a_file_rewritten_after_a_check_found_it_unchanged_is_found_by_a_later_c
     assert first.rows_reused == 400 and pictures[7] in str(caught[0].message)
 
 
+def test_an_entry_built_again_by_healing_is_checked_anew_in_the_same_process(
+        cache, pictures, decodes, monkeypatch):
+    """A process that healed an entry still checks it: a file rewritten afterwards is said
+    too (the healed entry is another entry, though its key is the same)."""
+    monkeypatch.setattr(staleness, "SAMPLE_ROWS", 0)  # only the background check looks
+    monkeypatch.setattr(staleness, "CONFIRMED_SECONDS", 0.0)  # each file is rewritten at once
+    col = column(pictures, range(N))
+    cache.images(col, 8)
+    for changed, seed in ((3, 20_000), (9, 20_001)):
+        _write_picture(Path(pictures[changed]), seed)
+        os.utime(pictures[changed], ns=(2, 2))
+        with pytest.warns(StaleEntryWarning) as caught:
+            assert cache.images(col, 8).hit
+            staleness.wait_for_checks(timeout=60)
+        assert pictures[changed] in str(caught[0].message)
+        decodes.take()
+        healed = cache.images(col, 8)
+        assert healed.source == "built" and decodes.take() == [pictures[changed]]
+
+
+def test_a_hit_a_while_after_its_entrys_last_check_checks_it_again(
+        cache, pictures, monkeypatch):
+    """A sweep agent runs trial after trial in one process: a hit CONFIRMED_SECONDS after
+    the last check of its entry checks every file again, and says the one rewritten."""
+    monkeypatch.setattr(staleness, "SAMPLE_ROWS", 0)
+    col = column(pictures, range(N))
+    cache.images(col, 8)
+    cache.images(col, 8)  # the first hit: every file checked, none changed
+    staleness.wait_for_checks(timeout=60)
+    _write_picture(Path(pictures[11]), 20_000)
+    os.utime(pictures[11], ns=(2, 2))
+    monkeypatch.setattr(staleness, "CONFIRMED_SECONDS", 0.0)  # the trial took longer
+    with pytest.warns(StaleEntryWarning) as caught:
+        cache.images(col, 8)
+        staleness.wait_for_checks(timeout=60)
+    assert pictures[11] in str(caught[0].message)
+
+
 def test_a_hit_warns_once_when_files_of_its_column_changed(cache, pictures, decodes):
     col = column(pictures, range(10))
     cache.images(col, 8)
