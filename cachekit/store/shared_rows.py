@@ -15,10 +15,11 @@ process could swap.
 What an entry's checked files say is kept for the process's next builds (the
 :data:`MEMO_BYTES` last read): ten folds of one column open the same entry ten times, and
 at 130,000 rows its identities and stats are 4 MB to read and checksum each time. A
-committed entry never changes, so what was read holds while its directory, its manifest
-and the row files read are the same files, unchanged (device, inode, size, mtime: a
-write changes the mtime, a rename the inode; not the ctime, which every build that links
-a file changes), under the same signing key; the directory is opened, and those files
+committed entry never changes, so what was read holds while its directory is the same
+(device, inode) and its manifest and the row files read are the same files, unchanged
+(device, inode, size, mtime: a write changes the mtime, a rename the inode; not the
+ctime, which every build that links a file changes, nor the directory's mtime, which
+every hit sets), under the same signing key; the directory is opened, and those files
 stat'ed, on every open all the same.
 """
 
@@ -178,11 +179,12 @@ def _read(entry: _fs.DirHandle, key: str) -> _Checked:
 
 
 def _stamp(entry: _fs.DirHandle, key: str) -> tuple[Any, ...]:
-    """What tells an entry apart from any other under its name: its directory and its
-    manifest as files, and the signing key its manifest was checked under (the key's
-    digest, never the key)."""
+    """What tells an entry apart from any other under its name: its directory (device and
+    inode: every hit sets its mtime, the entry's last use), its manifest as a file, and the
+    signing key its manifest was checked under (the key's digest, never the key)."""
+    directory = os.fstat(entry.fd)
     secret = signing.key()
-    return (key, _file_stamp(os.fstat(entry.fd)),
+    return (key, directory.st_dev, directory.st_ino,
             _file_stamp(entry.lstat(manifests.MANIFEST_FILE)),
             None if secret is None else hashlib.sha256(secret).digest())
 

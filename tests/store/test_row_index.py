@@ -120,6 +120,8 @@ def test_an_entry_opened_again_is_read_again_only_when_its_files_or_the_signing_
     for _ in range(3):
         with open_shared_rows(store, entry.key, recipe) as source:
             assert source.ids.shape == (20, 2) and not source.ids.flags.writeable
+        assert cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)),
+                         version="1").hit  # (a hit sets its directory's mtime: its last use)
     assert len(reads) == 1  # the row identities, once
     os.utime(entry.path / manifests.ROW_BLOCKS_FILE, ns=(0, 0))  # any row file written
     assert open_shared_rows(store, entry.key, recipe) is not None and len(reads) == 2
