@@ -188,9 +188,9 @@ def _at_exit() -> None:
     with _lock:
         pending = [u for u in _uploads if u.pid == os.getpid() and u.running()]
     if pending:
-        say(f"waiting for the upload of {', '.join(u.what() for u in pending)} "
-             "before exiting (Ctrl-C cuts it off)", always=True)
-        try:
+        try:  # (the line is inside: a Ctrl-C as it is written is the one it invites)
+            say(f"waiting for the upload of {', '.join(u.what() for u in pending)} "
+                "before exiting (Ctrl-C cuts it off)", always=True)
             wait_all()
         except KeyboardInterrupt:
             cut = [u for u in pending if u.running()]
