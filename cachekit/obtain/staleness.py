@@ -12,11 +12,10 @@ file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
   more after its last one (a sweep agent that runs trial after trial in one process),
   starts a background thread that compares every row's file (about 0.5 s for 130k files
   on a local disk), so that one file rewritten among many is found too, without slowing
-  the hit. The threads run one at a
-  time, and a row whose file this process found unchanged against the same record within
-  the last :data:`CONFIRMED_SECONDS` is not stat'ed again: ten folds of one column called
-  one after another stat each file once, and a fold hit after the last one trained for
-  minutes stats them all again. They stat
+  the hit. The threads run one at a time, and a row whose file this process found
+  unchanged against the same record within the last :data:`CONFIRMED_SECONDS` is not
+  stat'ed again: ten folds of one column called one after another stat each file once,
+  and a fold hit after the last one trained for minutes stats them all again. They stat
   only once the process has made no cachekit call for :data:`QUIET_SECONDS`
   (:func:`call_running`; each waits at most :data:`YIELD_SECONDS` for that in all), so
   that neither the call that started one nor the calls that follow it wait for the
@@ -75,11 +74,11 @@ next checks, and an entry's files are not checked again in the background after 
 a file rewritten after that is found by the first check that follows."""
 CHECK_ENV = "CACHEKIT_STALE_CHECK"
 CHECKS = ("all", "sample", "off")
-Entry = tuple[str, float]
+EntryId = tuple[str, float]
 """An entry as the checks know it: its key and its manifest's ``created`` time, so that the
 entry built again under the key (healed) is checked and said anew."""
-_warned: set[Entry] = set()
-_started: dict[Entry, float] = {}
+_warned: set[EntryId] = set()
+_started: dict[EntryId, float] = {}
 """When each entry's last background check was started (``time.monotonic()``)."""
 _lock = threading.Lock()
 _threads: list[threading.Thread] = []
@@ -138,8 +137,8 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
             return
     global _waits_at_exit
     with _lock:
-        now = time.monotonic()
-        if mode != "all" or now - _started.get(entry, -CONFIRMED_SECONDS) < CONFIRMED_SECONDS:
+        now, last = time.monotonic(), _started.get(entry)
+        if mode != "all" or (last is not None and now - last < CONFIRMED_SECONDS):
             return
         _started[entry] = now
         if not _waits_at_exit:
@@ -285,7 +284,7 @@ def _tell(found: Optional[Found], manifest: Manifest, changed: list[Any]) -> Non
         found(manifest.key, manifest.created, [row for row, _, _, _ in changed])
 
 
-def _warn(entry: Entry, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
+def _warn(entry: EntryId, changed: list[tuple[int, str, tuple[int, int], tuple[int, int]]],
           total: Optional[int], caller: Any, built: bool = False) -> None:
     """Say once per process and entry that files changed: all of them (``total``, from the
     full check) or at least the first one found (the sample)."""
