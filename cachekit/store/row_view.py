@@ -162,16 +162,21 @@ def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Ro
         return own.open(entry_dir)
     copies = [manifest.row_file(sidecar_name(part.name, name))
               for part in manifest.data_files[1:]]
-    if any(c is None or c.shape[1:] != own.shape[1:] for c in copies):
+    if any(c is None or len(c.shape) != 2 or c.shape[1] < own.shape[1]
+           or c.dtype != own.dtype for c in copies):
         raise CacheCorruptError(entry_dir / name, "a part's copy is missing or of another "
-                                "width")
-    return _view(entry_dir, manifest, [own, *copies])
+                                "layout")
+    return _view(entry_dir, manifest, [own, *copies], width=own.shape[1:])
 
 
-def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any]) -> RowView:
+def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any],
+          width: tuple[int, ...] = ()) -> RowView:
     """A derived entry's :class:`RowView` over ``records`` (files numbered as its data
-    files are), through its checked row map."""
+    files are), through its checked row map. ``width``: the row width the entry reads
+    (``(2,)`` identities of a part that holds two more words, its files' digests)."""
     files = [record.open(entry_dir) for record in records]
+    if width:
+        files = [f[:, :width[0]] for f in files]
     return RowView(files, read_row_map(entry_dir, manifest))
 
 

@@ -315,6 +315,25 @@ def test_a_hit_a_while_after_its_entrys_last_check_checks_it_again(
     assert pictures[11] in str(caught[0].message)
 
 
+def test_a_fold_that_shares_rows_of_a_content_entry_checks_every_file_on_a_hit(
+        cache, pictures, monkeypatch):
+    """validate is not in the recipe: a fold (validate="path") links the parts of a
+    "content" entry, whose row identities hold two more words (the digests). Its hits still
+    check every file, and say the one rewritten."""
+    cache.images(column(pictures, range(N)), 8, validate="content")
+    fold = cache.images(column(pictures, range(0, 400)), 8)
+    assert not fold.contiguous and fold.rows_reused == 400
+    staleness.wait_for_checks(timeout=60)
+    _write_picture(Path(pictures[7]), 20_000)
+    os.utime(pictures[7], ns=(2, 2))
+    monkeypatch.setattr(staleness, "SAMPLE_ROWS", 0)  # only the background check looks
+    monkeypatch.setattr(staleness, "CONFIRMED_SECONDS", 0.0)
+    with pytest.warns(StaleEntryWarning) as caught:
+        assert cache.images(column(pictures, range(0, 400)), 8).hit
+        staleness.wait_for_checks(timeout=60)
+    assert pictures[7] in str(caught[0].message)
+
+
 def test_a_hit_warns_once_when_files_of_its_column_changed(cache, pictures, decodes):
     col = column(pictures, range(10))
     cache.images(col, 8)
