@@ -162,21 +162,21 @@ def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Ro
         return own.open(entry_dir)
     copies = [manifest.row_file(sidecar_name(part.name, name))
               for part in manifest.data_files[1:]]
-    if any(c is None or len(c.shape) != 2 or c.shape[1] < own.shape[1]
-           or c.dtype != own.dtype for c in copies):
+    if len(own.shape) != 2 or any(c is None or len(c.shape) != 2 or c.dtype != own.dtype
+                                  or c.shape[1] < own.shape[1] for c in copies):
         raise CacheCorruptError(entry_dir / name, "a part's copy is missing or of another "
                                 "layout")
-    return _view(entry_dir, manifest, [own, *copies], width=own.shape[1:])
+    return _view(entry_dir, manifest, [own, *copies], width=own.shape[1])
 
 
 def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any],
-          width: tuple[int, ...] = ()) -> RowView:
+          width: Optional[int] = None) -> RowView:
     """A derived entry's :class:`RowView` over ``records`` (files numbered as its data
-    files are), through its checked row map. ``width``: the row width the entry reads
-    (``(2,)`` identities of a part that holds two more words, its files' digests)."""
+    files are), through its checked row map. ``width``: the words of a row the entry
+    reads, for row files (a part's identities may hold two more, its files' digests)."""
     files = [record.open(entry_dir) for record in records]
-    if width:
-        files = [f[:, :width[0]] for f in files]
+    if width is not None:
+        files = [f[:, :width] for f in files]
     return RowView(files, read_row_map(entry_dir, manifest))
 
 
