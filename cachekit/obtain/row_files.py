@@ -43,7 +43,8 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
                     held: Parts) -> RowFiles:
     """Write the row identities, the data's block digests, (images) the file stats and (a
     derived entry) the row map into the build directory next to its data file, each
-    checksummed as it is written."""
+    checksummed as it is written. A derived entry that decoded none of its rows writes only
+    its row map: its parts' copies of the row files describe every row."""
     shape, dtype = filled.shape, np.dtype(filled.dtype)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
@@ -56,11 +57,12 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
         digests[name] = arrays.write_small(directory, name, array)
         files.append((name, "numpy"))
 
-    write(manifests.ROW_IDS_FILE, rows.ids[own])
-    write(manifests.ROW_BLOCKS_FILE, blocks)
     linked: frozenset[str] = frozenset()
-    if rows.stats is not None:
-        write(manifests.ROW_STATS_FILE, np.asarray(rows.stats[own], dtype="<i8"))
+    if not held.derived or len(held.own_rows):
+        write(manifests.ROW_IDS_FILE, rows.ids[own])
+        write(manifests.ROW_BLOCKS_FILE, blocks)
+        if rows.stats is not None:
+            write(manifests.ROW_STATS_FILE, np.asarray(rows.stats[own], dtype="<i8"))
     if held.derived:
         write(manifests.ROW_MAP_FILE, held.row_map())
         shared = {**dict(zip(held.names, held.records)), **held.sidecars}

@@ -117,9 +117,9 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
     built it sharing rows on their donors' records (the build took the sample): only the
     background check runs."""
     mode = check_mode()
-    record = manifest.row_file(ROW_STATS_FILE)
     entry = (manifest.key, manifest.created)
-    if mode == "off" or record is None or entry in _warned or not manifest.rows:
+    if (mode == "off" or not manifest.has_row_records(ROW_STATS_FILE) or entry in _warned
+            or not manifest.rows):
         return
     caller = _callers_frame()
     if built is None:

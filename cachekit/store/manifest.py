@@ -38,8 +38,8 @@ from ..keys import FORMAT_VERSION, is_key
 from ..small_json import is_number
 from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, MEMOIZE_KIND,
                       ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_MAP_FILE, ROW_STATS_FILE,
-                      FileRecord, Origin, RowReuse, allowed_file_name, count_field,
-                      failed_mask_text, file_name, get_field, is_part_file,
+                      FileRecord, Origin, RowReuse, allowed_file_name, check_rows_files,
+                      count_field, failed_mask_text, file_name, get_field, is_part_file,
                       is_part_name, parse_failed_mask, parse_failure, parse_file_record,
                       parse_origin, parse_reuse, part_name, sidecar_name, SIDECARS)
 
@@ -145,6 +145,23 @@ class Manifest:
         has none (made by an older cachekit, or a memoize entry)."""
         return next((f for f in self.files[1:] if f.name == name and self.kind != MEMOIZE_KIND),
                     None)
+
+    @property
+    def holds_no_row(self) -> bool:
+        """Whether this is a derived entry that decoded none of its rows: every row is a
+        part's, its ``data.npy`` is empty, and it lists no row files of its own (the
+        parts' copies of :data:`SIDECARS` describe its rows)."""
+        return not self.contiguous and self.files[0].shape[:1] == (0,)
+
+    def has_row_records(self, name: str) -> bool:
+        """Whether every row has a record in the row file ``name`` (:data:`SIDECARS`): in
+        the entry's own file, or for an entry that :attr:`holds_no_row`, in every part's
+        copy."""
+        if self.row_file(name) is not None:
+            return True
+        return self.holds_no_row and all(
+            self.row_file(sidecar_name(part.name, name)) is not None
+            for part in self.data_files[1:])
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to ``manifest.json`` (also ``entry.manifest``), without
@@ -278,49 +295,6 @@ def write_at(build: _fs.DirHandle, manifest: Manifest) -> None:
 # Parsing ---------------------------------------------------------------------------------
 
 
-def _check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
-                      fail: Any) -> None:
-    """A contiguous entry's data file holds its rows; a derived entry's row map has one
-    (file, row) pair a row, and its parts rows of the data file's shape and dtype, each
-    named by its checksum and with the row files the entry has, of its rows."""
-    first = files[0]
-    scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
-    row_map = next((f for f in files if f.name == ROW_MAP_FILE), None)
-    if (row_map is not None) != derived:
-        raise fail("a row map comes with parts, and parts with a row map")
-    if not derived:
-        if not scalar and (not first.shape or first.shape[0] != rows):
-            raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
-        return
-    assert row_map is not None
-    if row_map.shape != (rows, 2) or row_map.dtype != "<u4" or not first.shape:
-        raise fail(f"the row map holds {row_map.dtype} {list(row_map.shape)}, not <u4 "
-                   f"[{rows}, 2]")
-    by_name = {f.name: f for f in files}
-    data_parts = [f for f in files if is_part_name(f.name)]
-    wanted = {sidecar_name(p.name, n) for p in data_parts for n in SIDECARS if n in by_name}
-    extra = {f.name for f in files if is_part_file(f.name) and not is_part_name(f.name)}
-    if extra != wanted:
-        raise fail(f"the parts' row files {sorted(extra ^ wanted)[:3]} are missing or extra")
-    for part in data_parts:
-        if (part.shape[1:] != first.shape[1:] or part.dtype != first.dtype or not part.shape
-                or part.name != part_name(part.checksum)):
-            raise fail(f"part {part.name} is not rows of the data's shape and dtype, or "
-                       "not named by its checksum")
-        for row_file in SIDECARS:
-            if row_file in by_name and not _describes(
-                    by_name[sidecar_name(part.name, row_file)], part.shape[0], row_file):
-                raise fail(f"the {row_file} of part {part.name} is not of its rows")
-
-
-def _describes(record: FileRecord, rows: int, row_file: str) -> bool:
-    """Whether ``record`` holds row identities (two or four words) or file stats of
-    ``rows`` rows, as ``row_file`` (:data:`ROW_IDS_FILE`, :data:`ROW_STATS_FILE`) does."""
-    if row_file == ROW_IDS_FILE:
-        return record.dtype == "<u8" and record.shape in ((rows, 2), (rows, 4))
-    return record.dtype == "<i8" and record.shape == (rows, 2)
-
-
 def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     def fail(reason: str) -> CacheCorruptError:
         return CacheCorruptError(path, reason)
@@ -351,7 +325,7 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     if names != expected:
         raise fail(f"a {kind} entry's files must be {expected[:8]}, not {names[:8]}")
     first = files[0]
-    _check_rows_files(files, rows, kind, bool(parts), fail)
+    check_rows_files(files, rows, kind, bool(parts), fail)
     shape = list(first.shape) if not parts else [rows, *first.shape[1:]]
     if raw.get("shape") != shape or raw.get("dtype") != first.dtype:
         raise fail("shape and dtype disagree with the data files'")

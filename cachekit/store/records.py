@@ -1,6 +1,7 @@
 """The typed parts of a manifest, and the checks that parse each from its untrusted JSON:
-the files an entry publishes (:class:`FileRecord`, and the names they may have), a failed
-row, and a per-row entry's reuse record and origin (:class:`RowReuse`, :class:`Origin`).
+the files an entry publishes (:class:`FileRecord`, the names they may have, and how a
+derived entry's row files and parts fit together: :func:`check_rows_files`), a failed row,
+and a per-row entry's reuse record and origin (:class:`RowReuse`, :class:`Origin`).
 :mod:`cachekit.store.manifest` puts them together."""
 
 from __future__ import annotations
@@ -277,3 +278,51 @@ def count_field(value: Any, name: str, fail: Fail) -> int:
         raise fail(f"{name} must be a whole number >= 0, not {value!r}")
     return value
 
+
+def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
+                      fail: Any) -> None:
+    """A contiguous entry's data file holds its rows; a derived entry's row map has one
+    (file, row) pair a row, and its parts rows of the data file's shape and dtype, each
+    named by its checksum and with a copy of each row file the entry has, of its rows (an
+    entry whose data file is empty lists no row files: the copies say which it has)."""
+    first = files[0]
+    scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
+    row_map = next((f for f in files if f.name == ROW_MAP_FILE), None)
+    if (row_map is not None) != derived:
+        raise fail("a row map comes with parts, and parts with a row map")
+    if not derived:
+        if not scalar and (not first.shape or first.shape[0] != rows):
+            raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
+        return
+    assert row_map is not None
+    if row_map.shape != (rows, 2) or row_map.dtype != "<u4" or not first.shape:
+        raise fail(f"the row map holds {row_map.dtype} {list(row_map.shape)}, not <u4 "
+                   f"[{rows}, 2]")
+    by_name = {f.name: f for f in files}
+    data_parts = [f for f in files if is_part_name(f.name)]
+    copies = {f.name for f in files if is_part_file(f.name) and not is_part_name(f.name)}
+    own_rows = first.shape[0]
+    if not own_rows and any(n in by_name for n in (*SIDECARS, ROW_BLOCKS_FILE)):
+        raise fail("an entry that decoded none of its rows lists no row files of its own")
+    kept = [n for n in SIDECARS if n in by_name
+            or (not own_rows and sidecar_name(data_parts[0].name, n) in copies)]
+    wanted = {sidecar_name(p.name, n) for p in data_parts for n in kept}
+    if copies != wanted:
+        raise fail(f"the parts' row files {sorted(copies ^ wanted)[:3]} are missing or extra")
+    for part in data_parts:
+        if (part.shape[1:] != first.shape[1:] or part.dtype != first.dtype or not part.shape
+                or part.name != part_name(part.checksum)):
+            raise fail(f"part {part.name} is not rows of the data's shape and dtype, or "
+                       "not named by its checksum")
+        for row_file in SIDECARS:
+            if row_file in by_name and not _describes(
+                    by_name[sidecar_name(part.name, row_file)], part.shape[0], row_file):
+                raise fail(f"the {row_file} of part {part.name} is not of its rows")
+
+
+def _describes(record: FileRecord, rows: int, row_file: str) -> bool:
+    """Whether ``record`` holds row identities (two or four words) or file stats of
+    ``rows`` rows, as ``row_file`` (:data:`ROW_IDS_FILE`, :data:`ROW_STATS_FILE`) does."""
+    if row_file == ROW_IDS_FILE:
+        return record.dtype == "<u8" and record.shape in ((rows, 2), (rows, 4))
+    return record.dtype == "<i8" and record.shape == (rows, 2)

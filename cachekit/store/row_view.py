@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _fs, arrays
 from ..errors import CacheCorruptError
-from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, Manifest, sidecar_name
+from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, FileRecord, Manifest, sidecar_name
 
 GATHER_ROWS = 4096
 """Rows whose files are looked up per step of a gather."""
@@ -155,28 +155,53 @@ def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Ro
     rows are: the file itself for a contiguous entry, a :class:`RowView` over the
     entry's own file and its parts' copies for a derived one; None when there is none.
     Nothing is read until rows are asked for (a hit checks a sample of the stats)."""
-    own = manifest.row_file(name)
-    if own is None:
-        return None
     if manifest.contiguous:
-        return own.open(entry_dir)
+        own = manifest.row_file(name)
+        return None if own is None else own.open(entry_dir)
+    found = _derived_row_files(entry_dir, manifest, name)
+    if found is None:
+        return None
+    own, copies, width = found
+    files = [_nothing(copies[0], width) if own is None else own.open(entry_dir),
+             *(copy.open(entry_dir) for copy in copies)]
+    return RowView([f[:, :width] for f in files], read_row_map(entry_dir, manifest))
+
+
+def _derived_row_files(entry_dir: Path, manifest: Manifest, name: str
+                       ) -> Optional[tuple[Optional[FileRecord], list[FileRecord], int]]:
+    """Of the derived entry's row file ``name``: its own record (None for an entry that
+    holds no row of its own), its parts' copies, and the words of a row the entry reads
+    (a part's identities may hold two more, its files' digests); None when its rows have
+    no such file. CacheCorruptError when a copy is missing or of another layout."""
+    if not manifest.has_row_records(name):
+        return None
+    own = manifest.row_file(name)
     copies = [manifest.row_file(sidecar_name(part.name, name))
               for part in manifest.data_files[1:]]
-    if len(own.shape) != 2 or any(c is None or len(c.shape) != 2 or c.dtype != own.dtype
-                                  or c.shape[1] < own.shape[1] for c in copies):
+    if own is not None and (len(own.shape) != 2
+                            or own.shape[:1] != manifest.files[0].shape[:1]):
+        raise CacheCorruptError(entry_dir / name, f"holds {list(own.shape)}, not a record of "
+                                "each row of the data file")
+    present = [copy for copy in copies if copy is not None and len(copy.shape) == 2]
+    if len(present) != len(copies):
         raise CacheCorruptError(entry_dir / name, "a part's copy is missing or of another "
                                 "layout")
-    return _view(entry_dir, manifest, [own, *copies], width=own.shape[1])
+    first = own if own is not None else present[0]
+    width = first.shape[1] if own is not None else min(copy.shape[1] for copy in present)
+    if any(copy.dtype != first.dtype or copy.shape[1] < width for copy in present):
+        raise CacheCorruptError(entry_dir / name, "a part's copy is of another layout")
+    return own, present, width
 
 
-def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any],
-          width: Optional[int] = None) -> RowView:
+def _nothing(like: FileRecord, width: int) -> np.ndarray:
+    """The rows an entry that holds none of its own has in a row file: none."""
+    return np.empty((0, width), dtype=like.np_dtype)
+
+
+def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any]) -> RowView:
     """A derived entry's :class:`RowView` over ``records`` (files numbered as its data
-    files are), through its checked row map. ``width``: the words of a row the entry
-    reads, for row files (a part's identities may hold two more, its files' digests)."""
+    files are), through its checked row map."""
     files = [record.open(entry_dir) for record in records]
-    if width is not None:
-        files = [f[:, :width] for f in files]
     return RowView(files, read_row_map(entry_dir, manifest))
 
 
@@ -209,26 +234,26 @@ def read_row_file(directory: _fs.DirHandle, manifest: Manifest, name: str,
     none. A derived entry's are gathered through its row map (``where``, read when not
     given) from its own file, of the rows it decoded, and its parts' copies of theirs;
     identities keep the entry's own width (a part's may hold two more words)."""
-    own = manifest.row_file(name)
-    if own is None:
-        return None
-    if own.shape[:1] != manifest.files[0].shape[:1] or len(own.shape) != 2:
-        raise CacheCorruptError(directory.path / name, f"holds {list(own.shape)}, not a "
-                                "record of each row of the data file")
     if manifest.contiguous:
+        own = manifest.row_file(name)
+        if own is None:
+            return None
+        if own.shape[:1] != manifest.files[0].shape[:1] or len(own.shape) != 2:
+            raise CacheCorruptError(directory.path / name, f"holds {list(own.shape)}, not a "
+                                    "record of each row of the data file")
         return _read_small(directory, own)
+    found = _derived_row_files(directory.path, manifest, name)
+    if found is None:
+        return None
+    own, copies, width = found
     where = row_map_at(directory, manifest) if where is None else where
-    pieces = [_read_small(directory, own)]
-    for part in manifest.data_files[1:]:
-        record = manifest.row_file(sidecar_name(part.name, name))
-        if record is None or record.shape[1] < own.shape[1] or record.dtype != own.dtype:
-            raise CacheCorruptError(directory.path / part.name, f"has no {name} of its rows")
-        pieces.append(_read_small(directory, record))
-    out = np.empty((manifest.rows, own.shape[1]), dtype=own.np_dtype)
+    pieces = [_nothing(copies[0], width) if own is None else _read_small(directory, own),
+              *(_read_small(directory, copy) for copy in copies)]
+    out = np.empty((manifest.rows, width), dtype=pieces[0].dtype)
     files = where[:, 0]
     for index, piece in enumerate(pieces):
         here = np.flatnonzero(files == index)
-        out[here] = piece[where[here, 1].astype(np.intp), :own.shape[1]]
+        out[here] = piece[where[here, 1].astype(np.intp), :width]
     return out
 
 

@@ -470,12 +470,12 @@ MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], nam
 
 
 def test_pinned_keys_of_both_backends(tmp_path: Path) -> None:
-    # test_cache pins the same call with backend="pil": the key v1 gave it
+    # test_cache pins the same call with backend="pil" (entry format 4's keys)
     cache = cachekit.Cache(tmp_path / "cache")
     assert cache.images(MISSING, (8, 6), on_error="zero").key == \
-        "3eb447fb901d222d30654188789e7415"
+        "414c520555fadc2845e751eb83de116b"
     assert cache.images(MISSING, (8, 6), on_error="zero", backend="pil").key == \
-        "a55eb134283bb059ee69bbef836c0787"
+        "907ff64860bd619b014ed33d861eb75b"
 
 
 def test_an_unknown_backend_is_refused(tmp_path: Path, covered: dict[str, str]) -> None:

@@ -73,7 +73,8 @@ def test_folds_and_an_append_store_only_their_new_rows_and_link_the_full_entry(
         assert (fold.rows_decoded, fold.rows_reused) == (0, len(fold))
         files = data_files(fold)
         assert own_rows(fold) == 0 and len(files) == 2
-        assert np.load(fold.path / manifests.ROW_IDS_FILE).shape == (0, 2)  # own rows only
+        assert not any((fold.path / name).exists() for name in (  # its parts' copies say all
+            manifests.ROW_IDS_FILE, manifests.ROW_BLOCKS_FILE, manifests.ROW_STATS_FILE))
         assert {p.name for p in fold.path.iterdir() if p.stat().st_ino in inodes} == {
             *files.keys() - {manifests.DATA_FILE},
             *(manifests.sidecar_name(next(n for n in files if n != manifests.DATA_FILE), r)
@@ -275,11 +276,24 @@ def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, p
 
 
 def test_a_part_without_its_row_files_is_corrupt(cache, pictures):
-    cache.images(column(pictures, range(N)), 8)
-    fold = cache.images(column(pictures, range(0, 30)), 8)
+    cache.images(column(pictures, range(N - 1)), 8)
+    fold = cache.images(column(pictures, range(N - 30, N)), 8)  # one row of its own
+    assert own_rows(fold) == 1
     raw = json.loads((fold.path / manifests.MANIFEST_FILE).read_text())
     raw["files"] = [f for f in raw["files"] if not f["name"].endswith(".stats.npy")]
     with pytest.raises(cachekit.CacheCorruptError, match="missing or extra"):
+        manifests.Manifest.from_json(raw, fold.path)
+
+
+def test_an_entry_that_decoded_none_of_its_rows_lists_no_row_file_of_its_own(cache, pictures):
+    """Its parts' copies describe every row; a row file of its own would describe none."""
+    full = cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, 30)), 8)
+    assert own_rows(fold) == 0
+    raw = json.loads((fold.path / manifests.MANIFEST_FILE).read_text())
+    ids = next(f for f in full.manifest["files"] if f["name"] == manifests.ROW_IDS_FILE)
+    raw["files"].insert(1, {**ids, "shape": [0, 2]})
+    with pytest.raises(cachekit.CacheCorruptError, match="no row files of its own"):
         manifests.Manifest.from_json(raw, fold.path)
 
 
