@@ -280,7 +280,7 @@ def count_field(value: Any, name: str, fail: Fail) -> int:
 
 
 def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
-                      fail: Any) -> None:
+                     fail: Any) -> None:
     """A contiguous entry's data file holds its rows; a derived entry's row map has one
     (file, row) pair a row, and its parts rows of the data file's shape and dtype, each
     named by its checksum and with a copy of each row file the entry has, of its rows (an
@@ -314,9 +314,9 @@ def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derive
                 or part.name != part_name(part.checksum)):
             raise fail(f"part {part.name} is not rows of the data's shape and dtype, or "
                        "not named by its checksum")
-        for row_file in SIDECARS:
-            if row_file in by_name and not _describes(
-                    by_name[sidecar_name(part.name, row_file)], part.shape[0], row_file):
+        for row_file in kept:
+            if not _describes(by_name[sidecar_name(part.name, row_file)], part.shape[0],
+                              row_file):
                 raise fail(f"the {row_file} of part {part.name} is not of its rows")
 
 

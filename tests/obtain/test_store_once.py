@@ -292,9 +292,14 @@ def test_an_entry_that_decoded_none_of_its_rows_lists_no_row_file_of_its_own(cac
     assert own_rows(fold) == 0
     raw = json.loads((fold.path / manifests.MANIFEST_FILE).read_text())
     ids = next(f for f in full.manifest["files"] if f["name"] == manifests.ROW_IDS_FILE)
+    listed = [dict(f) for f in raw["files"]]
     raw["files"].insert(1, {**ids, "shape": [0, 2]})
     with pytest.raises(cachekit.CacheCorruptError, match="no row files of its own"):
         manifests.Manifest.from_json(raw, fold.path)
+    stats = next(f for f in listed if f["name"].endswith(".stats.npy"))
+    stats["shape"] = [7, 2]  # the copies are checked all the same
+    with pytest.raises(cachekit.CacheCorruptError, match="not of its rows"):
+        manifests.Manifest.from_json({**raw, "files": listed}, fold.path)
 
 
 def test_a_part_not_named_by_its_checksum_is_corrupt(cache, pictures):
