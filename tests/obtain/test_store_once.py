@@ -129,6 +129,19 @@ def test_a_derived_entry_of_a_derived_entry_links_the_same_files(cache, pictures
                                   fresh(tmp_path, column(pictures, range(1, 120, 2))))
 
 
+def test_a_fold_that_decoded_nothing_lends_its_rows_once_the_full_entry_is_gone(
+        cache, pictures, tmp_path):
+    """It lists no row files of its own: its parts' copies name its rows to later builds."""
+    full = cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, N, 2)), 8)
+    assert own_rows(fold) == 0 and not (fold.path / manifests.ROW_IDS_FILE).exists()
+    assert len(cache.clear(full.key).removed) == 1
+    again = cache.images(column(pictures, range(0, N, 4)), 8)
+    assert (again.rows_decoded, again.rows_reused) == (0, len(again))
+    np.testing.assert_array_equal(np.asarray(again.array),
+                                  fresh(tmp_path, column(pictures, range(0, N, 4))))
+
+
 def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_path):
     import warnings
 
