@@ -253,6 +253,13 @@ def same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def file_version(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another: the file (device, inode) and its
+    size and mtime (a write changes the mtime, a rename the inode). Not the ctime, which
+    every new hard link to the file changes."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def private_dir_mode() -> int:
     """A build directory's mode as ``mkdir`` is given it: no write for group or others,
     whatever the umask (members of a shared cache's group must not plant files in

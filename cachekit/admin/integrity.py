@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .. import arrays
+from .. import _fs, arrays
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
 from .inspect import Problem, list_entries, resolve_keys, stored_bytes
@@ -62,8 +62,7 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None
             read_row_map(path, manifest)
         for record in manifest.files:
             record.open(path)  # checks the .npy header and the size
-            st = os.lstat(path / record.name)
-            seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            seen = _fs.file_version(os.lstat(path / record.name))
             if seen not in hashed:
                 hashed[seen] = arrays.checksum(path / record.name)[1]
             actual = hashed[seen]

@@ -280,7 +280,7 @@ def count_field(value: Any, name: str, fail: Fail) -> int:
 
 
 def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
-                     fail: Any) -> None:
+                     fail: Fail) -> None:
     """A contiguous entry's data file holds its rows; a derived entry's row map has one
     (file, row) pair a row, and its parts rows of the data file's shape and dtype, each
     named by its checksum and with a copy of each row file the entry has, of its rows (an
@@ -304,9 +304,9 @@ def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derive
     own_rows = first.shape[0]
     if not own_rows and any(n in by_name for n in (*SIDECARS, ROW_BLOCKS_FILE)):
         raise fail("an entry that decoded none of its rows lists no row files of its own")
-    kept = [n for n in SIDECARS if n in by_name
-            or (not own_rows and sidecar_name(data_parts[0].name, n) in copies)]
-    wanted = {sidecar_name(p.name, n) for p in data_parts for n in kept}
+    described = [n for n in SIDECARS if n in by_name
+                 or (not own_rows and sidecar_name(data_parts[0].name, n) in copies)]
+    wanted = {sidecar_name(p.name, n) for p in data_parts for n in described}
     if copies != wanted:
         raise fail(f"the parts' row files {sorted(copies ^ wanted)[:3]} are missing or extra")
     for part in data_parts:
@@ -314,7 +314,7 @@ def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derive
                 or part.name != part_name(part.checksum)):
             raise fail(f"part {part.name} is not rows of the data's shape and dtype, or "
                        "not named by its checksum")
-        for row_file in kept:
+        for row_file in described:
             if not _describes(by_name[sidecar_name(part.name, row_file)], part.shape[0],
                               row_file):
                 raise fail(f"the {row_file} of part {part.name} is not of its rows")

@@ -175,13 +175,9 @@ def _derived_row_files(entry_dir: Path, manifest: Manifest, name: str
     no such file. CacheCorruptError when a copy is missing or of another layout."""
     if not manifest.has_row_records(name):
         return None
-    own = manifest.row_file(name)
+    own = _own_row_file(entry_dir, manifest, name)
     copies = [manifest.row_file(sidecar_name(part.name, name))
               for part in manifest.data_files[1:]]
-    if own is not None and (len(own.shape) != 2
-                            or own.shape[:1] != manifest.files[0].shape[:1]):
-        raise CacheCorruptError(entry_dir / name, f"holds {list(own.shape)}, not a record of "
-                                "each row of the data file")
     present = [copy for copy in copies if copy is not None and len(copy.shape) == 2]
     if len(present) != len(copies):
         raise CacheCorruptError(entry_dir / name, "a part's copy is missing or of another "
@@ -191,6 +187,17 @@ def _derived_row_files(entry_dir: Path, manifest: Manifest, name: str
     if any(copy.dtype != first.dtype or copy.shape[1] < width for copy in present):
         raise CacheCorruptError(entry_dir / name, "a part's copy is of another layout")
     return own, present, width
+
+
+def _own_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[FileRecord]:
+    """The record of the entry's own row file ``name``, if it lists one: a record of each
+    row of its data file, or CacheCorruptError."""
+    own = manifest.row_file(name)
+    if own is not None and (len(own.shape) != 2
+                            or own.shape[:1] != manifest.files[0].shape[:1]):
+        raise CacheCorruptError(entry_dir / name, f"holds {list(own.shape)}, not a record of "
+                                "each row of the data file")
+    return own
 
 
 def _nothing(like: FileRecord, width: int) -> np.ndarray:
@@ -235,13 +242,8 @@ def read_row_file(directory: _fs.DirHandle, manifest: Manifest, name: str,
     given) from its own file, of the rows it decoded, and its parts' copies of theirs;
     identities keep the entry's own width (a part's may hold two more words)."""
     if manifest.contiguous:
-        own = manifest.row_file(name)
-        if own is None:
-            return None
-        if own.shape[:1] != manifest.files[0].shape[:1] or len(own.shape) != 2:
-            raise CacheCorruptError(directory.path / name, f"holds {list(own.shape)}, not a "
-                                    "record of each row of the data file")
-        return _read_small(directory, own)
+        own = _own_row_file(directory.path, manifest, name)
+        return None if own is None else _read_small(directory, own)
     found = _derived_row_files(directory.path, manifest, name)
     if found is None:
         return None

@@ -110,7 +110,8 @@ class _Checked:
     stats: Optional[np.ndarray]
     where: Optional[np.ndarray]
     files: tuple[tuple[Any, ...], ...]
-    """Each row file's :func:`_file_stamp`, taken before the files were read."""
+    """Each row file's :func:`cachekit._fs.file_version`, taken before the files were
+    read."""
 
     @property
     def nbytes(self) -> int:
@@ -185,7 +186,7 @@ def _stamp(entry: _fs.DirHandle, key: str) -> tuple[Any, ...]:
     directory = os.fstat(entry.fd)
     secret = signing.key()
     return (key, directory.st_dev, directory.st_ino,
-            _file_stamp(entry.lstat(manifests.MANIFEST_FILE)),
+            _fs.file_version(entry.lstat(manifests.MANIFEST_FILE)),
             None if secret is None else hashlib.sha256(secret).digest())
 
 
@@ -193,11 +194,8 @@ def _row_file_stamps(entry: _fs.DirHandle, manifest: Manifest) -> tuple[tuple[An
     """The stamps of the files of ``manifest`` that are not data files (the row files that
     are read whole), in its order."""
     data = {f.name for f in manifest.data_files}
-    return tuple(_file_stamp(entry.lstat(f.name)) for f in manifest.files if f.name not in data)
-
-
-def _file_stamp(st: os.stat_result) -> tuple[int, ...]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return tuple(_fs.file_version(entry.lstat(f.name)) for f in manifest.files
+                 if f.name not in data)
 
 
 def _remember(stamp: tuple[Any, ...], checked: _Checked) -> None:
