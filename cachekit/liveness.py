@@ -104,10 +104,13 @@ class Heartbeat:
         self._beating = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
-    def start(self) -> "Heartbeat":
+    def start(self, *, at_once: bool = True) -> "Heartbeat":
+        """Beat now (unless not ``at_once``: the first beat then comes an interval later)
+        and on the timer from then on."""
         if self.where is not None:
             _BEATING_HERE.add(self.where)
-        self.beat_now()
+        if at_once:
+            self.beat_now()
         if self.may_block:
             self._thread = threading.Thread(target=self._run, name="cachekit-heartbeat",
                                             daemon=True)

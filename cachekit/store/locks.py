@@ -7,8 +7,9 @@ A lock only saves duplicate work; correctness never depends on it (the atomic co
 ``os`` (default)
     ``filelock.FileLock``: flock(2), released by the kernel when its holder dies. Right for
     local disks and for network filesystems whose locks work. Its holder also keeps a
-    record ``KEY.lock.holder`` (owner; its mtime a heartbeat), so that a waiter can tell a
-    holder that works from a process that only sits on the lock.
+    record ``KEY.lock.holder`` (owner; its mtime a heartbeat) from a lease / 4 after it took
+    the lock, so that a waiter can tell a holder that works from a process that only sits
+    on the lock.
 ``soft``
     A lock file created with O_EXCL that records its owner (host, pid) and whose mtime the
     holder refreshes from a heartbeat thread. It is stale, and taken over, when its holder
@@ -86,9 +87,9 @@ class BuildLock:
 class OsLock(BuildLock):
     """flock(2) through filelock; the lock file respects the umask (for shared caches).
 
-    Holding it, the holder keeps ``KEY.lock.holder``: its owner record, the mtime refreshed
-    by a heartbeat on the open file (written through a handle on the lock folder, replaced
-    by rename, never written through a name)."""
+    Holding it for more than a lease / 4, the holder keeps ``KEY.lock.holder``: its owner
+    record, the mtime refreshed by a heartbeat on the open file (written through a handle on
+    the lock folder, replaced by rename, never written through a name)."""
 
     def __init__(self, path: Path) -> None:
         import filelock  # here: a hit takes no lock, and filelock takes 15 ms to import
@@ -117,10 +118,7 @@ class OsLock(BuildLock):
             raise CacheCorruptError(self.path, f"the lock file is a symlink or not a file "
                                     f"({e.strerror})", "remove it, and cachekit makes a new "
                                     "one") from None
-        try:
-            self._record = _HolderRecord.write(self.holder_path)
-        except OSError:
-            self._record = None  # waiters then go on without us after a lease: slower, safe
+        self._record = _HolderRecord(self.holder_path)
         return True
 
     def release(self) -> None:
@@ -285,22 +283,39 @@ class SoftLock(BuildLock):
 
 
 class _HolderRecord:
-    """The OS lock holder's record: written as a fresh file, renamed over the last holder's,
-    and beating until removed."""
+    """The OS lock holder's record: written as a fresh file by its heartbeat's first beat,
+    renamed over the last holder's, and beating until removed.
 
-    def __init__(self, folder: _fs.DirHandle, name: str, fd: int) -> None:
-        self.folder, self.name, self.fd = folder, name, fd
-        self.heartbeat = liveness.Heartbeat(liveness.touch(fd)).start()
+    The first beat comes a lease / 4 after the lock is taken, well before a waiter asks
+    (a waiter first looks for a sign of life a lease after it began to wait), so a lock held
+    for less than that, such as by a build that decodes no row, writes no record: each file
+    made costs a metadata write, which on a busy or network filesystem is the bulk of such a
+    build's time. A record that cannot be written is tried again at the next beat; without
+    one, waiters go on without us after a lease (slower, and safe)."""
 
-    @classmethod
-    def write(cls, path: Path) -> "_HolderRecord":
-        folder = _fs.DirHandle.open(path.parent)
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.folder: Optional[_fs.DirHandle] = None
+        self.fd: Optional[int] = None
+        self.heartbeat = liveness.Heartbeat(self._beat).start(at_once=False)
+
+    def _beat(self) -> None:
+        if self.fd is not None:
+            liveness.touch(self.fd)()
+            return
         try:
-            tmp = f".{path.name}.{_fs.unique_suffix()}.tmp"
+            self._write()
+        except OSError:
+            pass  # tried again at the next beat
+
+    def _write(self) -> None:
+        folder = _fs.DirHandle.open(self.path.parent)
+        try:
+            tmp = f".{self.path.name}.{_fs.unique_suffix()}.tmp"
             fd = folder.create(tmp, _fs.file_mode())
             try:
                 os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
-                os.rename(tmp, path.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
+                os.rename(tmp, self.path.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
             except BaseException:
                 os.close(fd)
                 folder.unlink(tmp)
@@ -308,18 +323,22 @@ class _HolderRecord:
         except BaseException:
             folder.close()
             raise
-        return cls(folder, path.name, fd)
+        self.folder, self.fd = folder, fd
 
     def remove(self) -> None:
+        """Stop beating and remove the record, if one was written and is still ours."""
         self.heartbeat.stop()
+        if self.folder is None or self.fd is None:
+            return
         try:
-            if _fs.same_file(self.folder.lstat(self.name), os.fstat(self.fd)):
-                self.folder.unlink(self.name)
+            if _fs.same_file(self.folder.lstat(self.path.name), os.fstat(self.fd)):
+                self.folder.unlink(self.path.name)
         except OSError:
             pass  # replaced or gone: a stale record only lets waiters go on after a lease
         finally:
             os.close(self.fd)
             self.folder.close()
+            self.folder = self.fd = None
 
 
 def make_lock(path: Path, kind: Optional[str] = None) -> BuildLock:

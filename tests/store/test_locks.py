@@ -144,6 +144,59 @@ def test_a_live_holders_heartbeat_keeps_its_soft_lock_until_it_is_killed(tmp_pat
     waiter.release()
 
 
+OS_HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from cachekit.store import locks
+
+    lock = locks.OsLock(Path(sys.argv[1]))
+    assert lock.acquire(timeout=10)
+    Path(sys.argv[2]).touch()
+    time.sleep(3600)
+""")
+
+
+def test_an_os_lock_held_briefly_writes_no_holder_record(tmp_path):
+    """A build that decodes nothing holds its lock for milliseconds: no record file is made
+    (the first beat, which writes it, comes a lease / 4 after the lock is taken)."""
+    lock = locks.OsLock(tmp_path / "k.lock")
+    assert lock.acquire(timeout=0)
+    assert not lock.holder_path.exists()
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lock"]
+
+
+def test_an_os_lock_holder_shows_a_heartbeat_within_a_lease_until_it_is_killed(
+        tmp_path, monkeypatch):
+    """What a waiter asks a lock of: its holder's record appears within a quarter lease,
+    keeps beating, is this user's, and stops beating once the holder is killed."""
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.8")
+    path, ready = tmp_path / "k.lock", tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", OS_HOLDER, str(path), str(ready)])
+    waiter = locks.OsLock(path)
+    try:
+        while not ready.exists():
+            assert holder.poll() is None
+            time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while not waiter.holder_alive():
+            assert time.monotonic() < deadline, "no holder record appeared"
+            time.sleep(0.05)
+        assert waiter.holder_is_ours()
+        assert json.loads(waiter.holder_path.read_text())["pid"] == holder.pid
+        first_beat = os.stat(waiter.holder_path).st_mtime_ns
+        while os.stat(waiter.holder_path).st_mtime_ns == first_beat:
+            assert time.monotonic() < deadline, "the holder record never beat again"
+            time.sleep(0.05)
+        assert not waiter.acquire(timeout=0)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert not waiter.holder_alive()  # a dead local pid
+    assert waiter.acquire(timeout=0)
+    waiter.release()
+
+
 def test_a_waiter_that_moved_a_live_lock_aside_puts_it_back(tmp_path):
     """Two waiters judged the same stale file; the second finds a new live lock in its place."""
     path = tmp_path / "k.lock.soft"
