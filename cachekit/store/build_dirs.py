@@ -2,8 +2,9 @@
 as another process sees it (:class:`BuildState`: whose, how far, alive or dead).
 
 A build directory holds ``state.json`` (the build's record: owner, key, cachekit version,
-the CPUs its builder may run on and how many rows it runs at once, progress), ``heartbeat``
-(its mtime is the builder's heartbeat, see :mod:`cachekit.liveness`), the data files, and
+the CPUs its builder may run on and how many rows it runs at once, progress) and
+``heartbeat`` (its mtime is the builder's heartbeat, see :mod:`cachekit.liveness`) once the
+build has something to say (see :class:`BuildDir`), the data files, and
 whatever working files the builder keeps next to them (a per-row fill's chunk journal,
 through which joiners of the same user fill chunks of it too). Its name is
 ``KEY.HOST.PID.UUID``.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,24 +90,61 @@ class BuildState:
 class BuildDir:
     """A build directory this process owns, open as ``dir``: every file of the build is made
     through that handle. Its heartbeat beats from :meth:`LocalStore.begin` until it is
-    committed, abandoned or discarded."""
+    committed, abandoned or discarded.
+
+    Its record (``state.json``) and ``heartbeat`` file are written when it first has
+    something to say: the CPUs a fill runs on (before anyone can join it), its progress, or
+    its heartbeat's first beat, a lease / 4 after it began. Until then another process
+    knows its owner from its name and takes the directory's mtime (set by the mkdir) for
+    its heartbeat. A build that decodes nothing, a fold of rows other entries hold, is done
+    long before, and makes neither file: each costs a create and an unlink, and on a busy or
+    network filesystem such metadata writes are most of that build's time."""
 
     def __init__(self, key: str, tmp: _fs.DirHandle, name: str, directory: _fs.DirHandle,
-                 record: dict[str, Any], beat_fd: int) -> None:
+                 record: dict[str, Any]) -> None:
         self.key = key
         self.name = name
         self.tmp = tmp
         self.dir = directory
         self.path = directory.path
         self.record = record
-        self._beat_fd: Optional[int] = beat_fd
+        self._beat_fd: Optional[int] = None
+        self._recorded = False
+        self._writing = threading.Lock()
+        """Held while the record is changed or written: the first beat, on the heartbeat
+        thread, may write it as the build writes its progress."""
         self._progress_written = -math.inf
-        self._heartbeat = liveness.Heartbeat(liveness.touch(beat_fd), where=self.path).start()
+        self._heartbeat = liveness.Heartbeat(self._beat, where=self.path).start(at_once=False)
         self.resume_from: list[_fs.DirHandle] = []
         """Dead builds claimed to resume from (``resumed.N`` inside this directory)."""
         self.unsynced: list[str] = []
         """Files sealed but not fsynced yet: the commit fsyncs them with the manifest and
         the directory, all at once (:mod:`cachekit.flushing`)."""
+
+    def _beat(self) -> None:
+        """One heartbeat: the first writes the record and the heartbeat file."""
+        try:
+            self._write_record()
+        except (OSError, BuildGone):
+            return  # tried again at the next beat
+        if self._beat_fd is not None:
+            liveness.touch(self._beat_fd)()
+
+    def _write_record(self, **changes: Any) -> None:
+        """Update the record with ``changes`` and write it (with the heartbeat file, the
+        first time); BuildGone once the directory is gone (taken over while we were
+        paused)."""
+        with self._writing:
+            if self._recorded and not changes:
+                return
+            self.record.update(changes)
+            try:
+                if self._beat_fd is None and not self._recorded:
+                    self._beat_fd = self.dir.create(HEARTBEAT_FILE)
+                self.dir.replace_json(STATE_FILE, self.record)
+            except FileNotFoundError:
+                raise BuildGone(str(self.path)) from None
+            self._recorded = True
 
     def still_ours(self) -> bool:
         """Whether ``tmp/NAME`` is still this build's directory: False once another process
@@ -128,11 +167,7 @@ class BuildDir:
         """Record the CPUs this process may run on and how many rows its build runs at once
         (``workers``), before the build can be joined: a joiner on this host joins only
         with the cores these leave free (see :mod:`cachekit.engine.filling.cores`)."""
-        self.record.update(cpus=sorted(_fs.cpu_affinity()), workers=workers)
-        try:
-            self.dir.replace_json(STATE_FILE, self.record)
-        except FileNotFoundError:
-            raise BuildGone(str(self.path)) from None  # taken over while we were paused
+        self._write_record(cpus=sorted(_fs.cpu_affinity()), workers=workers)
 
     def progress(self, done: int, total: int) -> None:
         """Record rows done, for the messages of processes that wait for this build: at most
@@ -142,11 +177,7 @@ class BuildDir:
         if done < total and now - self._progress_written < PROGRESS_SECONDS:
             return
         self._progress_written = now
-        self.record.update(done=done, total=total, updated=time.time())
-        try:
-            self.dir.replace_json(STATE_FILE, self.record)
-        except FileNotFoundError:
-            raise BuildGone(str(self.path)) from None  # taken over while we were paused
+        self._write_record(done=done, total=total, updated=time.time())
 
     def beat_on_directory(self) -> None:
         """Make the directory's own mtime the heartbeat, which is what another process reads

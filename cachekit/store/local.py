@@ -27,8 +27,7 @@ from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
 from ..keys import is_key
 from ..messages import say
-from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, STATE_FILE, BuildDir, BuildState, \
-    read_state
+from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, BuildDir, BuildState, read_state
 from .layout import Layout, Published, Refused, check_root
 from .manifest import FileRecord, Manifest
 from .temp_names import build_dir_name, parse_build_dir_name, trash_name
@@ -173,7 +172,7 @@ class LocalStore:
             itself = os.fstat(directory.fd)
             try:
                 heartbeat = directory.lstat(HEARTBEAT_FILE).st_mtime
-            except FileNotFoundError:  # between making the directory and the file
+            except FileNotFoundError:  # a build that has not yet written its record
                 heartbeat = itself.st_mtime
         uid = itself.st_uid
         owner = record if record and "host" in record and "pid" in record else \
@@ -193,17 +192,9 @@ class LocalStore:
         except BaseException:
             tmp.close()
             raise
-        try:
-            beat_fd = directory.create(HEARTBEAT_FILE)
-            record = {"key": key, "format": manifests.FORMAT_VERSION,
-                      "cachekit_version": __version__, **processes.owner(), "started": time.time()}
-            directory.replace_json(STATE_FILE, record)
-        except BaseException:
-            tmp.remove_tree(name)
-            directory.close()
-            tmp.close()
-            raise
-        return BuildDir(key, tmp, name, directory, record, beat_fd)
+        record = {"key": key, "format": manifests.FORMAT_VERSION,
+                  "cachekit_version": __version__, **processes.owner(), "started": time.time()}
+        return BuildDir(key, tmp, name, directory, record)
 
     def open_build_dir(self, state: BuildState) -> _fs.DirHandle:
         """Open another process's build directory to read it (never a symlink)."""

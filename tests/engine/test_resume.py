@@ -27,7 +27,7 @@ import cachekit
 from cachekit import LockTimeout
 from cachekit import _fs, arrays
 from cachekit.store import manifest as manifests
-from cachekit.store import local
+from cachekit.store import build_dirs, local
 
 from helpers import chunk_journal, done_chunks, rows_not_done, small_chunks
 
@@ -72,7 +72,7 @@ def interrupted(root: Path, stop_at: int, on_error: str = "raise") -> Path:
 
 
 def record(build_dir: Path) -> dict:
-    return json.loads((build_dir / local.STATE_FILE).read_text())
+    return json.loads((build_dir / build_dirs.STATE_FILE).read_text())
 
 
 def rewrite(path: Path, **changes) -> None:
@@ -146,13 +146,13 @@ def test_failed_rows_of_done_chunks_stay_failed_after_resuming(cache_root):
 
 
 TAMPERING = {
-    "record of another key": lambda d: rewrite(d / local.STATE_FILE, key="0" * 32),
-    "record of another version": lambda d: rewrite(d / local.STATE_FILE,
+    "record of another key": lambda d: rewrite(d / build_dirs.STATE_FILE, key="0" * 32),
+    "record of another version": lambda d: rewrite(d / build_dirs.STATE_FILE,
                                                     cachekit_version="0.0.0"),
-    "record of another format": lambda d: rewrite(d / local.STATE_FILE, format=99),
-    "record missing": lambda d: (d / local.STATE_FILE).unlink(),
-    "record not JSON": lambda d: (d / local.STATE_FILE).write_text("{not json"),
-    "record a list": lambda d: (d / local.STATE_FILE).write_text("[1, 2]"),
+    "record of another format": lambda d: rewrite(d / build_dirs.STATE_FILE, format=99),
+    "record missing": lambda d: (d / build_dirs.STATE_FILE).unlink(),
+    "record not JSON": lambda d: (d / build_dirs.STATE_FILE).write_text("{not json"),
+    "record a list": lambda d: (d / build_dirs.STATE_FILE).write_text("[1, 2]"),
     "chunk journal missing": lambda d: shutil.rmtree(chunk_journal(d)),
     "chunk journal a symlink": lambda d: _symlink_journal(d),
     "plan missing": lambda d: plan_file(d).unlink(),
@@ -241,9 +241,9 @@ def live_process() -> Iterator[subprocess.Popen]:
 def as_owner(build_dir: Path, heartbeat_age: float = 0.0, **owner) -> None:
     """Make the build's record say ``owner`` is building (not abandoned), with its last heartbeat
     ``heartbeat_age`` seconds ago."""
-    rewrite(build_dir / local.STATE_FILE, abandoned=None, pidns=None, start=None, **owner)
+    rewrite(build_dir / build_dirs.STATE_FILE, abandoned=None, pidns=None, start=None, **owner)
     beat = time.time() - heartbeat_age
-    os.utime(build_dir / local.HEARTBEAT_FILE, (beat, beat))
+    os.utime(build_dir / build_dirs.HEARTBEAT_FILE, (beat, beat))
 
 
 LEASE = 60.0  # the default lease (CACHEKIT_LOCK_LEASE unset)
@@ -362,7 +362,7 @@ def test_build_directories_that_are_symlinks_are_never_followed(cache_root, tmp_
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
-    (outside / local.STATE_FILE).write_text(json.dumps({"abandoned": True}))
+    (outside / build_dirs.STATE_FILE).write_text(json.dumps({"abandoned": True}))
     os.symlink(outside, cache_root / "tmp" / f"{key}.host.1.bbbb")
     again = run(cache_root)
     np.testing.assert_array_equal(np.asarray(again.array), EXPECTED)

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from cachekit import CacheCorruptError, _fs, arrays, liveness
+import cachekit
+from cachekit import CacheCorruptError, _fs, arrays, liveness, processes
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
 from cachekit.store.build_dirs import HEARTBEAT_FILE, STATE_FILE
@@ -36,8 +37,12 @@ def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_ro
     store = LocalStore(cache_root)
     build = started(store)
     (state,) = store.builds(KEY)
-    assert state.alive and state.path == build.path
+    assert state.alive and state.path == build.path and state.owner["pid"] == os.getpid()
     assert os.stat(build.path).st_mode & 0o022 == 0  # private: no group or other write
+    assert not {HEARTBEAT_FILE, STATE_FILE} & set(os.listdir(build.path))  # nothing said yet
+    build.progress(3, 3)
+    (state,) = store.builds(KEY)
+    assert state.alive and state.same_version and state.record["done"] == 3
     assert {HEARTBEAT_FILE, STATE_FILE} <= set(os.listdir(build.path))
     files = store.seal(build, [(manifests.DATA_FILE, "numpy")])
     assert files[0].shape == (3, 2) and files[0].dtype == "<i2"
@@ -47,6 +52,28 @@ def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_ro
     assert store.lookup(KEY).manifest == published.manifest
     assert store.builds(KEY) == [] and str(build.path) not in liveness._BEATING_HERE
     assert oct(os.stat(published.path).st_mode & 0o777) == oct(0o777 & ~_fs.umask())
+
+
+def test_a_build_that_says_nothing_writes_its_record_at_its_first_beat(cache_root,
+                                                                       monkeypatch):
+    """A build that runs longer than a quarter lease without a word (a memoize build) still
+    gets its full owner record and a heartbeat file of its own."""
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.4")
+    store = LocalStore(cache_root)
+    build = started(store)
+    deadline = time.monotonic() + 30
+    while (state := store.builds(KEY)[0]).record is None:
+        assert time.monotonic() < deadline, "the first beat wrote no record"
+        time.sleep(0.02)
+    assert state.alive and state.same_version and state.owner == {
+        **processes.owner(), "key": KEY, "format": manifests.FORMAT_VERSION,
+        "cachekit_version": cachekit.__version__, "started": state.owner["started"]}
+    beat = os.stat(build.path / HEARTBEAT_FILE).st_mtime_ns
+    while os.stat(build.path / HEARTBEAT_FILE).st_mtime_ns == beat:
+        assert time.monotonic() < deadline, "the heartbeat file never beat"
+        time.sleep(0.02)
+    build.discard()
+    assert store.builds(KEY) == []
 
 
 def test_a_stray_file_in_a_build_directory_stops_the_commit(cache_root):
