@@ -27,7 +27,7 @@ import cachekit
 from cachekit import LockTimeout
 from cachekit import _fs, arrays
 from cachekit.store import manifest as manifests
-from cachekit.store import build_dirs, local
+from cachekit.store import build_dirs
 
 from helpers import chunk_journal, done_chunks, rows_not_done, small_chunks
 
