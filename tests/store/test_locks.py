@@ -156,9 +156,10 @@ OS_HOLDER = textwrap.dedent("""
 """)
 
 
-def test_an_os_lock_held_briefly_writes_no_holder_record(tmp_path):
+def test_an_os_lock_held_briefly_writes_no_holder_record(tmp_path, monkeypatch):
     """A build that decodes nothing holds its lock for milliseconds: no record file is made
     (the first beat, which writes it, comes a lease / 4 after the lock is taken)."""
+    monkeypatch.delenv("CACHEKIT_LOCK_LEASE", raising=False)  # 60 s: the first beat at 15 s
     lock = locks.OsLock(tmp_path / "k.lock")
     assert lock.acquire(timeout=0)
     assert not lock.holder_path.exists()
