@@ -126,6 +126,7 @@ class _Build:
 
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
         current.drop_resumed()  # a whole-call build resumes nothing: free their disk now
+        current.announce()  # it says nothing more until its commit, however long it runs
         return self.run(current)
 
     def join(self, directory: Any, spare: Any) -> None:

@@ -93,8 +93,9 @@ class BuildDir:
     committed, abandoned or discarded.
 
     Its record (``state.json``) and ``heartbeat`` file are written when it first has
-    something to say: the CPUs a fill runs on (before anyone can join it), its progress, or
-    its heartbeat's first beat, a lease / 4 after it began. Until then another process
+    something to say: the CPUs a fill runs on (before anyone can join it), its progress, its
+    start for a build that says nothing else (:meth:`announce`), or its heartbeat's first
+    beat, a lease / 4 after it began. Until then another process
     knows its owner from its name and takes the directory's mtime (set by the mkdir) for
     its heartbeat. A build that decodes nothing, a fold of rows other entries hold, is done
     long before, and makes neither file: each costs a create and an unlink, and on a busy or
@@ -162,6 +163,12 @@ class BuildDir:
         for name in self.dir.names():
             if name.startswith(RESUMED_PREFIX):
                 self.dir.remove_tree(name)
+
+    def announce(self) -> None:
+        """Write the record and the heartbeat file now, for a build that may run long
+        without a word (a memoize call): from its start, another process then judges it by
+        its full owner record (pid namespace and start time too), not by its name alone."""
+        self._write_record()
 
     def record_cpus(self, workers: int) -> None:
         """Record the CPUs this process may run on and how many rows its build runs at once

@@ -281,6 +281,25 @@ def test_an_exception_in_the_function_propagates_unchanged_and_leaves_nothing(ca
     assert len(raised) == 2
 
 
+def test_a_running_call_is_described_by_its_full_owner_record(cache, cache_root):
+    """While the function runs, its build directory holds the builder's record (pid
+    namespace and start time too) and a heartbeat file, as other processes judge it by."""
+    from cachekit import processes
+    from cachekit.store import build_dirs
+
+    seen = []
+
+    @cache.memoize(version="1")  # (its closure holds a path, which no key encodes)
+    def prep(n):
+        (build,) = (cache_root / "tmp").iterdir()
+        seen.append(json.loads((build / build_dirs.STATE_FILE).read_text()))
+        assert (build / build_dirs.HEARTBEAT_FILE).is_file()
+        return np.arange(n)
+
+    prep(3)
+    assert seen and {k: seen[0][k] for k in processes.owner()} == processes.owner()
+
+
 def test_a_truncated_leaf_is_reported_as_corrupt(cache, cache_root):
     @cache.memoize
     def produce():
