@@ -175,7 +175,7 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
     result = storage.main(["--quick", "--covers", "60", "--hit-rows", "300",
                            "--json", str(tmp_path / "s.json")])
     for figure in ("folds disk / full entry alone", "10 fold calls s / fresh build s",
-                   "append 1%: root growth / full entry",
+                   "a file create right after, ms", "append 1%: root growth / full entry",
                    "retry: bytes added / (1 row + row map)",
                    "shuffled epoch: fold speed / contiguous",
                    "sequential epoch: fold speed / contiguous",
