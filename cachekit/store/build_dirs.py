@@ -98,8 +98,9 @@ class BuildDir:
     beat, a lease / 4 after it began. Until then another process
     knows its owner from its name and takes the directory's mtime (set by the mkdir) for
     its heartbeat. A build that decodes nothing, a fold of rows other entries hold, is done
-    long before, and makes neither file: each costs a create and an unlink, and on a busy or
-    network filesystem such metadata writes are most of that build's time."""
+    long before, and makes neither file: each costs a create and an unlink, metadata writes
+    that a busy or network filesystem makes slow while the build's other work stays as it
+    was."""
 
     def __init__(self, key: str, tmp: _fs.DirHandle, name: str, directory: _fs.DirHandle,
                  record: dict[str, Any]) -> None:

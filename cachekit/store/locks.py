@@ -289,9 +289,9 @@ class _HolderRecord:
     The first beat comes a lease / 4 after the lock is taken, well before a waiter asks
     (a waiter first looks for a sign of life a lease after it began to wait), so a lock held
     for less than that, such as by a build that decodes no row, writes no record: each file
-    made costs a metadata write, which on a busy or network filesystem is the bulk of such a
-    build's time. A record that cannot be written is tried again at the next beat; without
-    one, waiters go on without us after a lease (slower, and safe)."""
+    made costs a metadata write, which a busy or network filesystem makes slow. A record
+    that cannot be written is tried again at the next beat; without one, waiters go on
+    without us after a lease (slower, and safe)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
