@@ -124,6 +124,9 @@ class _Build:
     def __init__(self, run: Callable[[BuildDir], Built]) -> None:
         self.run = run
 
+    def computes_nothing(self) -> bool:
+        return False
+
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
         current.drop_resumed()  # a whole-call build resumes nothing: free their disk now
         current.announce()  # it says nothing more until its commit, however long it runs

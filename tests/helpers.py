@@ -237,6 +237,9 @@ class FunctionRequest:
     def start(self) -> "FunctionRequest":
         return self
 
+    def computes_nothing(self) -> bool:
+        return False
+
     def build(self, current, on_chunk):
         return self.build_fn(current, on_chunk)
 

@@ -37,6 +37,11 @@ class Build(Protocol):
     contiguous, or healed): the remote tier's copy of the key is then never downloaded
     instead, for it is that entry's."""
 
+    def computes_nothing(self) -> bool:
+        """Whether the build would compute no value: every row is held by a committed entry
+        already. Such a build takes milliseconds, so it is made without the key's build
+        lock (a duplicate costs as little, and the atomic commit settles a race)."""
+
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
         """Fill ``current``, reporting (rows done, rows total) after each chunk."""
 

@@ -23,6 +23,7 @@ import numpy as np
 from .. import source_stats
 from ..messages import say
 from ..store import LocalStore
+from ..store.row_index import skipped_note
 from ..store.shared_rows import SharedRows, open_shared_rows
 from ..units import count
 from .staleness import SAMPLE_ROWS
@@ -61,6 +62,8 @@ class Donors:
 
     donors: list[Donor] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    index_note: str = ""
+    """What the lookup says of the row index files it skipped, if any."""
     template: Optional[tuple[tuple[int, ...], np.dtype]] = None
     failed_before: int = 0
     changed: int = 0
@@ -94,6 +97,7 @@ def find(store: LocalStore, key: str, rows: Rows,
     changed = np.zeros(len(rows.ids), dtype=bool)
     failed_ids: list[np.ndarray] = []
     wanted = None if template is None else (tuple(template[0]), np.dtype(template[1]))
+    index_skipped: list[str] = []
 
     def offer(source: SharedRows, src: np.ndarray, dst: np.ndarray) -> None:
         nonlocal wanted
@@ -115,7 +119,7 @@ def find(store: LocalStore, key: str, rows: Rows,
             same = np.arange(min(len(rows.ids), healed.manifest.rows))
             offer(healed, same, same)
         for match in store.row_index.matches(rows.recipe, rows.ids[:, 0], remaining,
-                                             exclude=key):
+                                             exclude=key, skipped=index_skipped):
             source = open_shared_rows(store, match.key, rows.recipe)
             if source is None:
                 found.skipped.append(match.key)
@@ -124,6 +128,8 @@ def find(store: LocalStore, key: str, rows: Rows,
     except BaseException:
         found.close()
         raise
+    if index_skipped:
+        found.index_note = skipped_note(rows.recipe, index_skipped)
     failed = _held(rows.ids, remaining, failed_ids)
     found.failed_before = int(failed.sum())
     found.changed = int((changed & remaining & ~failed).sum())
@@ -194,7 +200,10 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
 def say_shared(key: str, found: Donors, rows: int, copied: bool = False) -> None:
     """Say on stderr how many rows the build shares (or with ``copied``, copies: a
     contiguous build) and with how many entries, and what the rows it decodes are: new,
-    failed in the entry that holds them, or changed."""
+    failed in the entry that holds them, or changed; and which files of the row index it
+    skipped."""
+    if found.index_note:
+        say(found.index_note, always=True)
     if found.donors:
         entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
         new = rows - found.rows - found.failed_before - found.changed

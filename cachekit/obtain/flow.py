@@ -2,7 +2,8 @@
 
 A hit reads top to bottom: :func:`obtain` looks the key up (:mod:`.lookup`), checks the
 manifest against the request, and returns; nothing a build needs is made, or imported. A
-miss goes to :class:`~.miss.Miss`, which starts the request's build, waits for the key's
+miss goes to :class:`~.miss.Miss`, which starts the request's build (built at once, with no
+lock, when it computes nothing: every row is committed already), waits for the key's
 build lock and for the live builders it cannot see, joining their builds when it may
 (:mod:`.local_wait`); with a remote tier it then downloads the key's entry or takes its
 lease (:mod:`.remote`); holding the lock with no live builder left, it builds and

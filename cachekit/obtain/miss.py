@@ -1,7 +1,8 @@
 """A call's way from a miss to a published entry (:func:`cachekit.obtain.flow.obtain` hands
-it over when the lookup finds nothing): start the request's build, wait for the key's
-build lock and for the live builders it cannot see, joining their builds when it may
-(:mod:`.local_wait`); with a remote tier download the key's entry or take its lease
+it over when the lookup finds nothing): start the request's build (one that computes
+nothing, its rows all committed, is built and committed at once, with no lock), wait for
+the key's build lock and for the live builders it cannot see, joining their builds when it
+may (:mod:`.local_wait`); with a remote tier download the key's entry or take its lease
 (:mod:`.remote`); holding the lock with no live builder left, build and commit
 (:mod:`.commit`). Only a miss imports this module and what it needs.
 """
@@ -56,6 +57,11 @@ class Miss:
         store, key, options = self.store, self.key, self.options
         asked = time.time()
         store.ensure_writable(key)
+        if options.remote is None and self.build.computes_nothing():
+            # Milliseconds of linking: nothing to wait for, or to join; another process
+            # doing the same at once costs as little, and the first commit wins.
+            return self._outcome(build_and_commit(store, key, self.build, self.work),
+                                 "built", 0.0)
         build_lock = locks.make_lock(store.layout.lock_path(key))
         wait = Wait(key, options.lock_timeout)
         join = self.build.join if options.join and self.build.joinable else None

@@ -82,12 +82,47 @@ class RowBuild:
         """Its entry's rows, when the build shared rows on their donors' records
         (:meth:`_donors`): their files are then checked in the background, as a hit's
         are."""
+        self._identities: Optional[Rows] = None
+        self._checked: Optional[Rows] = None
+        """The rows :meth:`computes_nothing` found all held, with their stats."""
+        self._found: Optional[donors.Donors] = None
+        """Their donors, which :meth:`build` then uses."""
 
     def values(self) -> np.ndarray:
         """The column's values: only a build or a join needs them, made once."""
         if self._values is None:
             self._values = self.call.column.to_numpy(dtype=object)
         return self._values
+
+    def computes_nothing(self) -> bool:
+        """Whether committed entries of the recipe hold every row of the call (found now,
+        and kept for :meth:`build`) and the call asks for no contiguous copy: the build then
+        only links their files and writes a row map. No file is stat'ed unless they do: a
+        call that goes on to wait for the lock does nothing its builder does again."""
+        self._drop_found()
+        if self.call.contiguous or self.aside is not None:
+            return False
+        rows = self._row_identities()
+        found = donors.find(self.store, self.key, rows, self.call.template)
+        if not _holds_all(found, len(rows.ids)):
+            found.close()
+            return False
+        stated = self._stat(rows, on_record=True)
+        if stated is not rows:  # (URLs: their stats now, and the donors found again by them)
+            found.close()
+            rows, found = self._donors(stated, None)
+        else:
+            rows, found = self._donors(rows, None, found)
+        if _holds_all(found, len(rows.ids)):
+            self._checked, self._found = rows, found
+            return True
+        found.close()
+        return False
+
+    def _drop_found(self) -> None:
+        if self._found is not None:
+            self._found.close()
+            self._found = None
 
     def build(self, current: BuildDir, on_chunk: ChunkCallback) -> Built:
         """Fill ``current`` (step 5): reference the rows that committed entries of the
@@ -99,7 +134,11 @@ class RowBuild:
         aside, self.aside = self.aside, None
         healed = None if aside is None else aside.source
         try:
-            rows, found = self._donors(self._rows(builder, on_record=healed is None), healed)
+            if self._found is not None and self._checked is not None:
+                rows, found, self._found = self._checked, self._found, None
+            else:
+                rows, found = self._donors(self._stat(self._row_identities(),
+                                                      on_record=healed is None), healed)
             with found:
                 donors.say_shared(self.key, found, len(values), copied=call.contiguous)
                 row_files = (manifests.ROW_IDS_FILE,) + (
@@ -159,13 +198,15 @@ class RowBuild:
         return RowSpec(self.settings.workers, self.record, template or self.call.template,
                       self.key, self.settings.executor)
 
-    def _donors(self, rows: Rows, healed: Optional[SharedRows]) -> tuple[Rows, donors.Donors]:
-        """The build's rows, each with its file's stat, and the donors that hold them.
-        Rows without stats yet share on their donors' records, checked as a hit checks
-        (:func:`.donors.stats_on_record`): a sample now, which when a file changed has every
-        file stat'ed and the donors found again; the others in the background after the
-        commit (:attr:`shared_on_record`)."""
-        found = donors.find(self.store, self.key, rows, self.call.template, healed)
+    def _donors(self, rows: Rows, healed: Optional[SharedRows],
+                found: Optional[donors.Donors] = None) -> tuple[Rows, donors.Donors]:
+        """The build's rows, each with its file's stat, and the donors that hold them
+        (``found``: found already by ``rows``). Rows without stats yet share on their
+        donors' records, checked as a hit checks (:func:`.donors.stats_on_record`): a sample
+        now, which when a file changed has every file stat'ed and the donors found again;
+        the others in the background after the commit (:attr:`shared_on_record`)."""
+        if found is None:
+            found = donors.find(self.store, self.key, rows, self.call.template, healed)
         if rows.stats is None and rows.same_stat:
             try:
                 stats = donors.stats_on_record(found, self.values())
@@ -184,32 +225,47 @@ class RowBuild:
         self._rows_of_build = rows
         return rows, found
 
-    def _rows(self, builder: Optional[dict[str, Any]], on_record: bool) -> Rows:
-        """The build's recipe and each row's identity under it, plus for images each file's
-        stat now (unless the key already took it; or, with ``on_record``, for a column of
-        local paths under ``validate="path"``, left to :meth:`_donors`).
+    def _row_identities(self) -> Rows:
+        """The build's recipe and each row's identity under it (made once), with the files'
+        stats only where the key took them already (``validate="stat"``).
 
         The recipe (:func:`cachekit.keys.reuse_recipe`) leaves out ``on_error`` and
         ``validate``, so entries built with others lend their good rows; what ``validate``
         asks of a file is checked row by row instead (:class:`Rows`)."""
+        if self._identities is not None:
+            return self._identities
         call = self.call
+        builder = _decoders() if call.kind == "images" else None
         ids, dtype = keys.row_identities(call.column, material=call.material.get("column"))
         recipe = keys.reuse_recipe(call.kind, call.params, dtype, builder)
         if call.kind != "images":
-            return Rows(recipe, ids)
+            self._identities = Rows(recipe, ids)
+            return self._identities
         if "content" in call.material:  # what proves a row's file unchanged: its digest
             proof, _ = keys.row_identities(call.column, [call.material["content"]])
             ids = np.concatenate([ids, proof], axis=1)
-        stats = call.material.get("stat")
-        same_stat = "content" not in call.material
-        if stats is None and same_stat and on_record \
-                and source_stats.plain_paths(self.values()):
-            return Rows(recipe, ids, None, same_stat=True)
-        if stats is None:  # (URL rows: from the store's listings, cachekit.source_stats)
-            stats = source_stats.stat_signature(
-                self.values(), getattr(call.row_fn, "storage_options", None),
-                getattr(call.row_fn, "fetch", None))
-        return Rows(recipe, ids, stats, same_stat=same_stat)
+        self._identities = Rows(recipe, ids, call.material.get("stat"),
+                                same_stat="content" not in call.material)
+        return self._identities
+
+    def _stat(self, rows: Rows, on_record: bool) -> Rows:
+        """``rows`` with each image file's stat now, unless taken already, or (with
+        ``on_record``, for a column of local paths under ``validate="path"``) left to
+        :meth:`_donors`. URL rows' stats come from the store's listings
+        (:mod:`cachekit.source_stats`)."""
+        call = self.call
+        if call.kind != "images" or rows.stats is not None:
+            return rows
+        if rows.same_stat and on_record and source_stats.plain_paths(self.values()):
+            return rows
+        stats = source_stats.stat_signature(
+            self.values(), getattr(call.row_fn, "storage_options", None),
+            getattr(call.row_fn, "fetch", None))
+        return dataclasses.replace(rows, stats=stats)
+
+
+def _holds_all(found: donors.Donors, rows: int) -> bool:
+    return bool(found.donors) and found.rows == rows
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

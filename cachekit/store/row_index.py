@@ -91,12 +91,15 @@ class RowIndex:
             pass
 
     def matches(self, recipe: str, hashes: np.ndarray, remaining: np.ndarray, *,
-                exclude: str = "") -> Iterator[Match]:
+                exclude: str = "", skipped: Optional[list[str]] = None) -> Iterator[Match]:
         """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
         ``remaining`` whose hash it holds; the caller clears in ``remaining`` the rows it
-        takes before it asks for the next entry. Entries with the most rows come first."""
+        takes before it asks for the next entry. Entries with the most rows come first.
+        The files skipped (and why) are said on stderr, or added to ``skipped`` for the
+        caller to say (:func:`skipped_note`)."""
         needles = _Needles(hashes)
-        skipped: list[str] = []
+        said = skipped is None
+        skipped = [] if skipped is None else skipped
         try:
             with self.layout.open_folder(INDEX_FOLDER) as index, index.child(recipe) as folder, \
                     self.layout.open_folder("entries") as entries:
@@ -112,10 +115,8 @@ class RowIndex:
         except OSError:
             return  # a symlink planted in place of the folder (ELOOP), an unreadable one
         finally:
-            if skipped:
-                say(f"skipped {len(skipped)} row index file{'s' if len(skipped) > 1 else ''} "
-                    f"of recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those "
-                    "entries lend no rows to this build", always=True)
+            if said and skipped:
+                say(skipped_note(recipe, skipped), always=True)
 
     def files(self, key: Optional[str] = None) -> dict[str, list[tuple[int, int, int]]]:
         """(device, inode, size) of the index files of each key (or of ``key`` alone), in
@@ -236,6 +237,13 @@ class RowIndex:
         dst, src = dst[hit], np.asarray(positions[at[hit]], dtype=np.int64)
         ascending = np.argsort(dst, kind="stable")
         return Match(key, dst[ascending], src[ascending])
+
+
+def skipped_note(recipe: str, skipped: list[str]) -> str:
+    """What a lookup says of the index files of ``recipe`` it ``skipped`` (why, each)."""
+    return (f"skipped {len(skipped)} row index file{'s' if len(skipped) > 1 else ''} of "
+            f"recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those entries "
+            "lend no rows to this build")
 
 
 class _Needles:

@@ -12,14 +12,16 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from filelock import FileLock
 
 import cachekit
-from cachekit import _fs, units
+from cachekit import _fs, source_stats, units
 from cachekit.admin.removal import removal_for_clear
 from cachekit.cli.main import main as cli_main
 from cachekit.store import LocalStore
@@ -140,6 +142,54 @@ def test_a_fold_that_decoded_nothing_lends_its_rows_once_the_full_entry_is_gone(
     assert (again.rows_decoded, again.rows_reused) == (0, len(again))
     np.testing.assert_array_equal(np.asarray(again.array),
                                   fresh(tmp_path, column(pictures, range(0, N, 4))))
+
+
+def test_a_fold_of_committed_rows_neither_takes_nor_waits_for_its_keys_build_lock(
+        cache_root, pictures, tmp_path):
+    """Linking committed rows takes milliseconds, so that build goes without the key's lock
+    (a race is settled by the first commit) and leaves no lock file; a fold with one row to
+    decode still waits for the lock's holder."""
+    cache = cachekit.Cache(cache_root, workers=1, progress=False, lock_timeout=0.5)
+    layout = LocalStore(cache_root).layout
+    cache.images(column(pictures, range(N - 1)), 8)
+    even, odd = column(pictures, range(0, N - 1, 2)), column(pictures, range(1, N, 2))
+    fold = cache.images(even, 8)
+    assert fold.rows_decoded == 0 and not layout.lock_path(fold.key).exists()
+    cache.clear(fold.key)
+    odd_key = cachekit.Cache(tmp_path / "elsewhere", workers=1, progress=False).images(
+        odd, 8).key
+    with FileLock(str(layout.lock_path(fold.key))), FileLock(str(layout.lock_path(odd_key))):
+        again = cache.images(even, 8)
+        assert (again.key, again.outcome, again.rows_decoded) == (fold.key, "built", 0)
+        with pytest.raises(cachekit.LockTimeout):
+            cache.images(odd, 8)  # its last row is in no entry
+    np.testing.assert_array_equal(np.asarray(again.array), fresh(tmp_path, even))
+
+
+def test_a_call_that_waits_for_the_build_lock_stats_no_file_before(
+        cache_root, pictures, monkeypatch):
+    """Agents waiting for one build do not each stat its files first (130,000 of them on a
+    shared filesystem): only the rows' identities are looked up before the lock."""
+    cache = cachekit.Cache(cache_root, workers=1, progress=False, lock_timeout=0.5)
+    cache.images(column(pictures, range(N // 2)), 8)
+    stated, here = [], threading.get_ident()  # (not a check of an earlier call's, behind)
+    for name in ("file_stats", "stat_signature"):
+        real = getattr(source_stats, name)
+
+        def counted(*a, real=real, **k):
+            if threading.get_ident() == here:
+                stated.append(a)
+            return real(*a, **k)
+
+        monkeypatch.setattr(source_stats, name, counted)
+    wanted = column(pictures, range(N))
+    key = cachekit.Cache(cache_root.parent / "elsewhere", workers=1, progress=False).images(
+        wanted, 8).key
+    stated.clear()
+    with FileLock(str(LocalStore(cache_root).layout.lock_path(key))):
+        with pytest.raises(cachekit.LockTimeout):
+            cache.images(wanted, 8)
+    assert stated == []
 
 
 def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_path):
@@ -509,6 +559,56 @@ CLEARER = textwrap.dedent('''
         time.sleep(0.05)
     print(rounds)
 ''')
+
+
+SAME_FOLDS = textwrap.dedent('''
+    import json, os, sys, time
+    import pandas as pd
+    import cachekit
+    root, paths, go = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    cache = cachekit.Cache(root, workers=1, progress=False, lock_timeout=60)
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    got = []
+    for start in range(4):
+        entry = cache.images(pd.Series(paths[start::4]), 8)
+        got.append([entry.key, entry.outcome, entry.rows_decoded])
+    print(json.dumps(got))
+''')
+
+
+def test_processes_racing_on_the_same_folds_of_committed_rows_all_get_one_entry(
+        cache_root, pictures, tmp_path):
+    """Such folds take no lock, so three processes asking the same four at once may each
+    build them: every one gets the entry the first commit published, and the losers leave
+    no build directory and no link behind."""
+    full = cachekit.Cache(cache_root, workers=1, progress=False).images(
+        column(pictures, range(N)), 8)
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    racers = [subprocess.Popen([sys.executable, "-c", SAME_FOLDS, str(cache_root),
+                                json.dumps(pictures), str(go)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(3)]
+    import time
+    time.sleep(3)  # all three are waiting for the file
+    go.touch()
+    results = [p.communicate(timeout=120) for p in racers]
+    for proc, (_, err) in zip(racers, results):
+        assert proc.returncode == 0, err[-3000:]
+    got = [json.loads(out.splitlines()[-1]) for out, _ in results]
+    assert all(decoded == 0 for run in got for _, _, decoded in run)
+    assert all(run[i][0] == got[0][i][0] for run in got for i in range(4))
+    published = sorted(p.name for p in (cache_root / "entries").iterdir())
+    assert published == sorted([full.key] + [key for key, _, _ in got[0]])
+    assert not list((cache_root / "tmp").glob("*"))
+    links = {st.st_nlink for st in data_files(full).values()}
+    assert links == {5}  # the full entry's data file and the four folds' links of it
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    for start in range(4):
+        fold = column(pictures, range(start, N, 4))
+        np.testing.assert_array_equal(np.asarray(cache.images(fold, 8).array),
+                                      fresh(tmp_path, fold))
 
 
 def test_clear_and_prune_racing_derived_builds_and_reads_never_break_them(
