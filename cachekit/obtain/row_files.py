@@ -6,9 +6,12 @@ whose every row is another entry's.
 
 from __future__ import annotations
 
+import atexit
 import math
+import os
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -75,7 +78,41 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
 
 
 def no_rows(directory: _fs.DirHandle, template: Any) -> Filled:
-    """An empty own data file: every row of the build is another entry's."""
+    """An empty own data file: every row of the build is another entry's. Its bytes are the
+    same in every such build of a row shape and dtype, and no file of a build is changed
+    once written, so this process links the one it wrote last in the same root (kept open,
+    and linked from the open file) while that has a name: a link allocates no inode, as a create does (the
+    storage benchmark times a create, which a disk busy with a large removal slows)."""
     shape, dtype = (0, *template[0]), np.dtype(template[1])
-    arrays.write_small(directory, manifests.DATA_FILE, np.zeros(shape, dtype))
+    builds = os.stat("..", dir_fd=directory.fd)  # (the root's, whose modes its files have)
+    kind = (builds.st_dev, builds.st_ino, shape, dtype.str)
+    with _EMPTY_DATA_LOCK:
+        written = _EMPTY_DATA.get(kind)
+        if written is None or not directory.link_open_file(written, manifests.DATA_FILE):
+            arrays.write_small(directory, manifests.DATA_FILE, np.zeros(shape, dtype))
+            _EMPTY_DATA[kind] = directory.open_file(manifests.DATA_FILE)
+            if written is not None:
+                written.close()
     return Filled(shape=shape, dtype=dtype)
+
+
+_EMPTY_DATA: dict[tuple[int, int, tuple[int, ...], str], BinaryIO] = {}
+"""The empty data file this process wrote last in each root's build folder (device, inode)
+for each row shape and dtype, open."""
+_EMPTY_DATA_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_empty_data() -> None:
+    with _EMPTY_DATA_LOCK:
+        while _EMPTY_DATA:
+            _EMPTY_DATA.popitem()[1].close()
+
+
+def _new_lock_after_fork() -> None:
+    """A forked child's lock, which no thread of its own holds (its files stay open)."""
+    global _EMPTY_DATA_LOCK
+    _EMPTY_DATA_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)

@@ -192,6 +192,24 @@ def test_a_call_that_waits_for_the_build_lock_stats_no_file_before(
     assert stated == []
 
 
+def test_folds_that_decode_nothing_link_one_empty_data_file_while_it_is_committed(
+        cache, pictures, tmp_path):
+    cache.images(column(pictures, range(N)), 8)
+    folds = [cache.images(column(pictures, range(k, N, 3)), 8) for k in range(3)]
+    empty = {(fold.path / manifests.DATA_FILE).stat().st_ino for fold in folds}
+    assert len(empty) == 1 and all(own_rows(fold) == 0 for fold in folds)
+    other = cachekit.Cache(tmp_path / "other", workers=1, progress=False)  # a root of its own
+    other.images(column(pictures, range(N)), 8)
+    elsewhere = other.images(column(pictures, range(0, N, 3)), 8)
+    assert (elsewhere.path / manifests.DATA_FILE).stat().st_ino not in empty
+    assert len(cache.clear([fold.key for fold in folds]).removed) == 3
+    again = cache.images(column(pictures, range(0, N, 5)), 8)  # the file is gone: a new one
+    assert own_rows(again) == 0 and (again.path / manifests.DATA_FILE).stat().st_nlink == 1
+    assert cache.verify() == []
+    np.testing.assert_array_equal(np.asarray(again.array),
+                                  fresh(tmp_path, column(pictures, range(0, N, 5))))
+
+
 def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_path):
     import warnings
 
@@ -396,15 +414,19 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     data = sum((full.path / name).stat().st_size  # the data and the row files it describe
                for name in (manifests.DATA_FILE, manifests.ROW_IDS_FILE,
                             manifests.ROW_STATS_FILE))
+    empty = folds[0].path / manifests.DATA_FILE  # no row: the folds link one such file
+    assert {(fold.path / manifests.DATA_FILE).stat().st_ino for fold in folds} == {
+        empty.stat().st_ino}
     assert listed[full.key].shared_bytes == data
     for fold in folds:
-        assert listed[fold.key].shared_bytes == data
+        assert listed[fold.key].shared_bytes == data + empty.stat().st_size
         assert listed[fold.key].own_bytes < data / 4
     assert list((cache.root / "index").rglob("*.npy"))  # counted too: every file of the root
     capsys.readouterr()
     assert cli_main(["--root", str(cache.root), "ls", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert sum(e["own_bytes"] for e in shown) + data == root_file_bytes(cache.root)
+    assert sum(e["own_bytes"] for e in shown) + data + empty.stat().st_size == root_file_bytes(
+        cache.root)
     assert cli_main(["--root", str(cache.root), "ls"]) == 0
     assert f"{units.format_size(root_file_bytes(cache.root))} on disk" in capsys.readouterr().out
     assert cli_main(["--root", str(cache.root), "verify"]) == 0
