@@ -81,10 +81,11 @@ def no_rows(directory: _fs.DirHandle, template: Any) -> Filled:
     """An empty own data file: every row of the build is another entry's. Its bytes are the
     same in every such build of a row shape and dtype, and no file of a build is changed
     once written, so this process links the one it wrote last in the same root (kept open,
-    and linked from the open file) while that has a name: a link allocates no inode, as a create does (the
-    storage benchmark times a create, which a disk busy with a large removal slows)."""
+    and linked from the open file) while that has a name: a link allocates no inode, as a
+    create does (the storage benchmark times a create, which a disk busy with a large
+    removal slows)."""
     shape, dtype = (0, *template[0]), np.dtype(template[1])
-    builds = os.stat("..", dir_fd=directory.fd)  # (the root's, whose modes its files have)
+    builds = os.stat("..", dir_fd=directory.fd)  # the root's build folder: files of this root
     kind = (builds.st_dev, builds.st_ino, shape, dtype.str)
     with _EMPTY_DATA_LOCK:
         written = _EMPTY_DATA.get(kind)
