@@ -60,8 +60,7 @@ class Miss:
         if options.remote is None and self.build.computes_nothing():
             # Milliseconds of linking: nothing to wait for, or to join; another process
             # doing the same at once costs as little, and the first commit wins.
-            return self._outcome(build_and_commit(store, key, self.build, self.work),
-                                 "built", 0.0)
+            return self._built(0.0)
         build_lock = locks.make_lock(store.layout.lock_path(key))
         wait = Wait(key, options.lock_timeout)
         join = self.build.join if options.join and self.build.joinable else None
@@ -89,9 +88,7 @@ class Miss:
         downloads it again (:attr:`~.build.Build.replaces`)."""
         remote = self.options.remote
         if remote is None or self.build.replaces:
-            # "built" even when another builder's rename won the race: this call did the work.
-            return self._outcome(build_and_commit(self.store, self.key, self.build, self.work),
-                                 "built", waited)
+            return self._built(waited)
         from . import remote as remote_tier
 
         expected = self.request.expected
@@ -111,6 +108,12 @@ class Miss:
         if lease is not None:
             remote_tier.share(remote, self.store, published, lease)
         return self._outcome(published, "built", waited)
+
+    def _built(self, waited: float) -> Outcome:
+        """Build and commit here, with no remote tier: "built" even when another builder's
+        rename won the race, for this call did the work."""
+        return self._outcome(build_and_commit(self.store, self.key, self.build, self.work),
+                             "built", waited)
 
     def _outcome(self, entry: Published, source: str, waited: float, rows_filled: int = 0,
                  waited_for_build: bool = False) -> Outcome:

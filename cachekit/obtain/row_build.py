@@ -110,9 +110,7 @@ class RowBuild:
         stated = self._stat(rows, on_record=True)
         if stated is not rows:  # (URLs: their stats now, and the donors found again by them)
             found.close()
-            rows, found = self._donors(stated, None)
-        else:
-            rows, found = self._donors(rows, None, found)
+        rows, found = self._donors(stated, None, found if stated is rows else None)
         if _holds_all(found, len(rows.ids)):
             self._checked, self._found = rows, found
             return True

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -612,7 +613,6 @@ def test_processes_racing_on_the_same_folds_of_committed_rows_all_get_one_entry(
                                 json.dumps(pictures), str(go)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(3)]
-    import time
     time.sleep(3)  # all three are waiting for the file
     go.touch()
     results = [p.communicate(timeout=120) for p in racers]
@@ -648,7 +648,6 @@ def test_clear_and_prune_racing_derived_builds_and_reads_never_break_them(
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:
-        import time
         time.sleep(8)
     finally:
         stop.touch()
@@ -678,7 +677,6 @@ def test_budget_eviction_racing_derived_builds_and_reads_never_breaks_them(
                                text=True)
               for me in range(2)]
     try:
-        import time
         time.sleep(4)
     finally:
         stop.touch()
