@@ -26,13 +26,12 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import socket
 import struct
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -126,21 +125,26 @@ class Seaweed:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until the bucket answers an anonymous request (403/200: S3 is up and the
-        bucket exists; 404: not yet created)."""
+        """Until the bucket answers a signed HEAD: an anonymous request is refused (403)
+        whether or not ``weed`` has created the bucket yet, so it cannot tell."""
+        import botocore.config
+        import botocore.exceptions
+        import botocore.session
+
+        client = botocore.session.get_session().create_client(
+            "s3", endpoint_url=self.endpoint, region_name=REGION,
+            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
+            config=botocore.config.Config(connect_timeout=2, read_timeout=2,
+                                          retries={"total_max_attempts": 1}))
         deadline = time.monotonic() + timeout
-        url = f"{self.endpoint}/{self.bucket}"
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"weed mini exited {self.process.returncode}; see "
                                    f"{self.directory / 'weed.log'}")
             try:
-                urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=2)
+                client.head_bucket(Bucket=self.bucket)
                 return
-            except urllib.error.HTTPError as e:
-                if e.code in (401, 403):
-                    return
-            except (OSError, ValueError):
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
                 pass
             if time.monotonic() > deadline:
                 self.stop()
@@ -161,6 +165,19 @@ class Seaweed:
         if self._log is not None:
             self._log.close()
             self._log = None
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """Remove the unix sockets weed made for its ports: it names them
+        ``/tmp/seaweedfs-KIND-PORT.sock`` whatever ``$TMPDIR`` says, and leaves them behind."""
+        for port in self.ports.values():
+            for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                try:
+                    st = path.lstat()
+                    if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
+                        path.unlink()
+                except OSError:
+                    pass
 
     def env(self, prefix: str, endpoint: Optional[str] = None) -> dict[str, str]:
         """The environment that points cachekit (through s3fs's own configuration) at
