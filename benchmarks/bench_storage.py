@@ -110,7 +110,7 @@ def folds(paths: list[str], work: Path) -> dict[str, float]:
 
 def create_ms(folder: Path, count: int = 100) -> float:
     """Milliseconds one file create takes on this disk now (``O_EXCL``, 128 bytes, closed),
-    the mean of ``count``: a fold call creates three files and a directory, and a disk still
+    the mean of ``count``: a fold call creates two files and a directory, and a disk still
     busy with an earlier removal makes creates slower many times over, which is when the
     fold calls' ratio went over its target (docs/incremental.md's runs table)."""
     folder.mkdir()

@@ -189,10 +189,11 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
 
 def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optional[EntryInfo]:
     """Describe the entry directory ``path``, with the files ``also`` (device, inode, size)
-    that go with it outside; None when it no longer exists."""
+    that go with it outside, each file once (the index file of an entry that holds no row
+    of its own is its row map); None when it no longer exists."""
     try:
         used = path.stat().st_mtime
-        files = _tree_files(path) + tuple(also)
+        files = tuple(dict.fromkeys(_tree_files(path) + tuple(also)))
     except FileNotFoundError:
         return None
     size = sum(f[2] for f in files)

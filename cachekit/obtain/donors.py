@@ -114,13 +114,26 @@ def find(store: LocalStore, key: str, rows: Rows,
         found.donors.append(Donor(source, src, dst))
         remaining[dst] = False
 
+    read: dict[str, SharedRows] = {}
+
+    def read_rows(key: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """The hashes and rows an entry indexed by its row map offers, read from it."""
+        source = open_shared_rows(store, key, rows.recipe)
+        if source is None:
+            return None
+        read[key] = source
+        offered = np.flatnonzero(~source.failed)
+        return source.ids[offered, 0], offered
+
     try:
         if healed is not None:
             same = np.arange(min(len(rows.ids), healed.manifest.rows))
             offer(healed, same, same)
         for match in store.row_index.matches(rows.recipe, rows.ids[:, 0], remaining,
-                                             exclude=key, skipped=index_skipped):
-            source = open_shared_rows(store, match.key, rows.recipe)
+                                             read_rows=read_rows, exclude=key,
+                                             skipped=index_skipped):
+            source = read.pop(match.key, None) or open_shared_rows(store, match.key,
+                                                                   rows.recipe)
             if source is None:
                 found.skipped.append(match.key)
                 continue
@@ -128,6 +141,9 @@ def find(store: LocalStore, key: str, rows: Rows,
     except BaseException:
         found.close()
         raise
+    finally:
+        for unused in read.values():
+            unused.close()
     if index_skipped:
         found.index_note = skipped_note(rows.recipe, index_skipped)
     failed = _held(rows.ids, remaining, failed_ids)

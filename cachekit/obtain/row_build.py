@@ -269,9 +269,14 @@ def _holds_all(found: donors.Donors, rows: int) -> bool:
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None
                 ) -> None:
     """Put the committed entry ``published`` into the row index (step 6, best effort), with
-    its row identities ``ids`` (None: read from the entry, checked)."""
+    its row identities ``ids`` (None: read from the entry, checked). An entry that holds no
+    row of its own is indexed by a link to its row map: no new file (a file create is the
+    slowest step of such a call on a busy disk)."""
     manifest = published.manifest
     if manifest.reuse is None:
+        return
+    if manifest.holds_no_row and manifest.failed_count == 0 and \
+            store.row_index.link(manifest.reuse.recipe, manifest.key):
         return
     if ids is None:
         source = open_shared_rows(store, manifest.key, manifest.reuse.recipe)

@@ -1,35 +1,39 @@
 """The per-recipe row index: which committed entries hold which rows, found without reading
-them.
+them (but for entries that hold no row of their own, below).
 
 ::
 
     ROOT/index/RECIPE/KEY.npy     one file per entry of that recipe, written after its commit
 
-Each file is one flat ``<u8`` array: a format number, the row count M, the bit count of a
-bitmap as its base-2 logarithm, then the entry's row hashes (the first half of each row's
-identity, :func:`cachekit.keys.row_identities`) sorted, the entry's row of each, and a
-bitmap of the hashes' top bits. A lookup tests the bitmap first and binary-searches only the
+Each file (:mod:`cachekit.store.index_format`) holds the entry's row hashes (the first half
+of each row's identity, :func:`cachekit.keys.row_identities`) sorted, the entry's row of
+each, and a bitmap of the hashes' top bits. A lookup tests the bitmap first and binary-searches only the
 hashes that pass (about one in nine of those absent), with the column's hashes sorted once,
-so it reads each entry's file once and never the entries themselves
+so it reads each entry's file once and not the entry itself
 (``benchmarks/bench_incremental.py`` times it; docs/incremental.md has the figures).
+
+An entry that holds no row of its own (every row is in files of other entries) is indexed
+by a hard link to its row map instead (``row_map.npy``, a (rows, 2) ``<u4`` array): the
+link makes no new file, and a lookup that reaches it reads the rows' hashes from the entry
+through the caller (``read_rows``). It reaches it only for rows that the entries it took
+them from no longer hold (their files are larger, 17 bytes a row against 8, so they come
+first): once those are gone, it lends them.
 
 The index is a hint and nothing more. A file is written to a temporary name and renamed, so
 a reader sees a whole file or none; a crash between an entry's commit and its index file
 costs a later build some reuse, never a wrong row. Whatever a file says, the build that
 reuses rows checks them against the entry itself (:mod:`cachekit.store.shared_rows`): its
 manifest, the row identities it lists and the checksum of every block it copies. The store
-removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry removed any
-other way is deleted by the next lookup that meets it, or by ``prune`` and ``clear``
+removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry
+removed any other way is deleted by the next lookup that meets it, or by ``prune`` and ``clear``
 (:meth:`RowIndex.forget_stray`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -38,25 +42,16 @@ from ..errors import CacheCorruptError
 from ..keys import is_key
 from ..messages import say
 from . import signing
+from .index_format import (Match, Needles, index_array, is_row_map, search_index,
+                           search_rows)
 from .layout import Layout
+from .records import ROW_MAP_FILE
 
 INDEX_FOLDER = "index"
-INDEX_FORMAT = 1
-_HEAD = 3
-_MIN_LOG2_BITS, _MAX_LOG2_BITS = 6, 32
-_BITS_PER_ROW = 8
-"""Bitmap bits per row: about one hash in nine that is not there passes the bitmap."""
 STALE_TEMP_SECONDS = 3600.0
-
-
-@dataclass(frozen=True)
-class Match:
-    """Rows of a lookup found in one entry: ``dst`` of the column looked up (ascending) are
-    said to be the entry's rows ``src``. A hint: the caller checks them."""
-
-    key: str
-    dst: np.ndarray
-    src: np.ndarray
+ReadRows = Callable[[str], Optional[tuple[np.ndarray, np.ndarray]]]
+"""``read_rows(key)``: (the lookup hashes, the rows) of the committed entry ``key`` that
+may be offered, read from the entry and checked; None when it cannot be."""
 
 
 class Rooted(Protocol):
@@ -86,18 +81,45 @@ class RowIndex:
         try:
             with self.layout.open_folder(INDEX_FOLDER, create=True) as index:
                 with _recipe_folder(index, recipe) as folder:
-                    _write(folder, f"{key}.npy", _index_array(hashes, skip))
+                    _write(folder, f"{key}.npy", index_array(hashes, skip))
         except OSError:
             pass
 
+    def link(self, recipe: str, key: str) -> bool:
+        """Index the committed entry ``key`` of ``recipe``, which holds no row of its own
+        and offers every row, by a hard link to its row map (one rename, no new file; a
+        lookup reads its rows through ``read_rows``). False when it cannot be linked (the
+        entry is gone, a filesystem without links): :meth:`add` it instead."""
+        if not (is_key(recipe) and is_key(key)):
+            raise ValueError("a recipe and a key are 32 hex digits")
+        try:
+            with self.layout.open_folder("entries") as entries, entries.child(key) as entry, \
+                    entry.open_file(ROW_MAP_FILE) as row_map, \
+                    self.layout.open_folder(INDEX_FOLDER, create=True) as index, \
+                    _recipe_folder(index, recipe) as folder:
+                tmp = _temp_name(f"{key}.npy")
+                if not folder.link_open_file(row_map, tmp):
+                    folder.unlink(tmp)
+                    return False
+                try:
+                    os.replace(tmp, f"{key}.npy", src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
+                except BaseException:
+                    folder.unlink(tmp)
+                    raise
+            return True
+        except OSError:
+            return False
+
     def matches(self, recipe: str, hashes: np.ndarray, remaining: np.ndarray, *,
-                exclude: str = "", skipped: Optional[list[str]] = None) -> Iterator[Match]:
+                read_rows: ReadRows, exclude: str = "", skipped: Optional[list[str]] = None
+                ) -> Iterator[Match]:
         """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
         ``remaining`` whose hash it holds; the caller clears in ``remaining`` the rows it
-        takes before it asks for the next entry. Entries with the most rows come first.
+        takes before it asks for the next entry. Entries with the most rows come first;
+        an entry indexed by its row map (:meth:`link`) is read through ``read_rows``.
         The files skipped (and why) are said on stderr, or added to ``skipped`` for the
         caller to say (:func:`skipped_note`)."""
-        needles = _Needles(hashes)
+        needles = Needles(hashes)
         said = skipped is None
         skipped = [] if skipped is None else skipped
         try:
@@ -107,7 +129,8 @@ class RowIndex:
                     live = remaining[needles.order]
                     if not live.any():
                         return
-                    found = self._match(folder, entries, key, needles, live, skipped)
+                    found = self._match(folder, entries, key, needles, live, skipped,
+                                        read_rows)
                     if found is not None and len(found.dst):
                         yield found
         except (FileNotFoundError, NotADirectoryError, CacheCorruptError):
@@ -205,13 +228,15 @@ class RowIndex:
         return [key for _, _, key in sorted(sized)]
 
     def _match(self, folder: _fs.DirHandle, entries: _fs.DirHandle, key: str,
-               needles: "_Needles", live: np.ndarray, skipped: list[str]) -> Optional[Match]:
+               needles: Needles, live: np.ndarray, skipped: list[str],
+               read_rows: ReadRows) -> Optional[Match]:
         """The rows still ``live`` of ``needles`` whose hashes the entry ``key`` holds.
 
         The file is mapped, never read whole: its bitmap's bits are tested in place and its
         hashes binary-searched, so a lookup's memory is bounded by the column looked up
         whatever a planted file claims; a file whose size or bitmap disagrees with the row
-        count in its header is skipped (``skipped`` says why)."""
+        count in its header is skipped (``skipped`` says why). A row map (:meth:`link`)
+        says only that its entry holds rows: they are read through ``read_rows``."""
         if not _published(entries, key):
             folder.unlink(f"{key}.npy")  # its entry was removed: the file names nothing
             return None
@@ -222,21 +247,12 @@ class RowIndex:
         except CacheCorruptError:
             skipped.append(f"{key}.npy is malformed")
             return None
-        parsed = _parse(flat)
-        if parsed is None:
+        if is_row_map(flat):
+            return search_rows(key, read_rows(key), needles, live)
+        found = search_index(key, flat, needles, live)
+        if found is None:
             skipped.append(f"{key}.npy is not an index of its row count")
-            return None
-        sorted_hashes, positions, bitmap, log2_bits = parsed
-        tops = needles.top(log2_bits)
-        words = np.asarray(bitmap[tops >> 6])  # only the needles' words are read
-        passed = ((words >> (tops & 63).astype(np.uint64)) & np.uint64(1)).astype(bool) & live
-        dst, wanted = needles.order[passed], needles.sorted[passed]
-        at = np.searchsorted(sorted_hashes, wanted)
-        at[at == len(sorted_hashes)] = 0
-        hit = sorted_hashes[at] == wanted if len(sorted_hashes) else np.zeros(len(dst), bool)
-        dst, src = dst[hit], np.asarray(positions[at[hit]], dtype=np.int64)
-        ascending = np.argsort(dst, kind="stable")
-        return Match(key, dst[ascending], src[ascending])
+        return found
 
 
 def skipped_note(recipe: str, skipped: list[str]) -> str:
@@ -244,21 +260,6 @@ def skipped_note(recipe: str, skipped: list[str]) -> str:
     return (f"skipped {len(skipped)} row index file{'s' if len(skipped) > 1 else ''} of "
             f"recipe {recipe[:12]} ({skipped[0]}): the index is a hint, so those entries "
             "lend no rows to this build")
-
-
-class _Needles:
-    """The hashes looked up, sorted once (sorted needles make the binary searches walk
-    nearby paths), with their rows, and their top bits for each bitmap size met."""
-
-    def __init__(self, hashes: np.ndarray) -> None:
-        self.order = np.argsort(hashes, kind="stable")
-        self.sorted = np.ascontiguousarray(hashes[self.order], dtype="<u8")
-        self._tops: dict[int, np.ndarray] = {}
-
-    def top(self, log2_bits: int) -> np.ndarray:
-        if log2_bits not in self._tops:
-            self._tops[log2_bits] = (self.sorted >> np.uint64(64 - log2_bits)).astype(np.intp)
-        return self._tops[log2_bits]
 
 
 def _recipe_folder(index: _fs.DirHandle, recipe: str) -> _fs.DirHandle:
@@ -313,48 +314,16 @@ def _drop_if_stale(folder: _fs.DirHandle, name: str) -> None:
         pass
 
 
-def _index_array(hashes: np.ndarray, skip: Optional[np.ndarray]) -> np.ndarray:
-    hashes = np.asarray(hashes, dtype="<u8")
-    rows = np.arange(len(hashes), dtype="<u8")
-    if skip is not None:
-        keep = ~np.asarray(skip, dtype=bool)
-        hashes, rows = hashes[keep], rows[keep]
-    order = np.argsort(hashes, kind="stable")
-    count = len(hashes)
-    log2_bits = _log2_bits(count)
-    bitmap = np.zeros((1 << log2_bits) // 64, dtype="<u8")
-    top = (hashes >> np.uint64(64 - log2_bits)).astype(np.intp)
-    np.bitwise_or.at(bitmap, top >> 6, np.uint64(1) << (top & 63).astype(np.uint64))
-    head = np.array([INDEX_FORMAT, count, log2_bits], dtype="<u8")
-    return np.concatenate([head, hashes[order], rows[order], bitmap])
-
-
-def _log2_bits(count: int) -> int:
-    """The bitmap size (log2 of its bits) of an index of ``count`` rows: the only one a
-    reader accepts, so a file's bitmap is never larger than its rows call for."""
-    return min(_MAX_LOG2_BITS, max(_MIN_LOG2_BITS,
-                                   math.ceil(math.log2(max(1, _BITS_PER_ROW * count)))))
-
-
-def _parse(flat: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
-    """(sorted hashes, rows, bitmap words, log2 of the bitmap's bits) of an index file's
-    array, or None when it is not one of this format."""
-    if flat.ndim != 1 or flat.dtype != np.dtype("<u8") or len(flat) < _HEAD:
-        return None
-    version, count, log2_bits = (int(v) for v in flat[:_HEAD])
-    if version != INDEX_FORMAT or log2_bits != _log2_bits(count):
-        return None
-    words = (1 << log2_bits) // 64
-    if len(flat) != _HEAD + 2 * count + words:
-        return None
-    hashes = flat[_HEAD:_HEAD + count]
-    return hashes, flat[_HEAD + count:_HEAD + 2 * count], flat[_HEAD + 2 * count:], log2_bits
+def _temp_name(name: str) -> str:
+    """A name to make ``name`` under, then rename: one a lookup skips (and removes once
+    stale, :func:`_drop_if_stale`)."""
+    return f".{name}.{_fs.unique_suffix()}.tmp"
 
 
 def _write(folder: _fs.DirHandle, name: str, array: np.ndarray) -> None:
     """Write ``array`` as ``name`` in one step: readers see the old file, the new one or
     none, never a part."""
-    tmp = f".{name}.{_fs.unique_suffix()}.tmp"
+    tmp = _temp_name(name)
     try:
         arrays.write_small(folder, tmp, array)
         os.replace(tmp, name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)

@@ -134,10 +134,13 @@ def test_a_derived_entry_of_a_derived_entry_links_the_same_files(cache, pictures
 
 def test_a_fold_that_decoded_nothing_lends_its_rows_once_the_full_entry_is_gone(
         cache, pictures, tmp_path):
-    """It lists no row files of its own: its parts' copies name its rows to later builds."""
+    """It lists no row files of its own: its parts' copies name its rows to later builds.
+    Nor does it make an index file: it is indexed by a link to its row map."""
     full = cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, N, 2)), 8)
     assert own_rows(fold) == 0 and not (fold.path / manifests.ROW_IDS_FILE).exists()
+    [indexed] = (cache.root / "index").glob(f"*/{fold.key}.npy")
+    assert os.path.samefile(indexed, fold.path / manifests.ROW_MAP_FILE)
     assert len(cache.clear(full.key).removed) == 1
     again = cache.images(column(pictures, range(0, N, 4)), 8)
     assert (again.rows_decoded, again.rows_reused) == (0, len(again))

@@ -23,10 +23,16 @@ def _published(root: Path, key: str) -> None:
     (root / "entries" / key).mkdir(parents=True)
 
 
-def _matches(index: RowIndex, hashes: np.ndarray, take: bool = True) -> list:
+def _unread(key: str) -> None:
+    """``read_rows`` of a lookup that meets no entry indexed by its row map."""
+    raise AssertionError(f"{key} was read")
+
+
+def _matches(index: RowIndex, hashes: np.ndarray, take: bool = True,
+             read_rows=_unread) -> list:
     remaining = np.ones(len(hashes), dtype=bool)
     found = []
-    for match in index.matches(RECIPE, hashes, remaining):
+    for match in index.matches(RECIPE, hashes, remaining, read_rows=read_rows):
         found.append(match)
         if take:
             remaining[match.dst] = False
@@ -159,3 +165,38 @@ def test_a_writer_that_died_before_its_rename_leaves_nothing_for_long(tmp_path):
     os.utime(old, (1, 1))
     assert [m.key for m in _matches(index, np.arange(5, dtype=np.uint64))] == ["6" * 32]
     assert not old.exists() and new.exists()  # a writer may still be renaming that one
+
+
+def test_an_entry_holding_no_row_of_its_own_is_indexed_by_a_link_to_its_row_map(tmp_path):
+    """No new file: a lookup reads that entry's rows (read_rows) once the larger entries
+    before it no longer hold them."""
+    store = LocalStore(tmp_path)
+    index = RowIndex(store)
+    hashes = np.arange(1, 41, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    full, fold = "a" * 32, "b" * 32
+    _published(tmp_path, full)
+    index.add(RECIPE, full, hashes[:30])
+    _published(tmp_path, fold)
+    row_map = tmp_path / "entries" / fold / manifests.ROW_MAP_FILE
+    np.save(row_map, np.zeros((20, 2), dtype="<u4"))
+    assert index.link(RECIPE, fold)
+    linked = tmp_path / "index" / RECIPE / f"{fold}.npy"
+    assert os.path.samefile(linked, row_map) and row_map.stat().st_nlink == 2
+    assert sorted(os.listdir(linked.parent)) == sorted([f"{full}.npy", f"{fold}.npy"])
+    offered = np.arange(20, 40)  # the fold's rows 0..19 are the column's rows 20..39
+    read = []
+
+    def read_rows(key):
+        read.append(key)
+        return hashes[offered], np.arange(20)
+
+    first, second = _matches(index, hashes, read_rows=read_rows)
+    assert (first.key, first.dst.tolist()) == (full, list(range(30)))
+    assert (second.key, second.dst.tolist(), second.src.tolist()) == \
+        (fold, list(range(30, 40)), list(range(10, 20)))
+    assert read == [fold]
+    assert [m.key for m in _matches(index, hashes[:30], read_rows=read_rows)] == [full]
+    assert read == [fold]  # the full entry held every row: the fold was not read
+    assert _matches(index, hashes, read_rows=lambda key: None)[1:] == []  # unreadable
+    assert not index.link(RECIPE, "c" * 32)  # no such entry: add() it instead
+    assert index.forget(fold) and row_map.stat().st_nlink == 1
