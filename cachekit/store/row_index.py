@@ -7,9 +7,9 @@ them (but for entries that hold no row of their own, below).
 
 Each file (:mod:`cachekit.store.index_format`) holds the entry's row hashes (the first half
 of each row's identity, :func:`cachekit.keys.row_identities`) sorted, the entry's row of
-each, and a bitmap of the hashes' top bits. A lookup tests the bitmap first and binary-searches only the
-hashes that pass (about one in nine of those absent), with the column's hashes sorted once,
-so it reads each entry's file once and not the entry itself
+each, and a bitmap of the hashes' top bits. A lookup tests the bitmap first and
+binary-searches only the hashes that pass (about one in nine of those absent), with the
+column's hashes sorted once, so it reads each entry's file once and not the entry itself
 (``benchmarks/bench_incremental.py`` times it; docs/incremental.md has the figures).
 
 An entry that holds no row of its own (every row is in files of other entries) is indexed
@@ -25,8 +25,8 @@ costs a later build some reuse, never a wrong row. Whatever a file says, the bui
 reuses rows checks them against the entry itself (:mod:`cachekit.store.shared_rows`): its
 manifest, the row identities it lists and the checksum of every block it copies. The store
 removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry
-removed any other way is deleted by the next lookup that meets it, or by ``prune`` and ``clear``
-(:meth:`RowIndex.forget_stray`).
+removed any other way is deleted by the next lookup that meets it, or by ``prune`` and
+``clear`` (:meth:`RowIndex.forget_stray`).
 """
 
 from __future__ import annotations
