@@ -28,6 +28,7 @@ from cachekit.cli.main import main as cli_main
 from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
 from cachekit.store.remote import RemoteStore
+from cachekit.store.row_index import RowIndex
 from cachekit.store.row_view import RowView
 from helpers import write_pictures
 
@@ -146,6 +147,19 @@ def test_a_fold_that_decoded_nothing_lends_its_rows_once_the_full_entry_is_gone(
     assert (again.rows_decoded, again.rows_reused) == (0, len(again))
     np.testing.assert_array_equal(np.asarray(again.array),
                                   fresh(tmp_path, column(pictures, range(0, N, 4))))
+
+
+def test_a_fold_whose_row_map_cannot_be_linked_into_the_index_writes_an_index_file(
+        cache, pictures, tmp_path, monkeypatch):
+    """A filesystem without links (or an index folder elsewhere): the fold still lends."""
+    full = cache.images(column(pictures, range(N)), 8)
+    monkeypatch.setattr(RowIndex, "link", lambda self, recipe, key: False)
+    fold = cache.images(column(pictures, range(0, N, 2)), 8)
+    [indexed] = (cache.root / "index").glob(f"*/{fold.key}.npy")
+    assert not os.path.samefile(indexed, fold.path / manifests.ROW_MAP_FILE)
+    assert len(cache.clear(full.key).removed) == 1
+    again = cache.images(column(pictures, range(0, N, 4)), 8)
+    assert (again.rows_decoded, again.rows_reused) == (0, len(again))
 
 
 def test_a_fold_of_committed_rows_neither_takes_nor_waits_for_its_keys_build_lock(
