@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch  # resize_tensor imports it anyway
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from PIL import Image, ImageOps, features
 
 import cachekit
@@ -193,6 +193,7 @@ def geometry(draw) -> tuple[tuple[int, int], tuple[int, int]]:
 @settings(max_examples=60, deadline=None, suppress_health_check=FILE_PER_EXAMPLE)
 @given(geometry(), st.sampled_from(FITS), st.sampled_from(MODES), st.sampled_from(FILTERS),
        st.sampled_from(["jpg", "png"]), st.integers(0, 2**16))
+@example(((18, 18), (16, 16)), "stretch", "RGB", "bilinear", "png", 29)  # two levels off
 def test_any_geometry_is_v2_on_the_decoded_tensor(tmp_path: Path, shapes, fit: str, mode: str,
                                                   resample: str, ext: str, seed: int) -> None:
     (src_h, src_w), size = shapes
@@ -200,7 +201,9 @@ def test_any_geometry_is_v2_on_the_decoded_tensor(tmp_path: Path, shapes, fit: s
     out = load_image(path, size, mode, fit, resample)
     if (fit, resample) in TENSOR_CASES:
         np.testing.assert_array_equal(out, reference(path, size, mode, fit, resample))
-    assert off_by(out, load_image(path, size, mode, fit, resample, backend="pil")) <= 1
+    # Two levels for a rare value: torch's and Pillow's kernels round their fixed-point
+    # weights apart (an 18 x 18 PNG to 16 x 16, seed 29; docs/usage.md has the figures).
+    assert off_by(out, load_image(path, size, mode, fit, resample, backend="pil")) <= 2
 
 
 @pytest.mark.parametrize("ext", ["jpg", "png"])
