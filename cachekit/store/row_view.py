@@ -12,6 +12,8 @@ wrong pixels.
 from __future__ import annotations
 
 import operator
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -25,6 +27,11 @@ GATHER_ROWS = 4096
 """Rows whose files are looked up per step of a gather."""
 COPY_BYTES = 64 << 20
 """Bytes of rows copied per step when a view is written elsewhere (memory stays flat)."""
+KEPT_MAP_BYTES = 64 << 20
+"""Bytes of checked row maps a process keeps (:func:`row_map_at`): a hit, its stale-file
+check and the background check each open the map, which is 8 bytes a row."""
+_kept_maps: "OrderedDict[tuple[Any, ...], np.ndarray]" = OrderedDict()
+_kept_lock = threading.Lock()
 
 
 def copy_step(row_bytes: int) -> int:
@@ -225,12 +232,26 @@ def read_row_map(entry_dir: Path, manifest: Manifest) -> np.ndarray:
 
 
 def row_map_at(directory: _fs.DirHandle, manifest: Manifest) -> np.ndarray:
-    """:func:`read_row_map` of the open entry directory ``directory``."""
+    """:func:`read_row_map` of the open entry directory ``directory``: read and checked
+    once per process while the file is the same (device, inode, size, mtime) and the
+    manifest records the same checksum and row counts; read-only."""
     record = manifest.row_file(ROW_MAP_FILE)
     assert record is not None
+    rows = tuple(f.shape[0] for f in manifest.data_files)
+    st = directory.lstat(record.name)
+    same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, record.checksum, rows)
+    with _kept_lock:
+        where = _kept_maps.get(same)
+        if where is not None:
+            _kept_maps.move_to_end(same)
+            return where
     where = _read_small(directory, record)
-    check_row_map(where, [f.shape[0] for f in manifest.data_files],
-                  directory.path / record.name)
+    check_row_map(where, rows, directory.path / record.name)
+    where.setflags(write=False)
+    with _kept_lock:
+        _kept_maps[same] = where
+        while sum(m.nbytes for m in _kept_maps.values()) > KEPT_MAP_BYTES:
+            _kept_maps.popitem(last=False)
     return where
 
 

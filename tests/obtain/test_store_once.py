@@ -374,6 +374,31 @@ def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, p
         cache.images(column(pictures, range(0, 30)), 8)
 
 
+def test_a_hit_of_a_derived_entry_reads_its_row_map_once_and_a_new_map_again(
+        cache, pictures, monkeypatch):
+    """The open and the stale-file check both need the map (8 bytes a row): it is read and
+    checked once while the file and its record stay the same."""
+    from cachekit.store import row_view
+
+    monkeypatch.setenv("CACHEKIT_STALE_CHECK", "sample")
+    cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, N, 2)), 8)
+    reads = []
+    real = row_view._read_small
+    monkeypatch.setattr(row_view, "_read_small", lambda directory, record: (
+        reads.append(record.name), real(directory, record))[1])
+    row_view._kept_maps.clear()
+    for _ in range(2):
+        hit = cache.images(column(pictures, range(0, N, 2)), 8)
+        assert hit.outcome == "hit"
+    assert reads.count(manifests.ROW_MAP_FILE) == 1
+    time.sleep(0.01)
+    _replant_map(fold, np.array(np.load(fold.path / manifests.ROW_MAP_FILE)))  # rewritten
+    again = cache.images(column(pictures, range(0, N, 2)), 8)
+    assert reads.count(manifests.ROW_MAP_FILE) == 2
+    np.testing.assert_array_equal(np.asarray(again.array), np.asarray(hit.array))
+
+
 def test_a_part_without_its_row_files_is_corrupt(cache, pictures):
     cache.images(column(pictures, range(N - 1)), 8)
     fold = cache.images(column(pictures, range(N - 30, N)), 8)  # one row of its own
