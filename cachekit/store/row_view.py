@@ -6,7 +6,7 @@ and links the data files of the entries it shares rows with (its parts); its row
 for each row, which file holds it and where. The map is read whole and checked against
 its checksum and against the files' row counts before anything is read through it, so a
 map that points outside its files is a :class:`~cachekit.errors.CacheCorruptError`, never
-wrong pixels.
+wrong pixels; a process keeps the maps it checked while their files stay the same.
 """
 
 from __future__ import annotations
