@@ -100,8 +100,9 @@ class Cache:
         ``backend="tensor"`` (the default) decodes JPEGs with torchvision and resizes bilinear
         "stretch" and "pad" with torch's uint8 antialiased kernel: the pixels of
         ``torchvision.transforms.v2`` on the decoded tensor, within one level of the
-        ``"pil"`` pipeline's (two, for a rare value). A "crop", or a filter other than bilinear, is ``"pil"`` for the
-        whole call, its key included: torch's kernel would be more than a level off there.
+        ``"pil"`` pipeline's (two, for a rare value). A "crop", or a filter other than
+        bilinear, is ``"pil"`` for the whole call, its key included: torch's kernel would be
+        more than a level off there.
         A file it does not cover (other formats, CMYK, palette, 16-bit, ...) goes through
         ``"pil"`` for that file.
         ``backend="pil"``: Pillow throughout, bit-identical to torchvision ``Resize((h, w))`` on

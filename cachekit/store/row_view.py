@@ -238,8 +238,7 @@ def row_map_at(directory: _fs.DirHandle, manifest: Manifest) -> np.ndarray:
     record = manifest.row_file(ROW_MAP_FILE)
     assert record is not None
     rows = tuple(f.shape[0] for f in manifest.data_files)
-    st = directory.lstat(record.name)
-    same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, record.checksum, rows)
+    same = (_fs.file_version(directory.lstat(record.name)), record.checksum, rows)
     with _kept_lock:
         where = _kept_maps.get(same)
         if where is not None:

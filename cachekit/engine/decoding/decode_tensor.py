@@ -17,8 +17,9 @@ One file, step by step:
    alpha 255 added).
 4. Resized by torch's uint8 antialiased kernel (:mod:`.resize_tensor`): the pixels of
    ``torchvision.transforms.v2`` on the upright, converted tensor, within a level of
-   Pillow's (two, for a rare value: the kernels round their fixed-point weights apart); a DCT-scaled image of fewer than :data:`TORCH_RESIZES_FROM` pixels is resized
-   by Pillow, which is faster there.
+   Pillow's (two, for a rare value: the kernels round their fixed-point weights apart); a
+   DCT-scaled image of fewer than :data:`TORCH_RESIZES_FROM` pixels is resized by Pillow,
+   which is faster there.
 
 Everything else goes through the ``"pil"`` pipeline (:func:`.decode_pil.decode`, on the
 image already opened), for that file alone: other formats (GIF, WebP, BMP, TIFF, ...), CMYK
