@@ -12,8 +12,6 @@ wrong pixels; a process keeps the maps it checked while their files stay the sam
 from __future__ import annotations
 
 import operator
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -21,6 +19,7 @@ import numpy as np
 
 from .. import _fs, arrays
 from ..errors import CacheCorruptError
+from .kept import Kept
 from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, FileRecord, Manifest, sidecar_name
 
 GATHER_ROWS = 4096
@@ -30,8 +29,7 @@ COPY_BYTES = 64 << 20
 KEPT_MAP_BYTES = 64 << 20
 """Bytes of checked row maps a process keeps (:func:`row_map_at`): a hit, its stale-file
 check and the background check each open the map, which is 8 bytes a row."""
-_kept_maps: "OrderedDict[tuple[Any, ...], np.ndarray]" = OrderedDict()
-_kept_lock = threading.Lock()
+_kept_maps: Kept[np.ndarray] = Kept(KEPT_MAP_BYTES, lambda where: where.nbytes)
 
 
 def copy_step(row_bytes: int) -> int:
@@ -239,18 +237,12 @@ def row_map_at(directory: _fs.DirHandle, manifest: Manifest) -> np.ndarray:
     assert record is not None
     rows = tuple(f.shape[0] for f in manifest.data_files)
     same = (_fs.file_version(directory.lstat(record.name)), record.checksum, rows)
-    with _kept_lock:
-        where = _kept_maps.get(same)
-        if where is not None:
-            _kept_maps.move_to_end(same)
-            return where
-    where = _read_small(directory, record)
-    check_row_map(where, rows, directory.path / record.name)
-    where.setflags(write=False)
-    with _kept_lock:
-        _kept_maps[same] = where
-        while sum(m.nbytes for m in _kept_maps.values()) > KEPT_MAP_BYTES:
-            _kept_maps.popitem(last=False)
+    where = _kept_maps.get(same)
+    if where is None:
+        where = _read_small(directory, record)
+        check_row_map(where, rows, directory.path / record.name)
+        where.setflags(write=False)
+        _kept_maps.put(same, where)
     return where
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, BinaryIO, Optional
@@ -39,6 +37,7 @@ from .. import _fs, arrays
 from ..errors import CacheCorruptError
 from . import manifest as manifests
 from . import signing
+from .kept import Kept
 from .local import LocalStore
 from .manifest import Manifest
 from .row_view import read_row_file, row_map_at
@@ -118,8 +117,7 @@ class _Checked:
         return sum(a.nbytes for a in (self.ids, self.stats, self.where) if a is not None)
 
 
-_memo: "OrderedDict[tuple[Any, ...], _Checked]" = OrderedDict()
-_memo_lock = threading.Lock()
+_memo: Kept[_Checked] = Kept(MEMO_BYTES, lambda checked: checked.nbytes)
 
 
 def open_shared_rows(store: LocalStore, key: str, recipe: str) -> Optional[SharedRows]:
@@ -148,17 +146,13 @@ def _checked(entry: _fs.DirHandle, key: str) -> _Checked:
     """The manifest and row files of the open entry ``key``: read and checked, or as the
     process read them before when they and the directory are the same files, unchanged."""
     stamp = _stamp(entry, key)
-    with _memo_lock:
-        known = _memo.get(stamp)
+    known = _memo.get(stamp)
     if known is not None and _row_file_stamps(entry, known.manifest) == known.files:
-        with _memo_lock:
-            if stamp in _memo:
-                _memo.move_to_end(stamp)
         return known
     checked = _read(entry, key)
     if _stamp(entry, key) == stamp and \
             _row_file_stamps(entry, checked.manifest) == checked.files:  # none changed meanwhile
-        _remember(stamp, checked)
+        _memo.put(stamp, checked)
     return checked
 
 
@@ -196,14 +190,3 @@ def _row_file_stamps(entry: _fs.DirHandle, manifest: Manifest) -> tuple[tuple[An
     data = {f.name for f in manifest.data_files}
     return tuple(_fs.file_version(entry.lstat(f.name)) for f in manifest.files
                  if f.name not in data)
-
-
-def _remember(stamp: tuple[Any, ...], checked: _Checked) -> None:
-    if checked.nbytes > MEMO_BYTES:
-        return
-    with _memo_lock:
-        _memo[stamp] = checked
-        _memo.move_to_end(stamp)
-        total = sum(c.nbytes for c in _memo.values())
-        while total > MEMO_BYTES:
-            total -= _memo.popitem(last=False)[1].nbytes
