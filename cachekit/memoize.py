@@ -114,6 +114,9 @@ class _Call:
     def start(self) -> "_Build":
         return _Build(self.run)
 
+    def close(self) -> None:
+        pass  # its build holds nothing open before it runs
+
 
 class _Build:
     """The build of a memoize entry: one whole call of the function, never joined."""

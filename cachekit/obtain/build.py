@@ -66,3 +66,8 @@ class Request(Protocol):
 
     def start(self) -> Build:
         """The build of the key: called on a miss only."""
+
+    def close(self) -> None:
+        """Let go of what the request and its build hold open for a build that never ran
+        (the entries whose rows it found, an entry set aside to be built again): called
+        once the call ends, however it ends."""

@@ -117,6 +117,14 @@ class RowBuild:
         found.close()
         return False
 
+    def release(self) -> None:
+        """Let go of what :meth:`build` would have used, had it run: the donors
+        :meth:`computes_nothing` found, and the entry set aside (removed)."""
+        self._drop_found()
+        if self.aside is not None:
+            self.aside.close()
+            self.aside = None
+
     def _drop_found(self) -> None:
         if self._found is not None:
             self._found.close()

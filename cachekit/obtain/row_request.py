@@ -56,6 +56,15 @@ class RowRequest:
         self._build = RowBuild(self.store, self.call, self.settings, aside)
         return self._build
 
+    def close(self) -> None:
+        """Let go of an entry set aside and not built again (removed: the next call builds
+        the key), and of the donors its build found and never used."""
+        if self._aside is not None:
+            self._aside.close()
+            self._aside = None
+        if self._build is not None:
+            self._build.release()
+
     def settle(self, outcome: Outcome) -> None:
         """Between obtaining and opening the entry: index a downloaded one, so that its rows
         may serve later builds; build it again (FileNotFoundError: obtain it again) when a

@@ -184,6 +184,34 @@ def test_a_fold_of_committed_rows_neither_takes_nor_waits_for_its_keys_build_loc
     np.testing.assert_array_equal(np.asarray(again.array), fresh(tmp_path, even))
 
 
+def test_a_call_whose_build_cannot_start_keeps_nothing_open(cache_root, pictures,
+                                                             monkeypatch):
+    """A fold whose rows are all committed opens their entries before it builds, and a
+    contiguous copy asked of a derived entry sets that entry aside (open) first; when the
+    build cannot even start (a full disk, say), the call raises and lets go of both: a
+    sweep agent that retries such calls runs out of no file descriptor."""
+    cache = cachekit.Cache(cache_root, workers=1, progress=False)
+    cache.images(column(pictures, range(N)), 8)
+    fold = column(pictures, range(0, N, 3))
+    assert not cache.images(fold, 8).contiguous
+    cache.clear(cache.images(fold, 8).key)
+    import cachekit.obtain.miss as miss
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    open_fds = lambda: set(os.listdir("/proc/self/fd"))  # noqa: E731
+    for contiguous, setup in ((False, lambda: None), (True, lambda: cache.images(fold, 8))):
+        setup()
+        monkeypatch.setattr(miss, "build_and_commit", no_space)
+        before = open_fds()
+        for _ in range(2):
+            with pytest.raises(OSError, match="No space"):
+                cache.images(fold, 8, contiguous=contiguous)
+        assert open_fds() <= before, contiguous
+        monkeypatch.undo()
+
+
 def test_a_call_that_waits_for_the_build_lock_stats_no_file_before(
         cache_root, pictures, monkeypatch):
     """Agents waiting for one build do not each stat its files first (130,000 of them on a
