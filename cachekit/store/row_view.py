@@ -50,6 +50,10 @@ class RowView:
         self._files = [np.asarray(f) for f in files]
         self._file = where[:, 0].astype(np.intp)
         self._row = where[:, 1].astype(np.intp)
+        self._only = int(self._file[0]) if len(where) and (
+            self._file.min() == self._file.max()) else None
+        """The file that holds every row, if one does (a fold of one entry): a gather is
+        then numpy's own."""
         first = self._files[0]
         self.shape: tuple[int, ...] = (len(where), *first.shape[1:])
         self.dtype: np.dtype = first.dtype
@@ -119,10 +123,14 @@ class RowView:
         """A new array of ``rows`` (integers, negative from the end), read file by file."""
         rows = np.asarray(rows, dtype=np.intp)
         n = len(self)
-        if rows.size and (rows.min() < -n or rows.max() >= n):
+        low, high = (rows.min(), rows.max()) if rows.size else (0, 0)
+        if low < -n or high >= n:
             bad = rows[(rows < -n) | (rows >= n)].flat[0]
             raise IndexError(f"index {int(bad)} is out of range for {n} rows")
-        flat = np.where(rows < 0, rows + n, rows).reshape(-1)
+        flat = (np.where(rows < 0, rows + n, rows) if low < 0 else rows).reshape(-1)
+        shape = (*rows.shape, *self.shape[1:])
+        if self._only is not None:
+            return self._files[self._only][self._row[flat]].reshape(shape)
         out = np.empty((len(flat), *self.shape[1:]), dtype=self.dtype)
         for start in range(0, len(flat), GATHER_ROWS):
             part = flat[start:start + GATHER_ROWS]
@@ -135,7 +143,7 @@ class RowView:
             for f in np.unique(files):
                 here = np.flatnonzero(files == f)
                 into[here] = self._files[f][at[here]]
-        return out.reshape((*rows.shape, *self.shape[1:]))
+        return out.reshape(shape)
 
 
 def _is_integer(index: Any) -> bool:

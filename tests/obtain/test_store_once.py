@@ -282,11 +282,12 @@ def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_
 # --- the row view ---------------------------------------------------------------------------
 
 
-def test_the_row_view_indexes_like_the_contiguous_array(cache, pictures, tmp_path):
-    full = cache.images(column(pictures, range(N)), 8)
+@pytest.mark.parametrize("new", [0, 6], ids=["rows in one file", "rows in two files"])
+def test_the_row_view_indexes_like_the_contiguous_array(cache, pictures, tmp_path, new):
+    full = cache.images(column(pictures, range(N - new)), 8)
     rows = list(range(N - 1, -1, -3))  # reversed, every third
     view = cache.images(column(pictures, rows), 8)
-    assert not view.contiguous
+    assert not view.contiguous and view.rows_decoded == len([r for r in rows if r >= N - new])
     a, b = view.array, fresh(tmp_path, column(pictures, rows))
     assert (len(a), a.shape, a.dtype, a.ndim) == (len(b), b.shape, b.dtype, b.ndim)
     mask = np.arange(len(b)) % 3 == 1
