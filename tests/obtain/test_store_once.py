@@ -200,7 +200,9 @@ def test_a_call_whose_build_cannot_start_keeps_nothing_open(cache_root, pictures
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    open_fds = lambda: set(os.listdir("/proc/self/fd"))  # noqa: E731
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
     for contiguous, setup in ((False, lambda: None), (True, lambda: cache.images(fold, 8))):
         setup()
         monkeypatch.setattr(miss, "build_and_commit", no_space)
