@@ -10,9 +10,9 @@ their files for changes), reports the use to an active W&B run and keeps to the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
@@ -199,8 +199,7 @@ class Cache:
         ``cachekit clear`` may remove the entry between reading its manifest and opening
         its data, and ``open_entry`` may set it aside to be built again (FileNotFoundError):
         neither is corruption, so it is obtained again (a rebuild) instead of raising."""
-        with quiet(self.progress is False), staleness.call_running(), \
-                contextlib.closing(request):
+        with quiet(self.progress is False), staleness.call_running(), closing(request):
             for attempt in range(_OPEN_ATTEMPTS):
                 outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
                                  join=self.join, remote=self._remote_tier())
