@@ -48,8 +48,7 @@ class RowView:
         # Plain ndarray views (each keeps its mapping alive): np.memmap's
         # __array_finalize__ is a large share of a batch's fancy index.
         self._files = [np.asarray(f) for f in files]
-        self._file = where[:, 0].astype(np.intp)
-        self._row = where[:, 1].astype(np.intp)
+        self._file, self._row = where[:, 0], where[:, 1]  # (numpy indexes with <u4 as is)
         self._only = int(self._file[0]) if len(where) and (
             self._file.min() == self._file.max()) else None
         """The file that holds every row, if one does (a fold of one entry): a gather is
