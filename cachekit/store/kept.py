@@ -20,6 +20,7 @@ class Kept(Generic[T]):
     def __init__(self, max_bytes: int, size: Callable[[T], int]) -> None:
         self.max_bytes, self.size = max_bytes, size
         self._values: "OrderedDict[Hashable, T]" = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, stamp: Hashable) -> Optional[T]:
@@ -33,12 +34,15 @@ class Kept(Generic[T]):
         if self.size(value) > self.max_bytes:
             return
         with self._lock:
+            replaced = self._values.pop(stamp, None)
+            if replaced is not None:
+                self._bytes -= self.size(replaced)
             self._values[stamp] = value
-            self._values.move_to_end(stamp)
-            total = sum(self.size(v) for v in self._values.values())
-            while total > self.max_bytes:
-                total -= self.size(self._values.popitem(last=False)[1])
+            self._bytes += self.size(value)
+            while self._bytes > self.max_bytes:
+                self._bytes -= self.size(self._values.popitem(last=False)[1])
 
     def clear(self) -> None:
         with self._lock:
             self._values.clear()
+            self._bytes = 0
