@@ -40,10 +40,11 @@ import numpy as np
 
 from .errors import InvalidArgument, InvalidArgumentType
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """The entry format (3: a per-row entry's data start on a page boundary,
 :mod:`cachekit.engine.filling.plan`; 4: a derived entry that decoded none of its rows lists no
-row files of its own, its parts' copies describe every row): part of every key and recipe,
+row files of its own, its parts' copies describe every row; 5: nor a data file, its row map
+numbers its parts from 0): part of every key and recipe,
 so that entries of another format are never hits nor sources of rows
 (:mod:`cachekit.store.manifest` checks it on reading)."""
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"

@@ -5,10 +5,11 @@ For the rows that donors hold (:mod:`.donors`), the build hard-links each donor 
 that holds any of them into its own directory, named by its checksum
 (:func:`~cachekit.store.manifest.part_name`, so every entry names the same bytes alike),
 and records (file, row) in its row map; only the rows no donor holds are decoded, into the
-build's own ``data.npy``. A linked file is the very inode the donor's manifest describes
-(opened through the donor's directory handle, its size and header checked, linked from
-the open file), and data files never change once written: the filesystem counts who uses
-each, so clearing or pruning any entry never breaks another.
+build's own ``data.npy`` (a build that decodes none has none). A linked file is the very
+inode the donor's manifest describes (opened through the donor's directory handle, its
+size and header checked, linked from the open file), and data files never change once
+written: the filesystem counts who uses each, so clearing or pruning any entry never
+breaks another.
 
 Only this user's files are linked: a group member's file stays writable by its owner alone,
 and a link would let them change this user's entry. Where a file is another user's, or
@@ -40,9 +41,10 @@ OWN_FILE = "data.npy.own"
 class Parts:
     """Where each row of a build is: ``where`` (rows, 2) holds (file, row), file 0 being
     the build's own data file and file ``i`` the ``i``-th of ``names`` (-1: decoded by the
-    build, placed by :meth:`own`). ``opened``: each part's donor file, open, and the byte
-    its rows start at; ``linked``: whether every part is linked into the build directory;
-    ``shared``: rows referenced, by donor key."""
+    build, placed by :meth:`own`; :meth:`row_map` numbers the files as the manifest lists
+    them). ``opened``: each part's donor file, open, and the byte its rows start at;
+    ``linked``: whether every part is linked into the build directory; ``shared``: rows
+    referenced, by donor key."""
 
     where: np.ndarray
     names: list[str] = field(default_factory=list)
@@ -82,18 +84,28 @@ class Parts:
         self.records = [self.records[i] for i in order]
         self.opened = [self.opened[i] for i in order]
 
+    @property
+    def has_own(self) -> bool:
+        """Whether the build decodes any row: only then has it a data file of its own."""
+        return bool(len(self.todo) or len(self.own_rows))
+
     def row_map(self) -> np.ndarray:
-        return np.ascontiguousarray(self.where, dtype="<u4")
+        """The row map as the entry stores it (after :meth:`own`): files numbered as its
+        data files are listed, its own first if it has one."""
+        where = self.where if self.has_own else self.where - (1, 0)
+        return np.ascontiguousarray(where, dtype="<u4")
 
     def materialize(self, directory: _fs.DirHandle) -> None:
         """Copy every row into a new ``data.npy`` of the build in row order, from its own
         decoded rows and the parts' open files, and unlink the parts it linked: a
         contiguous entry, as a fresh build makes (call after :meth:`own`)."""
-        directory.rename(DATA_FILE, directory, OWN_FILE)
-        own = arrays.open_readonly(directory, OWN_FILE)
-        files = [own] + [_mapped(f, offset, record) for (f, offset), record
-                         in zip(self.opened, self.records)]
-        view = RowView(files, self.where)
+        files = [_mapped(f, offset, record) for (f, offset), record
+                 in zip(self.opened, self.records)]
+        own = self.has_own
+        if own:
+            directory.rename(DATA_FILE, directory, OWN_FILE)
+            files.insert(0, arrays.open_readonly(directory, OWN_FILE))
+        view = RowView(files, self.row_map())
         out = arrays.create_array(directory, DATA_FILE, view.shape, view.dtype,
                                   align=PAGE_BYTES)
         step = copy_step(view.nbytes // max(1, len(view)))
@@ -101,8 +113,9 @@ class Parts:
             stop = min(len(view), start + step)
             out[start:stop] = view.take(np.arange(start, stop))
         arrays.flush(out)
-        del out, view, files, own
-        directory.unlink(OWN_FILE)
+        del out, view, files
+        if own:
+            directory.unlink(OWN_FILE)
         for name in [*self.names, *self.sidecars]:
             directory.unlink(name)
         self.names, self.records, self.sidecars, self.linked = [], [], {}, True
@@ -154,7 +167,7 @@ def _row_file_names(source: SharedRows, index: int, row_files: Sequence[str]
                     ) -> dict[str, str]:
     """The names ``source`` gives the ``row_files`` of its data file ``index``."""
     part = source.manifest.data_files[index].name
-    return {row_file: row_file if index == 0 else sidecar_name(part, row_file)
+    return {row_file: row_file if part == DATA_FILE else sidecar_name(part, row_file)
             for row_file in row_files}
 
 

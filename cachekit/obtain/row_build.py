@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import _fs, keys, source_stats
-from ..engine.filling.builder import DeadBuilds, fill as fill_build
+from ..engine.filling.builder import DeadBuilds, Filled, fill as fill_build
 from ..engine.filling.claimed import ChunkCallback, Report, RowSpec
 from ..engine.filling.cores import Spare, runs_at_once
 from ..engine.filling.joiner import Joined, join as join_build
@@ -34,7 +34,7 @@ from . import donors, parts, staleness
 from .built import Built
 from .donors import Rows
 from .row_call import BuildSettings, RowCall, Template
-from .row_files import no_rows, write_row_files
+from .row_files import write_row_files
 
 class SetAside:
     """The entry of a key set aside to be built again: its rows, opened before (the build's
@@ -156,7 +156,9 @@ class RowBuild:
                 aside.drop()
         with contextlib.closing(held):
             if held.derived and not len(held.todo):  # nothing to decode: no fill at all
-                filled = no_rows(current.dir, found.template)
+                assert found.template is not None  # (known to the donors of every row)
+                shape, dtype = found.template
+                filled = Filled(shape=(0, *shape), dtype=np.dtype(dtype))
             else:  # (the cores it runs on, said before its plan lets anyone join it)
                 current.record_cpus(runs_at_once(settings.executor, settings.workers))
                 report = Report(on_chunk, settings.progress, f"cachekit {call.kind}",
@@ -180,7 +182,7 @@ class RowBuild:
                 raise failure  # nothing decoded: nothing to keep
         extra = write_row_files(current.dir, rows, filled, held)
         return Built(
-            kind=call.kind, rows=len(values), files=((manifests.DATA_FILE, "numpy"), *extra.files),
+            kind=call.kind, rows=len(values), files=extra.files,
             failed_rows=tuple(filled.failures), params=call.params,
             column=call.column.name if isinstance(call.column.name, str) else None,
             builder={**(builder or {}), **_joiners(filled.joined)},

@@ -3,8 +3,9 @@
 A manifest is the last file written into an entry, so an entry with a valid manifest is
 complete. It lists every file the entry publishes with its size and checksum: what opening
 an entry validates, what ``cachekit verify`` checks byte for byte, and what a remote tier
-uploads and checks after a download. ``shape`` and ``dtype`` in the JSON repeat the first
-file's, for people and tools that read ``entry.manifest``; reading checks that they agree.
+uploads and checks after a download. ``shape`` and ``dtype`` in the JSON repeat the data
+files' (a derived entry's rows, and its files' row shape), for people and tools that read
+``entry.manifest``; reading checks that they agree.
 
 A manifest is untrusted input (another process, user or host may have written it): every
 field is type-checked, file names come from a fixed set (never a path), and numbers that
@@ -61,7 +62,9 @@ ROW_FILES_LIMIT = 1 << 30
 
 @dataclass(frozen=True)
 class Manifest:
-    """A published entry's description. ``files[0]`` is the entry's main array."""
+    """A published entry's description. ``files[0]`` is the entry's main array
+    (``data.npy``), except in a derived entry that decoded none of its rows, which has
+    none: its row map comes first, and its parts hold every row."""
 
     key: str
     kind: str
@@ -114,7 +117,7 @@ class Manifest:
     @property
     def shape(self) -> tuple[int, ...]:
         """The entry's array: (rows, row shape...), whichever files hold the rows."""
-        first = self.files[0].shape
+        first = self.data_files[0].shape
         return first if self.contiguous else (self.rows, *first[1:])
 
     @property
@@ -123,14 +126,27 @@ class Manifest:
         return self.row_file(ROW_MAP_FILE) is None
 
     @property
+    def own(self) -> Optional[FileRecord]:
+        """The entry's own data file, ``data.npy``; None for a derived entry that decoded
+        none of its rows."""
+        first = self.files[0]
+        return first if first.name == DATA_FILE else None
+
+    @property
+    def parts(self) -> tuple[FileRecord, ...]:
+        """The data files of other entries that this derived entry links, in name order."""
+        return tuple(f for f in self.files if is_part_name(f.name))
+
+    @property
     def data_files(self) -> tuple[FileRecord, ...]:
-        """The files that hold rows, as a row map numbers them: ``data.npy``, then the
-        parts (the data files of other entries that this derived entry links)."""
-        return (self.files[0], *(f for f in self.files[1:] if is_part_name(f.name)))
+        """The files that hold rows, as a row map numbers them: ``data.npy`` (if the entry
+        has one), then the parts."""
+        own = self.own
+        return self.parts if own is None else (own, *self.parts)
 
     @property
     def dtype(self) -> np.dtype:
-        return self.files[0].np_dtype
+        return self.data_files[0].np_dtype
 
     @property
     def bytes(self) -> int:
@@ -143,15 +159,15 @@ class Manifest:
     def row_file(self, name: str) -> Optional[FileRecord]:
         """The record of the row file ``name`` (:data:`ROW_FILES`), or None when the entry
         has none (made by an older cachekit, or a memoize entry)."""
-        return next((f for f in self.files[1:] if f.name == name and self.kind != MEMOIZE_KIND),
+        return next((f for f in self.files if f.name == name and self.kind != MEMOIZE_KIND),
                     None)
 
     @property
     def holds_no_row(self) -> bool:
         """Whether this is a derived entry that decoded none of its rows: every row is a
-        part's, its ``data.npy`` is empty, and it lists no row files of its own (the
-        parts' copies of :data:`SIDECARS` describe its rows)."""
-        return not self.contiguous and self.files[0].shape[:1] == (0,)
+        part's, and it lists no data file and no row files of its own (the parts' copies of
+        :data:`SIDECARS` describe its rows)."""
+        return self.own is None
 
     def has_row_records(self, name: str) -> bool:
         """Whether every row has a record in the row file ``name`` (:data:`SIDECARS`): in
@@ -161,14 +177,14 @@ class Manifest:
             return True
         return self.holds_no_row and all(
             self.row_file(sidecar_name(part.name, name)) is not None
-            for part in self.data_files[1:])
+            for part in self.parts)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to ``manifest.json`` (also ``entry.manifest``), without
         the ``"signature"`` field that :func:`dumps` adds when a signing key is set."""
         out: dict[str, Any] = {
             "format": self.format, "key": self.key, "kind": self.kind, "rows": self.rows,
-            "shape": list(self.shape), "dtype": self.files[0].dtype,
+            "shape": list(self.shape), "dtype": self.data_files[0].dtype,
             "files": [f.to_json() for f in self.files], "created": self.created,
             "failed_rows": [list(f) for f in self.failed_rows], "params": self.params,
             "column": self.column, "builder": self.builder,
@@ -320,12 +336,12 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     part_files = [n for n in names if is_part_file(n)] if kind != MEMOIZE_KIND else []
     parts = [n for n in part_files if is_part_name(n)]
     expected = ([file_name(i) for i in range(len(files))] if kind == MEMOIZE_KIND else
-                [DATA_FILE] + [n for n in ROW_FILES if n in names[1:]]
+                [DATA_FILE] * (DATA_FILE in names) + [n for n in ROW_FILES if n in names]
                 + sorted(set(part_files)))
     if names != expected:
         raise fail(f"a {kind} entry's files must be {expected[:8]}, not {names[:8]}")
-    first = files[0]
     check_rows_files(files, rows, kind, bool(parts), fail)
+    first = next(f for f in files if f.name == DATA_FILE or is_part_name(f.name))
     shape = list(first.shape) if not parts else [rows, *first.shape[1:]]
     if raw.get("shape") != shape or raw.get("dtype") != first.dtype:
         raise fail("shape and dtype disagree with the data files'")

@@ -36,7 +36,8 @@ ROW_STATS_FILE = "row_stats.npy"
 """An images entry's (size, mtime_ns) of each file when it was built: (rows, 2) ``<i8``."""
 ROW_MAP_FILE = "row_map.npy"
 """A derived entry's row map: (rows, 2) ``<u4``, for each row the data file that holds it
-(0: ``data.npy``, i: the entry's i-th part) and its row in that file."""
+(numbered as the manifest lists them: ``data.npy`` if the entry decoded any row, then its
+parts) and its row in that file."""
 ROW_FILES = (ROW_IDS_FILE, ROW_BLOCKS_FILE, ROW_STATS_FILE, ROW_MAP_FILE)
 """The files a per-row entry may list after its data, in this order: what lets a later
 build reference its rows (:mod:`cachekit.store.row_index`), a hit check its files' stats,
@@ -78,7 +79,10 @@ def file_name(index: int) -> str:
 
 def allowed_file_name(index: int, name: str) -> bool:
     """Whether an entry's ``index``-th file may be called ``name``: :func:`file_name`, or
-    after the data of a per-row entry one of :data:`ROW_FILES` or a part."""
+    after the data of a per-row entry one of :data:`ROW_FILES` or a part; or first, the row
+    map of a derived entry that decoded none of its rows (it has no data file)."""
+    if index == 0 and name == ROW_MAP_FILE:
+        return True
     return name == file_name(index) or (index > 0 and (name in ROW_FILES or is_part_file(name)))
 
 
@@ -282,30 +286,32 @@ def count_field(value: Any, name: str, fail: Fail) -> int:
 def check_rows_files(files: tuple[FileRecord, ...], rows: int, kind: str, derived: bool,
                      fail: Fail) -> None:
     """A contiguous entry's data file holds its rows; a derived entry's row map has one
-    (file, row) pair a row, and its parts rows of the data file's shape and dtype, each
-    named by its checksum and with a copy of each row file the entry has, of its rows (an
-    entry whose data file is empty lists no row files: the copies say which it has)."""
-    first = files[0]
-    scalar = kind == MEMOIZE_KIND and first.shape == () and rows == 1
+    (file, row) pair a row, and its parts rows of its data's shape and dtype, each named by
+    its checksum and with a copy of each row file the entry has, of its rows. A derived
+    entry that decoded none of its rows lists no data file (its row map comes first, so no
+    row file of its own either: its parts' copies say which it has)."""
+    own = files[0] if files[0].name == DATA_FILE else None
     row_map = next((f for f in files if f.name == ROW_MAP_FILE), None)
     if (row_map is not None) != derived:
         raise fail("a row map comes with parts, and parts with a row map")
     if not derived:
-        if not scalar and (not first.shape or first.shape[0] != rows):
-            raise fail(f"shape {list(first.shape)} does not start with rows {rows}")
+        assert own is not None  # (only a row map may come first instead)
+        scalar = kind == MEMOIZE_KIND and own.shape == () and rows == 1
+        if not scalar and (not own.shape or own.shape[0] != rows):
+            raise fail(f"shape {list(own.shape)} does not start with rows {rows}")
         return
     assert row_map is not None
-    if row_map.shape != (rows, 2) or row_map.dtype != "<u4" or not first.shape:
+    if row_map.shape != (rows, 2) or row_map.dtype != "<u4":
         raise fail(f"the row map holds {row_map.dtype} {list(row_map.shape)}, not <u4 "
                    f"[{rows}, 2]")
     by_name = {f.name: f for f in files}
     data_parts = [f for f in files if is_part_name(f.name)]
     copies = {f.name for f in files if is_part_file(f.name) and not is_part_name(f.name)}
-    own_rows = first.shape[0]
-    if not own_rows and any(n in by_name for n in (*SIDECARS, ROW_BLOCKS_FILE)):
-        raise fail("an entry that decoded none of its rows lists no row files of its own")
+    if own is not None and (not own.shape or not own.shape[0]):
+        raise fail("a derived entry lists a data file only of the rows it decoded")
+    first = own if own is not None else data_parts[0]
     described = [n for n in SIDECARS if n in by_name
-                 or (not own_rows and sidecar_name(data_parts[0].name, n) in copies)]
+                 or (own is None and sidecar_name(data_parts[0].name, n) in copies)]
     wanted = {sidecar_name(p.name, n) for p in data_parts for n in described}
     if copies != wanted:
         raise fail(f"the parts' row files {sorted(copies ^ wanted)[:3]} are missing or extra")

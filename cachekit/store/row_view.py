@@ -1,12 +1,13 @@
 """An entry's rows as a reader sees them: the data file's memmap for a contiguous entry,
 a read-only :class:`RowView` for a derived one.
 
-A derived entry (docs/incremental.md) holds the rows it decoded in its own ``data.npy``
-and links the data files of the entries it shares rows with (its parts); its row map says,
-for each row, which file holds it and where. The map is read whole and checked against
-its checksum and against the files' row counts before anything is read through it, so a
-map that points outside its files is a :class:`~cachekit.errors.CacheCorruptError`, never
-wrong pixels; a process keeps the maps it checked while their files stay the same.
+A derived entry (docs/incremental.md) holds the rows it decoded (if any) in its own
+``data.npy`` and links the data files of the entries it shares rows with (its parts); its
+row map says, for each row, which file holds it and where. The map is read whole and
+checked against its checksum and against the files' row counts before anything is read
+through it, so a map that points outside its files is a
+:class:`~cachekit.errors.CacheCorruptError`, never wrong pixels; a process keeps the maps
+it checked while their files stay the same.
 """
 
 from __future__ import annotations
@@ -174,8 +175,7 @@ def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Ro
     if found is None:
         return None
     own, copies, width = found
-    files = [_nothing(copies[0], width) if own is None else own.open(entry_dir),
-             *(copy.open(entry_dir) for copy in copies)]
+    files = [record.open(entry_dir) for record in ([own] if own else []) + copies]
     return RowView([f[:, :width] for f in files], read_row_map(entry_dir, manifest))
 
 
@@ -188,8 +188,7 @@ def _derived_row_files(entry_dir: Path, manifest: Manifest, name: str
     if not manifest.has_row_records(name):
         return None
     own = _own_row_file(entry_dir, manifest, name)
-    copies = [manifest.row_file(sidecar_name(part.name, name))
-              for part in manifest.data_files[1:]]
+    copies = [manifest.row_file(sidecar_name(part.name, name)) for part in manifest.parts]
     present = [copy for copy in copies if copy is not None and len(copy.shape) == 2]
     if len(present) != len(copies):
         raise CacheCorruptError(entry_dir / name, "a part's copy is missing or of another "
@@ -204,17 +203,12 @@ def _derived_row_files(entry_dir: Path, manifest: Manifest, name: str
 def _own_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[FileRecord]:
     """The record of the entry's own row file ``name``, if it lists one: a record of each
     row of its data file, or CacheCorruptError."""
-    own = manifest.row_file(name)
-    if own is not None and (len(own.shape) != 2
-                            or own.shape[:1] != manifest.files[0].shape[:1]):
+    own, data = manifest.row_file(name), manifest.own
+    if own is not None and (len(own.shape) != 2 or data is None
+                            or own.shape[:1] != data.shape[:1]):
         raise CacheCorruptError(entry_dir / name, f"holds {list(own.shape)}, not a record of "
                                 "each row of the data file")
     return own
-
-
-def _nothing(like: FileRecord, width: int) -> np.ndarray:
-    """The rows an entry that holds none of its own has in a row file: none."""
-    return np.empty((0, width), dtype=like.np_dtype)
 
 
 def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any]) -> RowView:
@@ -268,8 +262,7 @@ def read_row_file(directory: _fs.DirHandle, manifest: Manifest, name: str,
         return None
     own, copies, width = found
     where = row_map_at(directory, manifest) if where is None else where
-    pieces = [_nothing(copies[0], width) if own is None else _read_small(directory, own),
-              *(_read_small(directory, copy) for copy in copies)]
+    pieces = [_read_small(directory, record) for record in ([own] if own else []) + copies]
     out = np.empty((manifest.rows, width), dtype=pieces[0].dtype)
     files = where[:, 0]
     for index, piece in enumerate(pieces):

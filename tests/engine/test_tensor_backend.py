@@ -473,12 +473,12 @@ MISSING = pd.Series([f"/nonexistent/cachekit/{name}.jpg" for name in "abc"], nam
 
 
 def test_pinned_keys_of_both_backends(tmp_path: Path) -> None:
-    # test_cache pins the same call with backend="pil" (entry format 4's keys)
+    # test_cache pins the same call with backend="pil" (entry format 5's keys)
     cache = cachekit.Cache(tmp_path / "cache")
     assert cache.images(MISSING, (8, 6), on_error="zero").key == \
-        "414c520555fadc2845e751eb83de116b"
+        "dc0333372c04ba855506e69b099b43dc"
     assert cache.images(MISSING, (8, 6), on_error="zero", backend="pil").key == \
-        "907ff64860bd619b014ed33d861eb75b"
+        "f1a52787294053060138dd8ad73c909d"
 
 
 def test_an_unknown_backend_is_refused(tmp_path: Path, covered: dict[str, str]) -> None:

@@ -92,9 +92,10 @@ def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_name
 def test_uploads_running_at_once_send_each_pool_object_once(s3_env, tmp_path, monkeypatch):
     """The full entry and three folds of it, each call's upload started in the background
     without waiting for the one before, send each row file they share once between them
-    (the full entry's rows; the folds' own empty data file): an upload that finds another
-    upload of its process sending it waits, then finds it in the pool. Every write is
-    slowed, so that the uploads look for an object while another is still sending it."""
+    (the full entry's rows and row files: the folds decode none, and have no data file of
+    their own): an upload that finds another upload of its process sending it waits, then
+    finds it in the pool. Every write is slowed, so that the uploads look for an object
+    while another is still sending it."""
     from cachekit.store.bucket import Bucket
 
     written: list[str] = []

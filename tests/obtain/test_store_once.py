@@ -58,7 +58,9 @@ def data_files(entry: cachekit.Entry) -> dict[str, os.stat_result]:
 
 
 def own_rows(entry: cachekit.Entry) -> int:
-    return int(np.load(entry.path / manifests.DATA_FILE, mmap_mode="r").shape[0])
+    """Rows of the entry's own data file; 0 when it has none (it decoded no row)."""
+    own = entry.path / manifests.DATA_FILE
+    return int(np.load(own, mmap_mode="r").shape[0]) if own.exists() else 0
 
 
 # --- what a fold, an append and a retry store -----------------------------------------------
@@ -75,16 +77,12 @@ def test_folds_and_an_append_store_only_their_new_rows_and_link_the_full_entry(
     for fold in folds:
         assert not fold.contiguous and isinstance(fold.array, RowView)
         assert (fold.rows_decoded, fold.rows_reused) == (0, len(fold))
-        files = data_files(fold)
-        assert own_rows(fold) == 0 and len(files) == 2
-        assert not any((fold.path / name).exists() for name in (  # its parts' copies say all
-            manifests.ROW_IDS_FILE, manifests.ROW_BLOCKS_FILE, manifests.ROW_STATS_FILE))
+        (part,) = data_files(fold).items()  # no data file of its own: it decoded no row
+        assert {p.name for p in fold.path.iterdir() if p.stat().st_ino not in inodes} == {
+            manifests.MANIFEST_FILE, manifests.ROW_MAP_FILE}  # its parts' copies say all
         assert {p.name for p in fold.path.iterdir() if p.stat().st_ino in inodes} == {
-            *files.keys() - {manifests.DATA_FILE},
-            *(manifests.sidecar_name(next(n for n in files if n != manifests.DATA_FILE), r)
-              for r in manifests.SIDECARS)}  # the full entry's data, ids and stats, linked
-        (part,) = [st for name, st in files.items() if name != manifests.DATA_FILE]
-        assert part.st_ino == inode
+            part[0], *(manifests.sidecar_name(part[0], r) for r in manifests.SIDECARS)}
+        assert part[1].st_ino == inode  # the full entry's data, ids and stats, linked
     assert (full.path / manifests.DATA_FILE).stat().st_nlink == 6  # the full entry + 5 folds
     extra = tmp_path / "extra.png"
     from PIL import Image
@@ -238,24 +236,6 @@ def test_a_call_that_waits_for_the_build_lock_stats_no_file_before(
         with pytest.raises(cachekit.LockTimeout):
             cache.images(wanted, 8)
     assert stated == []
-
-
-def test_folds_that_decode_nothing_link_one_empty_data_file_while_it_is_committed(
-        cache, pictures, tmp_path):
-    cache.images(column(pictures, range(N)), 8)
-    folds = [cache.images(column(pictures, range(k, N, 3)), 8) for k in range(3)]
-    empty = {(fold.path / manifests.DATA_FILE).stat().st_ino for fold in folds}
-    assert len(empty) == 1 and all(own_rows(fold) == 0 for fold in folds)
-    other = cachekit.Cache(tmp_path / "other", workers=1, progress=False)  # a root of its own
-    other.images(column(pictures, range(N)), 8)
-    elsewhere = other.images(column(pictures, range(0, N, 3)), 8)
-    assert (elsewhere.path / manifests.DATA_FILE).stat().st_ino not in empty
-    assert len(cache.clear([fold.key for fold in folds]).removed) == 3
-    again = cache.images(column(pictures, range(0, N, 5)), 8)  # the file is gone: a new one
-    assert own_rows(again) == 0 and (again.path / manifests.DATA_FILE).stat().st_nlink == 1
-    assert cache.verify() == []
-    np.testing.assert_array_equal(np.asarray(again.array),
-                                  fresh(tmp_path, column(pictures, range(0, N, 5))))
 
 
 def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_path):
@@ -441,15 +421,17 @@ def test_a_part_without_its_row_files_is_corrupt(cache, pictures):
 
 
 def test_an_entry_that_decoded_none_of_its_rows_lists_no_row_file_of_its_own(cache, pictures):
-    """Its parts' copies describe every row; a row file of its own would describe none."""
+    """Nor a data file: its row map comes first. Its parts' copies describe every row; a
+    row file of its own would describe none."""
     full = cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, 30)), 8)
     assert own_rows(fold) == 0
     raw = json.loads((fold.path / manifests.MANIFEST_FILE).read_text())
     ids = next(f for f in full.manifest["files"] if f["name"] == manifests.ROW_IDS_FILE)
     listed = [dict(f) for f in raw["files"]]
-    raw["files"].insert(1, {**ids, "shape": [0, 2]})
-    with pytest.raises(cachekit.CacheCorruptError, match="no row files of its own"):
+    assert raw["files"][0]["name"] == manifests.ROW_MAP_FILE
+    raw["files"].insert(0, {**ids, "shape": [0, 2]})  # (row files come before the map)
+    with pytest.raises(cachekit.CacheCorruptError, match="file 0 must be named 'data.npy'"):
         manifests.Manifest.from_json(raw, fold.path)
     stats = next(f for f in listed if f["name"].endswith(".stats.npy"))
     stats["shape"] = [7, 2]  # the copies are checked all the same
@@ -488,19 +470,16 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     data = sum((full.path / name).stat().st_size  # the data and the row files it describe
                for name in (manifests.DATA_FILE, manifests.ROW_IDS_FILE,
                             manifests.ROW_STATS_FILE))
-    empty = folds[0].path / manifests.DATA_FILE  # no row: the folds link one such file
-    assert {(fold.path / manifests.DATA_FILE).stat().st_ino for fold in folds} == {
-        empty.stat().st_ino}
+    assert not any((fold.path / manifests.DATA_FILE).exists() for fold in folds)
     assert listed[full.key].shared_bytes == data
     for fold in folds:
-        assert listed[fold.key].shared_bytes == data + empty.stat().st_size
+        assert listed[fold.key].shared_bytes == data
         assert listed[fold.key].own_bytes < data / 4
     assert list((cache.root / "index").rglob("*.npy"))  # counted too: every file of the root
     capsys.readouterr()
     assert cli_main(["--root", str(cache.root), "ls", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert sum(e["own_bytes"] for e in shown) + data + empty.stat().st_size == root_file_bytes(
-        cache.root)
+    assert sum(e["own_bytes"] for e in shown) + data == root_file_bytes(cache.root)
     assert cli_main(["--root", str(cache.root), "ls"]) == 0
     assert f"{units.format_size(root_file_bytes(cache.root))} on disk" in capsys.readouterr().out
     assert cli_main(["--root", str(cache.root), "verify"]) == 0

@@ -128,3 +128,51 @@ def test_a_memoize_entry_has_no_row_files(memoized):
     with pytest.raises(CacheCorruptError):
         manifests.Manifest.from_json({**raw, "reuse": {"recipe": "0" * 32, "block_rows": 1}},
                                      memoized / manifests.MANIFEST_FILE, memoized.name)
+
+
+def _fold_of_a_map(cache) -> cachekit.Entry:
+    def row(v):
+        return np.full(2, v, np.int8)
+
+    cache.map(row, pd.Series([1, 2, 3]), version="1")
+    fold = cache.map(row, pd.Series([3, 1]), version="1")
+    assert (fold.rows_decoded, fold.rows_reused) == (0, 2)
+    return fold
+
+
+def test_a_derived_entry_that_decoded_no_row_lists_its_row_map_first_and_no_data_file(cache):
+    fold = _fold_of_a_map(cache)
+    manifest = manifests.read(fold.path)
+    (part,) = manifest.parts
+    ids = manifests.sidecar_name(part.name, manifests.ROW_IDS_FILE)
+    assert [f.name for f in manifest.files] == [manifests.ROW_MAP_FILE, *sorted([part.name, ids])]
+    assert manifest.own is None and manifest.holds_no_row and manifest.data_files == (part,)
+    assert (manifest.shape, manifest.dtype) == ((2, 2), np.dtype(np.int8))
+    assert (fold.manifest["shape"], fold.manifest["dtype"]) == ([2, 2], "|i1")
+    np.testing.assert_array_equal(np.asarray(fold.array), [[3, 3], [1, 1]])
+    again = manifests.loads(manifests.dumps(manifest), fold.path / manifests.MANIFEST_FILE,
+                            fold.key)
+    assert again == manifest
+
+
+def _empty_data(m):
+    empty = {"name": "data.npy", "shape": [0, 2], "dtype": "|i1", "bytes": 128,
+             "checksum": "blake2b-128:" + "0" * 32, "kind": "numpy"}
+    return {**m, "files": [empty, *m["files"]]}
+
+
+BAD_DERIVED = {
+    "an empty data file": _empty_data,
+    "a row map without parts": lambda m: {**m, "files": m["files"][:1]},
+    "a part first": lambda m: {**m, "files": [*m["files"][1:2], m["files"][0],
+                                              *m["files"][2:]]},
+    "a dtype not its parts'": lambda m: {**m, "dtype": "|u1"},
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_DERIVED))
+def test_a_derived_entry_of_another_layout_is_corrupt(cache, how):
+    fold = _fold_of_a_map(cache)
+    raw = BAD_DERIVED[how](dict(fold.manifest))
+    with pytest.raises(CacheCorruptError):
+        manifests.Manifest.from_json(raw, fold.path / manifests.MANIFEST_FILE, fold.key)

@@ -72,11 +72,11 @@ PINNED_CANONICAL = (
     b'{"build_seconds":0.25,"builder":{"host":"node7","pid":4242},"cachekit_version":"2.0.0",'
     b'"column":"img_path","created":1700000000.5,"dtype":"|u1","failed_rows":[],"files":'
     b'[{"bytes":134,"checksum":"blake2b-128:0123456789abcdef0123456789abcdef","dtype":"|u1",'
-    b'"kind":"numpy","name":"data.npy","shape":[2,3]}],"format":4,'
+    b'"kind":"numpy","name":"data.npy","shape":[2,3]}],"format":5,'
     b'"key":"0123456789abcdef0123456789abcdef","kind":"map","params":{"on_error":"raise",'
     b'"size":[2,3]},"rows":2,"shape":[2,3]}')
 # Cross-checked with: openssl dgst -sha256 -mac HMAC -macopt hexkey:<hex of the key's UTF-8>
-PINNED_SIGNATURE = "hmac-sha256:8f35dfc694421940d414afe6ac3d2b427f9e93fa48d6e950b4f7cf3eba12fcc7"
+PINNED_SIGNATURE = "hmac-sha256:fb50ab25c7ecfa2fdaec0ec03a3b99e8b56bcad9b796f3ff1e5945f88e5bae7b"
 
 
 def test_the_canonical_form_and_the_signature_are_pinned(monkeypatch):
