@@ -16,6 +16,7 @@ in the background once the entry is committed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from .. import source_stats
 from ..messages import say
 from ..store import LocalStore
+from ..store.index_format import Needles
 from ..store.row_index import skipped_note
 from ..store.shared_rows import SharedRows, open_shared_rows
 from ..units import count
@@ -42,6 +44,12 @@ class Rows:
     ids: np.ndarray
     stats: Optional[np.ndarray] = None
     same_stat: bool = False
+
+    @cached_property
+    def needles(self) -> Needles:
+        """The rows' lookup hashes sorted for the row index, once: a call looks them up
+        before its build's lock and again after it (10 ms a sort at 130,000 rows)."""
+        return Needles(self.ids[:, 0])
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ def find(store: LocalStore, key: str, rows: Rows,
         if healed is not None:
             same = np.arange(min(len(rows.ids), healed.manifest.rows))
             offer(healed, same, same)
-        for match in store.row_index.matches(rows.recipe, rows.ids[:, 0], remaining,
+        for match in store.row_index.matches(rows.recipe, rows.needles, remaining,
                                              read_rows=read_rows, exclude=key,
                                              skipped=index_skipped):
             source = read.pop(match.key, None) or open_shared_rows(store, match.key,

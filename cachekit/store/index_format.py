@@ -61,7 +61,7 @@ def search_index(key: str, flat: np.ndarray, needles: Needles, live: np.ndarray
     words = np.asarray(bitmap[tops >> 6])  # only the needles' words are read
     passed = ((words >> (tops & 63).astype(np.uint64)) & np.uint64(1)).astype(bool) & live
     return _search(key, sorted_hashes, positions, needles.order[passed],
-                   needles.sorted[passed])
+                   needles.sorted[passed], len(needles.order))
 
 
 def search_rows(key: str, rows: Optional[tuple[np.ndarray, np.ndarray]],
@@ -73,19 +73,34 @@ def search_rows(key: str, rows: Optional[tuple[np.ndarray, np.ndarray]],
     hashes, positions = rows
     order = np.argsort(hashes, kind="stable")
     return _search(key, np.ascontiguousarray(hashes[order], dtype="<u8"), positions[order],
-                   needles.order[live], needles.sorted[live])
+                   needles.order[live], needles.sorted[live], len(needles.order))
 
 
 def _search(key: str, sorted_hashes: np.ndarray, positions: np.ndarray, dst: np.ndarray,
-            wanted: np.ndarray) -> Match:
-    """The rows ``dst`` of the column, whose hashes are ``wanted`` (ascending), found among
-    an entry's ``sorted_hashes``, with the entry's row of each (``positions``)."""
+            wanted: np.ndarray, rows: int) -> Match:
+    """The rows ``dst`` of the column (of ``rows`` rows), whose hashes are ``wanted``
+    (ascending), found among an entry's ``sorted_hashes``, with the entry's row of each
+    (``positions``)."""
     at = np.searchsorted(sorted_hashes, wanted)
     at[at == len(sorted_hashes)] = 0
     hit = sorted_hashes[at] == wanted if len(sorted_hashes) else np.zeros(len(dst), bool)
-    dst, src = dst[hit], np.asarray(positions[at[hit]], dtype=np.int64)
-    ascending = np.argsort(dst, kind="stable")
-    return Match(key, dst[ascending], src[ascending])
+    dst, src = _ascending(dst[hit], np.asarray(positions[at[hit]], dtype=np.int64), rows)
+    return Match(key, dst, src)
+
+
+def _ascending(dst: np.ndarray, src: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``dst`` (distinct rows of a column of ``rows`` rows) in ascending order, each with
+    its ``src``. When they are many, placed by row: linear, where a sort of 130,000 rows
+    takes 10 ms."""
+    if len(dst) < rows // 16:
+        ascending = np.argsort(dst, kind="stable")
+        return dst[ascending], src[ascending]
+    held = np.zeros(rows, dtype=bool)
+    held[dst] = True
+    by_row = np.empty(rows, dtype=np.int64)
+    by_row[dst] = src
+    dst = np.flatnonzero(held)
+    return dst, by_row[dst]
 
 
 def index_array(hashes: np.ndarray, skip: Optional[np.ndarray]) -> np.ndarray:

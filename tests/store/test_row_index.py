@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cachekit
 from cachekit import keys
@@ -200,3 +202,34 @@ def test_an_entry_holding_no_row_of_its_own_is_indexed_by_a_link_to_its_row_map(
     assert _matches(index, hashes, read_rows=lambda key: None)[1:] == []  # unreadable
     assert not index.link(RECIPE, "c" * 32)  # no such entry: add() it instead
     assert index.forget(fold) and row_map.stat().st_nlink == 1
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1),
+       sizes=st.lists(st.integers(0, 300), min_size=1, max_size=3, unique=True),
+       wanted_rows=st.integers(1, 400))
+def test_a_lookup_finds_what_a_plain_search_finds(tmp_path_factory, seed, sizes, wanted_rows):
+    """Against a plain model: each row goes to the largest entry that holds its hash, with
+    that entry's row, ascending; lookups of few and of many rows of a column alike."""
+    root = tmp_path_factory.mktemp("index")
+    index = RowIndex(LocalStore(root))
+    rng = np.random.default_rng(seed)
+    pool = np.unique(rng.integers(0, 2**64 - 1, size=400, dtype=np.uint64))
+    held = {}
+    for i, size in enumerate(sizes):  # (of distinct sizes: the larger file comes first)
+        key = f"{i + 1:032x}"
+        held[key] = rng.choice(pool, size, replace=False)
+        _published(root, key)
+        index.add(RECIPE, key, held[key])
+    wanted = rng.choice(pool, min(wanted_rows, len(pool)), replace=False)
+    expected, remaining = {}, np.ones(len(wanted), dtype=bool)
+    for key in sorted(held, key=lambda k: -len(held[k])):
+        where = {int(h): row for row, h in enumerate(held[key])}
+        dst = [r for r in range(len(wanted)) if remaining[r] and int(wanted[r]) in where]
+        remaining[dst] = False
+        if dst:
+            expected[key] = (dst, [where[int(wanted[r])] for r in dst])
+    found = _matches(index, wanted)
+    assert {m.key: (m.dst.tolist(), m.src.tolist()) for m in found} == expected
+    assert [m.key for m in found] == list(expected)
