@@ -278,8 +278,8 @@ class Cache:
         return removal_for_prune(self._store, byte_count(max_bytes)).execute()
 
     def verify(self, keys: Optional[Sequence[str]] = None) -> list:
-        """Fully check entries (all, or ``keys``): manifest, headers, sizes and the data
-        checksums. Returns a list of ``Problem`` (key, path, message); [] when healthy."""
+        """Fully check entries (all, or ``keys``; not those another cachekit version made):
+        manifest, headers, sizes, data checksums. ``Problem`` (key, path, message) list."""
         from .admin.integrity import verify
 
         if isinstance(keys, str):

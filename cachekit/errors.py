@@ -126,6 +126,13 @@ class CacheCorruptError(CachekitError, OSError):
         return (type(self), (self.path, self.reason, self.fix))
 
 
+class OtherFormatError(CacheCorruptError):
+    """The manifest at ``path`` is of another entry format: another cachekit version made
+    it. This version never hits it nor shares its rows, but it is not damaged: ``cachekit
+    verify`` does not count it as a problem, and as it is never used, ``cachekit prune``, a
+    budget or ``cachekit clear --older-than`` remove it before the entries in use."""
+
+
 class UnsignedEntryError(CacheCorruptError):
     """``CACHEKIT_SIGNING_KEY`` is set and the manifest at ``path`` is not signed with it
     (no signature, or one that does not match). A cache hit refuses such an entry, removes

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .. import _fs, processes, units
-from ..errors import CacheCorruptError
+from ..errors import CacheCorruptError, OtherFormatError
 from ..keys import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
@@ -61,6 +61,9 @@ class EntryInfo:
     failed_rows: int = 0
     params: Optional[dict[str, Any]] = None
     problem: Optional[str] = None
+    other_format: bool = False
+    """Whether ``problem`` is only that another cachekit version made it (another entry
+    format): this version never uses it, and it is not damaged."""
     origin: Optional[dict[str, Any]] = None
     """Where a per-row entry's rows came from when it was built: ``reused`` ([key, rows]
     of each entry they were copied from), ``decoded`` (by its builder) and ``joined`` (by
@@ -87,7 +90,8 @@ class EntryInfo:
             "dtype": self.dtype, "bytes": self.bytes, "created": self.created,
             "last_used": self.last_used, "path": str(self.path), "column": self.column,
             "failed_rows": self.failed_rows, "params": self.params, "problem": self.problem,
-            "origin": self.origin, "failed_build": self.failed_build,
+            "other_format": self.other_format, "origin": self.origin,
+            "failed_build": self.failed_build,
             "own_bytes": self.own_bytes, "shared_bytes": self.shared_bytes,
         }
 
@@ -197,6 +201,7 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optiona
     except FileNotFoundError:
         return None
     size = sum(f[2] for f in files)
+    other_format = False
     try:
         manifest = manifests.read(path)
     except FileNotFoundError:
@@ -205,6 +210,7 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optiona
         problem = f"{manifests.MANIFEST_FILE} is missing"
     except CacheCorruptError as e:
         problem = e.reason
+        other_format = isinstance(e, OtherFormatError)
     else:
         return EntryInfo(
             key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
@@ -215,7 +221,8 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optiona
             failed_build=manifest.failed_build, files=files,
         )
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
-                     created=used, last_used=used, path=path, problem=problem, files=files)
+                     created=used, last_used=used, path=path, problem=problem, files=files,
+                     other_format=other_format)
 
 
 def list_temp_dirs(store: LocalStore) -> tuple[list[TempDir], list[Problem]]:

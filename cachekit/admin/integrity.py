@@ -13,17 +13,20 @@ from typing import Callable, Iterable, Optional
 from .. import _fs, arrays
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
-from .inspect import Problem, list_entries, resolve_keys, stored_bytes
+from .inspect import EntryInfo, Problem, list_entries, resolve_keys, stored_bytes
 from ..store import LocalStore
 from ..store.row_view import read_row_map
 
 
 def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
            on_start: Optional[Callable[[int, int], None]] = None,
-           on_bytes: Optional[Callable[[int], None]] = None) -> list[Problem]:
+           on_bytes: Optional[Callable[[int], None]] = None,
+           on_other: Optional[Callable[[list[EntryInfo]], None]] = None) -> list[Problem]:
     """Fully check entries (all, or ``keys`` and unique prefixes of them); return the
     problems found, [] when all is well. Without ``keys``, items in ``entries/`` that are
-    not entries count as problems too.
+    not entries count as problems too. Entries of another entry format (another cachekit
+    version made them) are not checked and are no problem: this version never uses them;
+    ``on_other`` is given them.
 
     ``on_start(entries, bytes)`` is called once with what is about to be checked (each
     file once, however many entries link it), and ``on_bytes(n)`` after each entry with
@@ -34,6 +37,13 @@ def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
         problems = [p for p in problems if p.key in wanted]
+    others = [e for e in entries if e.other_format]
+    if others:
+        unused = {e.key for e in others}
+        entries = [e for e in entries if e.key not in unused]
+        problems = [p for p in problems if p.key not in unused]
+        if on_other is not None:
+            on_other(others)
     if on_start is not None:
         on_start(len(entries), stored_bytes(entries))
     hashed: dict[tuple[int, ...], str] = {}

@@ -162,11 +162,17 @@ def verify(args: argparse.Namespace) -> int:
     from ..admin.integrity import verify as verify_entries
 
     store = local_store(args)
+    others: list[inspect.EntryInfo] = []
     with ByteProgress("cachekit verify") as progress, key_errors():
         problems = verify_entries(store, args.keys or None, on_start=progress.start,
-                                  on_bytes=progress.advance)
+                                  on_bytes=progress.advance, on_other=others.extend)
     for problem in problems:
         say(f"{problem.key or problem.path}: {problem.message}")
+    if others:
+        say(f"{count(len(others), 'entry', 'entries')} of another cachekit version not "
+            f"checked ({units.format_size(inspect.stored_bytes(others))}): this version never "
+            "uses them, and `cachekit prune`, a budget or `cachekit clear --older-than` "
+            "removes them before the entries in use")
     checked = count(progress.entries, "entry", "entries")
     if not args.keys:
         _report_temp_dirs(inspect.list_temp_dirs(store)[0])
@@ -332,6 +338,8 @@ def _report_failed_builds(kept: list[inspect.EntryInfo], failed: list[str]) -> N
 
 
 def _note(e: inspect.EntryInfo) -> str:
+    if e.other_format:
+        return f"not used: {e.problem}"
     if e.problem is not None:
         return f"PROBLEM: {e.problem}"
     parts = [f"column {e.column}"] if e.column else []

@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import _fs
 from . import signing
-from ..errors import CacheCorruptError, CachekitError, Failure, UnsignedEntryError
+from ..errors import (CacheCorruptError, CachekitError, Failure, OtherFormatError,
+                      UnsignedEntryError)
 from ..keys import FORMAT_VERSION, is_key
 from ..small_json import is_number
 from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, MEMOIZE_KIND,
@@ -318,8 +319,8 @@ def _parse(raw: Any, path: Union[str, Path], key: Optional[str]) -> Manifest:
     if not isinstance(raw, dict):
         raise fail("manifest is not a JSON object")
     if raw.get("format") != FORMAT_VERSION:
-        raise fail(f"format {raw.get('format')!r} is not {FORMAT_VERSION} (made by another "
-                   "cachekit version)")
+        raise OtherFormatError(path, f"format {raw.get('format')!r} is not {FORMAT_VERSION} "
+                                     "(made by another cachekit version)")
     entry_key = get_field(raw, "key", str, fail)
     if not is_key(entry_key) or (key is not None and entry_key != key):
         raise fail(f"manifest key {entry_key!r} does not name this entry")

@@ -4,6 +4,7 @@ dead and live builders are real processes."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
 from helpers import GATED_ROWS, entry_disk_bytes, start_gated_builder
 from cachekit.admin.integrity import verify
+from cachekit.cli.main import main as cli_main
+from cachekit.keys import FORMAT_VERSION
 
 DAY = 86400.0
 
@@ -333,16 +336,40 @@ def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root)
     flip_last_byte(flipped.path / manifests.DATA_FILE)
     with open(truncated.path / manifests.DATA_FILE, "r+b") as f:
         f.truncate(100)
-    (garbled.path / manifests.MANIFEST_FILE).write_text('{"format": 1}')
+    (garbled.path / manifests.MANIFEST_FILE).write_text(f'{{"format": {FORMAT_VERSION}}}')
     problems = {p.key: p for p in cache.verify()}
     assert set(problems) == {flipped.key, truncated.key, garbled.key}
     assert "checksum mismatch in data.npy" in problems[flipped.key].message
     assert "unreadable .npy header" in problems[truncated.key].message or \
         "expected" in problems[truncated.key].message
-    assert "format 1 is not" in problems[garbled.key].message
+    assert "'key' is missing" in problems[garbled.key].message
     assert problems[flipped.key].path == flipped.path
     assert cache.verify([healthy.key[:8]]) == []
     assert [p.key for p in cache.verify(flipped.key)] == [flipped.key]
+
+
+def test_verify_counts_no_entry_of_another_cachekit_version_as_a_problem(cache_root, capsys):
+    """It is not damaged, and this version never uses it: after an upgrade, verify passes
+    on a root of healthy entries of the old format and says how many it left unchecked."""
+    cache = cachekit.Cache(cache_root)
+    flipped, older = block_entry(cache, 0), block_entry(cache, 10)
+    path = older.path / manifests.MANIFEST_FILE
+    raw = json.loads(path.read_text())
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps({**raw, "format": FORMAT_VERSION - 1}))
+    assert cache.verify() == []
+    flip_last_byte(flipped.path / manifests.DATA_FILE)  # a problem all the same
+    others: list = []
+    assert [p.key for p in verify(LocalStore(cache_root), on_other=others.extend)] == [
+        flipped.key]
+    assert [e.key for e in others] == [older.key] and others[0].other_format
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache_root), "verify", older.key[:12]]) == 0
+    assert "1 entry of another cachekit version not checked" in capsys.readouterr().out
+    assert cli_main(["--root", str(cache_root), "verify"]) == 1
+    assert cli_main(["--root", str(cache_root), "ls"]) == 0
+    assert (f"not used: format {FORMAT_VERSION - 1} is not {FORMAT_VERSION} (made by another "
+            "cachekit version)") in capsys.readouterr().out
 
 
 def test_verify_reports_progress_per_entry(cache_root):
