@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
 from .. import liveness, units
-from ..errors import CacheCorruptError, RemoteUnavailableError
+from ..errors import CacheCorruptError, OtherFormatError, RemoteUnavailableError
 from ..store.remote import (OTHERS, OURS, UNKNOWN, RemoteEntry, RemoteKey, RemoteObject,
     RemoteStore)
 from .inspect import SHORT_KEY, ago, resolve_keys
@@ -57,6 +57,9 @@ class RemoteEntryInfo:
     pool: frozenset[str] = frozenset()
     """The pool objects it names."""
     pooled_bytes: int = 0
+    other_format: bool = False
+    """Whether ``problem`` is only that another cachekit version made it: never used by
+    this one, and not damaged."""
 
     @property
     def own_bytes(self) -> int:
@@ -78,7 +81,7 @@ class RemoteEntryInfo:
                 "created": self.created, "uploaded": self.uploaded,
                 "upload": self.entry.upload if self.entry else None,
                 "column": m.column if m else None, "params": m.params if m else None,
-                "problem": self.problem}
+                "problem": self.problem, "other_format": self.other_format}
 
 
 @dataclass(frozen=True)
@@ -230,13 +233,13 @@ def _older_generations(leases: Iterable[RemoteObject]) -> list[RemoteObject]:
 def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
     assert item.manifest is not None
     url = remote.object_url(item.manifest.path)
-    entry, problem = None, None
+    entry, problem, other_format = None, None, False
     try:
         entry = remote.lookup(item.key)
         if entry is None:
             problem = "the manifest went away while we looked"
     except CacheCorruptError as e:
-        problem = e.reason
+        problem, other_format = e.reason, isinstance(e, OtherFormatError)
     size = item.manifest.size
     pool: frozenset[str] = frozenset()
     pooled_bytes = 0
@@ -247,7 +250,7 @@ def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
         pool = frozenset(p for _, p in in_pool)
         pooled_bytes = sum(f.bytes for f, _ in in_pool)
     return RemoteEntryInfo(item.key, url, entry, size + pooled_bytes, item.manifest.modified,
-                           problem, pool, pooled_bytes)
+                           problem, pool, pooled_bytes, other_format)
 
 
 # Clear --------------------------------------------------------------------------------------

@@ -8,20 +8,29 @@ from .. import arrays
 from ..errors import CacheCorruptError
 from ..store.remote import RemoteEntry, RemoteStore
 from .inspect import Problem, resolve_keys
-from .remote import scan
+from .remote import RemoteEntryInfo, scan
 
 
 def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
            on_start: Optional[Callable[[int, int], None]] = None,
-           on_bytes: Optional[Callable[[int], None]] = None) -> tuple[int, list[Problem]]:
+           on_bytes: Optional[Callable[[int], None]] = None,
+           on_other: Optional[Callable[[list[RemoteEntryInfo]], None]] = None
+           ) -> tuple[int, list[Problem]]:
     """Check remote entries (all, or ``keys`` and unique prefixes): manifest, signature,
     each object's size and checksum (every byte is read; a pool object that several
-    entries name, once). (entries checked, problems)."""
+    entries name, once). (entries checked, problems). Entries of another cachekit version
+    are not checked and are no problem (never used by this one); ``on_other`` is given
+    them."""
     found = scan(remote)
     entries = list(found.entries)
     if keys is not None:
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
+    others = [e for e in entries if e.other_format]
+    if others:
+        entries = [e for e in entries if not e.other_format]
+        if on_other is not None:
+            on_other(others)
     if on_start is not None:
         on_start(len(entries), found.stored_bytes(entries))
     problems: list[Problem] = []

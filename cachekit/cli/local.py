@@ -21,7 +21,7 @@ from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidA
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, file_fields, joined_by, \
-    listing, say, shape, when
+    listing, other_versions, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
@@ -168,11 +168,8 @@ def verify(args: argparse.Namespace) -> int:
                                   on_bytes=progress.advance, on_other=others.extend)
     for problem in problems:
         say(f"{problem.key or problem.path}: {problem.message}")
-    if others:
-        say(f"{count(len(others), 'entry', 'entries')} of another cachekit version not "
-            f"checked ({units.format_size(inspect.stored_bytes(others))}): this version never "
-            "uses them, and `cachekit prune`, a budget or `cachekit clear --older-than` "
-            "removes them before the entries in use")
+    other_versions(len(others), inspect.stored_bytes(others),
+                   "`cachekit prune`, a budget or `cachekit clear --older-than`")
     checked = count(progress.entries, "entry", "entries")
     if not args.keys:
         _report_temp_dirs(inspect.list_temp_dirs(store)[0])

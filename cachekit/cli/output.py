@@ -15,12 +15,21 @@ from ..admin.inspect import SHORT_KEY, ago, local_time
 from ..messages import printable, write_line
 
 __all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
-           "listing", "printable", "say", "shape", "table", "when"]
+           "listing", "other_versions", "printable", "say", "shape", "table", "when"]
 
 def say(text: Any = "", *, file: Any = None, end: str = "\n", flush: bool = False) -> None:
     """Print ``text`` and ``end`` (as ``print`` would, to stdout unless ``file``) with
     control characters escaped, in one write (:func:`~cachekit.messages.write_line`)."""
     write_line(sys.stdout if file is None else file, printable(text), end=end, flush=flush)
+
+
+def other_versions(entries: int, size: int, removes: str) -> None:
+    """Say that ``verify`` left ``entries`` entries (``size`` bytes) of another cachekit
+    version unchecked, and what ``removes`` them."""
+    if entries:
+        say(f"{count(entries, 'entry', 'entries')} of another cachekit version not checked "
+            f"({units.format_size(size)}): this version never uses them, and {removes} "
+            "removes them before the entries in use")
 
 
 def fail(message: str, status: int) -> int:

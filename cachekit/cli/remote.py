@@ -23,7 +23,7 @@ from ..store import Published
 from ..store.remote import RemoteEntry, RemoteStore, sent_note
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, ByteProgress, ago, count, fields, file_fields, joined_by, \
-    listing, say, shape, when
+    listing, other_versions, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store, remote_store
 
@@ -100,6 +100,7 @@ def ls(args: argparse.Namespace) -> int:
         return (e.key[:SHORT_KEY], m.kind if m else "?", str(m.rows) if m else "?",
                 shape(m.shape[1:]) or "-" if m else "?", m.dtype.name if m else "?",
                 units.format_size(e.bytes), ago(e.created, now),
+                f"not used: {e.problem}" if e.other_format else
                 f"PROBLEM: {e.problem}" if e.problem else
                 (f"column {m.column}" if m and m.column else ""))
 
@@ -176,11 +177,14 @@ def _print_entry(remote: RemoteStore, entry: RemoteEntry, info: admin.RemoteEntr
 
 def verify(args: argparse.Namespace) -> int:
     remote = remote_store(args)
+    others: list[admin.RemoteEntryInfo] = []
     with ByteProgress("cachekit verify") as progress, key_errors():
         checked, problems = verify_remote(remote, args.keys or None, on_start=progress.start,
-                                         on_bytes=progress.advance)
+                                         on_bytes=progress.advance, on_other=others.extend)
     for problem in problems:
         say(f"{problem.key}: {problem.message}")
+    other_versions(len(others), sum(e.bytes for e in others),
+                   "`cachekit clear --remote --older-than`")
     if not args.keys:
         _report_leftovers(admin.scan(remote))
     entries = count(checked, "entry", "entries")

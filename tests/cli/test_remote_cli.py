@@ -81,6 +81,26 @@ def test_push_pull_ls_info_verify_and_clear_a_remote(s3_env, local, tmp_path, ca
     assert remote.scan()[0][0].key == images.key  # no object of the cleared key is left
 
 
+def test_remote_verify_counts_no_entry_of_another_cachekit_version_as_a_problem(
+        s3_env, local, capsys):
+    from cachekit.keys import FORMAT_VERSION
+    from cachekit.store.remote_entry import manifest_path
+
+    root, (mapped, images) = local
+    assert run(capsys, "--root", root, "push", "--all")[0] == 0
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    path = manifest_path(remote, mapped.key)
+    raw = json.loads(remote.fs.cat_file(path))
+    remote.fs.pipe_file(path, json.dumps({**raw, "format": FORMAT_VERSION - 1}).encode())
+    status, out, _ = run(capsys, "verify", "--remote")
+    assert status == 0 and "1 entry verified" in out
+    assert "1 entry of another cachekit version not checked" in out
+    status, out, _ = run(capsys, "ls", "--remote")
+    assert f"not used: format {FORMAT_VERSION - 1} is not {FORMAT_VERSION}" in out
+    listed = {e["key"]: e for e in json.loads(run(capsys, "ls", "--remote", "--json")[1])}
+    assert listed[mapped.key]["other_format"] and not listed[images.key]["other_format"]
+
+
 def test_the_global_remote_option_wins_over_the_environment(s3_env, local, capsys,
                                                             monkeypatch):
     root, _ = local
