@@ -169,7 +169,8 @@ def verify(args: argparse.Namespace) -> int:
     for problem in problems:
         say(f"{problem.key or problem.path}: {problem.message}")
     other_versions(len(others), inspect.stored_bytes(others),
-                   "`cachekit prune`, a budget or `cachekit clear --older-than`")
+                   "`cachekit prune`, a budget or `cachekit clear --older-than` removes them "
+                   "before the entries in use")
     checked = count(progress.entries, "entry", "entries")
     if not args.keys:
         _report_temp_dirs(inspect.list_temp_dirs(store)[0])

@@ -25,11 +25,10 @@ def say(text: Any = "", *, file: Any = None, end: str = "\n", flush: bool = Fals
 
 def other_versions(entries: int, size: int, removes: str) -> None:
     """Say that ``verify`` left ``entries`` entries (``size`` bytes) of another cachekit
-    version unchecked, and what ``removes`` them."""
+    version unchecked, and what ``removes`` them (a clause)."""
     if entries:
         say(f"{count(entries, 'entry', 'entries')} of another cachekit version not checked "
-            f"({units.format_size(size)}): this version never uses them, and {removes} "
-            "removes them before the entries in use")
+            f"({units.format_size(size)}): this version never uses them; {removes}")
 
 
 def fail(message: str, status: int) -> int:

@@ -184,7 +184,7 @@ def verify(args: argparse.Namespace) -> int:
     for problem in problems:
         say(f"{problem.key}: {problem.message}")
     other_versions(len(others), sum(e.bytes for e in others),
-                   "`cachekit clear --remote --older-than`")
+                   "`cachekit clear --remote KEY` removes one")
     if not args.keys:
         _report_leftovers(admin.scan(remote))
     entries = count(checked, "entry", "entries")

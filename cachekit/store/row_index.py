@@ -116,10 +116,9 @@ class RowIndex:
         """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
         ``remaining`` whose hash (of ``hashes``, or sorted already: :class:`Needles`) it
         holds; the caller clears in ``remaining`` the rows it takes before it asks for the
-        next entry. Entries with the most rows come first;
-        an entry indexed by its row map (:meth:`link`) is read through ``read_rows``.
-        The files skipped (and why) are said on stderr, or added to ``skipped`` for the
-        caller to say (:func:`skipped_note`)."""
+        next entry. Entries with the most rows come first; an entry indexed by its row map
+        (:meth:`link`) is read through ``read_rows``. The files skipped (and why) are said
+        on stderr, or added to ``skipped`` for the caller to say (:func:`skipped_note`)."""
         needles = hashes if isinstance(hashes, Needles) else Needles(hashes)
         said = skipped is None
         skipped = [] if skipped is None else skipped
