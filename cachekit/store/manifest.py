@@ -101,9 +101,9 @@ class Manifest:
         return self._failed
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled without the decoded mask (one byte a row): an Entry goes to every
-        DataLoader worker, and the mask is decoded again there if it is asked for."""
-        return {k: v for k, v in self.__dict__.items() if k != "_failed"}
+        """Pickled without what its fields give (:data:`_DERIVED`; the mask, a byte a row):
+        an Entry goes to every DataLoader worker, which derives them if it needs them."""
+        return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
 
     @cached_property
     def _failed(self) -> np.ndarray:
@@ -133,12 +133,12 @@ class Manifest:
         first = self.files[0]
         return first if first.name == DATA_FILE else None
 
-    @property
+    @cached_property
     def parts(self) -> tuple[FileRecord, ...]:
         """The data files of other entries that this derived entry links, in name order."""
         return tuple(f for f in self.files if is_part_name(f.name))
 
-    @property
+    @cached_property
     def data_files(self) -> tuple[FileRecord, ...]:
         """The files that hold rows, as a row map numbers them: ``data.npy`` (if the entry
         has one), then the parts."""
@@ -158,10 +158,15 @@ class Manifest:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def row_file(self, name: str) -> Optional[FileRecord]:
-        """The record of the row file ``name`` (:data:`ROW_FILES`), or None when the entry
-        has none (made by an older cachekit, or a memoize entry)."""
-        return next((f for f in self.files if f.name == name and self.kind != MEMOIZE_KIND),
-                    None)
+        """The record of the row file ``name`` (:data:`ROW_FILES`, or a part's copy), or
+        None when the entry has none (made by an older cachekit, or a memoize entry)."""
+        return self._row_files.get(name)
+
+    @cached_property
+    def _row_files(self) -> dict[str, FileRecord]:
+        """Its files by name, found at once: a derived entry looks up a copy of each row
+        file for each of its parts, which may be thousands."""
+        return {} if self.kind == MEMOIZE_KIND else {f.name: f for f in self.files}
 
     @property
     def holds_no_row(self) -> bool:
@@ -209,6 +214,10 @@ class Manifest:
         field when anything is missing, of the wrong type or inconsistent. ``key``: the key
         the entry is stored under, which the manifest must name."""
         return _parse(raw, path, key)
+
+
+_DERIVED = frozenset({"_failed", "_row_files", "parts", "data_files"})
+"""The cached properties of a :class:`Manifest`."""
 
 
 def failed_fields(rows: int, failures: Any) -> dict[str, Any]:

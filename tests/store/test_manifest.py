@@ -176,3 +176,20 @@ def test_a_derived_entry_of_another_layout_is_corrupt(cache, how):
     raw = BAD_DERIVED[how](dict(fold.manifest))
     with pytest.raises(CacheCorruptError):
         manifests.Manifest.from_json(raw, fold.path / manifests.MANIFEST_FILE, fold.key)
+
+
+def test_a_manifest_pickles_without_what_it_derives_and_derives_it_again(cache):
+    import pickle
+
+    fold = _fold_of_a_map(cache)
+    manifest = manifests.read(fold.path)
+    part = manifest.parts[0]
+    ids = manifests.sidecar_name(part.name, manifests.ROW_IDS_FILE)
+    assert manifest.row_file(ids) is not None and manifest.failed().shape == (2,)
+    assert manifest.data_files == (part,)
+    state = manifest.__getstate__()
+    assert not set(state) & manifests._DERIVED and set(manifests._DERIVED) <= set(
+        manifest.__dict__)  # each was made above, and none is pickled
+    clone = pickle.loads(pickle.dumps(manifest))
+    assert clone == manifest and clone.row_file(ids) == manifest.row_file(ids)
+    assert clone.data_files == (part,) and clone.row_file(manifests.DATA_FILE) is None
