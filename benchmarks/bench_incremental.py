@@ -51,9 +51,9 @@ from bench_report import timed  # noqa: E402
 
 SIZE = 32
 HIT_PAIRS = 20
-"""Pairs of first hits (with the background check, and without) timed: a hit's call takes
-about 43 ms, but one in five or so takes 55 to 65 ms in either mode, so the median of 5
-pairs ranged from 0.70x to 1.17x on the same code; 20 pairs gave 0.98x."""
+"""Pairs of first hits (with the background check, and without) timed: single pairs range
+from about 0.3x to 3.6x (a slow process in either mode), so the median of 5 pairs gave
+1.17x and 0.70x in two runs on the same code; 20 pairs gave 0.975x."""
 
 
 def say(text: str) -> None:

@@ -86,8 +86,9 @@ class Parts:
 
     @property
     def has_own(self) -> bool:
-        """Whether the build decodes any row: only then has it a data file of its own."""
-        return bool(len(self.todo) or len(self.own_rows))
+        """Whether the build decodes any row (-1 before :meth:`own`, 0 after): only then
+        has it a data file of its own."""
+        return bool((self.where[:, 0] <= 0).any())
 
     def row_map(self) -> np.ndarray:
         """The row map as the entry stores it (after :meth:`own`): files numbered as its
