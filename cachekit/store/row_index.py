@@ -23,10 +23,10 @@ The index is a hint and nothing more. A file is written to a temporary name and 
 a reader sees a whole file or none; a crash between an entry's commit and its index file
 costs a later build some reuse, never a wrong row. Whatever a file says, the build that
 reuses rows checks them against the entry itself (:mod:`cachekit.store.shared_rows`): its
-manifest, the row identities it lists and the checksum of every block it copies. The store
-removes an entry's files with the entry (:meth:`RowIndex.forget`); the file of an entry
-removed any other way is deleted by the next lookup that meets it, or by ``prune`` and
-``clear`` (:meth:`RowIndex.forget_stray`).
+manifest, the row identities it lists, and the header and size of every data file it
+links. The store removes an entry's files with the entry (:meth:`RowIndex.forget`); the
+file of an entry removed any other way is deleted by the next lookup that meets it, or by
+``prune`` and ``clear`` (:meth:`RowIndex.forget_stray`).
 """
 
 from __future__ import annotations
