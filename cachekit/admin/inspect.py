@@ -30,7 +30,7 @@ import os
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
 
 from .. import _fs, processes, units
 from ..errors import CacheCorruptError, OtherFormatError
@@ -261,6 +261,28 @@ def temp_dir_info(store: LocalStore, path: Path) -> Optional[TempDir]:
     description = state.describe() + (", abandoned" if state.abandoned else "")
     return TempDir(key, path, BUILDING if state.alive else ORPHANED, size,
                    max(modified, state.heartbeat), description)
+
+
+class _Versioned(Protocol):
+    @property
+    def key(self) -> str: ...
+    @property
+    def other_format(self) -> bool: ...
+
+
+Versioned = TypeVar("Versioned", bound=_Versioned)
+
+
+def without_other_formats(entries: list[Versioned],
+                          on_other: Optional[Callable[[list[Versioned]], None]]
+                          ) -> list[Versioned]:
+    """``entries`` (local or remote) but those of another entry format, which ``verify``
+    leaves unchecked: another cachekit version made them, this one never uses them, and
+    they are not damaged. ``on_other`` is given them."""
+    others = [e for e in entries if e.other_format]
+    if others and on_other is not None:
+        on_other(others)
+    return [e for e in entries if not e.other_format]
 
 
 def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:

@@ -13,7 +13,8 @@ from typing import Callable, Iterable, Optional
 from .. import _fs, arrays
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
-from .inspect import EntryInfo, Problem, list_entries, resolve_keys, stored_bytes
+from .inspect import (EntryInfo, Problem, list_entries, resolve_keys, stored_bytes,
+                      without_other_formats)
 from ..store import LocalStore
 from ..store.row_view import read_row_map
 
@@ -37,13 +38,9 @@ def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
         problems = [p for p in problems if p.key in wanted]
-    others = [e for e in entries if e.other_format]
-    if others:
-        unused = {e.key for e in others}
-        entries = [e for e in entries if e.key not in unused]
-        problems = [p for p in problems if p.key not in unused]
-        if on_other is not None:
-            on_other(others)
+    kept = without_other_formats(entries, on_other)
+    unused = {e.key for e in entries} - {e.key for e in kept}  # (list_entries said why)
+    entries, problems = kept, [p for p in problems if p.key not in unused]
     if on_start is not None:
         on_start(len(entries), stored_bytes(entries))
     hashed: dict[tuple[int, ...], str] = {}

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Optional
 from .. import arrays
 from ..errors import CacheCorruptError
 from ..store.remote import RemoteEntry, RemoteStore
-from .inspect import Problem, resolve_keys
+from .inspect import Problem, resolve_keys, without_other_formats
 from .remote import RemoteEntryInfo, scan
 
 
@@ -26,11 +26,7 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
     if keys is not None:
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
-    others = [e for e in entries if e.other_format]
-    if others:
-        entries = [e for e in entries if not e.other_format]
-        if on_other is not None:
-            on_other(others)
+    entries = without_other_formats(entries, on_other)
     if on_start is not None:
         on_start(len(entries), found.stored_bytes(entries))
     problems: list[Problem] = []

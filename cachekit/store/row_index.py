@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterator, Optional, Protocol, Union
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -110,16 +110,15 @@ class RowIndex:
         except OSError:
             return False
 
-    def matches(self, recipe: str, hashes: Union[np.ndarray, Needles], remaining: np.ndarray,
-                *, read_rows: ReadRows, exclude: str = "", skipped: Optional[list[str]] = None
+    def matches(self, recipe: str, needles: Needles, remaining: np.ndarray, *,
+                read_rows: ReadRows, exclude: str = "", skipped: Optional[list[str]] = None
                 ) -> Iterator[Match]:
         """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
-        ``remaining`` whose hash (of ``hashes``, or sorted already: :class:`Needles`) it
-        holds; the caller clears in ``remaining`` the rows it takes before it asks for the
-        next entry. Entries with the most rows come first; an entry indexed by its row map
+        ``remaining`` whose hash (``needles``: the column's, sorted once) it holds; the
+        caller clears in ``remaining`` the rows it takes before it asks for the next entry.
+        Entries with the most rows come first; an entry indexed by its row map
         (:meth:`link`) is read through ``read_rows``. The files skipped (and why) are said
         on stderr, or added to ``skipped`` for the caller to say (:func:`skipped_note`)."""
-        needles = hashes if isinstance(hashes, Needles) else Needles(hashes)
         said = skipped is None
         skipped = [] if skipped is None else skipped
         try:

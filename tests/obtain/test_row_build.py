@@ -21,6 +21,7 @@ from cachekit.obtain.outcome import Outcome
 from cachekit.obtain.row_build import BuildSettings, RowBuild, RowCall
 from cachekit.store import LocalStore, Published
 from cachekit.store import manifest as manifests
+from cachekit.store.index_format import Needles
 
 SETTINGS = BuildSettings(workers=1, executor=None, progress=False)
 
@@ -67,7 +68,7 @@ def test_a_fresh_column_is_one_data_file_and_its_rows_are_indexed(tmp_path: Path
     np.testing.assert_array_equal(rows_of(published), np.repeat([[5], [6], [7], [8]], 3, 1))
     # committed(): the rows are in the index, so a later build of the recipe finds them
     ids, _ = keys.row_identities(call.column, material=call.material["column"])
-    [match] = store.row_index.matches(manifest.reuse.recipe, ids[:, 0],
+    [match] = store.row_index.matches(manifest.reuse.recipe, Needles(ids[:, 0]),
                                       np.ones(len(ids), dtype=bool),
                                       read_rows=lambda key: None)  # it has an index file
     assert match.key == call.key and sorted(match.dst.tolist()) == [0, 1, 2, 3]

@@ -15,6 +15,7 @@ import cachekit
 from cachekit import keys
 from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
+from cachekit.store.index_format import Needles
 from cachekit.store.row_index import RowIndex
 from cachekit.store.shared_rows import open_shared_rows
 
@@ -34,7 +35,7 @@ def _matches(index: RowIndex, hashes: np.ndarray, take: bool = True,
              read_rows=_unread) -> list:
     remaining = np.ones(len(hashes), dtype=bool)
     found = []
-    for match in index.matches(RECIPE, hashes, remaining, read_rows=read_rows):
+    for match in index.matches(RECIPE, Needles(hashes), remaining, read_rows=read_rows):
         found.append(match)
         if take:
             remaining[match.dst] = False
