@@ -32,6 +32,7 @@ this module stays cheap.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -370,4 +371,7 @@ def column_dtype(column: Any) -> Any:
 
 def is_key(text: str) -> bool:
     """True when ``text`` is a well-formed full key (safe to use as a directory name)."""
-    return len(text) == KEY_HEX_LENGTH and all(c in "0123456789abcdef" for c in text)
+    return _KEY.fullmatch(text) is not None
+
+
+_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LENGTH}}}")

@@ -71,7 +71,8 @@ def test_two_interpreters_agree_on_a_key():
 
 def test_is_key_accepts_only_full_hex_keys():
     assert keys.is_key("0" * 32)
-    for bad in ["", "0" * 31, "../" + "0" * 29, "A" * 32, "0" * 31 + "/"]:
+    for bad in ["", "0" * 31, "0" * 33, "../" + "0" * 29, "A" * 32, "0" * 31 + "/",
+                "0" * 32 + "\n", "\n" + "0" * 32]:
         assert not keys.is_key(bad)
 
 

@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import datetime
 import os
+import stat
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,35 +195,56 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
 def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optional[EntryInfo]:
     """Describe the entry directory ``path``, with the files ``also`` (device, inode, size)
     that go with it outside, each file once (the index file of an entry that holds no row
-    of its own is its row map); None when it no longer exists."""
+    of its own is its row map); None when it no longer exists. Everything is read through
+    one handle of the directory; a name that is a symlink is a problem, never followed."""
     try:
-        used = path.stat().st_mtime
-        files = tuple(dict.fromkeys(_tree_files(path) + tuple(also)))
+        directory = _fs.DirHandle.open(path)
     except FileNotFoundError:
         return None
-    size = sum(f[2] for f in files)
-    other_format = False
-    try:
-        manifest = manifests.read(path)
-    except FileNotFoundError:
-        if not path.exists():
-            return None
-        problem = f"{manifests.MANIFEST_FILE} is missing"
-    except CacheCorruptError as e:
-        problem = e.reason
-        other_format = isinstance(e, OtherFormatError)
-    else:
-        return EntryInfo(
-            key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
-            dtype=manifest.dtype.name, bytes=size, created=manifest.created, last_used=used,
-            path=path, column=manifest.column, failed_rows=manifest.failed_count,
-            params=manifest.params,
-            origin=None if manifest.origin is None else manifest.origin.to_json(),
-            failed_build=manifest.failed_build, files=files,
-        )
+    except OSError as e:
+        if e.errno not in _fs.NOT_A_FILE_ERRNOS:
+            raise
+        return _broken_entry(path, also)
+    with directory:
+        used = os.fstat(directory.fd).st_mtime
+        files = tuple(dict.fromkeys(_files_at(directory) + tuple(also)))
+        size = sum(f[2] for f in files)
+        other_format = False
+        try:
+            manifest = manifests.read_at(directory, path.name)
+        except FileNotFoundError:
+            if not path.exists():
+                return None
+            problem = f"{manifests.MANIFEST_FILE} is missing"
+        except CacheCorruptError as e:
+            problem = e.reason
+            other_format = isinstance(e, OtherFormatError)
+        else:
+            return EntryInfo(
+                key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
+                dtype=manifest.dtype.name, bytes=size, created=manifest.created,
+                last_used=used, path=path, column=manifest.column,
+                failed_rows=manifest.failed_count, params=manifest.params,
+                origin=None if manifest.origin is None else manifest.origin.to_json(),
+                failed_build=manifest.failed_build, files=files,
+            )
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
                      created=used, last_used=used, path=path, problem=problem, files=files,
                      other_format=other_format)
+
+
+def _broken_entry(path: Path, also: Iterable[tuple[int, int, int]]) -> Optional[EntryInfo]:
+    """An entry's name that is a symlink (to a directory: the caller skips others): a
+    problem, never read through, with the bytes of the link itself."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    files = tuple(dict.fromkeys(((st.st_dev, st.st_ino, st.st_size), *also)))
+    return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None,
+                     bytes=sum(f[2] for f in files), created=st.st_mtime,
+                     last_used=st.st_mtime, path=path, files=files,
+                     problem="an entry is never a symlink or a file")
 
 
 def list_temp_dirs(store: LocalStore) -> tuple[list[TempDir], list[Problem]]:
@@ -332,12 +354,25 @@ def _tree_bytes(path: Path) -> int:
 
 def _tree_files(path: Path) -> tuple[tuple[int, int, int], ...]:
     """(device, inode, size) of each file under the directory ``path``."""
+    try:
+        with _fs.DirHandle.open(path) as directory:
+            return _files_at(directory)
+    except OSError:  # removed or replaced while we looked
+        return ()
+
+
+def _files_at(directory: _fs.DirHandle) -> tuple[tuple[int, int, int], ...]:
+    """(device, inode, size) of each file under the open ``directory``, by name from
+    its handle: a symlink is counted as itself, never followed."""
     found = []
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
+    for name in os.listdir(directory.fd):
+        try:
+            st = directory.lstat(name)
+            if stat.S_ISDIR(st.st_mode):
+                with directory.child(name) as sub:
+                    found.extend(_files_at(sub))
                 continue
-            found.append((st.st_dev, st.st_ino, st.st_size))
+        except OSError:
+            continue  # removed, or replaced by another kind, while we looked
+        found.append((st.st_dev, st.st_ino, st.st_size))
     return tuple(found)

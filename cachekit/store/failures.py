@@ -37,7 +37,7 @@ def read(locks: _fs.DirHandle, name: str, key: str) -> tuple[Optional[dict[str, 
     try:
         with locks.open_file(name) as f:
             uid = os.fstat(f.fileno()).st_uid
-            data = f.read(LIMIT + 1)
+            data = small_json.read_limited(f, LIMIT)
     except OSError:
         return None, None
     if uid != os.geteuid():

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .. import _fs
+from .. import _fs, small_json
 from . import signing
 from ..errors import (CacheCorruptError, CachekitError, Failure, OtherFormatError,
                       UnsignedEntryError)
@@ -255,7 +255,7 @@ def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
     path = entry.path / MANIFEST_FILE
     try:
         with entry.open_file(MANIFEST_FILE) as f:  # no symlink, no FIFO: never outside
-            raw = f.read(MANIFEST_LIMIT + 1)
+            raw = small_json.read_limited(f, MANIFEST_LIMIT)
     except FileNotFoundError:
         raise
     except OSError as e:

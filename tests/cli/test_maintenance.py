@@ -183,6 +183,23 @@ def test_scan_lists_broken_entries_and_strays_instead_of_aborting(cache_root):
     assert len(cache.entries()) == 3
 
 
+def test_an_entry_that_is_a_symlink_is_a_problem_and_nothing_behind_it_is_counted(
+        cache_root, tmp_path):
+    cache = cachekit.Cache(cache_root)
+    good = block_entry(cache, 0)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for item in good.path.iterdir():
+        (outside / item.name).write_bytes(item.read_bytes())
+    link = cache_root / "entries" / ("f" * 32)
+    os.symlink(outside, link)
+    found = maintenance.scan(LocalStore(cache_root))
+    linked = next(e for e in found.entries if e.key == link.name)
+    assert "never a symlink" in linked.problem and linked.rows is None
+    assert linked.bytes == link.lstat().st_size < entry_disk_bytes(good.path)
+    assert found.bytes == entry_disk_bytes(good.path) + link.lstat().st_size
+
+
 def test_resolve_keys_by_unique_prefix():
     known = ["ab" + "0" * 30, "ab" + "1" * 30, "cd" + "2" * 30]
     assert maintenance.resolve_keys(["cd", "AB0"], known) == [known[2], known[0]]

@@ -71,6 +71,15 @@ def test_a_bad_file_record_is_corrupt(cache, how):
         manifests.Manifest.from_json(raw, entry.path / manifests.MANIFEST_FILE, entry.key)
 
 
+def test_a_manifest_larger_than_the_limit_is_corrupt(memoized, monkeypatch):
+    size = (memoized / manifests.MANIFEST_FILE).stat().st_size
+    monkeypatch.setattr(manifests, "MANIFEST_LIMIT", size)
+    assert manifests.read(memoized).key == memoized.name
+    monkeypatch.setattr(manifests, "MANIFEST_LIMIT", size - 1)
+    with pytest.raises(CacheCorruptError, match=f"larger than {size - 1} bytes"):
+        manifests.read(memoized)
+
+
 def test_a_manifest_is_never_written_over_an_existing_file(tmp_path, memoized):
     manifest = manifests.read(memoized)
     (tmp_path / manifests.MANIFEST_FILE).write_text("someone else's")

@@ -308,7 +308,7 @@ class Journal:
 
     def _read(self, name: str) -> Any:
         with self.dir.open_file(name) as f:
-            return small_json.load(f.read(_RECORD_LIMIT))
+            return small_json.load(small_json.read_limited(f, _RECORD_LIMIT - 1))
 
 
 def _newest_claims(names: list[str]) -> dict[int, int]:
