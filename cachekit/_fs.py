@@ -63,7 +63,10 @@ class DirHandle:
         """Where it was opened (``name`` inside ``path``, when given): for messages and
         for the callers that need one, made on first use."""
         base, name = self._where
-        base = base.path if isinstance(base, DirHandle) else Path(base)
+        if isinstance(base, DirHandle):
+            base = base.path
+        elif not isinstance(base, Path):
+            base = Path(base)
         return base if name is None else base / name
 
     @classmethod

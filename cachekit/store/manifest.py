@@ -252,7 +252,7 @@ def read(entry_dir: Path, key: Optional[str] = None) -> Manifest:
 
 def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
     """Parse and check the manifest of the open entry directory ``entry`` of ``key``."""
-    path = entry.path / MANIFEST_FILE
+    path = f"{entry.path}/{MANIFEST_FILE}"  # for messages: a str costs less than a Path
     try:
         with entry.open_file(MANIFEST_FILE) as f:  # no symlink, no FIFO: never outside
             raw = small_json.read_limited(f, MANIFEST_LIMIT)
