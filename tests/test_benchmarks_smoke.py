@@ -188,3 +188,13 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
     assert result["rounds"][0]["folds disk / full entry alone"] < 1.5  # the folds link it
     assert result["rounds"][0]["remote: a fold pulled, bytes read / its rows"] < 0.5
     assert (tmp_path / "s.json").exists()
+
+
+def test_the_listing_benchmark_times_ls_at_each_count(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    listing = importlib.import_module("bench_listing")
+    result = listing.main(["--quick", "--covers", "12", "--json", str(tmp_path / "l.json")])
+    assert [r["entries"] for r in result["results"]] == [10, 30]
+    assert all(r["ls s"] > 0 and r["start s"] > 0 and len(r["ls runs"]) == 3
+               for r in result["results"])
+    assert "| 30 | " in result["table"] and (tmp_path / "l.json").exists()
