@@ -20,14 +20,10 @@ from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidA
                       UsageError)
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fail, fields, file_fields, joined_by, \
-    listing, other_versions, say, shape, when
+from .output import SHORT_KEY, SORTS, ByteProgress, ago, count, fail, fields, file_fields, \
+    joined_by, listing, other_versions, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
-
-SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
-"""``ls --sort`` choices and the EntryInfo field each sorts by (newest or largest first)."""
-
 
 def show_root(args: argparse.Namespace) -> int:
     say(local_store(args).root)

@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 from typing import Callable, Optional, Sequence
 
 from .. import _version, liveness, options, units
+from ..engine.running.choices import KINDS as EXECUTORS
 from ..errors import CachekitError, UsageError
-from ..engine.running import executors
-from ..store import locks
-from ..store import remote as remote_store
-from . import local, remote
-from .output import fail
+from ..store import locks, remote_fs
+from .output import SORTS, fail
 from .parser import Parser, add_destructive, add_remote_flag, arg, positive_int
 
 Run = Callable[[argparse.Namespace], int]
@@ -93,7 +92,7 @@ def _check_settings() -> None:
     try:
         locks.kind_from_env()
         liveness.lease_from_env()
-        remote_store.timeout_from_env()
+        remote_fs.timeout_from_env()
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -114,23 +113,26 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(metavar="COMMAND", required=True)
     positive = arg(positive_int)
 
-    def command(name: str, run: Run, text: str, on_remote: Optional[Run] = None
+    def command(name: str, run: str, text: str, on_remote: Optional[str] = None
                 ) -> argparse.ArgumentParser:
-        """A subcommand; with ``on_remote``, also its ``--remote`` flag, which runs that."""
+        """A subcommand that runs the function ``run`` (``MODULE.FUNCTION`` of this package,
+        imported when it runs); with ``on_remote``, also its ``--remote`` flag, which runs
+        that one."""
         p = sub.add_parser(name, parents=[common], help=text, description=text)
-        p.set_defaults(run=run if on_remote is None else _local_or_remote(run, on_remote))
+        p.set_defaults(run=_imported(run) if on_remote is None
+                       else _local_or_remote(_imported(run), _imported(on_remote)))
         if on_remote is not None:
             add_remote_flag(p)
         return p
 
-    command("dir", local.show_root, "print the cache root")
-    p = command("ls", local.ls, "list entries, builds in progress and leftovers", remote.ls)
+    command("dir", "local.show_root", "print the cache root")
+    p = command("ls", "local.ls", "list entries, builds in progress and leftovers", "remote.ls")
     p.add_argument("--json", action="store_true", help="print a JSON array of entries")
-    p.add_argument("--sort", choices=tuple(local.SORTS), default="used",
+    p.add_argument("--sort", choices=tuple(SORTS), default="used",
                    help="newest use, largest, or newest entry first (default: used)")
-    p = command("info", local.info, "show one entry in full", remote.info)
+    p = command("info", "local.info", "show one entry in full", "remote.info")
     p.add_argument("key", metavar="KEY", help="a key or a unique prefix of one")
-    p = command("show", local.show, "write a contact sheet (PNG) of an images entry's rows")
+    p = command("show", "local.show", "write a contact sheet (PNG) of an images entry's rows")
     p.add_argument("key", metavar="KEY", help="a key or a unique prefix of one")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rows", metavar="A:B", type=arg(units.parse_row_range),
@@ -143,21 +145,21 @@ def parser() -> argparse.ArgumentParser:
                    help="the CSV the entry was built from, to label each row with its path")
     p.add_argument("--column", metavar="NAME", default="img_path",
                    help="the column of paths in --csv (default: img_path)")
-    p = command("clear", local.clear, "remove entries (safe while other processes read)",
-                remote.clear)
+    p = command("clear", "local.clear", "remove entries (safe while other processes read)",
+                "remote.clear")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
     p.add_argument("--all", action="store_true", help="remove every entry")
     p.add_argument("--older-than", metavar="AGE", type=arg(units.parse_duration),
                    help="only entries unused for this long, e.g. 7d, 12h, 1w")
     add_destructive(p)
-    p = command("prune", local.prune, "remove least recently used entries down to a size")
+    p = command("prune", "local.prune", "remove least recently used entries down to a size")
     p.add_argument("--max-size", metavar="SIZE", type=arg(units.parse_size), required=True,
                    help="size to shrink to, e.g. 10G (GiB), 500MB, 2.5T")
     add_destructive(p)
-    p = command("verify", local.verify, "check entries fully, data checksums included",
-                remote.verify)
+    p = command("verify", "local.verify", "check entries fully, data checksums included",
+                "remote.verify")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or prefixes (default: all)")
-    p = command("build", local.build, "decode and resize a CSV's image column into the cache")
+    p = command("build", "local.build", "decode and resize a CSV's image column into the cache")
     p.add_argument("csv", metavar="CSV", help="CSV file with a column of image paths")
     p.add_argument("--column", required=True, help="the image path column, e.g. img_path")
     p.add_argument("--size", required=True, type=arg(units.parse_image_size),
@@ -171,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
                    help="Pillow resampling filter of the resize (default: bilinear)")
     p.add_argument("--workers", type=positive, default=None,
                    help="parallel decode workers (default: CPUs)")
-    p.add_argument("--executor", choices=executors.KINDS, default=None,
+    p.add_argument("--executor", choices=EXECUTORS, default=None,
                    help="where rows are decoded (default: cachekit's rule, see "
                         "docs/build-engine.md)")
     p.add_argument("--on-error", choices=options.ON_ERROR, default="raise",
@@ -187,12 +189,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=options.BACKENDS, default=options.BACKENDS[0],
                    help="what decodes and resizes: torchvision and torch (default) or Pillow "
                         "throughout (v1's pixels); its own key")
-    p = command("push", remote.push, "upload local entries to the remote (manifest last)")
+    p = command("push", "remote.push", "upload local entries to the remote (manifest last)")
     p.add_argument("keys", metavar="KEY", nargs="*", help="keys or unique prefixes")
     p.add_argument("--all", action="store_true", help="upload every local entry")
-    p = command("pull", remote.pull, "download remote entries into the root")
+    p = command("pull", "remote.pull", "download remote entries into the root")
     p.add_argument("keys", metavar="KEY", nargs="+", help="keys or unique prefixes")
-    p = command("demo", local.demo, "the end-to-end demo on generated sample images")
+    p = command("demo", "local.demo", "the end-to-end demo on generated sample images")
     p.add_argument("--images", type=positive, default=None,
                    help="sample images (default: 2000 for the race, 24 with --csv: the "
                         "README's examples)")
@@ -203,6 +205,19 @@ def parser() -> argparse.ArgumentParser:
                         "beside PATH and PATH itself, a CSV with the columns img_path and "
                         "label (e.g. --csv covers.csv)")
     return top
+
+
+def _imported(where: str) -> Run:
+    """The command function ``MODULE.FUNCTION`` of this package, imported when it runs, so
+    that a command loads only what it uses: ``ls`` neither the remote tier nor the build
+    engine."""
+    module, name = where.split(".")
+
+    def run(args: argparse.Namespace) -> int:
+        command: Run = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+        return command(args)
+
+    return run
 
 
 def _local_or_remote(on_local: Run, on_remote: Run) -> Run:

@@ -14,8 +14,12 @@ from .. import units
 from ..admin.inspect import SHORT_KEY, ago, local_time
 from ..messages import printable, write_line
 
-__all__ = ["SHORT_KEY", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
+__all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
            "listing", "other_versions", "printable", "say", "shape", "table", "when"]
+
+SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
+"""``ls --sort`` choices and the EntryInfo field each sorts by (newest or largest first)."""
+
 
 def say(text: Any = "", *, file: Any = None, end: str = "\n", flush: bool = False) -> None:
     """Print ``text`` and ``end`` (as ``print`` would, to stdout unless ``file``) with

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..store import LocalStore, default_root
-from ..store.remote import REMOTE_ENV, RemoteStore
+from ..store.remote_fs import REMOTE_ENV
+
+if TYPE_CHECKING:
+    from ..store.remote import RemoteStore
 
 
 def local_store(args: argparse.Namespace) -> LocalStore:
@@ -25,6 +29,8 @@ def remote_store(args: argparse.Namespace) -> RemoteStore:
     if not url:
         raise UsageError(f"no remote: pass --remote URL before the command, or set "
                          f"{REMOTE_ENV}")
+    from ..store.remote import RemoteStore  # (here: a local command never loads it)
+
     try:
         store = RemoteStore(url)
         store.fs  # noqa: B018 (opened now: every command that asks for it calls it)
