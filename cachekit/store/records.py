@@ -6,6 +6,7 @@ and a per-row entry's reuse record and origin (:class:`RowReuse`, :class:`Origin
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -62,11 +63,13 @@ def sidecar_name(part: str, row_file: str) -> str:
     return f"{part[:-len('.npy')]}.{SIDECARS[row_file]}.npy"
 
 
+@functools.lru_cache(maxsize=4096)  # names repeat: every entry of a fold links the same parts
 def is_part_name(name: str) -> bool:
     """Whether ``name`` is a part's data file (not one of its row files)."""
     return _PART.fullmatch(name) is not None and name.count(".") == 1
 
 
+@functools.lru_cache(maxsize=4096)
 def is_part_file(name: str) -> bool:
     """Whether ``name`` is a part's data file or one of its row files."""
     return _PART.fullmatch(name) is not None
