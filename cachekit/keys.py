@@ -50,6 +50,7 @@ so that entries of another format are never hits nor sources of rows
 (:mod:`cachekit.store.manifest` checks it on reading)."""
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
 KEY_HEX_LENGTH = 32
+_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LENGTH}}}")
 
 Write = Callable[[bytes], Any]
 
@@ -372,6 +373,3 @@ def column_dtype(column: Any) -> Any:
 def is_key(text: str) -> bool:
     """True when ``text`` is a well-formed full key (safe to use as a directory name)."""
     return _KEY.fullmatch(text) is not None
-
-
-_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LENGTH}}}")

@@ -25,6 +25,7 @@ from .output import SHORT_KEY, SORTS, ByteProgress, ago, count, fail, fields, fi
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
+
 def show_root(args: argparse.Namespace) -> int:
     say(local_store(args).root)
     return 0
