@@ -1,6 +1,7 @@
 """Looking at a cache root: what is there, who is building, what is broken.
 
-Nothing here changes anything. A build directory is live or orphaned by the one rule of
+Nothing here changes an entry (a scan keeps only this user's memo of what it read, see
+:mod:`cachekit.admin.listing_memo`). A build directory is live or orphaned by the one rule of
 :mod:`cachekit.liveness` (its builder's heartbeat), the same rule builders use; no lock
 is taken.
 
@@ -38,6 +39,7 @@ from ..errors import CacheCorruptError, OtherFormatError
 from ..keys import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
+from . import listing_memo
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
@@ -156,9 +158,13 @@ def stored_bytes(entries: Iterable[EntryInfo]) -> int:
 
 
 def scan(store: LocalStore) -> Scan:
-    """Describe every entry and temporary directory of ``store``; never raises for bad items."""
+    """Describe every entry and temporary directory of ``store``; never raises for bad items.
+    Reads again only the manifests that changed since this user's last scan
+    (:mod:`~cachekit.admin.listing_memo`), and keeps what it read for the next."""
     indexed = store.row_index.files()
-    entries, problems = list_entries(store, indexed)
+    memo = listing_memo.load(store)
+    entries, problems = list_entries(store, indexed, memo)
+    listing_memo.save(store, memo)
     temp_dirs, temp_problems = list_temp_dirs(store)
     named = {e.key for e in entries} | {p.path.name for p in problems if p.key is None}
     strays = tuple(StrayIndex(key, sum(f[2] for f in set(files)))
@@ -168,10 +174,12 @@ def scan(store: LocalStore) -> Scan:
 
 
 def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, int, int]]]]
-                 = None) -> tuple[list[EntryInfo], list[Problem]]:
+                 = None, memo: Optional[listing_memo.Memo] = None
+                 ) -> tuple[list[EntryInfo], list[Problem]]:
     """Published entries (sorted by creation), and problems met on the way. An entry's
     files include its row index files (``indexed``: ``store.row_index.files()``, listed before
-    the entries), which go with it."""
+    the entries), which go with it. With ``memo``, what it holds of a manifest is not read
+    again, and what is read is kept in it."""
     entries: list[EntryInfo] = []
     problems: list[Problem] = []
     indexed = store.row_index.files() if indexed is None else indexed
@@ -179,7 +187,7 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
         if not is_key(item.name) or not item.is_dir():
             problems.append(Problem(None, item, "not a cache entry (cachekit did not make it)"))
             continue
-        info = entry_info(item, indexed.get(item.name, ()))
+        info = entry_info(item, indexed.get(item.name, ()), memo)
         if info is None:
             continue  # removed while we looked
         entries.append(info)
@@ -192,11 +200,13 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
     return entries, problems
 
 
-def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optional[EntryInfo]:
+def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = (),
+               memo: Optional[listing_memo.Memo] = None) -> Optional[EntryInfo]:
     """Describe the entry directory ``path``, with the files ``also`` (device, inode, size)
     that go with it outside, each file once (the index file of an entry that holds no row
     of its own is its row map); None when it no longer exists. Everything is read through
-    one handle of the directory; a name that is a symlink is a problem, never followed."""
+    one handle of the directory; a name that is a symlink is a problem, never followed.
+    ``memo``: what an earlier listing read of manifests (see :func:`list_entries`)."""
     try:
         directory = _fs.DirHandle.open(path)
     except FileNotFoundError:
@@ -209,6 +219,10 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optiona
         used = os.fstat(directory.fd).st_mtime
         files = tuple(dict.fromkeys(_files_at(directory) + tuple(also)))
         size = sum(f[2] for f in files)
+        known, remembered = (None, None) if memo is None else memo.look(directory, path.name)
+        if remembered is not None:
+            return EntryInfo(key=path.name, bytes=size, last_used=used, path=path, files=files,
+                             **remembered)
         other_format = False
         try:
             manifest = manifests.read_at(directory, path.name)
@@ -220,7 +234,7 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optiona
             problem = e.reason
             other_format = isinstance(e, OtherFormatError)
         else:
-            return EntryInfo(
+            info = EntryInfo(
                 key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
                 dtype=manifest.dtype.name, bytes=size, created=manifest.created,
                 last_used=used, path=path, column=manifest.column,
@@ -228,6 +242,9 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = ()) -> Optiona
                 origin=None if manifest.origin is None else manifest.origin.to_json(),
                 failed_build=manifest.failed_build, files=files,
             )
+            if memo is not None and known is not None:
+                memo.keep(path.name, known, info)
+            return info
     return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
                      created=used, last_used=used, path=path, problem=problem, files=files,
                      other_format=other_format)

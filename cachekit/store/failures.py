@@ -5,7 +5,8 @@ A record binds to its writer. Another member of a shared root's group can write 
 ``locks/``, so a record is honoured only when the file belongs to this user and, with
 ``CACHEKIT_SIGNING_KEY`` set, when it carries a valid signature over its contents and its
 key. Anything else is refused with the reason, which the caller says once; it never fails
-a call.
+a call. The other records of a user in ``locks/`` (a key's stale files, the listing memo
+of :mod:`cachekit.admin.listing_memo`) are kept the same way.
 """
 
 from __future__ import annotations

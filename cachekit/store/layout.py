@@ -17,6 +17,7 @@
       locks/KEY.lock.holder            who holds the OS lock, its mtime their heartbeat
       locks/KEY.failed.json            the rows of the last failed build, for its waiters
       locks/KEY.stale.json             files of entry KEY that changed since its build
+      locks/listing.UID.json           what user UID's last ``ls`` read of each manifest
 """
 
 from __future__ import annotations

@@ -765,6 +765,29 @@ def test_a_failure_record_dated_in_the_future_neither_stops_a_build_nor_outlives
         f"{'still there' if record.exists() else 'gone'}\n{done.stdout}{done.stderr}")
 
 
+def test_a_listing_memo_planted_for_the_victim_is_refused(shared_root):
+    """The attacker writes the victim's listing memo (locks/listing.UID.json, by rename),
+    naming the victim's entry by its manifest file's very identity, with other rows: the
+    victim's ``ls`` refuses the memo (not the victim's file), reads the manifest and shows
+    its rows."""
+    from cachekit.admin import listing_memo
+
+    shared = shared_root
+    built = victim_calls(shared, victim_config(shared, "map", variants=[0], calls=["build"],
+                                               delay=0), "build.json")
+    key = built[0]["key"]
+    listed = {e["key"]: e for e in json.loads(run_cli(shared, "ls", "--json").stdout)}
+    fields = {name: listed[key][name] for name in listing_memo.FIELDS}
+    manifest = shared.root / "entries" / key / "manifest.json"
+    memo = {"key": "ls", "made": listing_memo._MADE, "entries": {
+        key: [listing_memo.identity(manifest.stat()), {**fields, "rows": fields["rows"] + 1000}]}}
+    target = shared.root / "locks" / f"listing.{users.VICTIM_UID}.json"
+    as_attacker(shared, str(shared.write_json("memo.json", memo)), target)
+    assert target.stat().st_uid == users.ATTACKER_UID
+    again = {e["key"]: e for e in json.loads(run_cli(shared, "ls", "--json").stdout)}
+    assert again[key]["rows"] == fields["rows"] and again[key]["problem"] is None
+
+
 # --- tampered manifests ------------------------------------------------------------------
 
 
