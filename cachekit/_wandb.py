@@ -85,7 +85,7 @@ def summary_fields(outcome: Outcome, run_id: Any = None) -> dict[str, Any]:
     and ``join_seconds`` filling another process's build; ``wait_seconds``, waiting for
     another process's build of the same entry (not counting the chunks it filled of it).
     ``rows_decoded``, ``rows_joined`` and ``rows_reused`` are ``Entry``'s: the rows this
-    process decoded, those others decoded for its build, and those copied from other
+    process decoded, those others decoded for its build, and those shared with other
     entries (all 0 on a hit), with run totals.
     """
     manifest = outcome.entry.manifest

@@ -249,7 +249,7 @@ class Cache:
         bytes, created, last_used, path, ...), oldest first. Unreadable entries are listed
         with ``problem`` set instead of aborting the listing. The rows a failed build kept
         are listed too, with ``failed_build`` set to the key that failed: no call hits them,
-        later builds copy from them, and clear and prune remove them like entries."""
+        later builds share their rows, and clear and prune remove them like entries."""
         from .admin.inspect import list_entries
 
         return list_entries(self._store)[0]

@@ -42,7 +42,7 @@ class Entry:
 
     ``rows_decoded``, ``rows_joined``, ``rows_reused``: of the entry's rows, those this
     call decoded, those other processes decoded for its build (its joiners, or the dead
-    builds it resumed; for a joiner, everyone else's rows), and those it copied from other
+    builds it resumed; for a joiner, everyone else's rows), and those it shares with other
     entries of the same recipe. For a call that built or joined they add up to
     ``len(entry)``; on a hit all three are 0.
     """

@@ -69,7 +69,7 @@ class EntryInfo:
     format): this version never uses it, and it is not damaged."""
     origin: Optional[dict[str, Any]] = None
     """Where a per-row entry's rows came from when it was built: ``reused`` ([key, rows]
-    of each entry they were copied from), ``decoded`` (by its builder) and ``joined`` (by
+    of each entry they were shared with), ``decoded`` (by its builder) and ``joined`` (by
     other processes for its build); None for entries that do not say."""
     failed_build: Optional[str] = None
     """Set for the rows a failed build kept: the key whose build failed. Not an entry (no

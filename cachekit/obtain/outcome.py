@@ -60,7 +60,7 @@ class Outcome:
     @property
     def row_counts(self) -> tuple[int, int, int]:
         """(rows decoded by this call, rows other processes decoded for its build, rows
-        copied from other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.
+        shared with other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.
 
         A builder's come from its manifest's origin (a build that resumed dead builds counts
         their rows as joined: other processes decoded them); a joiner decoded the rows it

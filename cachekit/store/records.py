@@ -103,7 +103,7 @@ class RowReuse:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a per-row entry's rows came from when it was built: copied from other entries
+    """Where a per-row entry's rows came from when it was built: shared with other entries
     (key, rows), decoded by its builder, decoded by other processes for this build (its
     joiners, or the dead builds it resumed). The three add up to the entry's rows when its
     builder wrote them (:meth:`adds_up`); a manifest is read without that check, since
