@@ -70,6 +70,8 @@ def fill(cache: Any, paths: list[str], have: int, want: int, rng: random.Random)
 
 
 def measure(root: Path, entries: int, runs: int, env: dict[str, str]) -> dict[str, Any]:
+    """``runs`` rounds of the three commands on ``root`` of ``entries`` entries, each round
+    starting with another of them (see the module docstring): every run and the medians."""
     memo = root / "locks" / f"listing.{os.geteuid()}.json"
     commands = [("ls", ["--root", str(root), "ls"]), ("start", ["--version"]),
                 ("ls, no memo", ["--root", str(root), "ls"])]
