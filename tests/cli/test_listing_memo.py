@@ -114,3 +114,21 @@ def test_a_root_this_user_cannot_write_is_listed_without_a_memo(cache_root, sett
         found, read = scan_counting_reads(cache_root)
     assert read == 1 and found.entries[0].problem is None
     assert not (locks / listing_memo.file_name()).exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_symlink_or_fifo_in_place_of_the_memo_is_neither_followed_nor_waited_on(
+        cache_root, tmp_path, settled, kind):
+    entries(cache_root, 1)
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"precious": true}')
+    path = cache_root / "locks" / listing_memo.file_name()
+    if kind == "symlink":
+        path.symlink_to(outside)
+    else:
+        os.mkfifo(path)
+    found, read = scan_counting_reads(cache_root)
+    assert read == 1 and found.entries[0].problem is None
+    assert outside.read_text() == '{"precious": true}'
+    assert path.is_file() and not path.is_symlink()  # replaced by a memo of this user's
+    assert scan_counting_reads(cache_root)[1] == 0
