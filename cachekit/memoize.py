@@ -123,6 +123,7 @@ class _Build:
 
     joinable = False
     replaces = False
+    heals = None
 
     def __init__(self, run: Callable[[BuildDir], Built]) -> None:
         self.run = run

@@ -230,6 +230,8 @@ class FunctionRequest:
 
     raise_failures = True
     joinable = False
+    replaces = False
+    heals = None
 
     def __init__(self, key: str, build_fn, expected=None) -> None:
         self.key, self.build_fn, self.expected = key, build_fn, expected

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the build's side of the seam: a hit imports none of it
     from ..engine.filling.cores import Spare
     from ..engine.filling.joiner import Joined
     from ..store import BuildDir, Published
+    from ..store.manifest import Manifest
     from .built import Built
 
 __all__ = ["Build", "Request"]
@@ -34,8 +35,12 @@ class Build(Protocol):
     """Whether :meth:`join` may fill chunks of another process's build (per-row builds)."""
     replaces: bool
     """Whether it builds the key again in place of its entry, set aside (to be made
-    contiguous, or healed): the remote tier's copy of the key is then never downloaded
-    instead, for it is that entry's."""
+    contiguous, or healed): unless it heals, the remote tier's copy of the key is then
+    never downloaded instead, for it is that entry's."""
+    heals: Optional["Manifest"]
+    """The manifest of the entry it builds again because files of its rows changed (None
+    otherwise): a remote tier's copy that is that very entry is replaced by the build, and
+    one that is another entry of the key (healed by another host) is downloaded instead."""
 
     def computes_nothing(self) -> bool:
         """Whether the build would compute no value: every row is held by a committed entry

@@ -85,16 +85,18 @@ class Miss:
         """Holding the lock with no live local builder left: with a remote tier, its entry
         or its lease (:func:`remote_tier.download_or_lease`); then build and commit (under
         the lease, uploading afterwards). A build that replaces the key's entry never
-        downloads it again (:attr:`~.build.Build.replaces`)."""
+        downloads it again (:attr:`~.build.Build.replaces`); one that heals it replaces
+        the remote's copy of the stale entry, or downloads another host's healed entry
+        (:attr:`~.build.Build.heals`)."""
         remote = self.options.remote
-        if remote is None or self.build.replaces:
+        if remote is None or (self.build.replaces and self.build.heals is None):
             return self._built(waited)
         from . import remote as remote_tier
 
         expected = self.request.expected
         got = remote_tier.download_or_lease(remote, self.store, self.key, wait=wait,
                                             expect=None if expected is None else
-                                            expected.check)
+                                            expected.check, stale=self.build.heals)
         if isinstance(got, Published):
             return self._outcome(got, "remote", waited)
         lease = got

@@ -25,6 +25,13 @@ it removes the broken manifest, builds, and uploads create-only; it never raises
 caller. A manifest that passes its own checks but disagrees with the call (another dtype,
 shape or row count: ``Expected.check`` of :mod:`cachekit.obtain.expected`) is broken the
 same way, found before anything is downloaded.
+
+A heal (the local entry whose files changed, built again under its key: see
+:mod:`.row_request`) meets the remote's copy of that stale entry the same way: it is not
+downloaded, and under the lease its manifest is removed, so the healed entry is uploaded in
+its place and hosts that miss later download the healed entry (those that miss meanwhile
+wait for the lease). A remote entry that is another one (a host healed it first) is
+downloaded as on any miss.
 """
 
 from __future__ import annotations
@@ -64,15 +71,19 @@ class Tier:
 
 
 def download_or_lease(tier: Tier, local: LocalStore, key: str, *, wait: Wait,
-                      expect: Optional[Expect] = None) -> Union[Published, Lease, None]:
+                      expect: Optional[Expect] = None, stale: Optional[Manifest] = None
+                      ) -> Union[Published, Lease, None]:
     """After a local miss, holding the local build lock: the key's remote entry downloaded
     and published locally, else the key's remote lease for this process to build under,
     or None when the remote failed (warned once: build locally, sharing nothing).
 
     ``wait``: the call's wait, whose ``lock_timeout`` the local wait began to use;
     ``expect(manifest)``: what disagrees with the call in a remote entry's manifest, or
-    None; one that disagrees is refused before it is downloaded, as a miss. The caller
-    releases the lease, or hands it to :func:`share` with what it built.
+    None; one that disagrees is refused before it is downloaded, as a miss. ``stale``:
+    the manifest of the entry of the key whose files changed here (a heal): a remote entry
+    that is that very entry is a miss too, and its manifest is removed under the lease, so
+    that the entry built here replaces it. The caller releases the lease, or hands it to
+    :func:`share` with what it built.
     """
     failed = _failed_at.get(tier.store.display)
     if failed is not None and time.monotonic() - failed < RETRY_AFTER:
@@ -80,7 +91,7 @@ def download_or_lease(tier: Tier, local: LocalStore, key: str, *, wait: Wait,
             f"this process: entry {key[:12]} is built here without it, neither looked up "
             f"nor shared (the remote is tried again {RETRY_AFTER:g} s after it failed)")
         return None
-    reader = _Reader(tier, local, key, expect)
+    reader = _Reader(tier, local, key, expect, stale)
     try:
         got = reader.fetch()
         if got is not None:
@@ -123,15 +134,18 @@ def share(tier: Tier, local: LocalStore, published: Published, lease: Lease) -> 
 
 
 class _Reader:
-    """Finds and downloads the key's remote entry, taking a broken one for a miss: it warns
-    once, remembers the entry (so the wait does not download it again) and, under the
-    lease, removes its manifest (:meth:`remove_broken`)."""
+    """Finds and downloads the key's remote entry, taking a broken one, or the ``stale``
+    entry a heal builds again, for a miss: it warns once (says so, for the stale one),
+    remembers the entry (so the wait does not download it again) and, under the lease,
+    removes its manifest (:meth:`remove_broken`)."""
 
     def __init__(self, tier: Tier, local: LocalStore, key: str,
-                 expect: Optional[Expect] = None) -> None:
+                 expect: Optional[Expect] = None, stale: Optional[Manifest] = None) -> None:
         self.tier, self.local, self.key, self.expect = tier, local, key, expect
+        self.stale = stale
         self.broken: list[Optional[RemoteEntry]] = []
-        """The broken entries met (None: a manifest that could not be read at all)."""
+        """The broken entries met (None: a manifest that could not be read at all), and
+        the stale one."""
 
     def candidate(self) -> Optional[RemoteEntry]:
         """The key's remote entry unless it is missing, known to be broken, or disagrees
@@ -143,6 +157,11 @@ class _Reader:
             self._met(None, e)
             return None
         if found is None or found in self.broken:
+            return None
+        if self.stale is not None and same_entry(found.manifest, self.stale):
+            self.broken.append(found)
+            say(f"remote entry {self.key[:12]} in {remote.display} is the entry whose files "
+                "changed here: the entry built now replaces it")
             return None
         problem = None if self.expect is None else self.expect(found.manifest)
         if problem is not None:
@@ -175,7 +194,7 @@ class _Reader:
             if found is None or found not in self.broken:
                 return  # gone, or replaced by one not yet tried (then the upload keeps it)
         path = remote.manifest_path(self.key)
-        remote.remove([path], f"removing the broken {remote.object_url(path)}")
+        remote.remove([path], f"removing {remote.object_url(path)}, to be replaced")
 
     def _met(self, found: Optional[RemoteEntry], error: CacheCorruptError) -> None:
         if found not in self.broken:
@@ -187,6 +206,13 @@ class _Reader:
         warnings.warn(f"{prefix()}: remote entry {self.key[:12]} is broken: {error.path}: "
                       f"{error.reason}; it counts as missing: cachekit builds it and uploads "
                       "it in place of the broken one", RemoteWarning, stacklevel=6)
+
+
+def same_entry(one: Manifest, other: Manifest) -> bool:
+    """Whether two manifests of a key describe one entry: made at the same moment, of the
+    same files (a downloaded entry keeps its manifest's ``created``)."""
+    return one.created == other.created and [(f.name, f.checksum) for f in one.files] == [
+        (f.name, f.checksum) for f in other.files]
 
 
 def pull(tier: Tier, local: LocalStore, key: str,

@@ -38,11 +38,13 @@ from .row_files import write_row_files
 
 class SetAside:
     """The entry of a key set aside to be built again: its rows, opened before (the build's
-    donor), and its name under ``tmp/`` until the build has linked what it shares of it."""
+    donor), and its name under ``tmp/`` until the build has linked what it shares of it;
+    ``stale``: its manifest, when it is built again because files of its rows changed."""
 
     def __init__(self, store: LocalStore, key: str, source: Optional[SharedRows],
-                 name: str) -> None:
+                 name: str, stale: Optional[manifests.Manifest] = None) -> None:
         self.store, self.key, self.source, self.name = store, key, source, name
+        self.stale = stale
 
     def drop(self) -> None:
         """Remove the entry set aside (its files live on where linked); best effort."""
@@ -72,6 +74,7 @@ class RowBuild:
                  aside: Optional[SetAside] = None) -> None:
         self.store, self.call, self.settings, self.aside = store, call, settings, aside
         self.replaces = aside is not None
+        self.heals = None if aside is None else aside.stale
         self.key = call.key
         self.record = call.kind == "images" or call.on_error == "zero"
         """Whether a row that raises is recorded as a failure (images always: they say

@@ -7,9 +7,10 @@ the entry changed (``locks/KEY.stale.json``), when a contiguous entry was asked 
 the one found shares its rows, or when the entry this call made shares its rows from files
 larger than the cache's budget, which copying its rows shrinks (:func:`copying_shrinks`).
 The entry is then opened as a donor, set aside, and the call obtains the key again, built
-here (never downloaded: the remote tier's copy of the key is that entry's); its build
-shares every row it can with the entry set aside (:func:`.donors.find`'s ``healed``),
-which is removed once the build has linked or copied its files.
+here (never downloaded: the remote tier's copy of the key is that entry's, unless another
+host healed it first); its build shares every row it can with the entry set aside
+(:func:`.donors.find`'s ``healed``), which is removed once the build has linked or copied
+its files. A healed entry replaces the remote tier's stale copy (:mod:`.remote`).
 """
 
 from __future__ import annotations
@@ -132,13 +133,14 @@ class RowRequest:
             return
         self._build_again(entry, f"{record.get('changed', 'some')} of its files changed since "
                           "it was built (found by an earlier check); building it again, "
-                          "decoding only their rows", forget=STALE)
+                          "decoding only their rows", stale=True)
 
-    def _build_again(self, entry: Published, why: str, forget: Optional[str] = None) -> None:
+    def _build_again(self, entry: Published, why: str, stale: bool = False) -> None:
         """Open the rows of ``entry`` to build from, set it aside, and raise
         FileNotFoundError, so that the call obtains the key again and builds it. Returns
-        when another process did so first, or this one may not remove it. ``forget``: the
-        record to drop."""
+        when another process did so first, or this one may not remove it. ``stale``: it is
+        built again because files of its rows changed (its record is dropped, and a remote
+        tier's copy of it is replaced: :attr:`.RowBuild.heals`)."""
         if entry.manifest.reuse is None:
             return
         from ..store.shared_rows import open_shared_rows
@@ -153,11 +155,12 @@ class RowRequest:
             if source is not None:
                 source.close()
             return
-        if forget is not None:
-            self.store.forget_record(forget, self.key)
+        if stale:
+            self.store.forget_record(STALE, self.key)
         from .row_build import SetAside
 
-        self._aside = SetAside(self.store, self.key, source, name)
+        self._aside = SetAside(self.store, self.key, source, name,
+                               entry.manifest if stale else None)
         say(f"entry {self.key[:12]}: {why}")
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
 

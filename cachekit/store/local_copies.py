@@ -5,7 +5,10 @@ A derived entry's parts (another entry's data file, and its row identities and s
 are named in its manifest with their size and checksum. An entry of the same recipe in
 the local root that lists a file of the same size and checksum holds those very bytes
 (each was checksummed when it was committed), so a pull of a fold whose full entry is
-here moves its row map and manifest, not its rows. Only this user's files are linked, from
+here moves its row map and manifest, not its rows. The entry of the key itself, set aside
+to be built again (``tmp/deleting.KEY.*``: a heal that met another host's healed entry of
+the key in the bucket), holds most of that entry's rows and is looked in too. Only this
+user's files are linked, from
 the open file (see :meth:`cachekit._fs.DirHandle.link_open_file`); anything that does not
 link is downloaded as usual, and the download's seal compares every file with the
 manifest's record either way.
@@ -20,11 +23,13 @@ from .. import _fs
 from . import manifest as manifests
 from .local import LocalStore
 from .manifest import FileRecord, Manifest
+from .temp_names import DELETING_PREFIX
 
 
 def link_local_copies(local: LocalStore, build: _fs.DirHandle, manifest: Manifest) -> set[str]:
     """Link into ``build`` each part file of ``manifest`` that an entry of its recipe in
-    ``local`` holds, with the same size and checksum; the names linked."""
+    ``local`` holds, or the key's entry set aside, with the same size and checksum; the
+    names linked."""
     wanted: dict[tuple[str, int], list[FileRecord]] = {}
     for record in manifest.files:
         if manifests.is_part_file(record.name):
@@ -32,30 +37,41 @@ def link_local_copies(local: LocalStore, build: _fs.DirHandle, manifest: Manifes
     if not wanted or manifest.reuse is None:
         return set()
     linked: set[str] = set()
-    entries = local.layout.open_folder_if_any("entries")
-    if entries is None:
-        return linked
-    with entries:
-        for key in local.keys():
-            if not wanted:
-                break
-            found = _open_entry(entries, key, manifest.reuse.recipe)
-            if found is None:
-                continue
-            entry, theirs = found
-            with entry:
-                for record in theirs.files:
-                    for want in wanted.pop((record.checksum, record.bytes), []):
-                        if _link(entry, record, build, want.name):
-                            linked.add(want.name)
+    recipe = manifest.reuse.recipe
+    for folder, names in (("entries", local.keys),
+                          ("tmp", lambda: _set_aside(local, manifest.key))):
+        opened = local.layout.open_folder_if_any(folder) if wanted else None
+        if opened is None:
+            continue
+        with opened:
+            for name in names():
+                if not wanted:
+                    break
+                found = _open_entry(opened, name, name if folder == "entries" else
+                                    manifest.key, recipe)
+                if found is None:
+                    continue
+                entry, theirs = found
+                with entry:
+                    for record in theirs.files:
+                        for want in wanted.pop((record.checksum, record.bytes), []):
+                            if _link(entry, record, build, want.name):
+                                linked.add(want.name)
     return linked
 
 
-def _open_entry(entries: _fs.DirHandle, key: str, recipe: str
+def _set_aside(local: LocalStore, key: str) -> list[str]:
+    """The names under ``tmp/`` of entries of ``key`` set aside (or being removed)."""
+    prefix = f"{DELETING_PREFIX}{key}."
+    return [p.name for p in local.temp_dirs() if p.name.startswith(prefix)]
+
+
+def _open_entry(folder: _fs.DirHandle, name: str, key: str, recipe: str
                 ) -> Optional[tuple[_fs.DirHandle, Manifest]]:
-    """The entry ``key`` open, with its checked manifest, when it is of ``recipe``."""
+    """The entry of ``key`` at ``folder/name`` open, with its checked manifest, when it is
+    of ``recipe``."""
     try:
-        entry = entries.child(key)
+        entry = folder.child(name)
     except OSError:
         return None
     try:

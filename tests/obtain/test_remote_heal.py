@@ -1,0 +1,123 @@
+"""A healed entry and the remote tier: the host that heals an entry whose files changed
+replaces the bucket's copy of that stale entry, so hosts that come later download the healed
+entry; a host whose copy is stale too, once the bucket holds another host's healed entry,
+downloads that one instead of replacing it, linking the rows its stale copy holds
+(cachekit/obtain/remote.py, cachekit/store/local_copies.py).
+
+The bucket is a real S3 server on loopback (``s3_env``); the host that heals second runs in
+an interpreter of its own, for a process says once what it found stale in an entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit.errors import StaleEntryWarning
+from cachekit.obtain import background, staleness
+from cachekit.store.remote import RemoteStore
+from helpers import write_pictures
+
+ROWS = 8
+CHANGED = 3
+
+SECOND_HOST = textwrap.dedent("""
+    import json, sys, warnings
+    import numpy as np, pandas as pd
+    import cachekit
+    from cachekit.obtain import background, staleness
+
+    cache = cachekit.Cache(sys.argv[1], workers=1, progress=False)
+    column = pd.Series(json.loads(sys.argv[2]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.images(column, 8)              # its copy is stale: said, and recorded
+        staleness.wait_for_checks(timeout=60)
+    again = cache.images(column, 8)          # heals
+    background.wait_all()
+    print(json.dumps({"stale": [str(w.message) for w in caught], "source": again.source,
+                      "decoded": again.rows_decoded, "row": again.array[3].tolist()}))
+""")
+
+
+def _rewrite(path: str) -> None:
+    """New pixels in the file, and another mtime, as a data set fixed in place."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(99).integers(0, 256, (10, 12, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    os.utime(path, ns=(2, 2))
+
+
+def _heal(cache: cachekit.Cache, column: pd.Series) -> cachekit.Entry:
+    """A hit that finds the changed file, then the call that heals the entry."""
+    with pytest.warns(StaleEntryWarning):
+        cache.images(column, 8)
+        staleness.wait_for_checks(timeout=60)
+    healed = cache.images(column, 8)
+    background.wait_all()
+    return healed
+
+
+def test_a_healed_entry_replaces_the_stale_copy_in_the_bucket(s3_env, tmp_path, capsys):
+    column = pd.Series(write_pictures(tmp_path / "pictures", ROWS))
+    host_a = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    built = host_a.images(column, 8)
+    stale_row = np.array(built.array[CHANGED])
+    background.wait_all()
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    stale_upload = remote.lookup(built.key).upload
+    _rewrite(column[CHANGED])
+
+    capsys.readouterr()
+    healed = _heal(cachekit.Cache(tmp_path / "a", workers=1), column)  # saying what it does
+    assert (healed.source, healed.rows_decoded, healed.rows_reused) == ("built", 1, ROWS - 1)
+    assert "is the entry whose files changed here: the entry built now replaces it" in \
+        capsys.readouterr().err
+    in_bucket = remote.lookup(built.key)
+    assert in_bucket.upload != stale_upload
+    assert in_bucket.manifest.created == healed._manifest.created
+
+    later = cachekit.Cache(tmp_path / "c", workers=1, progress=False).images(column, 8)
+    assert later.source == "remote" and later.rows_decoded == 0
+    np.testing.assert_array_equal(later.array, healed.array)
+    assert not np.array_equal(later.array[CHANGED], stale_row)
+
+
+def test_a_host_whose_copy_is_stale_downloads_the_entry_another_host_healed(
+        s3_env, tmp_path):
+    column = pd.Series(write_pictures(tmp_path / "pictures", ROWS))
+    host_a = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    host_a.images(column, 8)
+    background.wait_all()
+    pulled = cachekit.Cache(tmp_path / "b", workers=1, progress=False).images(column, 8)
+    assert pulled.source == "remote"
+    staleness.wait_for_checks(timeout=60)  # its files, checked before any changes
+    _rewrite(column[CHANGED])
+    healed = _heal(host_a, column)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    healed_upload = remote.lookup(healed.key).upload
+    entry_b = tmp_path / "b" / "entries" / healed.key
+    stale_rows = (entry_b / "data.npy").stat().st_ino
+
+    run = subprocess.run([sys.executable, "-c", SECOND_HOST, str(tmp_path / "b"),
+                          json.dumps(list(column))], capture_output=True, text=True,
+                         timeout=180, env=os.environ)
+    assert run.returncode == 0, run.stderr
+    second = json.loads(run.stdout)
+    assert len(second["stale"]) == 1 and column[CHANGED] in second["stale"][0], run.stderr
+    assert (second["source"], second["decoded"]) == ("remote", 0)
+    assert second["row"] == healed.array[CHANGED].tolist()
+    assert remote.lookup(healed.key).upload == healed_upload  # not replaced again
+    # The rows it shares with its stale copy were linked from it, not downloaded again:
+    data_parts = [p for p in entry_b.glob("part_*.npy") if p.name.count(".") == 1]
+    assert [p.stat().st_ino for p in data_parts] == [stale_rows]
+    assert not list((tmp_path / "b" / "tmp").glob("deleting.*"))  # the stale copy went
