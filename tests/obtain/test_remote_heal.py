@@ -29,23 +29,47 @@ from helpers import write_pictures
 ROWS = 8
 CHANGED = 3
 
-SECOND_HOST = textwrap.dedent("""
-    import json, sys, warnings
+HOST = textwrap.dedent("""
+    import json, sys, time, warnings
+    from pathlib import Path
     import numpy as np, pandas as pd
     import cachekit
     from cachekit.obtain import background, staleness
 
-    cache = cachekit.Cache(sys.argv[1], workers=1, progress=False)
-    column = pd.Series(json.loads(sys.argv[2]))
+    root, paths, ready, hosts = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    cache = cachekit.Cache(root, workers=1, progress=False)
+    column = pd.Series(json.loads(paths))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cache.images(column, 8)              # its copy is stale: said, and recorded
         staleness.wait_for_checks(timeout=60)
+    (ready / root.replace("/", "_")).touch()
+    while len(list(ready.iterdir())) < hosts:  # the hosts heal at once
+        time.sleep(0.005)
     again = cache.images(column, 8)          # heals
     background.wait_all()
     print(json.dumps({"stale": [str(w.message) for w in caught], "source": again.source,
                       "decoded": again.rows_decoded, "row": again.array[3].tolist()}))
 """)
+
+
+def _hosts(roots: list[Path], column: pd.Series, tmp_path: Path) -> list[dict]:
+    """Each root's host, in an interpreter of its own, finds its copy stale and heals it,
+    all at once: what each reports."""
+    ready = tmp_path / f"ready-{len(list(tmp_path.glob('ready-*')))}"
+    ready.mkdir()
+    runs = [subprocess.Popen([sys.executable, "-c", HOST, str(root), json.dumps(list(column)),
+                              str(ready), str(len(roots))], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=os.environ)
+            for root in roots]
+    reports = []
+    for run in runs:
+        out, err = run.communicate(timeout=180)
+        assert run.returncode == 0, err
+        reports.append(json.loads(out))
+        assert len(reports[-1]["stale"]) == 1, err
+    return reports
+
 
 
 def _rewrite(path: str) -> None:
@@ -108,12 +132,8 @@ def test_a_host_whose_copy_is_stale_downloads_the_entry_another_host_healed(
     entry_b = tmp_path / "b" / "entries" / healed.key
     stale_rows = (entry_b / "data.npy").stat().st_ino
 
-    run = subprocess.run([sys.executable, "-c", SECOND_HOST, str(tmp_path / "b"),
-                          json.dumps(list(column))], capture_output=True, text=True,
-                         timeout=180, env=os.environ)
-    assert run.returncode == 0, run.stderr
-    second = json.loads(run.stdout)
-    assert len(second["stale"]) == 1 and column[CHANGED] in second["stale"][0], run.stderr
+    [second] = _hosts([tmp_path / "b"], column, tmp_path)
+    assert column[CHANGED] in second["stale"][0]
     assert (second["source"], second["decoded"]) == ("remote", 0)
     assert second["row"] == healed.array[CHANGED].tolist()
     assert remote.lookup(healed.key).upload == healed_upload  # not replaced again
@@ -121,3 +141,27 @@ def test_a_host_whose_copy_is_stale_downloads_the_entry_another_host_healed(
     data_parts = [p for p in entry_b.glob("part_*.npy") if p.name.count(".") == 1]
     assert [p.stat().st_ino for p in data_parts] == [stale_rows]
     assert not list((tmp_path / "b" / "tmp").glob("deleting.*"))  # the stale copy went
+
+
+def test_hosts_that_heal_at_once_replace_the_stale_copy_once(s3_env, tmp_path):
+    """The lease lets one host replace the stale copy; the other waits for it and downloads
+    the healed entry."""
+    column = pd.Series(write_pictures(tmp_path / "pictures", ROWS))
+    roots = [tmp_path / "a", tmp_path / "b"]
+    built = cachekit.Cache(roots[0], workers=1, progress=False).images(column, 8)
+    background.wait_all()
+    assert cachekit.Cache(roots[1], workers=1, progress=False).images(column, 8).source \
+        == "remote"
+    staleness.wait_for_checks(timeout=60)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    stale = remote.lookup(built.key)
+    _rewrite(column[CHANGED])
+
+    reports = _hosts(roots, column, tmp_path)
+    assert sorted((r["source"], r["decoded"]) for r in reports) == [("built", 1),
+                                                                    ("remote", 0)]
+    assert reports[0]["row"] == reports[1]["row"]
+    healed = remote.lookup(built.key)
+    assert healed.upload != stale.upload and healed.manifest.created != stale.manifest.created
+    later = cachekit.Cache(tmp_path / "c", workers=1, progress=False).images(column, 8)
+    assert later.source == "remote" and later.array[CHANGED].tolist() == reports[0]["row"]
