@@ -250,9 +250,9 @@ class Cache:
         with ``problem`` set instead of aborting the listing. The rows a failed build kept
         are listed too, with ``failed_build`` set to the key that failed: no call hits them,
         later builds share their rows, and clear and prune remove them like entries."""
-        from .admin.inspect import list_entries
+        from .admin.inspect import scan
 
-        return list_entries(self._store)[0]
+        return list(scan(self._store).entries)
 
     def clear(self, keys: Optional[Sequence[str]] = None, *,
               older_than: Optional[Any] = None):

@@ -51,6 +51,17 @@ def test_a_second_listing_reads_no_manifest_and_lists_the_same(cache_root, settl
     assert (cache_root / "locks" / listing_memo.file_name()).stat().st_uid == os.geteuid()
 
 
+def test_cache_entries_keeps_and_uses_the_memo_as_ls_does(cache_root, settled):
+    made = entries(cache_root, 3)
+    cache = cachekit.Cache(cache_root, progress=False)
+    with mock.patch.object(manifests, "read_at", wraps=manifests.read_at) as read:
+        first = cache.entries()
+        second = cache.entries()
+    assert read.call_count == 3  # the first call read them; the second, none
+    assert [e.to_json() for e in second] == [e.to_json() for e in first]
+    assert sorted(e.key for e in second) == sorted(e.key for e in made)
+
+
 def test_a_manifest_changed_in_place_is_read_again_though_its_size_and_mtime_are_kept(
         cache_root, settled):
     entry = entries(cache_root, 1)[0]
