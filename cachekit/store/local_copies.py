@@ -8,10 +8,10 @@ the local root that lists a file of the same size and checksum holds those very 
 here moves its row map and manifest, not its rows. The entry of the key itself, set aside
 to be built again (``tmp/deleting.KEY.*``: a heal that met another host's healed entry of
 the key in the bucket), holds most of that entry's rows and is looked in too. Only this
-user's files are linked, from
-the open file (see :meth:`cachekit._fs.DirHandle.link_open_file`); anything that does not
-link is downloaded as usual, and the download's seal compares every file with the
-manifest's record either way.
+user's files are linked, from the open file (see
+:meth:`cachekit._fs.DirHandle.link_open_file`); anything that does not link is downloaded
+as usual, and the download's seal compares every file with the manifest's record either
+way.
 """
 
 from __future__ import annotations
