@@ -148,7 +148,7 @@ def scan(remote: RemoteStore) -> RemoteScan:
                 continue
             why = _kept_because(objects, item.leases, now, quiet)
             leftovers.append(Leftover(item.key, f"orphaned upload {upload}", tuple(objects),
-                                      not why, upload, why))
+                                      not why, upload=upload, kept_because=why))
         old = _older_generations(item.leases)
         if old:
             leftovers.append(Leftover(item.key, "lease", tuple(old), True))

@@ -124,9 +124,13 @@ def _report_leftovers(found: admin.RemoteScan, out: Any = None) -> None:
             say(f"{x.what}: {len(x.objects)} object(s), {units.format_size(x.bytes)} "
                 f"({state}); any `cachekit clear --remote` removes them", file=out)
             continue
+        how = (f"`cachekit clear --remote {x.key[:SHORT_KEY]}` removes it"
+               if x.key not in published else  # (an entry replaced: a heal, a repair)
+               "`cachekit clear --remote --older-than AGE` removes it, and the entries "
+               f"uploaded more than AGE ago (`clear --remote {x.key[:SHORT_KEY]}` would "
+               "remove the entry too)")
         say(f"{x.what} of {x.key[:SHORT_KEY]}: {len(x.objects)} object(s), "
-            f"{units.format_size(x.bytes)} ({state}); `cachekit clear --remote "
-            f"{x.key[:SHORT_KEY]}` removes it", file=out)
+            f"{units.format_size(x.bytes)} ({state}); {how}", file=out)
     for obj in found.unknown[:20]:
         say(f"warning: {obj.path}: not a cachekit object", file=out)
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import pandas as pd
 import pytest
 
 import cachekit
+from cachekit.cli.main import main as cli_main
 from cachekit.errors import StaleEntryWarning
 from cachekit.obtain import background, staleness
 from cachekit.store.remote import RemoteStore
@@ -165,3 +167,32 @@ def test_hosts_that_heal_at_once_replace_the_stale_copy_once(s3_env, tmp_path):
     assert healed.upload != stale.upload and healed.manifest.created != stale.manifest.created
     later = cachekit.Cache(tmp_path / "c", workers=1, progress=False).images(column, 8)
     assert later.source == "remote" and later.array[CHANGED].tolist() == reports[0]["row"]
+
+
+def test_the_stale_copys_leftovers_are_swept_and_the_healed_entry_stays(
+        s3_env, tmp_path, capsys, monkeypatch):
+    """The stale copy's own objects (its upload) stay for the routine sweep, which readers
+    still downloading it need; the sweep takes them and leaves the healed entry whole."""
+    column = pd.Series(write_pictures(tmp_path / "pictures", ROWS))
+    host_a = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    key = host_a.images(column, 8).key
+    background.wait_all()
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    stale = remote.lookup(key)
+    _rewrite(column[CHANGED])
+    healed = _heal(host_a, column)
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")
+    capsys.readouterr()
+    assert cli_main(["ls", "--remote"]) == 0
+    said = capsys.readouterr().err
+    assert f"orphaned upload {stale.upload} of {key[:12]}" in said
+    assert "`cachekit clear --remote --older-than AGE` removes it" in said
+
+    time.sleep(4)  # untouched for twice the lease, by the store's clock (whole seconds)
+    assert cli_main(["clear", "--remote", "--older-than", "7d", "--yes"]) == 0
+    [item] = remote.scan().keys
+    assert list(item.uploads) == [remote.lookup(key).upload] != [stale.upload]
+    assert cli_main(["verify", "--remote"]) == 0
+    later = cachekit.Cache(tmp_path / "c", workers=1, progress=False).images(column, 8)
+    assert later.source == "remote"
+    np.testing.assert_array_equal(later.array, healed.array)
