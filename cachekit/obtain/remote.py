@@ -47,6 +47,7 @@ from ..store import LocalStore, Published, locks
 from ..store.manifest import Manifest
 from ..store.remote import RemoteEntry, RemoteStore
 from ..store.lease import Lease, Watch, lease_path
+from ..units import format_size
 from . import background
 from .lookup import find_entry
 from .wait import WAITING, Awaited, Wait
@@ -135,9 +136,9 @@ def share(tier: Tier, local: LocalStore, published: Published, lease: Lease) -> 
 
 class _Reader:
     """Finds and downloads the key's remote entry, taking a broken one, or the ``stale``
-    entry a heal builds again, for a miss: it warns once (says so, for the stale one),
-    remembers the entry (so the wait does not download it again) and, under the lease,
-    removes its manifest (:meth:`remove_broken`)."""
+    entry a heal builds again, for a miss: it warns once (of a broken one), remembers the
+    entry (so the wait does not download it again) and, under the lease, removes its
+    manifest (:meth:`remove_broken`, which says so of the stale one)."""
 
     def __init__(self, tier: Tier, local: LocalStore, key: str,
                  expect: Optional[Expect] = None, stale: Optional[Manifest] = None) -> None:
@@ -160,8 +161,6 @@ class _Reader:
             return None
         if self.stale is not None and same_entry(found.manifest, self.stale):
             self.broken.append(found)
-            say(f"remote entry {self.key[:12]} in {remote.display} is the entry whose files "
-                "changed here: the entry built now replaces it")
             return None
         problem = None if self.expect is None else self.expect(found.manifest)
         if problem is not None:
@@ -171,15 +170,24 @@ class _Reader:
         return found
 
     def fetch(self) -> Optional[Published]:
-        """The entry downloaded and published locally, or None: none, or a broken one."""
+        """The entry downloaded and published locally, or None: none, or a broken one. A
+        heal that downloads another host's entry of the key says so (it set out to build)."""
         found = self.candidate()
         if found is None:
             return None
+        linked = []
         try:
-            return _download(self.tier, self.local, found)
+            published = _download(self.tier, self.local, found, linked.append)
         except CacheCorruptError as e:
             self._met(found, e)
             return None
+        if self.stale is not None:
+            size = found.manifest.bytes
+            say(f"entry {self.key[:12]}: {self.tier.store.display} holds it built again "
+                f"by another host; downloaded that instead of building it here "
+                f"({format_size(sum(linked))} of its {format_size(size)} linked from the "
+                "stale copy here)")
+        return published
 
     def remove_broken(self) -> None:
         """Holding the lease: remove the key's manifest if it is one found broken."""
@@ -195,6 +203,10 @@ class _Reader:
                 return  # gone, or replaced by one not yet tried (then the upload keeps it)
         path = remote.manifest_path(self.key)
         remote.remove([path], f"removing {remote.object_url(path)}, to be replaced")
+        if found is not None and self.stale is not None and same_entry(found.manifest,
+                                                                        self.stale):
+            say(f"remote entry {self.key[:12]} in {remote.display} was the entry whose files "
+                "changed here: removed, the entry built now replaces it")
 
     def _met(self, found: Optional[RemoteEntry], error: CacheCorruptError) -> None:
         if found not in self.broken:

@@ -39,7 +39,7 @@ HOST = textwrap.dedent("""
     from cachekit.obtain import background, staleness
 
     root, paths, ready, hosts = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-    cache = cachekit.Cache(root, workers=1, progress=False)
+    cache = cachekit.Cache(root, workers=1)  # saying what it does
     column = pd.Series(json.loads(paths))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -50,7 +50,9 @@ HOST = textwrap.dedent("""
         time.sleep(0.005)
     again = cache.images(column, 8)          # heals
     background.wait_all()
-    print(json.dumps({"stale": [str(w.message) for w in caught], "source": again.source,
+    print(json.dumps({"stale": [str(w.message) for w in caught
+                                if issubclass(w.category, cachekit.StaleEntryWarning)],
+                      "source": again.source,
                       "decoded": again.rows_decoded, "row": again.array[3].tolist()}))
 """)
 
@@ -70,6 +72,7 @@ def _hosts(roots: list[Path], column: pd.Series, tmp_path: Path) -> list[dict]:
         assert run.returncode == 0, err
         reports.append(json.loads(out))
         assert len(reports[-1]["stale"]) == 1, err
+        reports[-1]["said"] = err
     return reports
 
 
@@ -106,8 +109,8 @@ def test_a_healed_entry_replaces_the_stale_copy_in_the_bucket(s3_env, tmp_path, 
     capsys.readouterr()
     healed = _heal(cachekit.Cache(tmp_path / "a", workers=1), column)  # saying what it does
     assert (healed.source, healed.rows_decoded, healed.rows_reused) == ("built", 1, ROWS - 1)
-    assert "is the entry whose files changed here: the entry built now replaces it" in \
-        capsys.readouterr().err
+    assert "was the entry whose files changed here: removed, the entry built now replaces " \
+        "it" in capsys.readouterr().err
     in_bucket = remote.lookup(built.key)
     assert in_bucket.upload != stale_upload
     assert in_bucket.manifest.created == healed._manifest.created
@@ -137,6 +140,8 @@ def test_a_host_whose_copy_is_stale_downloads_the_entry_another_host_healed(
     [second] = _hosts([tmp_path / "b"], column, tmp_path)
     assert column[CHANGED] in second["stale"][0]
     assert (second["source"], second["decoded"]) == ("remote", 0)
+    assert "holds it built again by another host; downloaded that instead of building it " \
+        "here (" in second["said"]
     assert second["row"] == healed.array[CHANGED].tolist()
     assert remote.lookup(healed.key).upload == healed_upload  # not replaced again
     # The rows it shares with its stale copy were linked from it, not downloaded again:
@@ -163,6 +168,9 @@ def test_hosts_that_heal_at_once_replace_the_stale_copy_once(s3_env, tmp_path):
     assert sorted((r["source"], r["decoded"]) for r in reports) == [("built", 1),
                                                                     ("remote", 0)]
     assert reports[0]["row"] == reports[1]["row"]
+    assert [("downloaded that instead" in r["said"], "the entry built now replaces it" in
+             r["said"]) for r in sorted(reports, key=lambda r: r["source"])] == [
+        (False, True), (True, False)]  # the builder replaced, the other downloaded
     healed = remote.lookup(built.key)
     assert healed.upload != stale.upload and healed.manifest.created != stale.manifest.created
     later = cachekit.Cache(tmp_path / "c", workers=1, progress=False).images(column, 8)
