@@ -149,8 +149,9 @@ class _Reader:
         the stale one."""
 
     def candidate(self) -> Optional[RemoteEntry]:
-        """The key's remote entry unless it is missing, known to be broken, or disagrees
-        with the call (then it is broken: refused before anything is downloaded)."""
+        """The key's remote entry unless it is missing, known to be broken, the stale one
+        a heal replaces, or disagrees with the call (then it is broken: refused before
+        anything is downloaded)."""
         remote = self.tier.store
         try:
             found = remote.lookup(self.key)
@@ -175,7 +176,7 @@ class _Reader:
         found = self.candidate()
         if found is None:
             return None
-        linked = []
+        linked: list[int] = []
         try:
             published = _download(self.tier, self.local, found, linked.append)
         except CacheCorruptError as e:
