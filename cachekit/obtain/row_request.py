@@ -77,6 +77,8 @@ class RowRequest:
             self._aside.close()
             self._aside = None
         if outcome.source == "remote":
+            if self._build is not None and self._build.heals is not None:
+                self._heal_again_if_stale(outcome.entry)
             from .row_build import index_entry
 
             index_entry(self.store, outcome.entry)
@@ -134,6 +136,21 @@ class RowRequest:
         self._build_again(entry, f"{record.get('changed', 'some')} of its files changed since "
                           "it was built (found by an earlier check); building it again, "
                           "decoding only their rows", stale=True)
+
+    def _heal_again_if_stale(self, entry: Published) -> None:
+        """A heal that downloaded another host's entry of the key instead of building it
+        serves it only when every row's file still has the stat it records, as its own
+        build would have shared only such rows (an entry that host built before the files
+        changed is as stale as the one set aside); otherwise it builds it again here, in
+        place of the bucket's copy too."""
+        from .staleness import changed_rows
+
+        changed = changed_rows(entry.path, entry.manifest, self.call.column)
+        if changed:
+            self._build_again(entry, f"the entry downloaded from the remote is stale here "
+                              f"too ({len(changed)} of its files changed since it was "
+                              "built); building it again, decoding only their rows",
+                              stale=True)
 
     def _build_again(self, entry: Published, why: str, stale: bool = False) -> None:
         """Open the rows of ``entry`` to build from, set it aside, and raise

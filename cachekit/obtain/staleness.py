@@ -152,6 +152,18 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
         thread.start()  # (under the lock: a waiter never joins a thread not started yet)
 
 
+def changed_rows(entry_path: Path, manifest: Manifest, paths: Any) -> list[int]:
+    """The rows of the entry whose files differ now from its record, every file stat'ed
+    here, at once: how a heal holds another host's entry of the key that it downloaded
+    instead of building (:mod:`.row_request`) to what its own build would share. [] when
+    the entry records no stats, or the checks are off."""
+    if check_mode() == "off" or not manifest.has_row_records(ROW_STATS_FILE) \
+            or not manifest.rows:
+        return []
+    recorded = open_row_file(entry_path, manifest, ROW_STATS_FILE)
+    return [row for row, _, _, _ in _changed(np.arange(manifest.rows), recorded, paths)]
+
+
 @contextlib.contextmanager
 def call_running() -> Iterator[None]:
     """Tell the background checks that a cachekit call runs in this process: they stat

@@ -204,3 +204,27 @@ def test_the_stale_copys_leftovers_are_swept_and_the_healed_entry_stays(
     later = cachekit.Cache(tmp_path / "c", workers=1, progress=False).images(column, 8)
     assert later.source == "remote"
     np.testing.assert_array_equal(later.array, healed.array)
+
+
+def test_a_heal_never_serves_another_hosts_entry_that_is_stale_too(s3_env, tmp_path):
+    """The bucket's copy may be another host's build of the key from before the change (not
+    the copy this host found stale): downloaded, it is stat'ed in full, found stale too, and
+    built again here in place of the bucket's copy: the call returns fresh rows."""
+    column = pd.Series(write_pictures(tmp_path / "pictures", ROWS))
+    in_bucket = cachekit.Cache(tmp_path / "a", workers=1, progress=False).images(column, 8)
+    background.wait_all()
+    host_b = cachekit.Cache(tmp_path / "b", workers=1, progress=False, remote="")
+    own = host_b.images(column, 8)  # built here, without the remote: another entry
+    assert own.source == "built" and own._manifest.created != in_bucket._manifest.created
+    _rewrite(column[CHANGED])
+    with pytest.warns(StaleEntryWarning):
+        host_b.images(column, 8)
+        staleness.wait_for_checks(timeout=60)
+
+    healed = cachekit.Cache(tmp_path / "b", workers=1, progress=False).images(column, 8)
+    background.wait_all()
+    assert (healed.source, healed.rows_decoded) == ("built", 1)
+    np.testing.assert_array_equal(healed.array, cachekit.Cache(
+        tmp_path / "fresh", workers=1, progress=False, remote="").images(column, 8).array)
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    assert remote.lookup(healed.key).manifest.created == healed._manifest.created
