@@ -46,7 +46,9 @@ HOST = textwrap.dedent("""
         cache.images(column, 8)              # its copy is stale: said, and recorded
         staleness.wait_for_checks(timeout=60)
     (ready / root.replace("/", "_")).touch()
+    deadline = time.monotonic() + 120
     while len(list(ready.iterdir())) < hosts:  # the hosts heal at once
+        assert time.monotonic() < deadline, "the other hosts never got ready"
         time.sleep(0.005)
     again = cache.images(column, 8)          # heals
     background.wait_all()
@@ -67,12 +69,18 @@ def _hosts(roots: list[Path], column: pd.Series, tmp_path: Path) -> list[dict]:
                              stderr=subprocess.PIPE, text=True, env=os.environ)
             for root in roots]
     reports = []
-    for run in runs:
-        out, err = run.communicate(timeout=180)
-        assert run.returncode == 0, err
-        reports.append(json.loads(out))
-        assert len(reports[-1]["stale"]) == 1, err
-        reports[-1]["said"] = err
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=180)
+            assert run.returncode == 0, err
+            reports.append(json.loads(out))
+            assert len(reports[-1]["stale"]) == 1, err
+            reports[-1]["said"] = err
+    finally:
+        for run in runs:  # none outlives a failed test
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     return reports
 
 
