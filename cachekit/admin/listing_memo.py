@@ -3,9 +3,11 @@
 
 Reading and checking every manifest is most of what ``ls`` costs, and storing a row once
 makes entries cheap, so a root may hold thousands of them. A published manifest is never
-rewritten, so the memo keeps, for each entry, the identity of its manifest file (device,
-inode, size, mtime and ctime in ns) and what was read from it; a manifest of another
-identity is read again. No user can set a file's ctime: a manifest replaced or written in
+rewritten, so the memo keeps, for each entry, the identity of its manifest file (inode,
+size, mtime and ctime in ns) and what was read from it; a manifest of another identity is
+read again. The identity leaves the device out: the hosts that mount one network root see
+it under device numbers of their own, and the same user's listings on each (a budget's
+eviction after every commit among them) share the memo. No user can set a file's ctime: a manifest replaced or written in
 place gets another identity, except when it changes twice within one tick of a coarse
 filesystem clock, so a manifest changed less than :data:`SETTLE_NS` before the memo is
 written is not kept (git's index treats "racily clean" files the same way). Only manifests
@@ -38,7 +40,7 @@ FIELDS = ("kind", "rows", "shape", "dtype", "created", "column", "failed_rows", 
           "origin", "failed_build")
 """What an entry's listing takes from its manifest (:class:`~.inspect.EntryInfo` fields)."""
 _SUBJECT = "ls"
-_MADE = ["listing 1", FORMAT_VERSION]
+_MADE = ["listing 2", FORMAT_VERSION]
 """The memo's layout and the entry format it read: a memo made otherwise is not used."""
 
 
@@ -48,8 +50,9 @@ def file_name() -> str:
 
 
 def identity(st: os.stat_result) -> list[int]:
-    """What tells one manifest file from another, as the memo holds it."""
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    """What tells one manifest file from another, as the memo holds it: every entry of a
+    root lies on the root's filesystem, whose inode numbers tell its files apart."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 @dataclass

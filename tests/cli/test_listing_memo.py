@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -14,6 +15,7 @@ import pandas as pd
 import pytest
 
 import cachekit
+from cachekit import _fs
 from cachekit.admin import inspect, listing_memo
 from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
@@ -60,6 +62,24 @@ def test_cache_entries_keeps_and_uses_the_memo_as_ls_does(cache_root, settled):
     assert read.call_count == 3  # the first call read them; the second, none
     assert [e.to_json() for e in second] == [e.to_json() for e in first]
     assert sorted(e.key for e in second) == sorted(e.key for e in made)
+
+
+def test_a_memo_written_on_another_host_of_a_network_root_serves_this_one(
+        cache_root, settled, monkeypatch):
+    """The hosts that mount one network root see its files under device numbers of their
+    own: the memo one host wrote still spares the other every manifest read."""
+    entries(cache_root, 3)
+    scan_counting_reads(cache_root)  # the other host's listing writes the memo
+    real = _fs.DirHandle.lstat
+
+    def on_this_host(self, name):
+        st = real(self, name)
+        seen = {a: getattr(st, a) for a in dir(st) if a.startswith("st_")}
+        return types.SimpleNamespace(**{**seen, "st_dev": st.st_dev + 1})
+
+    monkeypatch.setattr(_fs.DirHandle, "lstat", on_this_host)
+    found, reads = scan_counting_reads(cache_root)
+    assert reads == 0 and len(found.entries) == 3 and not found.problems
 
 
 def test_a_manifest_changed_in_place_is_read_again_though_its_size_and_mtime_are_kept(
