@@ -7,11 +7,11 @@ rewritten, so the memo keeps, for each entry, the identity of its manifest file 
 size, mtime and ctime in ns) and what was read from it; a manifest of another identity is
 read again. The identity leaves the device out: the hosts that mount one network root see
 it under device numbers of their own, and the same user's listings on each (a budget's
-eviction after every commit among them) share the memo. No user can set a file's ctime: a manifest replaced or written in
-place gets another identity, except when it changes twice within one tick of a coarse
-filesystem clock, so a manifest changed less than :data:`SETTLE_NS` before the memo is
-written is not kept (git's index treats "racily clean" files the same way). Only manifests
-that read without a problem are kept.
+eviction after every commit among them) share the memo. No user can set a file's ctime: a
+manifest replaced or written in place gets another identity, except when it changes twice
+within one tick of a coarse filesystem clock, so a manifest changed less than
+:data:`SETTLE_NS` before the memo is written is not kept (git's index treats "racily
+clean" files the same way). Only manifests that read without a problem are kept.
 
 The memo is a record of this user (:mod:`cachekit.store.failures`): honoured only when the
 file belongs to this user and, with signing on, carries a valid signature with the key set
@@ -113,5 +113,3 @@ def save(store: LocalStore, memo: Memo) -> None:
                                                           "entries": memo.kept})
     except OSError:
         pass  # a root this user cannot write: the next ls reads every manifest again
-
-

@@ -160,7 +160,7 @@ class _Reader:
             return None
         if found is None or found in self.broken:
             return None
-        if self.stale is not None and same_entry(found.manifest, self.stale):
+        if self.stale is not None and found.manifest == self.stale:
             self.broken.append(found)
             return None
         problem = None if self.expect is None else self.expect(found.manifest)
@@ -204,8 +204,7 @@ class _Reader:
                 return  # gone, or replaced by one not yet tried (then the upload keeps it)
         path = remote.manifest_path(self.key)
         remote.remove([path], f"removing {remote.object_url(path)}, to be replaced")
-        if found is not None and self.stale is not None and same_entry(found.manifest,
-                                                                        self.stale):
+        if found is not None and self.stale is not None and found.manifest == self.stale:
             say(f"remote entry {self.key[:12]} in {remote.display} was the entry whose files "
                 "changed here: removed, the entry built now replaces it")
 
@@ -219,13 +218,6 @@ class _Reader:
         warnings.warn(f"{prefix()}: remote entry {self.key[:12]} is broken: {error.path}: "
                       f"{error.reason}; it counts as missing: cachekit builds it and uploads "
                       "it in place of the broken one", RemoteWarning, stacklevel=6)
-
-
-def same_entry(one: Manifest, other: Manifest) -> bool:
-    """Whether two manifests of a key describe one entry: made at the same moment, of the
-    same files (a downloaded entry keeps its manifest's ``created``)."""
-    return one.created == other.created and [(f.name, f.checksum) for f in one.files] == [
-        (f.name, f.checksum) for f in other.files]
 
 
 def pull(tier: Tier, local: LocalStore, key: str,

@@ -23,7 +23,7 @@ from .. import _fs
 from . import manifest as manifests
 from .local import LocalStore
 from .manifest import FileRecord, Manifest
-from .temp_names import DELETING_PREFIX
+from .temp_names import REMOVAL, parse_temp_name
 
 
 def link_local_copies(local: LocalStore, build: _fs.DirHandle, manifest: Manifest) -> set[str]:
@@ -62,8 +62,9 @@ def link_local_copies(local: LocalStore, build: _fs.DirHandle, manifest: Manifes
 
 def _set_aside(local: LocalStore, key: str) -> list[str]:
     """The names under ``tmp/`` of entries of ``key`` set aside (or being removed)."""
-    prefix = f"{DELETING_PREFIX}{key}."
-    return [p.name for p in local.temp_dirs() if p.name.startswith(prefix)]
+    found = [(p.name, parse_temp_name(p.name)) for p in local.temp_dirs()]
+    return [name for name, what in found
+            if what is not None and what.kind == REMOVAL and what.key == key]
 
 
 def _open_entry(folder: _fs.DirHandle, name: str, key: str, recipe: str
