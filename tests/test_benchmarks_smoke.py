@@ -187,6 +187,7 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
     assert all(value > 0 for value in result["rounds"][0].values())
     assert result["rounds"][0]["folds disk / full entry alone"] < 1.5  # the folds link it
     assert result["rounds"][0]["remote: a fold pulled, bytes read / its rows"] < 0.5
+    assert result["rounds"][0]["heal, remote: bytes sent / (1 row + row map)"] < 3  # not the entry
     assert (tmp_path / "s.json").exists()
 
 
