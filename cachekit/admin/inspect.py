@@ -28,7 +28,6 @@ import collections
 import dataclasses
 import datetime
 import os
-import stat
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from ..errors import CacheCorruptError, OtherFormatError
 from ..keys import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
-from . import listing_memo
+from . import disk_usage, listing_memo
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
@@ -183,16 +182,22 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
     entries: list[EntryInfo] = []
     problems: list[Problem] = []
     indexed = store.row_index.files() if indexed is None else indexed
-    for item in store.entry_dirs():
-        if not is_key(item.name) or not item.is_dir():
-            problems.append(Problem(None, item, "not a cache entry (cachekit did not make it)"))
-            continue
-        info = entry_info(item, indexed.get(item.name, ()), memo)
-        if info is None:
-            continue  # removed while we looked
-        entries.append(info)
-        if info.problem is not None:
-            problems.append(Problem(info.key, info.path, info.problem))
+    folder = store.layout.open_folder_if_any("entries")
+    if folder is None:
+        return [], []
+    sizes = disk_usage.FileSizes(f for files in indexed.values() for f in files)
+    with folder, os.scandir(folder.fd) as listed:
+        for item in sorted(listed, key=lambda item: item.name):
+            if not is_key(item.name) or not item.is_dir():
+                problems.append(Problem(None, folder.path / item.name,
+                                        "not a cache entry (cachekit did not make it)"))
+                continue
+            info = entry_info(folder, item.name, sizes, indexed.get(item.name, ()), memo)
+            if info is None:
+                continue  # removed while we looked
+            entries.append(info)
+            if info.problem is not None:
+                problems.append(Problem(info.key, info.path, info.problem))
     holders = collections.Counter(f for e in entries for f in e.files)
     entries = [dataclasses.replace(e, shared_bytes=sum(f[2] for f in e.files if holders[f] > 1))
                for e in entries]
@@ -200,15 +205,18 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
     return entries, problems
 
 
-def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = (),
+def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
+               also: Iterable[disk_usage.FileId] = (),
                memo: Optional[listing_memo.Memo] = None) -> Optional[EntryInfo]:
-    """Describe the entry directory ``path``, with the files ``also`` (device, inode, size)
-    that go with it outside, each file once (the index file of an entry that holds no row
-    of its own is its row map); None when it no longer exists. Everything is read through
-    one handle of the directory; a name that is a symlink is a problem, never followed.
-    ``memo``: what an earlier listing read of manifests (see :func:`list_entries`)."""
+    """Describe the entry directory ``key`` of the open ``entries`` folder, with the files
+    ``also`` that go with it outside, each file once (the index file of an entry that holds
+    no row of its own is its row map); None when it no longer exists. Everything is read
+    through one handle of the directory; a name that is a symlink is a problem, never
+    followed. ``sizes``: the files the listing met, ``memo``: what an earlier listing read
+    of manifests (see :func:`list_entries`)."""
+    path = entries.path / key
     try:
-        directory = _fs.DirHandle.open(path)
+        directory = entries.child(key)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -216,8 +224,9 @@ def entry_info(path: Path, also: Iterable[tuple[int, int, int]] = (),
             raise
         return _broken_entry(path, also)
     with directory:
-        used = os.fstat(directory.fd).st_mtime
-        files = tuple(dict.fromkeys(_files_at(directory) + tuple(also)))
+        st = os.fstat(directory.fd)
+        used = st.st_mtime
+        files = tuple(dict.fromkeys(sizes.files_at(directory, st.st_dev) + tuple(also)))
         size = sum(f[2] for f in files)
         known, remembered = (None, None) if memo is None else memo.look(directory, path.name)
         if remembered is not None:
@@ -287,7 +296,7 @@ def temp_dir_info(store: LocalStore, path: Path) -> Optional[TempDir]:
     key, host, pid = named.key, named.host, named.pid
     try:
         modified = path.stat().st_mtime
-        size = _tree_bytes(path)
+        size = disk_usage.tree_bytes(path)
     except FileNotFoundError:
         return None
     if named.kind == REMOVAL:
@@ -360,36 +369,3 @@ def local_time(t: float) -> Optional[datetime.datetime]:
 def ago(t: float, now: float) -> str:
     """How long before ``now`` the time ``t`` was, for people; ``?`` when ``t`` is no time."""
     return "?" if local_time(t) is None else units.format_age(now - t)
-
-
-def _tree_bytes(path: Path) -> int:
-    """Total size of the files under ``path`` (the path itself when it is a file)."""
-    if not path.is_dir():
-        return path.lstat().st_size
-    return sum(size for _, _, size in _tree_files(path))
-
-
-def _tree_files(path: Path) -> tuple[tuple[int, int, int], ...]:
-    """(device, inode, size) of each file under the directory ``path``."""
-    try:
-        with _fs.DirHandle.open(path) as directory:
-            return _files_at(directory)
-    except OSError:  # removed or replaced while we looked
-        return ()
-
-
-def _files_at(directory: _fs.DirHandle) -> tuple[tuple[int, int, int], ...]:
-    """(device, inode, size) of each file under the open ``directory``, by name from
-    its handle: a symlink is counted as itself, never followed."""
-    found = []
-    for name in os.listdir(directory.fd):
-        try:
-            st = directory.lstat(name)
-            if stat.S_ISDIR(st.st_mode):
-                with directory.child(name) as sub:
-                    found.extend(_files_at(sub))
-                continue
-        except OSError:
-            continue  # removed, or replaced by another kind, while we looked
-        found.append((st.st_dev, st.st_ino, st.st_size))
-    return tuple(found)

@@ -44,12 +44,11 @@ def fail(message: str, status: int) -> int:
 def table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
     """Print ``rows`` (the first is the heading) in aligned columns; the columns numbered in
     ``right`` are aligned right."""
-    rows = [tuple(printable(cell) for cell in row) for row in rows]  # before measuring
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    rows = [tuple(map(printable, row)) for row in rows]  # before measuring
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    line = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
     for row in rows:
-        cells = [cell.rjust(w) if i in right else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths))]
-        say("  ".join(cells).rstrip())
+        say(line.format(*row).rstrip())
 
 
 def listing(shown: Sequence[Any], as_json: Sequence[Any], json_wanted: bool, empty: str,

@@ -382,10 +382,6 @@ class LocalStore:
                     continue  # removed while we looked
             return sorted(found)
 
-    def entry_dirs(self) -> list[Path]:
-        """Everything directly under ``entries/`` (the caller tells entries from strays)."""
-        return self.layout.paths_in("entries")
-
     def temp_dirs(self) -> list[Path]:
         """Everything directly under ``tmp/``."""
         return self.layout.paths_in("tmp")
