@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from . import _fs
+from .checksums import hasher, hex_checksum
 from .errors import CacheCorruptError
 from ._fs import NOT_A_FILE_ERRNOS
 
@@ -134,20 +135,6 @@ def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None
         else:
             size = os.fstat(f.fileno()).st_size
     return shape, dtype, size, digest
-
-
-CHECKSUM_PREFIX = "blake2b-128:"
-"""How every checksum cachekit records begins (a manifest's files, a chunk's done record)."""
-
-
-def hasher() -> Any:
-    """A fresh hasher of the checksums cachekit records (16-byte BLAKE2b)."""
-    return hashlib.blake2b(digest_size=16)
-
-
-def hex_checksum(hashed: Any) -> str:
-    """The recorded form of a :func:`hasher`'s digest: ``blake2b-128:`` and 32 hex digits."""
-    return CHECKSUM_PREFIX + hashed.hexdigest()
 
 
 def checksum_of_bytes(data: Any) -> str:

@@ -32,7 +32,6 @@ this module stays cheap.
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -40,17 +39,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .errors import InvalidArgument, InvalidArgumentType
+from .key_names import FORMAT_VERSION, KEY_HEX_LENGTH, is_key  # cachekit.keys names them too
 
-FORMAT_VERSION = 5
-"""The entry format (3: a per-row entry's data start on a page boundary,
-:mod:`cachekit.engine.filling.plan`; 4: a derived entry that decoded none of its rows lists no
-row files of its own, its parts' copies describe every row; 5: nor a data file, its row map
-numbers its parts from 0): part of every key and recipe,
-so that entries of another format are never hits nor sources of rows
-(:mod:`cachekit.store.manifest` checks it on reading)."""
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
-KEY_HEX_LENGTH = 32
-_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LENGTH}}}")
 
 Write = Callable[[bytes], Any]
 
@@ -368,8 +359,3 @@ def column_dtype(column: Any) -> Any:
     if column.dtype == object:
         return ["object", [type(v).__qualname__ for v in column]]
     return str(column.dtype)
-
-
-def is_key(text: str) -> bool:
-    """True when ``text`` is a well-formed full key (safe to use as a directory name)."""
-    return _KEY.fullmatch(text) is not None

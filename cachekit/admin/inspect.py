@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
 
 from .. import _fs, processes, units
 from ..errors import CacheCorruptError, OtherFormatError
-from ..keys import KEY_HEX_LENGTH, is_key
+from ..key_names import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
 from . import disk_usage, listing_memo
@@ -245,7 +245,7 @@ def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
         else:
             info = EntryInfo(
                 key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
-                dtype=manifest.dtype.name, bytes=size, created=manifest.created,
+                dtype=manifest.data_files[0].dtype_name, bytes=size, created=manifest.created,
                 last_used=used, path=path, column=manifest.column,
                 failed_rows=manifest.failed_count, params=manifest.params,
                 origin=None if manifest.origin is None else manifest.origin.to_json(),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import _fs
-from ..keys import FORMAT_VERSION
+from ..key_names import FORMAT_VERSION
 from ..store import LocalStore, failures
 from ..store.manifest import MANIFEST_FILE
 

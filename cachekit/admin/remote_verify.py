@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from .. import arrays
+from .. import checksums
 from ..errors import CacheCorruptError
 from ..store.remote import RemoteEntry, RemoteStore
 from .inspect import Problem, resolve_keys, without_other_formats
@@ -60,9 +60,9 @@ def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
 
 def _digest(remote: RemoteStore, path: str, size: int,
             on_bytes: Optional[Callable[[int], None]]) -> str:
-    whole = arrays.hasher()
+    whole = checksums.hasher()
     for block in remote.read_ranges(path, size):
         whole.update(block)
         if on_bytes is not None:
             on_bytes(len(block))
-    return arrays.hex_checksum(whole)
+    return checksums.hex_checksum(whole)

@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Callable, Iterable, Optional
 
-from .. import _fs, arrays, flushing
+from .. import _fs, flushing
 from . import manifest as manifests
 from ..errors import BuildGone, CacheCorruptError
 from .build_dirs import BuildDir, is_build_state
@@ -33,6 +33,8 @@ def seal(build: BuildDir, files: Iterable[tuple[str, str]],
     are checked against) each .npy header.
     ``digests``: checksums the writer computed as it wrote (a download), by name.
     ``durable``: the names of links to files of committed entries (not fsynced again)."""
+    from .. import arrays  # numpy: what a build needs, which removing an entry does not
+
     durable = frozenset(durable)
     records = []
     for index, (name, kind) in enumerate(files):

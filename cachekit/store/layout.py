@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 from .. import _fs
 from ..errors import CacheCorruptError, CacheRootError, UnsignedEntryError
-from ..keys import is_key
+from ..key_names import is_key
 from .manifest import Manifest
 
 

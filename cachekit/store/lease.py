@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 from .. import liveness, processes, small_json
 from ..messages import printable
 from ..errors import RemoteUnavailableError
-from ..keys import is_key
+from ..key_names import is_key
 from .bucket import Bucket
 
 _RECORD_LIMIT = 1 << 16

@@ -25,7 +25,7 @@ from . import manifest as manifests
 from .row_index import RowIndex
 from .._version import __version__
 from ..errors import CacheCorruptError, ReadOnlyCacheError, UnsignedEntryError
-from ..keys import is_key
+from ..key_names import is_key
 from ..messages import say
 from .build_dirs import HEARTBEAT_FILE, RESUMED_PREFIX, BuildDir, BuildState, read_state
 from .layout import Layout, Published, Refused, check_root

@@ -28,15 +28,13 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Union
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .. import _fs, small_json
 from . import signing
 from ..errors import (CacheCorruptError, CachekitError, Failure, OtherFormatError,
                       UnsignedEntryError)
-from ..keys import FORMAT_VERSION, is_key
+from ..key_names import FORMAT_VERSION, is_key
 from ..small_json import is_number
 from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, MEMOIZE_KIND,
                       ROW_BLOCKS_FILE, ROW_FILES, ROW_IDS_FILE, ROW_MAP_FILE, ROW_STATS_FILE,
@@ -45,13 +43,15 @@ from .records import (DATA_FILE, FAILURE_DETAILS, KINDS, LEAF_KINDS, MAX_PARTS, 
                       is_part_name, parse_failed_mask, parse_failure, parse_file_record,
                       parse_origin, parse_reuse, part_name, sidecar_name, SIDECARS)
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["DATA_FILE", "KINDS", "LEAF_KINDS", "MANIFEST_FILE", "MANIFEST_LIMIT", "MEMOIZE_KIND",
            "ROW_BLOCKS_FILE", "ROW_FILES", "ROW_FILES_LIMIT", "FAILURE_DETAILS", "ROW_IDS_FILE",
            "ROW_MAP_FILE", "ROW_STATS_FILE", "SIDECARS", "is_part_file", "is_part_name",
-           "part_name", "sidecar_name",
-           "FileRecord", "Manifest", "Origin", "RowReuse", "allowed_file_name", "dumps",
-           "failed_fields",
-           "file_name", "loads", "read", "read_at", "write_at"]
+           "part_name", "sidecar_name", "FileRecord", "Manifest", "Origin", "RowReuse",
+           "allowed_file_name", "dumps", "failed_fields", "file_name", "loads", "read",
+           "read_at", "write_at"]
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_LIMIT = 64 << 20  # a tampered manifest must not exhaust memory
@@ -107,8 +107,11 @@ class Manifest:
 
     @cached_property
     def _failed(self) -> np.ndarray:
+        import numpy as np
+
         if self.failed_mask is not None:
-            mask = parse_failed_mask(self.failed_mask, self.rows, _corrupt(self.key))
+            mask = parse_failed_mask(self.failed_mask, self.rows,
+                                     lambda reason: CacheCorruptError(self.key, reason))
         else:
             mask = np.zeros(self.rows, dtype=bool)
             mask[[row for row, _, _ in self.failed_rows]] = True
@@ -226,10 +229,6 @@ def failed_fields(rows: int, failures: Any) -> dict[str, Any]:
     failures = sorted(failures)
     return {"failed_rows": tuple(failures[:FAILURE_DETAILS]),
             "failed_mask": failed_mask_text(rows, [row for row, _, _ in failures])}
-
-
-def _corrupt(key: str) -> Any:
-    return lambda reason: CacheCorruptError(key, reason)
 
 
 def read(entry_dir: Path, key: Optional[str] = None) -> Manifest:

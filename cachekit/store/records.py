@@ -11,14 +11,15 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import numpy as np
-
+from ..checksums import CHECKSUM_PREFIX
 from ..errors import CacheCorruptError, Failure
-from ..arrays import CHECKSUM_PREFIX, open_file
-from ..keys import is_key
+from ..key_names import is_key
 from ..small_json import is_count
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Fail = Callable[[str], CacheCorruptError]
 """Makes the error of a manifest field that fails its check, naming the manifest."""
@@ -141,16 +142,25 @@ class FileRecord:
 
     @property
     def np_dtype(self) -> np.dtype:
+        import numpy as np
+
         return np.dtype(self.dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        """Its dtype's name, such as ``uint8``."""
+        return dtype_facts(self.dtype)[1]
 
     @property
     def data_bytes(self) -> int:
         """Bytes of array data in the file (the rest is the .npy header)."""
-        return math.prod(self.shape) * self.np_dtype.itemsize
+        return math.prod(self.shape) * dtype_facts(self.dtype)[0]
 
     def open(self, entry_dir: Path, mode: str = "r") -> np.ndarray:
         """Map this file of the entry in ``entry_dir``, read-only (``"r"``) or copy-on-write
         (``"c"``), its .npy header and size checked against this record."""
+        from ..arrays import open_file
+
         return open_file(entry_dir / self.name, self.shape, self.np_dtype, mode,
                          expected_bytes=self.bytes)
 
@@ -188,6 +198,32 @@ def parse_origin(raw: Any, kind: str, rows: int, fail: Fail) -> Optional[Origin]
     return Origin(tuple(reused), decoded, joined)  # a report: its sum is not checked here
 
 
+_PLAIN_DTYPES = {"|b1": (1, "bool"), "|i1": (1, "int8"), "|u1": (1, "uint8")} | {
+    f"{order}{code}{size}": (size, f"{name}{8 * size}")
+    for code, name, sizes in (("i", "int", (2, 4, 8)), ("u", "uint", (2, 4, 8)),
+                              ("f", "float", (2, 4, 8)), ("c", "complex", (8, 16)))
+    for size in sizes for order in "<>"
+}
+"""The dtypes of plain numbers, as ``dtype.str`` writes them, with their item size and name."""
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_facts(dtype: str) -> tuple[int, str]:
+    """The item size and name (``1, "uint8"``) of the array dtype a manifest records as
+    ``dtype`` (its ``str``, such as ``|u1``); an error when numpy would not take it, or it
+    holds Python objects. The plain numbers, which every image entry and most leaves hold,
+    are known without numpy: a listing that reads manifests does not import it."""
+    plain = _PLAIN_DTYPES.get(dtype)
+    if plain is not None:
+        return plain
+    import numpy as np
+
+    parsed = np.dtype(dtype)
+    if parsed.hasobject:
+        raise ValueError(f"dtype {dtype!r} holds Python objects")
+    return parsed.itemsize, parsed.name
+
+
 def parse_file_record(index: int, item: Any, fail: Fail) -> FileRecord:
     if not isinstance(item, dict):
         raise fail(f"file {index} is not a JSON object")
@@ -198,12 +234,12 @@ def parse_file_record(index: int, item: Any, fail: Fail) -> FileRecord:
     if not isinstance(shape, list) or not all(is_count(n) for n in shape):
         raise fail(f"bad shape {shape!r} of {name}")
     dtype = item.get("dtype")
+    if not isinstance(dtype, str):
+        raise fail(f"bad dtype {dtype!r} of {name}")
     try:
-        parsed = np.dtype(dtype)
+        dtype_facts(dtype)
     except Exception:  # numpy raises TypeError, ValueError, even SyntaxError (",,")
         raise fail(f"bad dtype {dtype!r} of {name}") from None
-    if parsed.hasobject or not isinstance(dtype, str):
-        raise fail(f"dtype {dtype!r} of {name} cannot be stored")
     size = count_field(item.get("bytes"), f"bytes of {name}", fail)
     checksum = item.get("checksum")
     if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
@@ -231,6 +267,8 @@ def failed_mask_text(rows: int, failed: Any) -> Optional[str]:
     import base64
     import zlib
 
+    import numpy as np
+
     numbers = np.asarray(list(failed) if not isinstance(failed, np.ndarray) else failed,
                          dtype=np.int64)
     if not len(numbers):
@@ -247,6 +285,8 @@ def parse_failed_mask(text: Any, rows: int, fail: Fail) -> np.ndarray:
     import base64
     import binascii
     import zlib
+
+    import numpy as np
 
     if not isinstance(text, str) or not text.startswith(_MASK_PREFIX) \
             or len(text) > 2 * rows + 1024:

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any, Callable, Optional
 
-from .. import arrays
+from .. import checksums
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from .bucket import Bucket
 from .layout import Published
@@ -48,7 +48,7 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
         digests = {f.name: f.checksum for f in manifest.files if f.name in here}
         for record, path in fetched:
             fd = build.dir.create(record.name)
-            hasher = arrays.hasher()  # as it arrives: no second read
+            hasher = checksums.hasher()  # as it arrives: no second read
             with os.fdopen(fd, "wb") as out, _Writeback(fd) as writeback:
                 for block in bucket.read_ranges(path, record.bytes):
                     out.write(block)
@@ -59,7 +59,7 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
                         bar.update(len(block))
                     build.progress(manifest.rows * done // max(manifest.bytes, 1),
                                    manifest.rows)
-            digests[record.name] = arrays.hex_checksum(hasher)
+            digests[record.name] = checksums.hex_checksum(hasher)
             if digests[record.name] != record.checksum and entry.pooled(record):
                 # Named by its checksum, a pool object of other bytes is of use to nobody:
                 # it goes, so that the upload that repairs the entry sends it again.

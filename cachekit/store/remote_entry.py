@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 from . import manifest as manifests
 from ..errors import CacheCorruptError, UnsignedEntryError
-from ..keys import is_key
+from ..key_names import is_key
 from .bucket import Bucket
 from .manifest import (DATA_FILE, MANIFEST_FILE, ROW_IDS_FILE, ROW_STATS_FILE, FileRecord,
                        Manifest, is_part_file)

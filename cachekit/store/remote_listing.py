@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from ..errors import RemoteUnavailableError
-from ..keys import is_key
+from ..key_names import is_key
 from .bucket import Bucket
 from .manifest import MANIFEST_FILE
 from .remote_entry import POOL_FOLDER, is_upload_id

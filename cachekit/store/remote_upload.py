@@ -24,7 +24,7 @@ import threading
 import uuid
 from typing import Any, Callable, Optional
 
-from .. import _fs, arrays
+from .. import _fs, checksums
 from . import manifest as manifests
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from ..units import format_size
@@ -229,7 +229,7 @@ class _Checked:
 
     def __init__(self, f: Any, local: Any, record: FileRecord) -> None:
         self.f, self.local, self.record = f, local, record
-        self.hasher = arrays.hasher()
+        self.hasher = checksums.hasher()
         self.seen = 0
 
     def read(self, n: int = -1) -> bytes:
@@ -242,7 +242,7 @@ class _Checked:
 
 
 def _check_checksum(local: Any, record: FileRecord, hasher: Any) -> None:
-    got = arrays.hex_checksum(hasher)
+    got = checksums.hex_checksum(hasher)
     if got != record.checksum:
         raise CacheCorruptError(local, f"checksum mismatch: the manifest says "
                                 f"{record.checksum}, the file has {got}; nothing was uploaded")

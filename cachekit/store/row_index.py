@@ -33,23 +33,24 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
 
-import numpy as np
-
-from .. import _fs, arrays
+from .. import _fs
 from ..errors import CacheCorruptError
-from ..keys import is_key
+from ..key_names import is_key
 from ..messages import say
 from . import signing
-from .index_format import (Match, Needles, index_array, is_row_map, search_index,
-                           search_rows)
 from .layout import Layout
 from .records import ROW_MAP_FILE
 
+if TYPE_CHECKING:  # numpy, and what works with it, are imported where rows are looked up:
+    import numpy as np  # listing the index (``cachekit ls``) needs neither
+
+    from .index_format import Match, Needles
+
 INDEX_FOLDER = "index"
 STALE_TEMP_SECONDS = 3600.0
-ReadRows = Callable[[str], Optional[tuple[np.ndarray, np.ndarray]]]
+ReadRows = Callable[[str], Optional["tuple[np.ndarray, np.ndarray]"]]
 """``read_rows(key)``: (the lookup hashes, the rows) of the committed entry ``key`` that
 may be offered, read from the entry and checked; None when it cannot be."""
 
@@ -76,6 +77,8 @@ class RowIndex:
         """Index the committed entry ``key`` of ``recipe``: ``hashes`` its rows' lookup
         hashes in row order, ``skip`` a mask of rows not to offer (failed rows). Best
         effort: an error (a read-only root) leaves the entry unindexed."""
+        from .index_format import index_array
+
         if not (is_key(recipe) and is_key(key)):
             raise ValueError("a recipe and a key are 32 hex digits")
         try:
@@ -90,6 +93,8 @@ class RowIndex:
         and offers every row, by a hard link to its row map (one rename, no new file; a
         lookup reads its rows through ``read_rows``). False when it cannot be linked (the
         entry is gone, a filesystem without links): :meth:`add` it instead."""
+        from .index_format import index_array
+
         if not (is_key(recipe) and is_key(key)):
             raise ValueError("a recipe and a key are 32 hex digits")
         try:
@@ -236,6 +241,9 @@ class RowIndex:
         whatever a planted file claims; a file whose size or bitmap disagrees with the row
         count in its header is skipped (``skipped`` says why). A row map (:meth:`link`)
         says only that its entry holds rows: they are read through ``read_rows``."""
+        from .. import arrays
+        from .index_format import is_row_map, search_index, search_rows
+
         if not _published(entries, key):
             folder.unlink(f"{key}.npy")  # its entry was removed: the file names nothing
             return None
@@ -322,6 +330,8 @@ def _temp_name(name: str) -> str:
 def _write(folder: _fs.DirHandle, name: str, array: np.ndarray) -> None:
     """Write ``array`` as ``name`` in one step: readers see the old file, the new one or
     none, never a part."""
+    from .. import arrays
+
     tmp = _temp_name(name)
     try:
         arrays.write_small(folder, tmp, array)

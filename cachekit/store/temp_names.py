@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import _fs
-from ..keys import is_key
+from ..key_names import is_key
 
 DELETING_PREFIX = "deleting."
 BUILD, REMOVAL = "build", "removal"

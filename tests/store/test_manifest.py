@@ -57,6 +57,8 @@ BAD_FILES = {
     "size below the data": lambda f: {**f, "bytes": 3},
     "checksum of another kind": lambda f: {**f, "checksum": "md5:" + "0" * 32},
     "object dtype": lambda f: {**f, "dtype": "|O"},
+    "a dtype numpy does not know": lambda f: {**f, "dtype": "<u3"},
+    "a dtype that is not text": lambda f: {**f, "dtype": 1},
     "unknown leaf kind": lambda f: {**f, "kind": "pickle"},
     "not an object": lambda f: [f],
 }
@@ -69,6 +71,23 @@ def test_a_bad_file_record_is_corrupt(cache, how):
     raw["files"] = [BAD_FILES[how](raw["files"][0])]
     with pytest.raises(CacheCorruptError):
         manifests.Manifest.from_json(raw, entry.path / manifests.MANIFEST_FILE, entry.key)
+
+
+def test_a_record_knows_its_dtype_as_numpy_does():
+    """Plain numbers' dtypes are known without numpy (a listing does not import it), the
+    others through it: every dtype text numpy reads gives numpy's item size and name."""
+    texts = [f"{order}{code}{size}" for order in "<>|=" for code in "biufcmMUSV"
+             for size in range(1, 17)] + ["<M8[ns]", ">m8[s]"]
+    known = 0
+    for text in texts:
+        try:
+            dtype = np.dtype(text)
+        except TypeError:
+            continue
+        record = manifests.FileRecord("data.npy", (3,), text, 1024, "blake2b-128:" + "0" * 32)
+        assert (record.data_bytes, record.dtype_name) == (3 * dtype.itemsize, dtype.name), text
+        known += 1
+    assert known > 40
 
 
 def test_a_manifest_larger_than_the_limit_is_corrupt(memoized, monkeypatch):

@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from ... import _fs, arrays, liveness, processes, small_json
+from ... import _fs, arrays, checksums, liveness, processes, small_json
 from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
 
@@ -341,7 +341,7 @@ def _done_record(raw: Any, chunk: Chunk) -> Done:
             and raw.get("start") == chunk.start and raw.get("stop") == chunk.stop
             and isinstance(raw.get("failures"), list)
             and isinstance(raw.get("digest"), str)
-            and raw["digest"].startswith(arrays.CHECKSUM_PREFIX)):
+            and raw["digest"].startswith(checksums.CHECKSUM_PREFIX)):
         raise ValueError("a done record that does not match the plan")
     file = raw.get("file")
     if not (file is None or (isinstance(file, str) and is_rows_file(file))):
