@@ -207,7 +207,7 @@ _PLAIN_DTYPES = {"|b1": (1, "bool"), "|i1": (1, "int8"), "|u1": (1, "uint8")} | 
 """The dtypes of plain numbers, as ``dtype.str`` writes them, with their item size and name."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)  # (texts read from manifests: bounded)
 def dtype_facts(dtype: str) -> tuple[int, str]:
     """The item size and name (``1, "uint8"``) of the array dtype a manifest records as
     ``dtype`` (its ``str``, such as ``|u1``); an error when numpy would not take it, or it

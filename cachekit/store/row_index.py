@@ -93,8 +93,6 @@ class RowIndex:
         and offers every row, by a hard link to its row map (one rename, no new file; a
         lookup reads its rows through ``read_rows``). False when it cannot be linked (the
         entry is gone, a filesystem without links): :meth:`add` it instead."""
-        from .index_format import index_array
-
         if not (is_key(recipe) and is_key(key)):
             raise ValueError("a recipe and a key are 32 hex digits")
         try:
