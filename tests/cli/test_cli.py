@@ -151,15 +151,18 @@ def test_argument_types_accept_and_reject(cache_root, monkeypatch, option, good,
 
 
 def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
-    """Nor, for ``ls``, numpy, the remote tier or the build's modules: every module is
-    start-up time that ``ls`` pays on each run (numpy alone was about half of it), and
-    ``ls`` reads and checks each manifest without it."""
+    """Nor, for ``ls``, ``info`` and ``prune``, numpy, the remote tier or the build's
+    modules: every module is start-up time that they pay on each run (numpy alone was about
+    half of it), and they read and check each manifest without it."""
     probe = textwrap.dedent(f"""
         import sys
         import cachekit.cli
         assert cachekit.cli.main(["--root", {str(cache_root)!r}, "ls"]) == 0
         assert cachekit.cli.main(["--root", {str(cache_root)!r}, "ls", "--json"]) == 0
         assert cachekit.cli.main(["--root", {str(cache_root)!r}, "ls"]) == 0
+        assert cachekit.cli.main(["--root", {str(cache_root)!r}, "info", {three[0].key!r}]) == 0
+        assert cachekit.cli.main(["--root", {str(cache_root)!r}, "prune", "--max-size", "1M",
+                                  "--dry-run"]) == 0
         unused = sorted(m for m in ("numpy", "cachekit.store.remote", "cachekit.cli.remote",
                                     "cachekit.admin.remote", "cachekit.obtain",
                                     "cachekit.engine.running.executors", "fsspec")
