@@ -214,7 +214,6 @@ def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
     through one handle of the directory; a name that is a symlink is a problem, never
     followed. ``sizes``: the files the listing met, ``memo``: what an earlier listing read
     of manifests (see :func:`list_entries`)."""
-    path = entries.path / key
     try:
         directory = entries.child(key)
     except FileNotFoundError:
@@ -222,19 +221,20 @@ def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
     except OSError as e:
         if e.errno not in _fs.NOT_A_FILE_ERRNOS:
             raise
-        return _broken_entry(path, also)
+        return _broken_entry(entries.path / key, also)
+    path = directory.path  # (made once: the manifest's messages name it too)
     with directory:
         st = os.fstat(directory.fd)
         used = st.st_mtime
         files = tuple(dict.fromkeys(sizes.files_at(directory, st.st_dev) + tuple(also)))
         size = sum(f[2] for f in files)
-        known, remembered = (None, None) if memo is None else memo.look(directory, path.name)
+        known, remembered = (None, None) if memo is None else memo.look(directory, key)
         if remembered is not None:
-            return EntryInfo(key=path.name, bytes=size, last_used=used, path=path, files=files,
+            return EntryInfo(key=key, bytes=size, last_used=used, path=path, files=files,
                              **remembered)
         other_format = False
         try:
-            manifest = manifests.read_at(directory, path.name)
+            manifest = manifests.read_at(directory, key)
         except FileNotFoundError:
             if not path.exists():
                 return None
@@ -244,7 +244,7 @@ def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
             other_format = isinstance(e, OtherFormatError)
         else:
             info = EntryInfo(
-                key=path.name, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
+                key=key, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
                 dtype=manifest.data_files[0].dtype_name, bytes=size, created=manifest.created,
                 last_used=used, path=path, column=manifest.column,
                 failed_rows=manifest.failed_count, params=manifest.params,
@@ -252,9 +252,9 @@ def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
                 failed_build=manifest.failed_build, files=files,
             )
             if memo is not None and known is not None:
-                memo.keep(path.name, known, info)
+                memo.keep(key, known, info)
             return info
-    return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None, bytes=size,
+    return EntryInfo(key=key, kind=None, rows=None, shape=None, dtype=None, bytes=size,
                      created=used, last_used=used, path=path, problem=problem, files=files,
                      other_format=other_format)
 
