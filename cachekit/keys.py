@@ -175,6 +175,10 @@ def _row_hashes(obj: Any, hash_key: str = PANDAS_HASH_KEY) -> tuple[np.ndarray, 
     """
     import pandas as pd
 
+    utf8 = _arrow_utf8(obj)
+    if utf8 is not None:
+        hashes = pd.util.hash_array(utf8, hash_key=hash_key, categorize=False)
+        return np.ascontiguousarray(hashes).astype("<u8", copy=False), False
     try:
         hashes = pd.util.hash_pandas_object(obj, index=False, categorize=False,
                                             hash_key=hash_key)
@@ -188,6 +192,28 @@ def _row_hashes(obj: Any, hash_key: str = PANDAS_HASH_KEY) -> tuple[np.ndarray, 
             index=False, categorize=False, hash_key=hash_key)
     rows = np.ascontiguousarray(hashes.to_numpy(dtype=np.uint64)).astype("<u8", copy=False)
     return rows, passed
+
+
+def _arrow_utf8(obj: Any) -> Optional[np.ndarray]:
+    """The values of a Series of Arrow strings with none missing (what pandas 3 reads a
+    CSV's text into), as an object array of their UTF-8 bytes: what pandas hashes each str
+    by, so the hashes are ``hash_pandas_object``'s. It makes a str of each value and encodes
+    it again, which takes twice as long on a column of paths. None for any other column."""
+    import pandas as pd
+
+    arrow_arrays = tuple(getattr(pd.arrays, name) for name in ("ArrowStringArray",
+                                                                "ArrowExtensionArray")
+                         if hasattr(pd.arrays, name))
+    if getattr(obj, "ndim", None) != 1 or not isinstance(obj.array, arrow_arrays):
+        return None
+    import pyarrow as pa  # loaded already: pandas made the column with it
+
+    values = obj.array.__arrow_array__()
+    if values.null_count or not (pa.types.is_string(values.type)
+                                 or pa.types.is_large_string(values.type)):
+        return None
+    binary = pa.large_binary() if pa.types.is_large_string(values.type) else pa.binary()
+    return values.cast(binary).to_numpy(zero_copy_only=False)
 
 
 def _unencodable(values: np.ndarray) -> list[int]:

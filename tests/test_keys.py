@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -28,6 +30,30 @@ def test_row_hashes_are_pinned_and_equal_for_object_and_str_dtype():
     assert keys.pandas_row_hashes(pd.Series(values, dtype=object)).tolist() == expected
     assert keys.pandas_row_hashes(pd.Series(values, dtype="str")).tolist() == expected
     assert keys.pandas_row_hashes(pd.Series(values, dtype="string")).tolist() == expected
+
+
+ARROW_STRINGS = ("str", "string[pyarrow]", pd.ArrowDtype(pa.string()),
+                 pd.ArrowDtype(pa.large_string()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(st.characters(exclude_categories=["Cs"]), max_size=8), max_size=20),
+       st.sampled_from(ARROW_STRINGS), st.booleans())
+def test_arrow_string_columns_hash_as_pandas_hashes_them(values, dtype, missing):
+    """A column of Arrow strings is hashed from its UTF-8 bytes, without a str a value (twice
+    as fast on paths): the hashes are still ``hash_pandas_object``'s, with a missing value
+    too (which pandas hashes itself), and the rows' identities (under the other hash key
+    too) are the object column's."""
+    column = pd.Series(values + [None] * missing, dtype=dtype)
+    expected = pd.util.hash_pandas_object(column, index=False, categorize=False)
+    assert keys.pandas_row_hashes(column).tolist() == expected.tolist()
+    if not missing:
+        with mock.patch.object(pd.util, "hash_pandas_object",
+                               side_effect=AssertionError("made a str of each value")):
+            assert keys.pandas_row_hashes(column).tolist() == expected.tolist()
+        ids, kind = keys.row_identities(column)
+        assert ids.tolist() == keys.row_identities(pd.Series(values, dtype=object))[0].tolist()
+        assert kind == "string"
 
 
 def test_row_order_is_part_of_the_key():
