@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .errors import InvalidArgument, InvalidArgumentType
-from .key_names import FORMAT_VERSION, KEY_HEX_LENGTH, is_key  # cachekit.keys names them too
+from .key_names import FORMAT_VERSION, KEY_HEX_LENGTH
 
 KEY_DOMAIN = b"cachekit-key\x00v1\x00"
 

@@ -160,7 +160,7 @@ class _Reader:
             return None
         if found is None or found in self.broken:
             return None
-        if self.stale is not None and found.manifest == self.stale:
+        if self._is_stale(found):
             self.broken.append(found)
             return None
         problem = None if self.expect is None else self.expect(found.manifest)
@@ -204,9 +204,14 @@ class _Reader:
                 return  # gone, or replaced by one not yet tried (then the upload keeps it)
         path = remote.manifest_path(self.key)
         remote.remove([path], f"removing {remote.object_url(path)}, to be replaced")
-        if found is not None and self.stale is not None and found.manifest == self.stale:
+        if found is not None and self._is_stale(found):
             say(f"remote entry {self.key[:12]} in {remote.display} was the entry whose files "
                 "changed here: removed, the entry built now replaces it")
+
+    def _is_stale(self, found: RemoteEntry) -> bool:
+        """Whether ``found`` is the very entry a heal builds again (Manifest equality, as a
+        local entry is told from another: :meth:`LocalStore.still_published`)."""
+        return self.stale is not None and found.manifest == self.stale
 
     def _met(self, found: Optional[RemoteEntry], error: CacheCorruptError) -> None:
         if found not in self.broken:

@@ -38,17 +38,18 @@ def link_local_copies(local: LocalStore, build: _fs.DirHandle, manifest: Manifes
         return set()
     linked: set[str] = set()
     recipe = manifest.reuse.recipe
-    for folder, names in (("entries", local.keys),
-                          ("tmp", lambda: _set_aside(local, manifest.key))):
+    sources = (("entries", lambda: [(key, key) for key in local.keys()]),  # (name, key)
+               ("tmp", lambda: [(name, manifest.key)
+                                for name in _set_aside(local, manifest.key)]))
+    for folder, candidates in sources:
         opened = local.layout.open_folder_if_any(folder) if wanted else None
         if opened is None:
             continue
         with opened:
-            for name in names():
+            for name, key in candidates():
                 if not wanted:
                     break
-                found = _open_entry(opened, name, name if folder == "entries" else
-                                    manifest.key, recipe)
+                found = _open_entry(opened, name, key, recipe)
                 if found is None:
                     continue
                 entry, theirs = found

@@ -22,7 +22,7 @@ from cachekit.store import LocalStore
 from helpers import GATED_ROWS, entry_disk_bytes, start_gated_builder
 from cachekit.admin.integrity import verify
 from cachekit.cli.main import main as cli_main
-from cachekit.keys import FORMAT_VERSION
+from cachekit.key_names import FORMAT_VERSION
 
 DAY = 86400.0
 

@@ -83,7 +83,7 @@ def test_push_pull_ls_info_verify_and_clear_a_remote(s3_env, local, tmp_path, ca
 
 def test_remote_verify_counts_no_entry_of_another_cachekit_version_as_a_problem(
         s3_env, local, capsys):
-    from cachekit.keys import FORMAT_VERSION
+    from cachekit.key_names import FORMAT_VERSION
     from cachekit.store.remote_entry import manifest_path
 
     root, (mapped, images) = local

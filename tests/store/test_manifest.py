@@ -121,7 +121,7 @@ def test_a_per_row_entry_lists_its_row_files_after_its_data(cache):
 
 
 def keys_like(text: str) -> bool:
-    from cachekit.keys import is_key
+    from cachekit.key_names import is_key
 
     return is_key(text)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cachekit
-from cachekit import keys
+from cachekit import key_names, keys
 from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
 from cachekit.store.index_format import Needles
@@ -153,7 +153,7 @@ def test_shared_rows_that_are_refused_cost_nothing_but_its_rows(tmp_path, monkey
     grown = cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(25)), version="1")
     assert (grown.rows_decoded, grown.rows_reused) == (25, 0)
     assert (np.asarray(grown.array)[:, 0] == np.arange(25)).all()
-    assert first.key != grown.key and keys.is_key(grown.key)
+    assert first.key != grown.key and key_names.is_key(grown.key)
 
 
 def test_a_writer_that_died_before_its_rename_leaves_nothing_for_long(tmp_path):
