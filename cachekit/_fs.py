@@ -17,13 +17,17 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
+from .file_modes import private_file_mode
+
 _HOST = socket.gethostname()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_SIZE = 1 << 16
+"""The most a read asks for past a file's size: ``os.read`` allocates what it asks for."""
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 NOT_A_FILE_ERRNOS = (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR)
-_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
 """Errors of opening a path that is a symlink, a directory or another non-file."""
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
 
 
 def host() -> str:
@@ -117,8 +121,26 @@ class DirHandle:
         """Open the regular file ``name``: no symlink, no FIFO or device (never blocks)."""
         flags = (os.O_RDWR if writable else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK
         with _naming(self, name):
-            fd = _regular(os.open(name, flags, dir_fd=self.fd), self, name)
+            fd = os.open(name, flags, dir_fd=self.fd)
+        _check_regular(fd, self, name)
         return os.fdopen(fd, "r+b" if writable else "rb")
+
+    def read_file(self, name: str, limit: int) -> bytes:
+        """The bytes of the regular file ``name`` (opened as :meth:`open_file` opens it) up
+        to its end, or ``limit + 1`` of them (the caller sees that it is too large), read
+        from the descriptor in one read of its size: ``ls`` reads every manifest so."""
+        with _naming(self, name):
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK, dir_fd=self.fd)
+        size = _check_regular(fd, self, name).st_size
+        try:
+            parts = [os.read(fd, min(size, limit) + 1)]
+            got = len(parts[0])
+            while parts[-1] and got <= limit:  # to its end, as it may grow meanwhile
+                parts.append(os.read(fd, min(limit + 1 - got, _READ_SIZE)))
+                got += len(parts[-1])
+        finally:
+            os.close(fd)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def write_new(self, name: str, data: bytes, *, durable: bool = True) -> None:
         """Create ``name`` fresh with ``data`` (fsynced with ``durable``); nothing left on error."""
@@ -263,24 +285,6 @@ def file_version(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def private_dir_mode() -> int:
-    """A build directory's mode as ``mkdir`` is given it: no write for group or others,
-    whatever the umask (members of a shared cache's group must not plant files in
-    another's build); the kernel takes the umask off."""
-    return 0o755
-
-
-def private_file_mode() -> int:
-    """A file cachekit creates, as ``open`` is given it: never writable by group or others
-    (the kernel takes the umask off)."""
-    return 0o644
-
-
-def shared_dir_mode() -> int:
-    """A published entry's mode: the umask's, so members of the group can remove it."""
-    return 0o777 & ~umask()
-
-
 def remove_file(path: Path) -> None:
     try:
         os.unlink(path)
@@ -307,7 +311,9 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> BinaryIO
     nofollow = 0 if follow_symlinks else _NOFOLLOW
 
     def opener(name: str, flags: int) -> int:
-        return _regular(os.open(name, os.O_RDONLY | nofollow | _NONBLOCK), name)
+        fd = os.open(name, os.O_RDONLY | nofollow | _NONBLOCK)
+        _check_regular(fd, name)
+        return fd
 
     return open(path, "rb", opener=opener)
 
@@ -323,9 +329,9 @@ def read_capped(path: str | Path, max_bytes: int, *,
     (the size checked is the opened file's); raises as it does. The caller closes it.
     """
     nofollow = 0 if follow_symlinks else _NOFOLLOW
-    fd = _regular(os.open(path, os.O_RDONLY | nofollow | _NONBLOCK), path)
+    fd = os.open(path, os.O_RDONLY | nofollow | _NONBLOCK)
+    size = _check_regular(fd, path).st_size
     try:
-        size = os.fstat(fd).st_size
         if size > max_bytes:
             return open(path, "rb", opener=lambda name, flags: fd)  # keeps ``path`` as name
         parts: list[bytes] = []
@@ -343,12 +349,14 @@ def read_capped(path: str | Path, max_bytes: int, *,
     return io.BytesIO(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
-def _regular(fd: int, where: str | Path | DirHandle, name: Optional[str] = None) -> int:
-    """``fd``, opened with O_NONBLOCK (so a FIFO could not block the open), once it is known
-    to be a regular file, switched back to blocking reads; closed and EINVAL otherwise
-    (naming ``where``, or ``name`` inside the handle ``where``)."""
+def _check_regular(fd: int, where: str | Path | DirHandle,
+                   name: Optional[str] = None) -> os.stat_result:
+    """The stat of ``fd``, opened with O_NONBLOCK (so a FIFO could not block the open), once
+    it is known to be a regular file, switched back to blocking reads; closed and EINVAL
+    otherwise (naming ``where``, or ``name`` inside the handle ``where``)."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             path = where.path / str(name) if isinstance(where, DirHandle) else where
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         if _NONBLOCK:
@@ -356,30 +364,7 @@ def _regular(fd: int, where: str | Path | DirHandle, name: Optional[str] = None)
     except BaseException:
         os.close(fd)
         raise
-    return fd
-
-
-def umask() -> int:
-    """The process umask, read without changing it where the platform allows."""
-    try:  # Linux 4.7+: the second line of /proc/self/status (the first is the name)
-        fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            head = os.read(fd, 512)
-        finally:
-            os.close(fd)
-        for line in head.split(b"\n"):
-            if line.startswith(b"Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    current = os.umask(0o022)  # not thread-safe, hence only a fallback off Linux
-    os.umask(current)
-    return current
-
-
-def file_mode() -> int:
-    """The permission bits a new file gets under the umask (0o664 under ``umask 002``)."""
-    return 0o666 & ~umask()
+    return st
 
 
 def preallocate_fd(fd: int, offset: int = 0, length: Optional[int] = None) -> None:

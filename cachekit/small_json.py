@@ -23,7 +23,7 @@ def read_limited(f: BinaryIO, limit: int) -> bytes:
     """``f.read(limit + 1)``: the open file's bytes up to its end or one past ``limit`` (so
     the caller sees that it is too large), with a buffer of the size the file has rather
     than of ``limit``. A read of a large limit allocates the limit: 30 us for each small
-    record read with a 64 MiB limit, which ``ls`` pays for every manifest."""
+    record read with a 64 MiB limit (:meth:`cachekit._fs.DirHandle.read_file` reads so too)."""
     size = os.fstat(f.fileno()).st_size
     data = f.read(min(size, limit) + 1)
     if size < len(data) <= limit:  # it grew meanwhile: on to its end, as f.read would

@@ -5,26 +5,43 @@ from __future__ import annotations
 import os
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachekit import small_json
+from cachekit import _fs, small_json
 
 CONTENT = bytes(range(256)) * 12
 
 
+def read_open(path, limit: int) -> bytes:
+    """``small_json.read_limited`` of the file opened."""
+    with open(path, "rb") as f:
+        return small_json.read_limited(f, limit)
+
+
+def read_by_name(path, limit: int) -> bytes:
+    """``DirHandle.read_file`` of the file named in its folder's handle."""
+    with _fs.DirHandle.open(path.parent) as folder:
+        return folder.read_file(path.name, limit)
+
+
+READERS = pytest.mark.parametrize("read", [read_open, read_by_name])
+
+
+@READERS
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(size=st.integers(0, len(CONTENT)), limit=st.integers(0, len(CONTENT) + 10))
-def test_a_record_reads_as_a_read_of_one_byte_past_the_limit(tmp_path, size, limit):
+def test_a_record_reads_as_a_read_of_one_byte_past_the_limit(tmp_path, read, size, limit):
     path = tmp_path / "record"
     path.write_bytes(CONTENT[:size])
-    with open(path, "rb") as f:
-        assert small_json.read_limited(f, limit) == CONTENT[:size][:limit + 1]
+    assert read(path, limit) == CONTENT[:size][:limit + 1]
 
 
+@READERS
 def test_a_record_that_grew_after_its_size_was_read_is_read_to_its_end_within_the_limit(
-        tmp_path):
+        tmp_path, read):
     path = tmp_path / "record"
     path.write_bytes(b"x" * 10)
     fstat = os.fstat
@@ -33,7 +50,38 @@ def test_a_record_that_grew_after_its_size_was_read_is_read_to_its_end_within_th
         st = fstat(fd)
         return os.stat_result((*st[:6], 4, *st[7:]))
 
-    with open(path, "rb") as f, mock.patch.object(small_json.os, "fstat", before_the_append):
-        assert small_json.read_limited(f, 100) == b"x" * 10
-        f.seek(0)
-        assert small_json.read_limited(f, 7) == b"x" * 8
+    with mock.patch.object(os, "fstat", before_the_append):
+        assert read(path, 100) == b"x" * 10
+        assert read(path, 7) == b"x" * 8
+
+
+def test_reading_by_name_asks_for_the_file_size_not_the_limit(tmp_path):
+    """``os.read`` allocates what it is asked for: a manifest read under a 64 MiB limit
+    must not cost 64 MiB of allocation (``ls`` reads every manifest of a root)."""
+    path = tmp_path / "record"
+    path.write_bytes(CONTENT)
+    asked: list[int] = []
+    read = os.read
+
+    def counted(fd: int, n: int) -> bytes:
+        asked.append(n)
+        return read(fd, n)
+
+    with mock.patch.object(os, "read", counted):
+        assert read_by_name(path, 64 << 20) == CONTENT
+    assert max(asked) <= max(len(CONTENT) + 1, 1 << 16)
+
+
+@pytest.mark.parametrize("make", ["symlink", "fifo", "directory"])
+def test_reading_by_name_refuses_what_is_not_a_regular_file(tmp_path, make):
+    (tmp_path / "target").write_bytes(b"{}")
+    path = tmp_path / "record"
+    if make == "symlink":
+        path.symlink_to(tmp_path / "target")
+    elif make == "fifo":
+        os.mkfifo(path)  # (an open that blocked would hang the test)
+    else:
+        path.mkdir()
+    with pytest.raises(OSError) as raised:
+        read_by_name(path, 100)
+    assert not isinstance(raised.value, FileNotFoundError)

@@ -28,6 +28,10 @@ class FileSizes:
         self._met: dict[tuple[int, int], FileId] = {(dev, ino): (dev, ino, size)
                                                     for dev, ino, size in met}
 
+    def saw(self, st: os.stat_result) -> None:
+        """Take ``st``, the ``lstat`` of a file the listing is about to meet, as its stat."""
+        self._met[st.st_dev, st.st_ino] = (st.st_dev, st.st_ino, st.st_size)
+
     def files_at(self, directory: _fs.DirHandle, device: int) -> tuple[FileId, ...]:
         """Each file under the open ``directory`` (on ``device``), by name from its handle:
         a symlink is counted as itself, never followed."""

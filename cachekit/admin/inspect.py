@@ -25,7 +25,6 @@ Temporary directories under ``tmp/`` are in one of four states:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import os
 import string
@@ -186,34 +185,36 @@ def list_entries(store: LocalStore, indexed: Optional[dict[str, list[tuple[int, 
     if folder is None:
         return [], []
     sizes = disk_usage.FileSizes(f for files in indexed.values() for f in files)
+    found = []
     with folder, os.scandir(folder.fd) as listed:
         for item in sorted(listed, key=lambda item: item.name):
             if not is_key(item.name) or not item.is_dir():
                 problems.append(Problem(None, folder.path / item.name,
                                         "not a cache entry (cachekit did not make it)"))
                 continue
-            info = entry_info(folder, item.name, sizes, indexed.get(item.name, ()), memo)
-            if info is None:
-                continue  # removed while we looked
-            entries.append(info)
-            if info.problem is not None:
-                problems.append(Problem(info.key, info.path, info.problem))
-    holders = collections.Counter(f for e in entries for f in e.files)
-    entries = [dataclasses.replace(e, shared_bytes=sum(f[2] for f in e.files if holders[f] > 1))
-               for e in entries]
+            fields = _entry_fields(folder, item.name, sizes, indexed.get(item.name, ()), memo)
+            if fields is not None:  # (else removed while we looked)
+                found.append(fields)
+    holders = collections.Counter(f for fields in found for f in fields["files"])
+    for fields in found:
+        info = EntryInfo(**fields, shared_bytes=sum(f[2] for f in fields["files"]
+                                                    if holders[f] > 1))
+        entries.append(info)
+        if info.problem is not None:
+            problems.append(Problem(info.key, info.path, info.problem))
     entries.sort(key=lambda e: (e.created, e.key))
     return entries, problems
 
 
-def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
-               also: Iterable[disk_usage.FileId] = (),
-               memo: Optional[listing_memo.Memo] = None) -> Optional[EntryInfo]:
-    """Describe the entry directory ``key`` of the open ``entries`` folder, with the files
-    ``also`` that go with it outside, each file once (the index file of an entry that holds
-    no row of its own is its row map); None when it no longer exists. Everything is read
-    through one handle of the directory; a name that is a symlink is a problem, never
-    followed. ``sizes``: the files the listing met, ``memo``: what an earlier listing read
-    of manifests (see :func:`list_entries`)."""
+def _entry_fields(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
+                  also: Iterable[disk_usage.FileId] = (),
+                  memo: Optional[listing_memo.Memo] = None) -> Optional[dict[str, Any]]:
+    """The :class:`EntryInfo` fields but ``shared_bytes`` of the entry directory ``key`` of
+    the open ``entries`` folder, with the files ``also`` that go with it outside, each file
+    once (the index file of an entry that holds no row of its own is its row map); None
+    when it no longer exists. Everything is read through one handle of the directory; a
+    name that is a symlink is a problem, never followed. ``sizes``: the files the listing
+    met, ``memo``: what an earlier listing read of manifests (see :func:`list_entries`)."""
     try:
         directory = entries.child(key)
     except FileNotFoundError:
@@ -225,52 +226,55 @@ def entry_info(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
     path = directory.path  # (made once: the manifest's messages name it too)
     with directory:
         st = os.fstat(directory.fd)
-        used = st.st_mtime
+        try:
+            known: Optional[os.stat_result] = directory.lstat(manifests.MANIFEST_FILE)
+        except OSError:
+            known = None
+        else:
+            sizes.saw(known)
         files = tuple(dict.fromkeys(sizes.files_at(directory, st.st_dev) + tuple(also)))
-        size = sum(f[2] for f in files)
-        known, remembered = (None, None) if memo is None else memo.look(directory, key)
+        listed = {"key": key, "bytes": sum(f[2] for f in files), "last_used": st.st_mtime,
+                  "path": path, "files": files}
+        remembered = None if memo is None or known is None else memo.look(key, known)
         if remembered is not None:
-            return EntryInfo(key=key, bytes=size, last_used=used, path=path, files=files,
-                             **remembered)
-        other_format = False
+            return {**listed, **remembered}
         try:
             manifest = manifests.read_at(directory, key)
         except FileNotFoundError:
             if not path.exists():
                 return None
             problem = f"{manifests.MANIFEST_FILE} is missing"
+            other_format = False
         except CacheCorruptError as e:
             problem = e.reason
             other_format = isinstance(e, OtherFormatError)
         else:
-            info = EntryInfo(
-                key=key, kind=manifest.kind, rows=manifest.rows, shape=manifest.shape,
-                dtype=manifest.data_files[0].dtype_name, bytes=size, created=manifest.created,
-                last_used=used, path=path, column=manifest.column,
-                failed_rows=manifest.failed_count, params=manifest.params,
-                origin=None if manifest.origin is None else manifest.origin.to_json(),
-                failed_build=manifest.failed_build, files=files,
-            )
+            read = {"kind": manifest.kind, "rows": manifest.rows, "shape": manifest.shape,
+                    "dtype": manifest.data_files[0].dtype_name,
+                    "created": manifest.created, "column": manifest.column,
+                    "failed_rows": manifest.failed_count, "params": manifest.params,
+                    "origin": None if manifest.origin is None else manifest.origin.to_json(),
+                    "failed_build": manifest.failed_build}
             if memo is not None and known is not None:
-                memo.keep(key, known, info)
-            return info
-    return EntryInfo(key=key, kind=None, rows=None, shape=None, dtype=None, bytes=size,
-                     created=used, last_used=used, path=path, problem=problem, files=files,
-                     other_format=other_format)
+                memo.keep(key, known, read)
+            return {**listed, **read}
+    return {**listed, "kind": None, "rows": None, "shape": None, "dtype": None,
+            "created": st.st_mtime, "problem": problem, "other_format": other_format}
 
 
-def _broken_entry(path: Path, also: Iterable[tuple[int, int, int]]) -> Optional[EntryInfo]:
-    """An entry's name that is a symlink (to a directory: the caller skips others): a
-    problem, never read through, with the bytes of the link itself."""
+def _broken_entry(path: Path, also: Iterable[tuple[int, int, int]]) -> Optional[dict[str, Any]]:
+    """The :class:`EntryInfo` fields of an entry's name that is a symlink (to a directory:
+    the caller skips others): a problem, never read through, with the bytes of the link
+    itself."""
     try:
         st = path.lstat()
     except FileNotFoundError:
         return None
     files = tuple(dict.fromkeys(((st.st_dev, st.st_ino, st.st_size), *also)))
-    return EntryInfo(key=path.name, kind=None, rows=None, shape=None, dtype=None,
-                     bytes=sum(f[2] for f in files), created=st.st_mtime,
-                     last_used=st.st_mtime, path=path, files=files,
-                     problem="an entry is never a symlink or a file")
+    return {"key": path.name, "kind": None, "rows": None, "shape": None, "dtype": None,
+            "bytes": sum(f[2] for f in files), "created": st.st_mtime,
+            "last_used": st.st_mtime, "path": path, "files": files,
+            "problem": "an entry is never a symlink or a file"}
 
 
 def list_temp_dirs(store: LocalStore) -> tuple[list[TempDir], list[Problem]]:

@@ -29,10 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import _fs
 from ..key_names import FORMAT_VERSION
 from ..store import LocalStore, failures
-from ..store.manifest import MANIFEST_FILE
 
 SETTLE_NS = 2_000_000_000
 """How long before the memo is written a manifest must have last changed to be kept."""
@@ -65,29 +63,24 @@ class Memo:
     """What this listing found, to be written: key -> [identity, fields]."""
     read_again: bool = False
 
-    def look(self, entry: _fs.DirHandle, key: str
-             ) -> tuple[Optional[os.stat_result], Optional[dict[str, Any]]]:
-        """The manifest file of the open entry ``entry`` of ``key`` (None when there is
-        none), and the fields of :data:`FIELDS` the memo holds of that very file, as an
-        ``EntryInfo`` takes them (None when it holds none)."""
-        try:
-            manifest = entry.lstat(MANIFEST_FILE)
-        except OSError:
-            return None, None
+    def look(self, key: str, manifest: os.stat_result) -> Optional[dict[str, Any]]:
+        """The fields of :data:`FIELDS` the memo holds of entry ``key``'s manifest file, whose
+        ``lstat`` is ``manifest``, as an ``EntryInfo`` takes them; None when it holds none of
+        that very file."""
         record = self.known.get(key)
         if not (isinstance(record, list) and len(record) == 2 and record[0] == identity(manifest)
                 and isinstance(record[1], dict) and record[1].keys() == set(FIELDS)
                 and isinstance(record[1]["shape"], list)):
-            return manifest, None
+            return None
         self.kept[key] = record
-        return manifest, {**record[1], "shape": tuple(record[1]["shape"])}
+        return {**record[1], "shape": tuple(record[1]["shape"])}
 
-    def keep(self, key: str, manifest: os.stat_result, info: Any) -> None:
-        """Remember the fields of ``info``, the EntryInfo read from entry ``key``'s
-        manifest file ``manifest``."""
+    def keep(self, key: str, manifest: os.stat_result, read: dict[str, Any]) -> None:
+        """Remember ``read``, the fields of :data:`FIELDS` read from entry ``key``'s
+        manifest file, whose ``lstat`` was ``manifest``."""
         self.read_again = True
         if manifest.st_ctime_ns <= time.time_ns() - SETTLE_NS:
-            self.kept[key] = [identity(manifest), {f: getattr(info, f) for f in FIELDS}]
+            self.kept[key] = [identity(manifest), {f: read[f] for f in FIELDS}]
 
 
 def load(store: LocalStore) -> Memo:

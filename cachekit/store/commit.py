@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Callable, Iterable, Optional
 
-from .. import _fs, flushing
+from .. import _fs, file_modes, flushing
 from . import manifest as manifests
 from ..errors import BuildGone, CacheCorruptError
 from .build_dirs import BuildDir, is_build_state
@@ -75,7 +75,7 @@ def commit(build: BuildDir, manifest: Manifest, entries: _fs.DirHandle,
                          directory_too=True)
     # Any member of the group may now remove it; nobody writes in it. (A setgid bit
     # inherited from the root stays: fchmod would clear it.)
-    build.dir.chmod(_fs.shared_dir_mode() | (os.fstat(build.dir.fd).st_mode & stat.S_ISGID))
+    build.dir.chmod(file_modes.shared_dir_mode() | (os.fstat(build.dir.fd).st_mode & stat.S_ISGID))
     mine = os.fstat(build.dir.fd)
     try:
         current = build.tmp.lstat(build.name)

@@ -30,7 +30,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .. import _fs
+from .. import _fs, file_modes
 from ..errors import CacheCorruptError, CacheRootError, UnsignedEntryError
 from ..key_names import is_key
 from .manifest import Manifest
@@ -142,7 +142,7 @@ class Layout:
             raise _root_not_made(self.root, e) from None
         with _fs.DirHandle.open(self.root, follow=True) as root:
             try:
-                root.mkdir(name, _fs.shared_dir_mode())
+                root.mkdir(name, file_modes.shared_dir_mode())
             except FileExistsError:
                 pass
         return self._open_child(name)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
-from .. import _fs, liveness, processes
+from .. import _fs, file_modes, liveness, processes
 from . import commit as commits
 from . import failures
 from . import manifest as manifests
@@ -187,7 +187,7 @@ class LocalStore:
         name = build_dir_name(self.layout.entry_dir(key).name)
         tmp = self.layout.open_folder("tmp", create=True)
         try:
-            tmp.mkdir(name, _fs.private_dir_mode())
+            tmp.mkdir(name, file_modes.private_dir_mode())
             directory = self._open_own(tmp, name)
         except BaseException:
             tmp.close()

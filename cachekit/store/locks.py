@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import _fs, liveness, processes, small_json
+from .. import _fs, file_modes, liveness, processes, small_json
 from ..errors import CacheCorruptError, InvalidArgument
 
 LOCK_ENV = "CACHEKIT_LOCK"
@@ -95,7 +95,7 @@ class OsLock(BuildLock):
         import filelock  # here: a hit takes no lock, and filelock takes 15 ms to import
 
         super().__init__(path)
-        self._lock = filelock.FileLock(str(path), mode=_fs.file_mode())
+        self._lock = filelock.FileLock(str(path), mode=file_modes.file_mode())
         self._record: Optional[_HolderRecord] = None
 
     @property
@@ -237,7 +237,7 @@ class SoftLock(BuildLock):
     def _try_create(self) -> bool:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(self.path, flags, _fs.file_mode())
+            fd = os.open(self.path, flags, file_modes.file_mode())
         except FileExistsError:
             return False
         try:
@@ -312,7 +312,7 @@ class _HolderRecord:
         folder = _fs.DirHandle.open(self.path.parent)
         try:
             tmp = f".{self.path.name}.{_fs.unique_suffix()}.tmp"
-            fd = folder.create(tmp, _fs.file_mode())
+            fd = folder.create(tmp, file_modes.file_mode())
             try:
                 os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
                 os.rename(tmp, self.path.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)

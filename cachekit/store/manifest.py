@@ -30,7 +30,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from .. import _fs, small_json
+from .. import _fs
 from . import signing
 from ..errors import (CacheCorruptError, CachekitError, Failure, OtherFormatError,
                       UnsignedEntryError)
@@ -253,8 +253,7 @@ def read_at(entry: _fs.DirHandle, key: str) -> Manifest:
     """Parse and check the manifest of the open entry directory ``entry`` of ``key``."""
     path = f"{entry.path}/{MANIFEST_FILE}"  # for messages: a str costs less than a Path
     try:
-        with entry.open_file(MANIFEST_FILE) as f:  # no symlink, no FIFO: never outside
-            raw = small_json.read_limited(f, MANIFEST_LIMIT)
+        raw = entry.read_file(MANIFEST_FILE, MANIFEST_LIMIT)  # no symlink, no FIFO
     except FileNotFoundError:
         raise
     except OSError as e:

@@ -35,7 +35,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
 
-from .. import _fs
+from .. import _fs, file_modes
 from ..errors import CacheCorruptError
 from ..key_names import is_key
 from ..messages import say
@@ -274,7 +274,7 @@ def _recipe_folder(index: _fs.DirHandle, recipe: str) -> _fs.DirHandle:
     except FileNotFoundError:
         pass
     try:
-        index.mkdir(recipe, _fs.shared_dir_mode())
+        index.mkdir(recipe, file_modes.shared_dir_mode())
     except FileExistsError:
         pass
     return index.child(recipe)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cachekit
-from cachekit import CacheCorruptError, _fs, arrays, liveness, processes
+from cachekit import CacheCorruptError, arrays, file_modes, liveness, processes
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
 from cachekit.store.build_dirs import HEARTBEAT_FILE, STATE_FILE
@@ -53,7 +53,7 @@ def test_a_build_beats_while_it_lives_and_commits_only_its_listed_files(cache_ro
                                                           manifests.MANIFEST_FILE]
     assert store.lookup(KEY).manifest == published.manifest
     assert store.builds(KEY) == [] and str(build.path) not in liveness._BEATING_HERE
-    assert oct(os.stat(published.path).st_mode & 0o777) == oct(0o777 & ~_fs.umask())
+    assert oct(os.stat(published.path).st_mode & 0o777) == oct(0o777 & ~file_modes.umask())
 
 
 def test_a_build_that_says_nothing_writes_its_record_at_its_first_beat(cache_root,

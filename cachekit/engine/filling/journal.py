@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from ... import _fs, arrays, checksums, liveness, processes, small_json
+from ... import _fs, arrays, checksums, file_modes, liveness, processes, small_json
 from ...errors import BuildGone, Failure
 from .plan import Chunk, Plan
 
@@ -126,7 +126,7 @@ class Journal:
 
     @classmethod
     def create(cls, build_dir: _fs.DirHandle, name: str) -> "Journal":
-        build_dir.mkdir(journal_name(name), _fs.private_dir_mode())
+        build_dir.mkdir(journal_name(name), file_modes.private_dir_mode())
         return cls(build_dir.child(journal_name(name)), build_dir, journal_name(name))
 
     @classmethod
@@ -307,8 +307,7 @@ class Journal:
         return sum(chunks[i].rows for i in self.done_indices())
 
     def _read(self, name: str) -> Any:
-        with self.dir.open_file(name) as f:
-            return small_json.load(small_json.read_limited(f, _RECORD_LIMIT - 1))
+        return small_json.load(self.dir.read_file(name, _RECORD_LIMIT - 1))
 
 
 def _newest_claims(names: list[str]) -> dict[int, int]:
