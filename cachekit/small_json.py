@@ -42,8 +42,9 @@ def read_dict(f: BinaryIO, limit: int) -> Optional[dict[str, Any]]:
 
 
 def is_count(value: Any) -> bool:
-    """Whether a record's field is a count: an int, not a bool, not negative."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """Whether a record's field is a count: an int (as JSON reads one: not a bool), not
+    negative."""
+    return type(value) is int and value >= 0
 
 
 def is_number(value: Any) -> bool:

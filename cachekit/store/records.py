@@ -231,7 +231,7 @@ def parse_file_record(index: int, item: Any, fail: Fail) -> FileRecord:
     if not isinstance(name, str) or not allowed_file_name(index, name):
         raise fail(f"file {index} must be named {file_name(index)!r}, not {name!r}")
     shape = item.get("shape")
-    if not isinstance(shape, list) or not all(is_count(n) for n in shape):
+    if not isinstance(shape, list) or not all(map(is_count, shape)):
         raise fail(f"bad shape {shape!r} of {name}")
     dtype = item.get("dtype")
     if not isinstance(dtype, str):
