@@ -119,28 +119,25 @@ class DirHandle:
 
     def open_file(self, name: str, *, writable: bool = False) -> BinaryIO:
         """Open the regular file ``name``: no symlink, no FIFO or device (never blocks)."""
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK
-        with _naming(self, name):
-            fd = os.open(name, flags, dir_fd=self.fd)
-        _check_regular(fd, self, name)
+        fd, _ = self._open_regular(name, os.O_RDWR if writable else os.O_RDONLY)
         return os.fdopen(fd, "r+b" if writable else "rb")
 
     def read_file(self, name: str, limit: int) -> bytes:
         """The bytes of the regular file ``name`` (opened as :meth:`open_file` opens it) up
         to its end, or ``limit + 1`` of them (the caller sees that it is too large), read
-        from the descriptor in one read of its size: ``ls`` reads every manifest so."""
-        with _naming(self, name):
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK, dir_fd=self.fd)
-        size = _check_regular(fd, self, name).st_size
+        from the descriptor, in one read when its size holds: ``ls`` reads every manifest
+        so."""
+        fd, st = self._open_regular(name, os.O_RDONLY)
         try:
-            parts = [os.read(fd, min(size, limit) + 1)]
-            got = len(parts[0])
-            while parts[-1] and got <= limit:  # to its end, as it may grow meanwhile
-                parts.append(os.read(fd, min(limit + 1 - got, _READ_SIZE)))
-                got += len(parts[-1])
+            return _read_to_end(fd, st.st_size, limit)
         finally:
             os.close(fd)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _open_regular(self, name: str, flags: int) -> tuple[int, os.stat_result]:
+        """The descriptor of the regular file ``name`` opened with ``flags``, and its stat."""
+        with _naming(self, name):
+            fd = os.open(name, flags | _NOFOLLOW | _NONBLOCK, dir_fd=self.fd)
+        return fd, _check_regular(fd, self, name)
 
     def write_new(self, name: str, data: bytes, *, durable: bool = True) -> None:
         """Create ``name`` fresh with ``data`` (fsynced with ``durable``); nothing left on error."""
@@ -323,7 +320,8 @@ def read_capped(path: str | Path, max_bytes: int, *,
     """A regular file to parse, costing at most ``max_bytes`` of memory whatever its size.
 
     A file of at most ``max_bytes`` is read whole, in one read of the size it has when
-    opened, and returned in memory (``io.BytesIO``): a decoder then parses bytes instead of
+    opened (to its end, at most ``max_bytes + 1`` bytes, if it grew meanwhile), and
+    returned in memory (``io.BytesIO``): a decoder then parses bytes instead of
     making dozens of small reads. A larger file is returned open, so that the parser reads
     only what it needs. Opened and checked as :func:`open_regular` does, on one descriptor
     (the size checked is the opened file's); raises as it does. The caller closes it.
@@ -334,19 +332,25 @@ def read_capped(path: str | Path, max_bytes: int, *,
     try:
         if size > max_bytes:
             return open(path, "rb", opener=lambda name, flags: fd)  # keeps ``path`` as name
-        parts: list[bytes] = []
-        got = 0
-        while got < size:
-            part = os.read(fd, size - got)
-            if not part:  # it shrank meanwhile
-                break
-            parts.append(part)
-            got += len(part)
+        data = _read_to_end(fd, size, max_bytes)
     except BaseException:
         os.close(fd)
         raise
     os.close(fd)
-    return io.BytesIO(parts[0] if len(parts) == 1 else b"".join(parts))
+    return io.BytesIO(data)
+
+
+def _read_to_end(fd: int, size: int, limit: int) -> bytes:
+    """The bytes of the open file ``fd`` of ``size`` bytes, read from its start to its end,
+    at most ``limit + 1`` of them: one read, asking one byte past its size, when the size
+    holds (a read that stops short of what it asked for has met the end); more when it
+    grew or shrank meanwhile."""
+    parts = [os.read(fd, min(size, limit) + 1)]
+    got = len(parts[0])
+    while parts[-1] and got <= limit and got != size:
+        parts.append(os.read(fd, min(limit + 1 - got, _READ_SIZE)))
+        got += len(parts[-1])
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _check_regular(fd: int, where: str | Path | DirHandle,

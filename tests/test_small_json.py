@@ -55,9 +55,24 @@ def test_a_record_that_grew_after_its_size_was_read_is_read_to_its_end_within_th
         assert read(path, 7) == b"x" * 8
 
 
-def test_reading_by_name_asks_for_the_file_size_not_the_limit(tmp_path):
+@READERS
+def test_a_record_that_shrank_after_its_size_was_read_is_read_to_its_end(tmp_path, read):
+    path = tmp_path / "record"
+    path.write_bytes(b"x" * 10)
+    fstat = os.fstat
+
+    def before_the_cut(fd: int) -> os.stat_result:  # the size before a writer truncated it
+        st = fstat(fd)
+        return os.stat_result((*st[:6], 20, *st[7:]))
+
+    with mock.patch.object(os, "fstat", before_the_cut):
+        assert read(path, 100) == b"x" * 10
+
+
+def test_reading_by_name_is_one_read_of_the_file_size_not_the_limit(tmp_path):
     """``os.read`` allocates what it is asked for: a manifest read under a 64 MiB limit
-    must not cost 64 MiB of allocation (``ls`` reads every manifest of a root)."""
+    must not cost 64 MiB of allocation, nor a second read (``ls`` reads every manifest of
+    a root)."""
     path = tmp_path / "record"
     path.write_bytes(CONTENT)
     asked: list[int] = []
@@ -69,7 +84,12 @@ def test_reading_by_name_asks_for_the_file_size_not_the_limit(tmp_path):
 
     with mock.patch.object(os, "read", counted):
         assert read_by_name(path, 64 << 20) == CONTENT
-    assert max(asked) <= max(len(CONTENT) + 1, 1 << 16)
+        assert asked == [len(CONTENT) + 1]
+        fstat = os.fstat
+        with mock.patch.object(os, "fstat",  # a file that grew after its size was read
+                               lambda fd: os.stat_result((*fstat(fd)[:6], 4, *fstat(fd)[7:]))):
+            assert read_by_name(path, 64 << 20) == CONTENT
+    assert max(asked) <= 1 << 16  # past its size too, reads are of a bounded size
 
 
 @pytest.mark.parametrize("make", ["symlink", "fifo", "directory"])

@@ -84,7 +84,6 @@ def _hosts(roots: list[Path], column: pd.Series, tmp_path: Path) -> list[dict]:
     return reports
 
 
-
 @pytest.fixture(autouse=True)
 def sample_every_row(monkeypatch):
     """A hit here samples every row of these 8-row entries: 16 draws miss a given row one
