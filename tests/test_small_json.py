@@ -40,33 +40,20 @@ def test_a_record_reads_as_a_read_of_one_byte_past_the_limit(tmp_path, read, siz
 
 
 @READERS
-def test_a_record_that_grew_after_its_size_was_read_is_read_to_its_end_within_the_limit(
-        tmp_path, read):
+@pytest.mark.parametrize("said, limit, expected", [(4, 100, 10), (4, 7, 8), (20, 100, 10)])
+def test_a_record_whose_size_changed_after_it_was_read_is_read_to_its_end_within_the_limit(
+        tmp_path, read, said, limit, expected):
+    """A writer appended to it (its fstat said 4 bytes) or cut it (20) before the read."""
     path = tmp_path / "record"
     path.write_bytes(b"x" * 10)
     fstat = os.fstat
 
-    def before_the_append(fd: int) -> os.stat_result:  # the size a writer then added to
+    def as_said(fd: int) -> os.stat_result:
         st = fstat(fd)
-        return os.stat_result((*st[:6], 4, *st[7:]))
+        return os.stat_result((*st[:6], said, *st[7:]))
 
-    with mock.patch.object(os, "fstat", before_the_append):
-        assert read(path, 100) == b"x" * 10
-        assert read(path, 7) == b"x" * 8
-
-
-@READERS
-def test_a_record_that_shrank_after_its_size_was_read_is_read_to_its_end(tmp_path, read):
-    path = tmp_path / "record"
-    path.write_bytes(b"x" * 10)
-    fstat = os.fstat
-
-    def before_the_cut(fd: int) -> os.stat_result:  # the size before a writer truncated it
-        st = fstat(fd)
-        return os.stat_result((*st[:6], 20, *st[7:]))
-
-    with mock.patch.object(os, "fstat", before_the_cut):
-        assert read(path, 100) == b"x" * 10
+    with mock.patch.object(os, "fstat", as_said):
+        assert read(path, limit) == b"x" * expected
 
 
 def test_reading_by_name_is_one_read_of_the_file_size_not_the_limit(tmp_path):
