@@ -30,6 +30,13 @@ def checks(report: Report) -> list[Check]:
         if joblib is not None:
             out.append((f"hit, {dtype} column: no slower than joblib.Memory",
                         f"{fmt(hit, 's')} vs {fmt(joblib, 's')}", hit <= joblib))
+        ours, theirs = (report.row("hit", f"{who}, {dtype}")
+                        for who in ("cachekit", "joblib.Memory"))
+        if ours and theirs and "with_import" in ours.extra and "with_import" in theirs.extra:
+            mine, peer = ours.extra["with_import"], theirs.extra["with_import"]
+            out.append((f"hit, {dtype} column, each library's import counted: no slower "
+                        "than joblib.Memory", f"{fmt(mine, 's')} vs {fmt(peer, 's')}",
+                        mine <= peer))
     hit, seed = median("hit", "cachekit, object"), median("hit", "seed torch.load, object")
     if hit and seed:
         out.append(("hit: at least 100x faster than the seed's torch.load",

@@ -65,6 +65,10 @@ def test_a_tiny_quick_run_of_a_phase_measures_it_and_leaves_the_published_figure
     if phase == "hit":
         assert any(row.label.startswith("datasets") for row in report.section_rows("hit"))
         assert "joblib.Memory, object" in text
+        for row in report.section_rows("hit"):  # each import, then the first call
+            assert row.extra["with_import"] > row.runs[0]
+            assert "import and first call: " in row.detail
+        assert "column, each library's import counted: no slower than joblib.Memory" in text
     if phase == "agents":
         race = report.row("agents_wall", "cachekit")
         assert race is not None and "decoded: 1 of 4" in race.detail  # one builder, three waiters
