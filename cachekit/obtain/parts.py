@@ -28,13 +28,18 @@ import numpy as np
 
 from .. import _fs, arrays
 from ..engine.filling.plan import PAGE_BYTES
-from ..store.manifest import DATA_FILE, FileRecord, part_name, sidecar_name
+from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, part_name, sidecar_name
 from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
 from .donors import Donors
 
+LINKED_PARTS = 32
+"""The most parts a build links. Each append to a column makes one more data file, and an
+entry opens every file it links (with the stats of each, when a hit checks them): past
+this, the rows of the parts that hold the fewest of its rows are copied into its own file
+(:meth:`Parts.compact`), which the next append links as one part."""
 OWN_FILE = "data.npy.own"
-"""The build's decoded rows while :meth:`Parts.materialize` copies every row into place."""
+"""The build's decoded rows while :meth:`Parts.compact` copies rows into place."""
 
 
 @dataclass
@@ -100,6 +105,21 @@ class Parts:
         """Copy every row into a new ``data.npy`` of the build in row order, from its own
         decoded rows and the parts' open files, and unlink the parts it linked: a
         contiguous entry, as a fresh build makes (call after :meth:`own`)."""
+        self.compact(directory, keep=0)
+        self.linked = True
+
+    def compact(self, directory: _fs.DirHandle, keep: int) -> None:
+        """Keep the ``keep`` parts that hold the most of the build's rows, and copy the
+        rows of the others, with the rows it decoded, into a new ``data.npy`` of the build
+        in row order; unlink the parts it drops and close their files (call after
+        :meth:`own`). Nothing to do when it has ``keep`` parts or fewer."""
+        if len(self.names) <= keep:
+            return
+        held = np.bincount(self.where[:, 0], minlength=len(self.names) + 1)[1:]
+        kept = np.sort(np.argsort(-held, kind="stable")[:keep])  # (name order)
+        renumber = np.zeros(len(self.names) + 1, dtype=np.int64)  # own and dropped: 0
+        renumber[kept + 1] = np.arange(1, len(kept) + 1)
+        ours = np.flatnonzero(renumber[self.where[:, 0]] == 0)
         files = [_mapped(f, offset, record) for (f, offset), record
                  in zip(self.opened, self.records)]
         own = self.has_own
@@ -107,20 +127,26 @@ class Parts:
             directory.rename(DATA_FILE, directory, OWN_FILE)
             files.insert(0, arrays.open_readonly(directory, OWN_FILE))
         view = RowView(files, self.row_map())
-        out = arrays.create_array(directory, DATA_FILE, view.shape, view.dtype,
-                                  align=PAGE_BYTES)
+        out = arrays.create_array(directory, DATA_FILE, (len(ours), *view.shape[1:]),
+                                  view.dtype, align=PAGE_BYTES)
         step = copy_step(view.nbytes // max(1, len(view)))
-        for start in range(0, len(view), step):
-            stop = min(len(view), start + step)
-            out[start:stop] = view.take(np.arange(start, stop))
+        for start in range(0, len(ours), step):
+            out[start:start + step] = view.take(ours[start:start + step])
         arrays.flush(out)
         del out, view, files
         if own:
             directory.unlink(OWN_FILE)
-        for name in [*self.names, *self.sidecars]:
-            directory.unlink(name)
-        self.names, self.records, self.sidecars, self.linked = [], [], {}, True
-        self.close()
+        self.where[:, 0] = renumber[self.where[:, 0]]
+        self.where[ours, 1] = np.arange(len(ours))
+        dropped = set(range(len(self.names))) - set(kept.tolist())
+        for i in sorted(dropped):
+            self.opened[i][0].close()
+            for name in [self.names[i], *(sidecar_name(self.names[i], row_file)
+                                          for row_file in SIDECARS)]:
+                directory.unlink(name)
+                self.sidecars.pop(name, None)
+        self.names, self.records, self.opened = ([items[i] for i in kept] for items
+                                                 in (self.names, self.records, self.opened))
 
     def close(self) -> None:
         for f, _ in self.opened:

@@ -178,6 +178,11 @@ class RowBuild:
                         "linked here (another filesystem or another user's files); copied "
                         "its rows into one file instead")
                 held.materialize(current.dir)
+            elif len(held.names) > parts.LINKED_PARTS:
+                say(f"entry {self.key[:12]}: its rows are in {len(held.names)} files of other "
+                    f"entries; links the {parts.LINKED_PARTS} that hold the most and copies "
+                    "the rows of the others into its own file")
+                held.compact(current.dir, parts.LINKED_PARTS)
         failure = None
         if filled.failures and call.on_error == "raise":
             failure = ImageDecodeError(filled.failures, len(values), os.getcwd())

@@ -131,6 +131,34 @@ def test_a_derived_entry_of_a_derived_entry_links_the_same_files(cache, pictures
                                   fresh(tmp_path, column(pictures, range(1, 120, 2))))
 
 
+def test_appends_past_the_bound_link_the_largest_parts_and_copy_the_others_rows(
+        cache, pictures, tmp_path, monkeypatch):
+    from cachekit.obtain import parts
+
+    monkeypatch.setattr(parts, "LINKED_PARTS", 3)
+    base = cache.images(column(pictures, range(100)), 8)
+    base_inode = (base.path / manifests.DATA_FILE).stat().st_ino
+    entries = []
+    for end in range(101, 109):  # each append decodes its one new row
+        entry = cache.images(column(pictures, range(end)), 8)
+        assert (entry.rows_decoded, entry.rows_reused) == (1, end - 1)
+        files = data_files(entry)
+        parts_linked = [name for name in files if name != manifests.DATA_FILE]
+        assert len(parts_linked) == min(end - 100, 3)  # never more than the bound
+        assert base_inode in {files[name].st_ino for name in parts_linked}  # the largest
+        # what it holds itself: its new row, and the rows of the parts it did not link
+        assert own_rows(entry) == end - sum(
+            np.load(entry.path / name, mmap_mode="r").shape[0] for name in parts_linked)
+        entries.append(entry)
+    assert own_rows(entries[-1]) > 1  # (one that compacted)
+    for entry in entries:  # every entry reads its rows, its dropped parts' included
+        np.testing.assert_array_equal(np.asarray(entry.array),
+                                      fresh(tmp_path, column(pictures, range(len(entry)))))
+    assert cache.verify() == []
+    monkeypatch.setattr(parts, "LINKED_PARTS", 32)  # a hit links nothing new
+    assert cache.images(column(pictures, range(108)), 8).outcome == "hit"
+
+
 def test_a_fold_that_decoded_nothing_lends_its_rows_once_the_full_entry_is_gone(
         cache, pictures, tmp_path):
     """It lists no row files of its own: its parts' copies name its rows to later builds.
