@@ -109,14 +109,16 @@ class Parts:
         self.linked = True
 
     def compact(self, directory: _fs.DirHandle, keep: int) -> None:
-        """Keep the ``keep`` parts that hold the most of the build's rows, and copy the
-        rows of the others, with the rows it decoded, into a new ``data.npy`` of the build
-        in row order; unlink the parts it drops and close their files (call after
-        :meth:`own`). Nothing to do when it has ``keep`` parts or fewer."""
+        """Keep at most ``keep`` parts, and copy the rows of the others, with the rows the
+        build decoded, into a new ``data.npy`` of the build in row order; unlink the parts
+        it drops and close their files (call after :meth:`own`). Nothing to do when it
+        has ``keep`` parts or fewer.
+
+        Which parts it keeps: :func:`parts_to_keep`."""
         if len(self.names) <= keep:
             return
         held = np.bincount(self.where[:, 0], minlength=len(self.names) + 1)[1:]
-        kept = np.sort(np.argsort(-held, kind="stable")[:keep])  # (name order)
+        kept = parts_to_keep(held, keep)
         renumber = np.zeros(len(self.names) + 1, dtype=np.int64)  # own and dropped: 0
         renumber[kept + 1] = np.arange(1, len(kept) + 1)
         ours = np.flatnonzero(renumber[self.where[:, 0]] == 0)
@@ -152,6 +154,23 @@ class Parts:
         for f, _ in self.opened:
             f.close()
         self.opened.clear()
+
+
+def parts_to_keep(held: np.ndarray, keep: int) -> np.ndarray:
+    """Of parts that hold ``held`` rows of a build each, the ones it keeps linked, at most
+    ``keep`` (ascending indices): it drops those that hold the fewest rows, then each next
+    one that holds no more rows than the dropped ones together. So files are merged with
+    files as large, and a row is copied a few times however many appends come (10,000
+    one-row appends to a column copy about 26,000 rows in all, where dropping only the
+    fewest would copy 1.6 million). With ``keep`` >= 1 the part that holds the most rows
+    stays."""
+    fewest = np.argsort(held, kind="stable")
+    drop = max(0, len(fewest) - keep)
+    merged = int(held[fewest[:drop]].sum())
+    while 0 < drop < len(fewest) - 1 and held[fewest[drop]] <= merged:
+        merged += int(held[fewest[drop]])
+        drop += 1
+    return np.sort(fewest[drop:])
 
 
 def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:

@@ -180,8 +180,8 @@ class RowBuild:
                 held.materialize(current.dir)
             elif len(held.names) > parts.LINKED_PARTS:
                 say(f"entry {self.key[:12]}: its rows are in {len(held.names)} files of other "
-                    f"entries; links the {parts.LINKED_PARTS} that hold the most and copies "
-                    "the rows of the others into its own file")
+                    f"entries; links at most {parts.LINKED_PARTS} of them and copies the rows "
+                    "of those that hold the fewest into its own file")
                 held.compact(current.dir, parts.LINKED_PARTS)
         failure = None
         if filled.failures and call.on_error == "raise":

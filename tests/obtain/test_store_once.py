@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from filelock import FileLock
+from hypothesis import given, strategies as st
 
 import cachekit
 from cachekit import _fs, source_stats, units
@@ -144,13 +145,13 @@ def test_appends_past_the_bound_link_the_largest_parts_and_copy_the_others_rows(
         assert (entry.rows_decoded, entry.rows_reused) == (1, end - 1)
         files = data_files(entry)
         parts_linked = [name for name in files if name != manifests.DATA_FILE]
-        assert len(parts_linked) == min(end - 100, 3)  # never more than the bound
+        assert 1 <= len(parts_linked) <= 3  # never more than the bound
         assert base_inode in {files[name].st_ino for name in parts_linked}  # the largest
         # what it holds itself: its new row, and the rows of the parts it did not link
         assert own_rows(entry) == end - sum(
             np.load(entry.path / name, mmap_mode="r").shape[0] for name in parts_linked)
         entries.append(entry)
-    assert own_rows(entries[-1]) > 1  # (one that compacted)
+    assert max(own_rows(entry) for entry in entries) > 1  # (some compacted)
     for entry in entries:  # every entry reads its rows, its dropped parts' included
         np.testing.assert_array_equal(np.asarray(entry.array),
                                       fresh(tmp_path, column(pictures, range(len(entry)))))
@@ -287,6 +288,41 @@ def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_
     assert [st.st_ino for st in parts] == [inode] and parts[0].st_nlink == 1
     assert not list((cache.root / "tmp").iterdir())  # the entry set aside is gone
     np.testing.assert_array_equal(np.asarray(healed.array), fresh(tmp_path, col))
+
+
+@given(st.lists(st.integers(1, 10_000), max_size=80), st.integers(0, 40))
+def test_a_build_keeps_at_most_the_bound_and_drops_the_parts_that_hold_fewest(held, keep):
+    from cachekit.obtain.parts import parts_to_keep
+
+    held = np.array(held, dtype=np.int64)
+    kept = parts_to_keep(held, keep)
+    assert list(kept) == sorted(set(kept.tolist())) and len(kept) <= max(keep, 0)
+    if len(held) <= keep:
+        assert len(kept) == len(held)
+    elif keep:
+        assert len(kept) >= 1 and held.max() in held[kept]
+        dropped = np.setdiff1d(np.arange(len(held)), kept)
+        assert held[dropped].max() <= held[kept].min()
+
+
+def test_appends_without_end_copy_each_row_a_few_times_not_once_per_append():
+    from cachekit.obtain.parts import parts_to_keep
+
+    def copies(keep_parts) -> int:
+        """Rows copied by 10,000 one-row appends to a column of 1,000 rows, each append
+        linking the files of the one before."""
+        parts, own, copied = [1000], 0, 0  # the rows each part holds; the last build's own
+        for _ in range(10_000):
+            held = np.array(parts + [own] if own else parts)
+            kept = keep_parts(held, 32)
+            dropped = np.setdiff1d(np.arange(len(held)), kept)
+            copied += int(held[dropped].sum())
+            parts, own = held[kept].tolist(), 1 + int(held[dropped].sum())
+            assert len(parts) <= 32
+        return copied
+
+    assert copies(parts_to_keep) < 30_000  # the figures docs/incremental.md gives
+    assert copies(lambda held, keep: np.sort(np.argsort(-held, kind="stable")[:keep])) > 1.5e6
 
 
 # --- the row view ---------------------------------------------------------------------------
