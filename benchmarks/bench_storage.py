@@ -18,6 +18,11 @@ another, and every round works in roots of its own (``Cache(workers=2)``, exact 
   disk's round from the others, the time of a file create on the same disk (100 creates).
 - "append": the N covers plus 1% more, in a root holding the full entry: how much the root
   grows, against the full entry (at most 1.2%).
+- "appends": 200 one-row appends to the first N-200 covers, each a call in the same root,
+  once as an entry links at most 32 data files (the rows of the others copied into its
+  own file) and once with no bound, as before: the files the last entry links, what the
+  appends add to the root against the full entry, and the last entry's hit in this
+  process (10 of each, taking turns), bounded against unbounded.
 - "retry": N covers of which one is a broken file build and fail (the good rows are
   kept), the file is fixed and the call retried: what the retry adds to the root, against
   one row plus the row map (the issue: at most the failed rows plus the map).
@@ -68,6 +73,8 @@ SIZE = 64
 BATCH = 256
 EPOCHS = 10
 """Epochs timed together for one sample of the "read" phase."""
+APPENDS = 200
+"""One-row appends the "appends" phase makes (fewer with fewer covers)."""
 HIT_PAIRS = 20
 """Pairs of first hits a round of the "hit" phase times: one pair's ratio swings by far more
 than the 5% the issue allows, on a quiet machine too, and the median of 10 pairs still
@@ -238,6 +245,42 @@ def append(paths: list[str], extra: list[str], work: Path) -> dict[str, float]:
     return {"append 1%: root growth / full entry": (disk(root) - before) / before}
 
 
+def appends(paths: list[str], work: Path) -> dict[str, float]:
+    """One-row appends to a column, each a call in the same root, as an entry links at most
+    ``LINKED_PARTS`` files and as before it did (no bound): what the last entry links, what
+    the appends add to the root, and that entry's hit, each kind in turn."""
+    import pandas as pd
+    from cachekit.obtain import parts
+    from cachekit.store import manifest as manifests
+
+    count = min(APPENDS, len(paths) - 20)
+    columns = [pd.Series(paths[:end]) for end in range(len(paths) - count, len(paths) + 1)]
+    figures, hits = {}, {}
+    for kind, bound in (("bounded", parts.LINKED_PARTS), ("unbounded", len(paths))):
+        root = work / f"appends-{kind}"
+        saved, parts.LINKED_PARTS = parts.LINKED_PARTS, bound
+        try:
+            cache(root).images(columns[0], SIZE)
+            before = disk(root)
+            for column in columns[1:]:
+                assert cache(root).images(column, SIZE).rows_decoded == 1
+        finally:
+            parts.LINKED_PARTS = saved
+        last = cache(root).images(columns[-1], SIZE)
+        figures[f"{count} appends: files the last entry links, {kind}"] = sum(
+            manifests.is_part_name(name) for name in os.listdir(last.path))
+        figures[f"{count} appends: root growth / full entry, {kind}"] = (
+            disk(root) - before) / before
+        hits[kind] = root
+    times: dict[str, list[float]] = {kind: [] for kind in hits}
+    for _ in range(HIT_PAIRS // 2):
+        for kind, root in hits.items():
+            times[kind].append(timed(lambda: cache(root).images(columns[-1], SIZE))[0])
+    figures[f"{count} appends: hit of the last entry, bounded / unbounded"] = (
+        statistics.median(times["bounded"]) / statistics.median(times["unbounded"]))
+    return figures
+
+
 def retry(paths: list[str], work: Path) -> dict[str, float]:
     import cachekit
     import pandas as pd
@@ -362,6 +405,7 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
     repeats = 1 if args.quick else 3
     phases = {"folds": lambda work, i: folds(paths, work),
               "append": lambda work, i: append(paths, extra, work),
+              "appends": lambda work, i: appends(paths, work),
               "retry": lambda work, i: retry(paths, work),
               "read": lambda work, i: read(paths, work, repeats),
               "remote": lambda work, i: remote(paths, work, f"{url}/{i}"),

@@ -186,12 +186,18 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
                    "one shuffled epoch s (contiguous)",
                    "remote: bucket bytes / the host's root",
                    "remote: a fold pulled, bytes read / its rows",
-                   "first hit: derived s / contiguous s"):
+                   "first hit: derived s / contiguous s",
+                   "40 appends: files the last entry links, bounded",
+                   "40 appends: root growth / full entry, unbounded",
+                   "40 appends: hit of the last entry, bounded / unbounded"):
         assert f"| {figure} |" in result["table"]
     assert all(value > 0 for value in result["rounds"][0].values())
     assert result["rounds"][0]["folds disk / full entry alone"] < 1.5  # the folds link it
     assert result["rounds"][0]["remote: a fold pulled, bytes read / its rows"] < 0.5
     assert result["rounds"][0]["heal, remote: bytes sent / (1 row + row map)"] < 3  # not the entry
+    links = [result["rounds"][0][f"40 appends: files the last entry links, {kind}"]
+             for kind in ("bounded", "unbounded")]
+    assert links[0] <= 32 < links[1] == 40
     assert (tmp_path / "s.json").exists()
 
 
