@@ -255,7 +255,7 @@ def appends(paths: list[str], work: Path) -> dict[str, float]:
 
     count = min(APPENDS, len(paths) - 20)
     columns = [pd.Series(paths[:end]) for end in range(len(paths) - count, len(paths) + 1)]
-    figures, hits = {}, {}
+    figures, roots = {}, {}
     for kind, bound in (("bounded", parts.LINKED_PARTS), ("unbounded", len(paths))):
         root = work / f"appends-{kind}"
         saved, parts.LINKED_PARTS = parts.LINKED_PARTS, bound
@@ -271,10 +271,10 @@ def appends(paths: list[str], work: Path) -> dict[str, float]:
             manifests.is_part_name(name) for name in os.listdir(last.path))
         figures[f"{count} appends: root growth / full entry, {kind}"] = (
             disk(root) - before) / before
-        hits[kind] = root
-    times: dict[str, list[float]] = {kind: [] for kind in hits}
+        roots[kind] = root
+    times: dict[str, list[float]] = {kind: [] for kind in roots}
     for _ in range(HIT_PAIRS // 2):
-        for kind, root in hits.items():
+        for kind, root in roots.items():
             times[kind].append(timed(lambda: cache(root).images(columns[-1], SIZE))[0])
     figures[f"{count} appends: hit of the last entry, bounded / unbounded"] = (
         statistics.median(times["bounded"]) / statistics.median(times["unbounded"]))

@@ -15,7 +15,9 @@ Only this user's files are linked: a group member's file stays writable by its o
 and a link would let them change this user's entry. Where a file is another user's, or
 cannot be linked (another filesystem, a file removed meanwhile), or the caller asks for a
 contiguous entry, the rows are copied instead (:meth:`Parts.materialize`), from the files
-opened: the entry is then one data file, as a fresh build makes.
+opened: the entry is then one data file, as a fresh build makes. A build links at most
+:data:`LINKED_PARTS` files, copying the rows of the others into its own
+(:meth:`Parts.compact`).
 """
 
 from __future__ import annotations
@@ -140,8 +142,7 @@ class Parts:
             directory.unlink(OWN_FILE)
         self.where[:, 0] = renumber[self.where[:, 0]]
         self.where[ours, 1] = np.arange(len(ours))
-        dropped = set(range(len(self.names))) - set(kept.tolist())
-        for i in sorted(dropped):
+        for i in sorted(set(range(len(self.names))) - set(kept.tolist())):  # the dropped
             self.opened[i][0].close()
             for name in [self.names[i], *(sidecar_name(self.names[i], row_file)
                                           for row_file in SIDECARS)]:
@@ -161,9 +162,9 @@ def parts_to_keep(held: np.ndarray, keep: int) -> np.ndarray:
     ``keep`` (ascending indices): it drops those that hold the fewest rows, then each next
     one that holds no more rows than the dropped ones together. So files are merged with
     files as large, and a row is copied a few times however many appends come (10,000
-    one-row appends to a column copy about 26,000 rows in all, where dropping only the
-    fewest would copy 1.6 million). With ``keep`` >= 1 the part that holds the most rows
-    stays."""
+    one-row appends to a column of 1,000 rows copy about 26,000 rows in all, where
+    dropping only the fewest would copy 1.6 million). With ``keep`` >= 1 the part that
+    holds the most rows stays."""
     fewest = np.argsort(held, kind="stable")
     drop = max(0, len(fewest) - keep)
     merged = int(held[fewest[:drop]].sum())
