@@ -221,26 +221,33 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
     return stats
 
 
-def say_shared(key: str, found: Donors, rows: int, copied: bool = False) -> None:
+def say_shared(key: str, found: Donors, rows: int, taken: dict[str, int],
+               copied: bool = False) -> None:
     """Say on stderr how many rows the build shares (or with ``copied``, copies: a
-    contiguous build) and with how many entries, and what the rows it decodes are: new,
-    failed in the entry that holds them, or changed; and which files of the row index it
-    skipped."""
+    contiguous build) and with how many entries (``taken``: the rows it took from each, by
+    key), and what the rows it decodes are: new, failed in the entry that holds them,
+    changed, or held in a file it could not open or check; and which files of the row
+    index it skipped."""
     if found.index_note:
         say(found.index_note, always=True)
     if found.donors:
-        entries = "1 entry" if len(found.donors) == 1 else f"{len(found.donors)} entries"
+        shared = sum(taken.values())
         new = rows - found.rows - found.failed_before - found.changed
         parts = [count(new, "new row")] if new else []
         if found.failed_before:
             parts.append(f"{found.failed_before} that failed before")
         if found.changed:
             parts.append(f"{found.changed} whose files changed")
+        if found.rows > shared:
+            parts.append(f"{found.rows - shared} in files it could not open or check")
         rest = "decoding " + " and ".join(parts) if parts else "nothing left to decode"
-        how = (f"copying {count(found.rows, 'row')} from" if copied else
-               f"sharing {count(found.rows, 'row')} with")
-        say(f"entry {key[:12]}: {how} {entries} of the same recipe"
-            f"{'' if copied else ' (stored once)'}; {rest}")
+        lenders = sum(1 for n in taken.values() if n)
+        entries = "1 entry" if lenders == 1 else f"{lenders} entries"
+        how = (f"copying {count(shared, 'row')} from" if copied else
+               f"sharing {count(shared, 'row')} with")
+        took = (f"{how} {entries} of the same recipe{'' if copied else ' (stored once)'}; "
+                if shared else "")
+        say(f"entry {key[:12]}: {took}{rest}")
     for skipped in found.skipped:
         say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
             "are not reused")

@@ -149,11 +149,12 @@ class RowBuild:
                 rows, found = self._donors(self._stat(self._row_identities(),
                                                       on_record=healed is None), healed)
             with found:
-                donors.say_shared(self.key, found, len(values), copied=call.contiguous)
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,
                                        link=not call.contiguous)
+                donors.say_shared(self.key, found, len(values), held.shared,
+                                  copied=call.contiguous)
         finally:
             if aside is not None:
                 aside.drop()
@@ -175,8 +176,8 @@ class RowBuild:
             if held.derived and not held.linked:
                 if not call.contiguous:
                     say(f"entry {self.key[:12]}: the files of the rows it shares cannot be "
-                        "linked here (another filesystem or another user's files); copied "
-                        "its rows into one file instead")
+                        "linked here (another filesystem, another user's files, or a file "
+                        "it could not open); copied its rows into one file instead")
                 held.materialize(current.dir)
             elif len(held.names) > parts.LINKED_PARTS:
                 say(f"entry {self.key[:12]}: its rows are in {len(held.names)} files of other "

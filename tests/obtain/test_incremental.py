@@ -579,6 +579,24 @@ def test_the_build_says_which_rows_it_decodes_new_failed_before_or_changed(
             "new rows and 1 that failed before and 1 whose files changed") in " ".join(err.split())
 
 
+def test_rows_in_a_file_that_fails_its_check_are_decoded_and_the_build_says_so(
+        cache_root, pictures, capsys, decodes):
+    quiet = cachekit.Cache(cache_root, workers=1, progress=False)
+    full = quiet.images(column(pictures, range(30)), 8)
+    with open(full.path / manifests.DATA_FILE, "ab") as f:
+        f.write(b"x")  # its size is no longer the manifest's
+    decodes.take()
+    shown = cachekit.Cache(cache_root, workers=1, progress=True)
+    fold = shown.images(column(pictures, range(0, 40, 2)), 8)
+    assert counts(fold) == (20, 0, 0) and len(decodes.take()) == 20
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"entry {fold.key[:12]}: decoding 5 new rows and 15 in files it could not open "
+            "or check") in err
+    np.testing.assert_array_equal(np.asarray(fold.array), np.asarray(cachekit.Cache(
+        cache_root / "fresh", workers=1, progress=False).images(column(
+            pictures, range(0, 40, 2)), 8).array))
+
+
 def test_an_entry_downloaded_from_a_remote_tier_lends_its_rows(tmp_path, pictures, decodes):
     remote = (tmp_path / "bucket").as_uri()
     host_a = cachekit.Cache(tmp_path / "a", remote=remote, workers=1, progress=False)
