@@ -580,7 +580,7 @@ def test_the_build_says_which_rows_it_decodes_new_failed_before_or_changed(
 
 
 def test_rows_in_a_file_that_fails_its_check_are_decoded_and_the_build_says_so(
-        cache_root, pictures, capsys, decodes):
+        cache_root, pictures, tmp_path, capsys, decodes):
     quiet = cachekit.Cache(cache_root, workers=1, progress=False)
     full = quiet.images(column(pictures, range(30)), 8)
     with open(full.path / manifests.DATA_FILE, "ab") as f:
@@ -593,7 +593,7 @@ def test_rows_in_a_file_that_fails_its_check_are_decoded_and_the_build_says_so(
     assert (f"entry {fold.key[:12]}: decoding 5 new rows and 15 in files it could not open "
             "or check") in err
     np.testing.assert_array_equal(np.asarray(fold.array), np.asarray(cachekit.Cache(
-        cache_root / "fresh", workers=1, progress=False).images(column(
+        tmp_path / "fresh", workers=1, progress=False).images(column(
             pictures, range(0, 40, 2)), 8).array))
 
 
