@@ -129,7 +129,7 @@ class DirHandle:
         so."""
         fd, st = self._open_regular(name, os.O_RDONLY)
         try:
-            return _read_to_end(fd, st.st_size, limit)
+            return read_to_end(fd, st.st_size, limit)
         finally:
             os.close(fd)
 
@@ -332,7 +332,7 @@ def read_capped(path: str | Path, max_bytes: int, *,
     try:
         if size > max_bytes:
             return open(path, "rb", opener=lambda name, flags: fd)  # keeps ``path`` as name
-        data = _read_to_end(fd, size, max_bytes)
+        data = read_to_end(fd, size, max_bytes)
     except BaseException:
         os.close(fd)
         raise
@@ -340,7 +340,7 @@ def read_capped(path: str | Path, max_bytes: int, *,
     return io.BytesIO(data)
 
 
-def _read_to_end(fd: int, size: int, limit: int) -> bytes:
+def read_to_end(fd: int, size: int, limit: int) -> bytes:
     """The bytes of the open file ``fd`` of ``size`` bytes, read from its start to its end,
     at most ``limit + 1`` of them: one read, asking one byte past its size, when the size
     holds (a read that stops short of what it asked for has met the end); more when it

@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any, BinaryIO, Optional
 
+from . import _fs
+
 
 def load(data: bytes | str) -> Any:
     """``json.loads(data)``; ValueError for anything that is not JSON, nesting too deep for
@@ -20,15 +22,11 @@ def load(data: bytes | str) -> Any:
 
 
 def read_limited(f: BinaryIO, limit: int) -> bytes:
-    """``f.read(limit + 1)``: the open file's bytes up to its end or one past ``limit`` (so
-    the caller sees that it is too large), with a buffer of the size the file has rather
-    than of ``limit``. A read of a large limit allocates the limit: 30 us for each small
-    record read with a 64 MiB limit (:meth:`cachekit._fs.DirHandle.read_file` reads so too)."""
-    size = os.fstat(f.fileno()).st_size
-    data = f.read(min(size, limit) + 1)
-    if size < len(data) <= limit:  # it grew meanwhile: on to its end, as f.read would
-        data += f.read(limit + 1 - len(data))
-    return data
+    """``f.read(limit + 1)`` of a file just opened: its bytes up to its end or one past
+    ``limit`` (so the caller sees that it is too large), read from its descriptor as
+    :func:`cachekit._fs.read_to_end` reads, with a buffer of the size the file has rather
+    than of ``limit`` (a read of a 64 MiB limit allocates 64 MiB: 30 us a small record)."""
+    return _fs.read_to_end(f.fileno(), os.fstat(f.fileno()).st_size, limit)
 
 
 def read_dict(f: BinaryIO, limit: int) -> Optional[dict[str, Any]]:

@@ -56,26 +56,27 @@ def test_a_record_whose_size_changed_after_it_was_read_is_read_to_its_end_within
         assert read(path, limit) == b"x" * expected
 
 
-def test_reading_by_name_is_one_read_of_the_file_size_not_the_limit(tmp_path):
+@READERS
+def test_a_record_is_one_read_of_the_file_size_not_the_limit(tmp_path, read):
     """``os.read`` allocates what it is asked for: a manifest read under a 64 MiB limit
     must not cost 64 MiB of allocation, nor a second read (``ls`` reads every manifest of
     a root)."""
     path = tmp_path / "record"
     path.write_bytes(CONTENT)
     asked: list[int] = []
-    read = os.read
+    os_read = os.read
 
     def counted(fd: int, n: int) -> bytes:
         asked.append(n)
-        return read(fd, n)
+        return os_read(fd, n)
 
     with mock.patch.object(os, "read", counted):
-        assert read_by_name(path, 64 << 20) == CONTENT
+        assert read(path, 64 << 20) == CONTENT
         assert asked == [len(CONTENT) + 1]
         fstat = os.fstat
         with mock.patch.object(os, "fstat",  # a file that grew after its size was read
                                lambda fd: os.stat_result((*fstat(fd)[:6], 4, *fstat(fd)[7:]))):
-            assert read_by_name(path, 64 << 20) == CONTENT
+            assert read(path, 64 << 20) == CONTENT
     assert max(asked) <= 1 << 16  # past its size too, reads are of a bounded size
 
 
