@@ -156,7 +156,6 @@ def test_appends_past_the_bound_link_the_largest_parts_and_copy_the_others_rows(
         np.testing.assert_array_equal(np.asarray(entry.array),
                                       fresh(tmp_path, column(pictures, range(len(entry)))))
     assert cache.verify() == []
-    monkeypatch.setattr(parts, "LINKED_PARTS", 32)  # a hit links nothing new
     assert cache.images(column(pictures, range(108)), 8).outcome == "hit"
 
 
