@@ -1,11 +1,11 @@
 """The rows a per-row build shares with committed entries of its recipe (its donors).
 
 The row index (:mod:`cachekit.store.row_index`) names the entries that may hold rows of
-the column; each is opened and checked (:mod:`cachekit.store.shared_rows`), and only rows
-whose full identity matches, that did not fail, and (with ``validate="path"`` or
-``"stat"``) whose file's stat is the one recorded when that entry was built, are shared:
-the build links the files that hold them (:mod:`cachekit.obtain.parts`) and decodes only
-the others.
+the column; each is opened, checked and let go of (:mod:`cachekit.store.shared_rows`: what
+was read is kept, not a handle), and only rows whose full identity matches, that did not
+fail, and (with ``validate="path"`` or ``"stat"``) whose file's stat is the one recorded
+when that entry was built, are shared: the build links or copies the files that hold them
+(:mod:`cachekit.obtain.parts`) and decodes only the others.
 
 A build of local paths under ``validate="path"`` does not stat every file it shares: it
 checks them as a hit checks its entry's files (:mod:`cachekit.obtain.staleness`), a
@@ -129,6 +129,7 @@ def find(store: LocalStore, key: str, rows: Rows,
         source = open_shared_rows(store, key, rows.recipe)
         if source is None:
             return None
+        source.release()
         read[key] = source
         offered = np.flatnonzero(~source.failed)
         return source.ids[offered, 0], offered
@@ -145,6 +146,7 @@ def find(store: LocalStore, key: str, rows: Rows,
             if source is None:
                 found.skipped.append(match.key)
                 continue
+            source.release()  # (hundreds may lend rows: no handle kept on any)
             offer(source, match.src, match.dst)
     except BaseException:
         found.close()

@@ -15,16 +15,20 @@ Only this user's files are linked: a group member's file stays writable by its o
 and a link would let them change this user's entry. Where a file is another user's, or
 cannot be linked (another filesystem, a file removed meanwhile), or the caller asks for a
 contiguous entry, the rows are copied instead (:meth:`Parts.materialize`), from the files
-opened: the entry is then one data file, as a fresh build makes. A build links at most
-:data:`LINKED_PARTS` files, copying the rows of the others into its own
-(:meth:`Parts.compact`).
+opened: the entry is then one data file, as a fresh build makes.
+
+A build links at most :data:`LINKED_PARTS` files, chosen before any is opened
+(:func:`parts_to_keep`); the rows of the others are copied before it decodes, one file
+open at a time, and joined to the rows it decodes in its own file (:meth:`Parts.compact`).
+So a build that shares rows with hundreds of entries holds a few dozen files open, not
+hundreds (a process may open 1,024 files on most systems).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import BinaryIO, Sequence
+from typing import BinaryIO, Optional, Sequence
 
 import numpy as np
 
@@ -42,16 +46,21 @@ this, the rows of the parts that hold the fewest of its rows are copied into its
 (:meth:`Parts.compact`), which the next append links as one part."""
 OWN_FILE = "data.npy.own"
 """The build's decoded rows while :meth:`Parts.compact` copies rows into place."""
+COPIES_FILE = "data.npy.copies"
+"""The rows a build copies from the files it does not link, until :meth:`Parts.compact`
+joins them to its own."""
+COPIED = -2
+"""The file of a row copied into :data:`COPIES_FILE`, in :attr:`Parts.where`."""
 
 
 @dataclass
 class Parts:
     """Where each row of a build is: ``where`` (rows, 2) holds (file, row), file 0 being
     the build's own data file and file ``i`` the ``i``-th of ``names`` (-1: decoded by the
-    build, placed by :meth:`own`; :meth:`row_map` numbers the files as the manifest lists
-    them). ``opened``: each part's donor file, open, and the byte its rows start at;
-    ``linked``: whether every part is linked into the build directory; ``shared``: rows
-    referenced, by donor key."""
+    build, placed by :meth:`own`; :data:`COPIED`: the row of :data:`COPIES_FILE`;
+    :meth:`row_map` numbers the files as the manifest lists them). ``opened``: each part's
+    donor file, open, and the byte its rows start at; ``linked``: whether every part is
+    linked into the build directory; ``shared``: rows referenced or copied, by donor key."""
 
     where: np.ndarray
     names: list[str] = field(default_factory=list)
@@ -61,11 +70,15 @@ class Parts:
     shared: dict[str, int] = field(default_factory=dict)
     sidecars: dict[str, FileRecord] = field(default_factory=dict)
     """Each part's row files (identities, stats) by their name here, with their record."""
+    copies: int = 0
+    """Rows in :data:`COPIES_FILE` (until :meth:`compact`)."""
+    copied_files: int = 0
+    """The donor files they were copied from."""
 
     @property
     def todo(self) -> np.ndarray:
         """The rows the build decodes (no donor holds them), ascending."""
-        return np.flatnonzero(self.where[:, 0] < 0)
+        return np.flatnonzero(self.where[:, 0] == -1)
 
     @property
     def own_rows(self) -> np.ndarray:
@@ -74,8 +87,9 @@ class Parts:
 
     @property
     def derived(self) -> bool:
-        """Whether any row is another entry's."""
-        return bool(self.names)
+        """Whether any row is another entry's (linked, or copied and not yet joined to the
+        build's own rows)."""
+        return bool(self.names) or self.copies > 0
 
     def own(self) -> None:
         """Number the decoded rows (``todo``) as the rows of the build's own data file, and
@@ -86,7 +100,8 @@ class Parts:
         order = np.argsort(self.names, kind="stable")
         renumber = np.zeros(len(order) + 1, dtype=np.int64)
         renumber[order + 1] = np.arange(1, len(order) + 1)
-        self.where[:, 0] = renumber[self.where[:, 0]]
+        linked = self.where[:, 0] > 0
+        self.where[linked, 0] = renumber[self.where[linked, 0]]
         self.names = [self.names[i] for i in order]
         self.records = [self.records[i] for i in order]
         self.opened = [self.opened[i] for i in order]
@@ -95,11 +110,13 @@ class Parts:
     def has_own(self) -> bool:
         """Whether the build decodes any row (-1 before :meth:`own`, 0 after): only then
         has it a data file of its own."""
-        return bool((self.where[:, 0] <= 0).any())
+        return bool(np.isin(self.where[:, 0], (-1, 0)).any())
 
     def row_map(self) -> np.ndarray:
-        """The row map as the entry stores it (after :meth:`own`): files numbered as its
-        data files are listed, its own first if it has one."""
+        """The row map as the entry stores it (after :meth:`own`, and :meth:`compact` if
+        rows were copied): files numbered as its data files are listed, its own first if it
+        has one."""
+        assert not self.copies, "the copied rows are not in a data file of the entry yet"
         where = self.where if self.has_own else self.where - (1, 0)
         return np.ascontiguousarray(where, dtype="<u4")
 
@@ -112,37 +129,49 @@ class Parts:
 
     def compact(self, directory: _fs.DirHandle, keep: int) -> None:
         """Keep at most ``keep`` parts, and copy the rows of the others, with the rows the
-        build decoded, into a new ``data.npy`` of the build in row order; unlink the parts
-        it drops and close their files (call after :meth:`own`). Nothing to do when it
-        has ``keep`` parts or fewer.
+        build decoded and those it copied before (:data:`COPIES_FILE`), into a new
+        ``data.npy`` of the build in row order; unlink the parts it drops and close their
+        files (call after :meth:`own`). Nothing to do when it has ``keep`` parts or fewer
+        and copied no row.
 
         Which parts it keeps: :func:`parts_to_keep`."""
-        if len(self.names) <= keep:
+        n = len(self.names)
+        if n <= keep and not self.copies:
             return
-        held = np.bincount(self.where[:, 0], minlength=len(self.names) + 1)[1:]
-        kept = parts_to_keep(held, keep)
-        renumber = np.zeros(len(self.names) + 1, dtype=np.int64)  # own and dropped: 0
+        fileno = np.where(self.where[:, 0] == COPIED, n + 1, self.where[:, 0])
+        held = np.bincount(fileno, minlength=n + 2)[1:n + 1]
+        kept = parts_to_keep(held, keep) if n > keep else np.arange(n)
+        renumber = np.zeros(n + 2, dtype=np.int64)  # own, dropped and copied: 0
         renumber[kept + 1] = np.arange(1, len(kept) + 1)
-        ours = np.flatnonzero(renumber[self.where[:, 0]] == 0)
-        files = [_mapped(f, offset, record) for (f, offset), record
-                 in zip(self.opened, self.records)]
-        own = self.has_own
+        ours = np.flatnonzero(renumber[fileno] == 0)
+        dropped = np.setdiff1d(np.arange(n), kept)
+        own, copies = self.has_own, self.copies > 0
         if own:
             directory.rename(DATA_FILE, directory, OWN_FILE)
-            files.insert(0, arrays.open_readonly(directory, OWN_FILE))
-        view = RowView(files, self.row_map())
+        files: list[Optional[np.ndarray]] = [None] * (n + 2)  # only those it copies from
+        if own:
+            files[0] = arrays.open_readonly(directory, OWN_FILE)
+        for i in dropped:
+            files[i + 1] = _mapped(*self.opened[i], self.records[i])
+        if copies:
+            files[n + 1] = arrays.open_readonly(directory, COPIES_FILE)
+        some = next(f for f in files if f is not None)
+        files = [np.empty((0, *some.shape[1:]), some.dtype) if f is None else f for f in files]
+        view = RowView(files, np.stack([fileno, self.where[:, 1]], axis=1))
         out = arrays.create_array(directory, DATA_FILE, (len(ours), *view.shape[1:]),
                                   view.dtype, align=PAGE_BYTES)
         step = copy_step(view.nbytes // max(1, len(view)))
         for start in range(0, len(ours), step):
             out[start:start + step] = view.take(ours[start:start + step])
         arrays.flush(out)
-        del out, view, files
-        if own:
-            directory.unlink(OWN_FILE)
-        self.where[:, 0] = renumber[self.where[:, 0]]
+        del out, view, files, some
+        for name, made in ((OWN_FILE, own), (COPIES_FILE, copies)):
+            if made:
+                directory.unlink(name)
+        self.copies = 0
+        self.where[:, 0] = renumber[fileno]
         self.where[ours, 1] = np.arange(len(ours))
-        for i in sorted(set(range(len(self.names))) - set(kept.tolist())):  # the dropped
+        for i in dropped:
             self.opened[i][0].close()
             for name in [self.names[i], *(sidecar_name(self.names[i], row_file)
                                           for row_file in SIDECARS)]:
@@ -180,81 +209,158 @@ def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
 
 def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Sequence[str],
               *, link: bool) -> Parts:
-    """Where each of the build's ``rows`` rows is held by ``found``'s donors, each donor
-    data file that holds any opened and (``link``) hard-linked into ``directory`` with its
+    """Where each of the build's ``rows`` rows is held by ``found``'s donors: the donor data
+    files that hold any, at most :data:`LINKED_PARTS` of them (:func:`parts_to_keep` of the
+    rows each holds), are opened and (``link``) hard-linked into ``directory`` with their
     ``row_files`` (:data:`~cachekit.store.manifest.SIDECARS`): once a link fails, no more
-    are tried (the caller materializes). A data file that cannot be opened, fails its
-    checks or lacks one of those row files gives no rows: they are decoded."""
+    are tried (the caller materializes). The rows of the other files are copied into
+    :data:`COPIES_FILE`, one file open at a time. A data file that cannot be opened, fails
+    its checks or lacks one of those row files gives no rows: they are decoded."""
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
-    index_of: dict[str, int] = {}
     try:
-        for donor in found.donors:
-            files, at = donor.source.locate(donor.src)
-            for k in np.unique(files):
-                record = donor.source.manifest.data_files[int(k)]
-                name = part_name(record.checksum)
-                if name not in index_of:
-                    if not _add(parts, directory, donor.source, int(k), name, row_files):
-                        continue
-                    index_of[name] = len(parts.names) - 1
-                elif not _same_row_files(parts, donor.source, int(k), name, row_files):
-                    continue  # the same bytes, rows of other files: decoded instead
-                here = files == k
-                parts.where[donor.dst[here]] = np.stack(
-                    [np.full(int(here.sum()), index_of[name] + 1), at[here]], axis=1)
-                key = donor.source.key
-                parts.shared[key] = parts.shared.get(key, 0) + int(here.sum())
+        offers = _offers(found, row_files)
+        kept = parts_to_keep(np.array([offer.rows for offer in offers], dtype=np.int64),
+                             LINKED_PARTS)
+        for i in kept:
+            _take(parts, directory, offers[i])
+        others = [offers[i] for i in sorted(set(range(len(offers))) - set(kept.tolist()))]
+        if others:
+            assert found.template is not None  # (every donor's)
+            _copy(parts, directory, others, found.template)
     except BaseException:
         parts.close()
         raise
     return parts
 
 
-def _row_file_names(source: SharedRows, index: int, row_files: Sequence[str]
-                    ) -> dict[str, str]:
-    """The names ``source`` gives the ``row_files`` of its data file ``index``."""
+@dataclass
+class _Offer:
+    """A data file of donors (named by its checksum, as a part) that holds rows of the
+    build, with the records of its row files (by their name in the build: name, the name
+    in the donor and its record), and each donor that lends it: (the donor, the file's
+    index in its manifest, the build's rows it holds, their rows in the file)."""
+
+    name: str
+    row_files: dict[str, tuple[str, FileRecord]]
+    lenders: list[tuple[SharedRows, int, np.ndarray, np.ndarray]] = field(
+        default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(dst) for _, _, dst, _ in self.lenders)
+
+
+def _offers(found: Donors, row_files: Sequence[str]) -> list[_Offer]:
+    """The data files of ``found``'s donors that hold rows of the build, read from their
+    manifests alone (nothing is opened). Two donors may hold the same bytes (a file one
+    links of the other's) and lend them as one; not when the row files of the second's
+    differ (the same pixels for rows of other files, other identities or stats), whose rows
+    are decoded; nor when a donor's manifest lacks one of ``row_files``."""
+    offers: dict[str, _Offer] = {}
+    for donor in found.donors:
+        files, at = donor.source.locate(donor.src)
+        for k in np.unique(files):
+            index = int(k)
+            name = part_name(donor.source.manifest.data_files[index].checksum)
+            theirs = _row_files_of(donor.source, index, name, row_files)
+            if theirs is None:
+                continue
+            offer = offers.setdefault(name, _Offer(name, theirs))
+            if any(offer.row_files[here][1].checksum != record.checksum
+                   for here, (_, record) in theirs.items()):
+                continue
+            here = files == k
+            offer.lenders.append((donor.source, index, donor.dst[here], at[here]))
+    return list(offers.values())
+
+
+def _row_files_of(source: SharedRows, index: int, name: str, row_files: Sequence[str]
+                  ) -> Optional[dict[str, tuple[str, FileRecord]]]:
+    """The ``row_files`` of data file ``index`` of ``source`` as the part ``name`` has them
+    (by their names there: the donor's name and record); None when one is not listed."""
     part = source.manifest.data_files[index].name
-    return {row_file: row_file if part == DATA_FILE else sidecar_name(part, row_file)
-            for row_file in row_files}
+    theirs = {}
+    for row_file in row_files:
+        there = row_file if part == DATA_FILE else sidecar_name(part, row_file)
+        record = source.manifest.row_file(there)
+        if record is None:
+            return None
+        theirs[sidecar_name(name, row_file)] = (there, record)
+    return theirs
 
 
-def _same_row_files(parts: Parts, source: SharedRows, index: int, name: str,
-                    row_files: Sequence[str]) -> bool:
-    """Whether data file ``index`` of ``source``, whose bytes are the part ``name`` already
-    taken from another entry, has the same row files too: two data files may hold the same
-    pixels for rows of other files (other identities, other stats)."""
-    theirs = _row_file_names(source, index, row_files)
-    return all((record := source.manifest.row_file(theirs[row_file])) is not None
-               and record.checksum == parts.sidecars[sidecar_name(name, row_file)].checksum
-               for row_file in row_files)
+def _place(parts: Parts, source: SharedRows, dst: np.ndarray, file: int,
+           rows: np.ndarray) -> None:
+    parts.where[dst, 0] = file
+    parts.where[dst, 1] = rows
+    parts.shared[source.key] = parts.shared.get(source.key, 0) + len(dst)
 
 
-def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int, name: str,
-         row_files: Sequence[str]) -> bool:
-    """Open data file ``index`` of ``source`` as the part ``name`` with its ``row_files``
-    (linked while links work); False when it cannot be opened, fails its checks or lacks
-    one of those row files."""
-    manifest = source.manifest
-    theirs = _row_file_names(source, index, row_files)
-    records = {row_file: manifest.row_file(name_there) for row_file, name_there
-               in theirs.items()}
-    if any(record is None for record in records.values()):
-        return False
+def _take(parts: Parts, directory: _fs.DirHandle, offer: _Offer) -> None:
+    """Open ``offer``'s file from its first lender that can open it, as a part (linked
+    while links work), and place the rows of every lender there."""
+    opened = False
+    for source, index, dst, at in offer.lenders:
+        if not opened:
+            try:
+                opened = _add(parts, directory, source, index, offer)
+            finally:
+                source.release()
+            if not opened:
+                continue
+        _place(parts, source, dst, len(parts.names), at)
+
+
+def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
+         offer: _Offer) -> bool:
+    """Open data file ``index`` of ``source`` as the part ``offer.name`` with its row files
+    (linked while links work); False when it cannot be opened or fails its checks."""
     try:
         f, offset = source.open_data(index)
     except (OSError, ValueError):
         return False
-    parts.names.append(name)
-    parts.records.append(manifest.data_files[index])
+    parts.names.append(offer.name)
+    parts.records.append(source.manifest.data_files[index])
     parts.opened.append((f, offset))
-    mine = {sidecar_name(name, row_file): (theirs[row_file], records[row_file])
-            for row_file in row_files}
-    parts.sidecars.update((here, record) for here, (_, record) in mine.items())
+    parts.sidecars.update((here, record) for here, (_, record) in offer.row_files.items())
     if parts.linked:  # only this user's files: no other member can change what we share
-        parts.linked = _link(directory, f, name) and all(
+        parts.linked = _link(directory, f, offer.name) and all(
             _link_row_file(directory, source, there, record, here)
-            for here, (there, record) in mine.items())
+            for here, (there, record) in offer.row_files.items())
     return True
+
+
+def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
+          template: tuple[tuple[int, ...], np.dtype]) -> None:
+    """Copy the rows of ``offers`` into :data:`COPIES_FILE` (in the order it reaches them),
+    from each lender's file in turn, each closed before the next is opened."""
+    shape, dtype = template
+    out = arrays.create_array(directory, COPIES_FILE, (sum(o.rows for o in offers), *shape),
+                              dtype, align=PAGE_BYTES)
+    step = copy_step(out.nbytes // max(1, len(out)))
+    for offer in offers:
+        copied = False
+        for source, index, dst, at in offer.lenders:
+            try:
+                f, offset = source.open_data(index)
+            except (OSError, ValueError):
+                continue
+            finally:
+                source.release()
+            with f:
+                rows = _mapped(f, offset, source.manifest.data_files[index])
+                for start in range(0, len(at), step):
+                    chunk = at[start:start + step]
+                    first = parts.copies + start
+                    out[first:first + len(chunk)] = rows[chunk]
+                del rows
+            _place(parts, source, dst, COPIED, parts.copies + np.arange(len(dst)))
+            parts.copies += len(dst)
+            copied = True
+        parts.copied_files += copied
+    del out
+    if not parts.copies:  # (no file could be opened: their rows are decoded)
+        directory.unlink(COPIES_FILE)
 
 
 def _link(directory: _fs.DirHandle, f: BinaryIO, name: str) -> bool:
@@ -265,7 +371,7 @@ def _link_row_file(directory: _fs.DirHandle, source: SharedRows, there: str,
                    record: FileRecord, here: str) -> bool:
     """Link the row file ``there`` of ``source`` as ``here``, if its size is its record's."""
     try:
-        with source.directory.open_file(there) as f:
+        with source.open_file(there) as f:
             return os.fstat(f.fileno()).st_size == record.bytes and _link(directory, f, here)
     except OSError:
         return False

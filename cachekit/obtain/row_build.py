@@ -155,6 +155,11 @@ class RowBuild:
                                        link=not call.contiguous)
                 donors.say_shared(self.key, found, len(values), held.shared,
                                   copied=call.contiguous)
+                if held.copied_files and held.linked:
+                    say(f"entry {self.key[:12]}: its rows are in "
+                        f"{len(held.names) + held.copied_files} files of other entries; "
+                        f"links {len(held.names)} of them and copies the rows of the "
+                        f"{held.copied_files} that hold the fewest into its own file")
         finally:
             if aside is not None:
                 aside.drop()
@@ -179,11 +184,8 @@ class RowBuild:
                         "linked here (another filesystem, another user's files, or a file "
                         "it could not open); copied its rows into one file instead")
                 held.materialize(current.dir)
-            elif len(held.names) > parts.LINKED_PARTS:
-                say(f"entry {self.key[:12]}: its rows are in {len(held.names)} files of other "
-                    f"entries; links at most {parts.LINKED_PARTS} of them and copies the rows "
-                    "of those that hold the fewest into its own file")
-                held.compact(current.dir, parts.LINKED_PARTS)
+            else:  # (the rows it copied join those it decoded)
+                held.compact(current.dir, keep=len(held.names))
         failure = None
         if filled.failures and call.on_error == "raise":
             failure = ImageDecodeError(filled.failures, len(values), os.getcwd())

@@ -172,6 +172,8 @@ class RowRequest:
             if source is not None:
                 source.close()
             return
+        if source is not None:
+            source.store = None  # no longer under its key: its handle is kept, not let go of
         if stale:
             self.store.forget_record(STALE, self.key)
         from .row_build import SetAside

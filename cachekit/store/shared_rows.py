@@ -6,11 +6,14 @@ them again (:mod:`cachekit.store.row_index` says which entries may hold them). T
 is opened once, through one handle on its directory: its manifest is read and checked (its
 signature too when ``CACHEKIT_SIGNING_KEY`` is set) and must name the recipe; its row
 identities (and a derived entry's row map) are read whole and must match their checksums
-in the manifest. A data file is opened through that handle only when a build links it
+in the manifest. A data file is opened through that handle only when a build links or copies it
 (:meth:`SharedRows.open_data`), and its header and size must be the manifest's; the link is
 then made from the open file itself (:meth:`cachekit._fs.DirHandle.link_open_file`), so
 the entry may be cleared or pruned at any moment and no path is followed that another
-process could swap.
+process could swap. A build may share rows with hundreds of entries, more than a process
+may hold open: it lets go of each handle once the entry's rows are read
+(:meth:`SharedRows.release`), and a later open of one of its files opens the entry again,
+which must then be the very entry read (its directory and manifest the same files).
 
 What an entry's checked files say is kept for the process's next builds (the
 :data:`MEMO_BYTES` last read): ten folds of one column open the same entry ten times, and
@@ -52,10 +55,17 @@ class SharedRows:
 
     key: str
     manifest: Manifest
-    directory: _fs.DirHandle
+    directory: Optional[_fs.DirHandle]
+    """The entry's open directory; None once :meth:`release` let go of it."""
     ids: np.ndarray
     stats: Optional[np.ndarray]
     where: Optional[np.ndarray] = None
+    store: Optional[LocalStore] = None
+    """Where the entry was opened from by its key, to open it again after
+    :meth:`release`; None for an entry that is no longer under its key (one set aside to be
+    built again), whose handle is kept."""
+    stamp: tuple[Any, ...] = ()
+    """What the entry was when its rows were read (:func:`_stamp`)."""
 
     @cached_property
     def failed(self) -> np.ndarray:
@@ -74,20 +84,51 @@ class SharedRows:
         manifest's: (the file, the byte its rows start at). OSError or CacheCorruptError
         when it is gone or differs."""
         record = self.manifest.data_files[index]
-        f = self.directory.open_file(record.name)
+        directory = self._opened()
+        f = directory.open_file(record.name)
         try:
             if os.fstat(f.fileno()).st_size != record.bytes:
-                raise CacheCorruptError(self.directory.path / record.name,
+                raise CacheCorruptError(directory.path / record.name,
                                         "size differs from the manifest's")
-            offset = arrays.check_header(f, self.directory.path / record.name, record.shape,
+            offset = arrays.check_header(f, directory.path / record.name, record.shape,
                                          record.np_dtype)
         except BaseException:
             f.close()
             raise
         return f, offset
 
+    def open_file(self, name: str) -> BinaryIO:
+        """The entry's file ``name``, open for reading (OSError when it is gone)."""
+        return self._opened().open_file(name)
+
+    def release(self) -> None:
+        """Close the entry's directory, if it can be opened again by its key: what was read
+        of it stays, and :meth:`open_data` and :meth:`open_file` open it again."""
+        if self.store is not None and self.directory is not None:
+            self.directory.close()
+            self.directory = None
+
+    def _opened(self) -> _fs.DirHandle:
+        """The entry's directory, opened again after :meth:`release` if need be: the entry
+        now under the key must be the one read, or FileNotFoundError."""
+        if self.directory is not None:
+            return self.directory
+        assert self.store is not None
+        entry = _open_entry(self.store, self.key)
+        try:
+            if _stamp(entry, self.key) != self.stamp:
+                raise FileNotFoundError(f"entry {self.key[:12]} changed since its rows were "
+                                        "read")
+        except BaseException:
+            entry.close()
+            raise
+        self.directory = entry
+        return entry
+
     def close(self) -> None:
-        self.directory.close()
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
 
     def __enter__(self) -> "SharedRows":
         return self
@@ -124,12 +165,11 @@ def open_shared_rows(store: LocalStore, key: str, recipe: str) -> Optional[Share
     """The committed entry ``key`` of ``recipe`` opened to share rows, or None when it is
     gone, is of another recipe, lists no row identities, or fails any check."""
     try:
-        with store.layout.open_folder("entries") as entries:
-            entry = entries.child(key)
+        entry = _open_entry(store, key)
     except OSError:
         return None
     try:
-        checked = _checked(entry, key)
+        checked, stamp = _checked(entry, key)
         reuse = checked.manifest.reuse
         if reuse is None or reuse.recipe != recipe:
             raise ValueError("not rows of this recipe")
@@ -139,21 +179,28 @@ def open_shared_rows(store: LocalStore, key: str, recipe: str) -> Optional[Share
     except BaseException:
         entry.close()
         raise
-    return SharedRows(key, checked.manifest, entry, checked.ids, checked.stats, checked.where)
+    return SharedRows(key, checked.manifest, entry, checked.ids, checked.stats, checked.where,
+                      store, stamp)
 
 
-def _checked(entry: _fs.DirHandle, key: str) -> _Checked:
+def _open_entry(store: LocalStore, key: str) -> _fs.DirHandle:
+    with store.layout.open_folder("entries") as entries:
+        return entries.child(key)
+
+
+def _checked(entry: _fs.DirHandle, key: str) -> tuple[_Checked, tuple[Any, ...]]:
     """The manifest and row files of the open entry ``key``: read and checked, or as the
-    process read them before when they and the directory are the same files, unchanged."""
+    process read them before when they and the directory are the same files, unchanged;
+    and the entry's stamp, taken before they were read."""
     stamp = _stamp(entry, key)
     known = _memo.get(stamp)
     if known is not None and _row_file_stamps(entry, known.manifest) == known.files:
-        return known
+        return known, stamp
     checked = _read(entry, key)
     if _stamp(entry, key) == stamp and \
             _row_file_stamps(entry, checked.manifest) == checked.files:  # none changed meanwhile
         _memo.put(stamp, checked)
-    return checked
+    return checked, stamp
 
 
 def _read(entry: _fs.DirHandle, key: str) -> _Checked:
