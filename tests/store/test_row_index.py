@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -111,6 +112,31 @@ def test_shared_rows_are_refused_when_any_row_file_disagrees_with_the_manifest(t
     ids.write_bytes(bytes(raw))
     assert open_shared_rows(store, entry.key, recipe) is None
     assert open_shared_rows(store, "5" * 32, recipe) is None  # no such entry
+
+
+def test_an_entry_let_go_of_is_opened_again_only_if_it_is_the_entry_read(tmp_path):
+    """A build lets go of each entry it shares rows with once their rows are read: a file
+    opened later comes from that very entry, never from one built since under its key."""
+    cache = cachekit.Cache(tmp_path / "cache", workers=1, progress=False)
+
+    def build() -> cachekit.Entry:
+        return cache.map(lambda v: np.full(3, v, np.int16), pd.Series(range(20)), version="1")
+
+    entry = build()
+    store = LocalStore(tmp_path / "cache")
+    recipe = manifests.read(entry.path).reuse.recipe
+    with open_shared_rows(store, entry.key, recipe) as source:
+        source.release()
+        assert source.directory is None
+        data, _ = source.open_data(0)  # the same entry: opened again
+        data.close()
+        source.release()
+        cache.clear(entry.key)
+        assert build().key == entry.key  # built again: another entry under the key
+        with pytest.raises(FileNotFoundError, match="changed since its rows were read"):
+            source.open_data(0)
+        with pytest.raises(FileNotFoundError):
+            source.open_file(manifests.ROW_IDS_FILE)
 
 
 def test_an_entry_opened_again_is_read_again_only_when_its_files_or_the_signing_key_changed(
