@@ -75,6 +75,8 @@ class Donors:
     template: Optional[tuple[tuple[int, ...], np.dtype]] = None
     failed_before: int = 0
     changed: int = 0
+    unopened: int = 0
+    """Rows left to compute that the row index says are held by ``skipped`` entries."""
 
     @property
     def rows(self) -> int:
@@ -103,6 +105,7 @@ def find(store: LocalStore, key: str, rows: Rows,
     found = Donors()
     remaining = np.ones(len(rows.ids), dtype=bool)
     changed = np.zeros(len(rows.ids), dtype=bool)
+    unopened = np.zeros(len(rows.ids), dtype=bool)
     failed_ids: list[np.ndarray] = []
     wanted = None if template is None else (tuple(template[0]), np.dtype(template[1]))
     index_skipped: list[str] = []
@@ -145,6 +148,7 @@ def find(store: LocalStore, key: str, rows: Rows,
                                                                    rows.recipe)
             if source is None:
                 found.skipped.append(match.key)
+                unopened[match.dst] = True
                 continue
             source.release()  # (hundreds may lend rows: no handle kept on any)
             offer(source, match.src, match.dst)
@@ -159,6 +163,7 @@ def find(store: LocalStore, key: str, rows: Rows,
     failed = _held(rows.ids, remaining, failed_ids)
     found.failed_before = int(failed.sum())
     found.changed = int((changed & remaining & ~failed).sum())
+    found.unopened = int((unopened & remaining & ~failed & ~changed).sum())
     return found
 
 
@@ -228,18 +233,20 @@ def say_shared(key: str, found: Donors, rows: int, taken: dict[str, int],
     """Say on stderr how many rows the build shares (or with ``copied``, copies: a
     contiguous build) and with how many entries (``taken``: the rows it took from each, by
     key), and what the rows it decodes are: new, failed in the entry that holds them,
-    changed, or held in a file it could not open or check; and which files of the row
-    index it skipped."""
+    changed, or held in an entry or a file it could not open or check; and which files of
+    the row index it skipped."""
     if found.index_note:
         say(found.index_note, always=True)
-    if found.donors:
+    if found.donors or found.unopened:
         shared = sum(taken.values())
-        new = rows - found.rows - found.failed_before - found.changed
+        new = rows - found.rows - found.failed_before - found.changed - found.unopened
         parts = [count(new, "new row")] if new else []
         if found.failed_before:
             parts.append(f"{found.failed_before} that failed before")
         if found.changed:
             parts.append(f"{found.changed} whose files changed")
+        if found.unopened:
+            parts.append(f"{found.unopened} in entries it could not open or check")
         if found.rows > shared:
             parts.append(f"{found.rows - shared} in files it could not open or check")
         rest = "decoding " + " and ".join(parts) if parts else "nothing left to decode"

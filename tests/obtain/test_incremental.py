@@ -597,6 +597,23 @@ def test_rows_in_a_file_that_fails_its_check_are_decoded_and_the_build_says_so(
             pictures, range(0, 40, 2)), 8).array))
 
 
+def test_rows_of_an_entry_that_fails_its_checks_are_decoded_and_the_build_says_so(
+        cache_root, pictures, capsys, decodes):
+    """The row index still names the entry, so the build knows whose rows they were."""
+    quiet = cachekit.Cache(cache_root, workers=1, progress=False)
+    full = quiet.images(column(pictures, range(30)), 8)
+    ids = full.path / manifests.ROW_IDS_FILE
+    ids.write_bytes(ids.read_bytes()[:-1] + bytes([ids.read_bytes()[-1] ^ 1]))
+    decodes.take()
+    fold = cachekit.Cache(cache_root, workers=1, progress=True).images(
+        column(pictures, range(0, 40, 2)), 8)
+    assert counts(fold) == (20, 0, 0) and len(decodes.take()) == 20
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"entry {fold.key[:12]}: decoding 5 new rows and 15 in entries it could not "
+            "open or check") in err
+    assert f"entry {full.key[:12]} is gone or failed its checks" in err
+
+
 def test_an_entry_downloaded_from_a_remote_tier_lends_its_rows(tmp_path, pictures, decodes):
     remote = (tmp_path / "bucket").as_uri()
     host_a = cachekit.Cache(tmp_path / "a", remote=remote, workers=1, progress=False)
