@@ -329,34 +329,41 @@ import json, os, resource, sys
 import pandas as pd
 import cachekit
 
-root, paths = sys.argv[1], json.loads(sys.argv[2])
+root, paths, contiguous = sys.argv[1], json.loads(sys.argv[2]), sys.argv[4] == "1"
 cache = cachekit.Cache(root, workers=1, executor="threads")  # (saying what it does)
 spare = int(sys.argv[3])  # files it may open beyond those it has open now
 limit = len(os.listdir("/proc/self/fd")) + spare
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-entry = cache.images(pd.Series(paths, name="img_path"), 8)
+entry = cache.images(pd.Series(paths, name="img_path"), 8, contiguous=contiguous)
 print(json.dumps([entry.key, entry.rows_decoded, entry.rows_reused]))
 """
 
 
+@pytest.mark.parametrize("contiguous", [False, True], ids=["linked", "contiguous"])
 def test_a_build_that_shares_rows_with_more_entries_than_it_may_open_files_copies_them(
-        cache, cache_root, pictures, tmp_path):
-    """A union of 60 entries of two rows, in a process that may open 40 more files: it
-    holds no entry open while it finds them, and opens their files one at a time beyond
-    the few it links, so it shares every row and decodes none."""
-    for start in range(0, N, 2):
+        cache, cache_root, pictures, tmp_path, contiguous):
+    """The union of 55 entries of two rows and 10 new rows, in a process that may open 40
+    more files: it holds no entry open while it finds them, and opens their files one at
+    a time beyond the few it links (or, for a contiguous entry, the few it copies from
+    last), so it shares every row they hold and decodes only the new ones."""
+    for start in range(0, N - 10, 2):
         cache.images(column(pictures, range(start, start + 2)), 8)
     run = subprocess.run([sys.executable, "-c", UNION_UNDER_A_FILE_LIMIT, str(cache_root),
-                          json.dumps(pictures), "40"], capture_output=True, text=True,
-                         timeout=300)
+                          json.dumps(pictures), "40", str(int(contiguous))],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     key, decoded, reused = json.loads(run.stdout)
-    assert (decoded, reused) == (0, N), run.stderr
-    assert "could not open" not in run.stderr and "links 1 of them and copies the rows of " \
-        "the 59 that hold the fewest" in run.stderr
+    assert (decoded, reused) == (10, N - 10), run.stderr
+    said = " ".join(run.stderr.split())
+    assert "could not open" not in said and ("copying 110 rows from 55 entries" in said
+                                             if contiguous else
+                                             "links 1 of them and copies the rows of the 54 "
+                                             "that hold the fewest" in said), said
     union = cache.images(column(pictures, range(N)), 8)
-    assert union.key == key and union.outcome == "hit"
-    assert len([name for name in data_files(union) if name != manifests.DATA_FILE]) == 1
+    assert union.key == key and union.outcome == "hit" and union.contiguous == contiguous
+    parts_linked = [name for name in data_files(union) if name != manifests.DATA_FILE]
+    assert len(parts_linked) == (0 if contiguous else 1)
+    assert own_rows(union) == (N if contiguous else N - 2)
     assert not any(".npy." in p.name for p in union.path.iterdir())  # (nothing left over)
     np.testing.assert_array_equal(np.asarray(union.array),
                                   fresh(tmp_path, column(pictures, range(N))))
