@@ -19,9 +19,10 @@ opened: the entry is then one data file, as a fresh build makes.
 
 A build links at most :data:`LINKED_PARTS` files, chosen before any is opened
 (:func:`parts_to_keep`); the rows of the others are copied before it decodes, one file
-open at a time, and joined to the rows it decodes in its own file (:meth:`Parts.compact`).
-So a build that shares rows with hundreds of entries holds a few dozen files open, not
-hundreds (a process may open 1,024 files on most systems).
+open at a time, into the file that becomes its own data file once the rows it decodes are
+copied in beside them (:meth:`Parts.compact`): each row is written there once. So a build
+that shares rows with hundreds of entries holds a few dozen files open, not hundreds (a
+process may open 1,024 files on most systems).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ this, the rows of the parts that hold the fewest of its rows are copied into its
 OWN_FILE = "data.npy.own"
 """The build's decoded rows while :meth:`Parts.compact` copies rows into place."""
 COPIES_FILE = "data.npy.copies"
-"""The rows a build copies from the files it does not link, until :meth:`Parts.compact`
-joins them to its own."""
+"""The build's own data file to be, while it holds only the rows copied from files it does
+not link: :meth:`Parts.compact` copies the decoded rows in and renames it ``data.npy``."""
 COPIED = -2
 """The file of a row copied into :data:`COPIES_FILE`, in :attr:`Parts.where`."""
 
@@ -70,10 +71,12 @@ class Parts:
     shared: dict[str, int] = field(default_factory=dict)
     sidecars: dict[str, FileRecord] = field(default_factory=dict)
     """Each part's row files (identities, stats) by their name here, with their record."""
-    copies: int = 0
-    """Rows in :data:`COPIES_FILE` (until :meth:`compact`)."""
+    copies: Optional[np.ndarray] = None
+    """:data:`COPIES_FILE` mapped for writing (until :meth:`compact`): a slot for each of
+    ``copies_rows``, the rows its own data file will hold (ascending)."""
+    copies_rows: Optional[np.ndarray] = None
     copied_files: int = 0
-    """The donor files they were copied from."""
+    """The donor files rows were copied from."""
 
     @property
     def todo(self) -> np.ndarray:
@@ -89,7 +92,7 @@ class Parts:
     def derived(self) -> bool:
         """Whether any row is another entry's (linked, or copied and not yet joined to the
         build's own rows)."""
-        return bool(self.names) or self.copies > 0
+        return bool(self.names) or self.copies is not None
 
     def own(self) -> None:
         """Number the decoded rows (``todo``) as the rows of the build's own data file, and
@@ -116,7 +119,7 @@ class Parts:
         """The row map as the entry stores it (after :meth:`own`, and :meth:`compact` if
         rows were copied): files numbered as its data files are listed, its own first if it
         has one."""
-        assert not self.copies, "the copied rows are not in a data file of the entry yet"
+        assert self.copies is None, "the copied rows are not in a data file of the entry yet"
         where = self.where if self.has_own else self.where - (1, 0)
         return np.ascontiguousarray(where, dtype="<u4")
 
@@ -129,14 +132,14 @@ class Parts:
 
     def compact(self, directory: _fs.DirHandle, keep: int) -> None:
         """Keep at most ``keep`` parts, and copy the rows of the others, with the rows the
-        build decoded and those it copied before (:data:`COPIES_FILE`), into a new
-        ``data.npy`` of the build in row order; unlink the parts it drops and close their
-        files (call after :meth:`own`). Nothing to do when it has ``keep`` parts or fewer
-        and copied no row.
+        build decoded, into its own ``data.npy`` in row order: into :data:`COPIES_FILE`,
+        beside the rows copied there before, which then becomes ``data.npy``; or into a new
+        file. Unlink the parts it drops and close their files (call after :meth:`own`).
+        Nothing to do when it has ``keep`` parts or fewer and copied no row.
 
         Which parts it keeps: :func:`parts_to_keep`."""
         n = len(self.names)
-        if n <= keep and not self.copies:
+        if n <= keep and self.copies is None:
             return
         fileno = np.where(self.where[:, 0] == COPIED, n + 1, self.where[:, 0])
         held = np.bincount(fileno, minlength=n + 2)[1:n + 1]
@@ -145,30 +148,36 @@ class Parts:
         renumber[kept + 1] = np.arange(1, len(kept) + 1)
         ours = np.flatnonzero(renumber[fileno] == 0)
         dropped = np.setdiff1d(np.arange(n), kept)
-        own, copies = self.has_own, self.copies > 0
-        if own:
+        own, out = self.has_own, self.copies
+        if out is None and own:
             directory.rename(DATA_FILE, directory, OWN_FILE)
         files: list[Optional[np.ndarray]] = [None] * (n + 2)  # only those it copies from
         if own:
-            files[0] = arrays.open_readonly(directory, OWN_FILE)
+            files[0] = arrays.open_readonly(directory, OWN_FILE if out is None else DATA_FILE)
         for i in dropped:
             files[i + 1] = _mapped(*self.opened[i], self.records[i])
-        if copies:
-            files[n + 1] = arrays.open_readonly(directory, COPIES_FILE)
-        some = next(f for f in files if f is not None)
-        files = [np.empty((0, *some.shape[1:]), some.dtype) if f is None else f for f in files]
-        view = RowView(files, np.stack([fileno, self.where[:, 1]], axis=1))
-        out = arrays.create_array(directory, DATA_FILE, (len(ours), *view.shape[1:]),
-                                  view.dtype, align=PAGE_BYTES)
-        step = copy_step(view.nbytes // max(1, len(view)))
-        for start in range(0, len(ours), step):
-            out[start:start + step] = view.take(ours[start:start + step])
+        if out is not None:  # it has a slot for each of ours: fill the others'
+            assert np.array_equal(ours, self.copies_rows)
+            todo = ours[fileno[ours] != n + 1]
+            slots = np.searchsorted(ours, todo)
+        else:
+            some = next(f for f in files if f is not None)
+            out = arrays.create_array(directory, DATA_FILE, (len(ours), *some.shape[1:]),
+                                      some.dtype, align=PAGE_BYTES)
+            todo, slots = ours, np.arange(len(ours))
+        empty = np.empty((0, *out.shape[1:]), out.dtype)
+        view = RowView([empty if f is None else f for f in files],
+                       np.stack([fileno, self.where[:, 1]], axis=1))
+        step = copy_step(out.nbytes // max(1, len(out)))
+        for start in range(0, len(todo), step):
+            out[slots[start:start + step]] = view.take(todo[start:start + step])
         arrays.flush(out)
-        del out, view, files, some
-        for name, made in ((OWN_FILE, own), (COPIES_FILE, copies)):
-            if made:
-                directory.unlink(name)
-        self.copies = 0
+        del out, view, files
+        if self.copies is not None:
+            self.copies = self.copies_rows = None
+            directory.rename(COPIES_FILE, directory, DATA_FILE)  # (over the decoded rows)
+        elif own:
+            directory.unlink(OWN_FILE)
         self.where[:, 0] = renumber[fileno]
         self.where[ours, 1] = np.arange(len(ours))
         for i in dropped:
@@ -184,6 +193,7 @@ class Parts:
         for f, _ in self.opened:
             f.close()
         self.opened.clear()
+        self.copies = self.copies_rows = None
 
 
 def parts_to_keep(held: np.ndarray, keep: int) -> np.ndarray:
@@ -332,11 +342,15 @@ def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
 
 def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
           template: tuple[tuple[int, ...], np.dtype]) -> None:
-    """Copy the rows of ``offers`` into :data:`COPIES_FILE` (in the order it reaches them),
-    from each lender's file in turn, each closed before the next is opened."""
+    """Copy the rows of ``offers`` from each lender's file in turn (each closed before the
+    next is opened) into :data:`COPIES_FILE`, which has a slot for each row its own data
+    file will hold, in row order: every row not in a part, or every row when the parts are
+    not linked (the caller materializes)."""
     shape, dtype = template
-    out = arrays.create_array(directory, COPIES_FILE, (sum(o.rows for o in offers), *shape),
-                              dtype, align=PAGE_BYTES)
+    ours = (np.flatnonzero(parts.where[:, 0] < 0) if parts.linked
+            else np.arange(len(parts.where)))
+    out = arrays.create_array(directory, COPIES_FILE, (len(ours), *shape), dtype,
+                              align=PAGE_BYTES)
     step = copy_step(out.nbytes // max(1, len(out)))
     for offer in offers:
         copied = False
@@ -347,19 +361,19 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
                 continue
             finally:
                 source.release()
+            slots = np.searchsorted(ours, dst)
             with f:
                 rows = _mapped(f, offset, source.manifest.data_files[index])
                 for start in range(0, len(at), step):
-                    chunk = at[start:start + step]
-                    first = parts.copies + start
-                    out[first:first + len(chunk)] = rows[chunk]
+                    out[slots[start:start + step]] = rows[at[start:start + step]]
                 del rows
-            _place(parts, source, dst, COPIED, parts.copies + np.arange(len(dst)))
-            parts.copies += len(dst)
+            _place(parts, source, dst, COPIED, slots)
             copied = True
         parts.copied_files += copied
-    del out
-    if not parts.copies:  # (no file could be opened: their rows are decoded)
+    if parts.copied_files:
+        parts.copies, parts.copies_rows = out, ours
+    else:  # (no file could be opened: their rows are decoded)
+        del out
         directory.unlink(COPIES_FILE)
 
 
