@@ -82,6 +82,17 @@ class Donors:
     def rows(self) -> int:
         return sum(len(d.dst) for d in self.donors)
 
+    @property
+    def files(self) -> int:
+        """How many data files (told apart by checksum, as parts are named) hold the rows
+        the donors lend, read from their manifests."""
+        checksums = set()
+        for donor in self.donors:
+            files, _ = donor.source.locate(donor.src)
+            checksums.update(donor.source.manifest.data_files[int(k)].checksum
+                             for k in np.unique(files))
+        return len(checksums)
+
     def close(self) -> None:
         for donor in self.donors:
             donor.source.close()

@@ -99,9 +99,11 @@ class RowBuild:
 
     def computes_nothing(self) -> bool:
         """Whether committed entries of the recipe hold every row of the call (found now,
-        and kept for :meth:`build`) and the call asks for no contiguous copy: the build then
-        only links their files and writes a row map. No file is stat'ed unless they do: a
-        call that goes on to wait for the lock does nothing its builder does again."""
+        and kept for :meth:`build`), in files it may all link (:data:`.parts.LINKED_PARTS`;
+        the rows of more are copied, which may take as long as a build), and the call asks
+        for no contiguous copy: the build then only links their files and writes a row map.
+        No file is stat'ed unless they do: a call that goes on to wait for the lock does
+        nothing its builder does again."""
         self._drop_found()
         if self.call.contiguous or self.aside is not None:
             return False
@@ -284,7 +286,8 @@ class RowBuild:
 
 
 def _holds_all(found: donors.Donors, rows: int) -> bool:
-    return bool(found.donors) and found.rows == rows
+    """Whether ``found`` holds all ``rows`` rows, in files a build may all link."""
+    return bool(found.donors) and found.rows == rows and found.files <= parts.LINKED_PARTS
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

@@ -210,6 +210,23 @@ def test_a_fold_of_committed_rows_neither_takes_nor_waits_for_its_keys_build_loc
     np.testing.assert_array_equal(np.asarray(again.array), fresh(tmp_path, even))
 
 
+def test_a_union_of_more_entries_than_it_links_waits_for_its_keys_build_lock(
+        cache_root, pictures, tmp_path):
+    """Every row is committed, but in 40 files: the rows of those it does not link are
+    copied, which may take as long as a build, so it is built under the key's lock."""
+    cache = cachekit.Cache(cache_root, workers=1, progress=False, lock_timeout=0.5)
+    for start in range(0, 80, 2):
+        cache.images(column(pictures, range(start, start + 2)), 8)
+    union = column(pictures, range(80))
+    key = cachekit.Cache(tmp_path / "elsewhere", workers=1, progress=False).images(
+        union, 8).key
+    with FileLock(str(LocalStore(cache_root).layout.lock_path(key))):
+        with pytest.raises(cachekit.LockTimeout):
+            cache.images(union, 8)
+    built = cache.images(union, 8)
+    assert (built.key, built.rows_decoded, built.rows_reused) == (key, 0, 80)
+
+
 def test_a_call_whose_build_cannot_start_keeps_nothing_open(cache_root, pictures,
                                                              monkeypatch):
     """A fold whose rows are all committed opens their entries before it builds, and a
