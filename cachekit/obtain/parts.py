@@ -34,7 +34,9 @@ from typing import BinaryIO, Optional, Sequence
 import numpy as np
 
 from .. import _fs, arrays
+from ..engine.filling.claimed import QUIET, Report
 from ..engine.filling.plan import PAGE_BYTES
+from ..engine.filling.progress import progress
 from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, part_name, sidecar_name
 from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
@@ -218,14 +220,15 @@ def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
 
 
 def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Sequence[str],
-              *, link: bool) -> Parts:
+              *, link: bool, report: Report = QUIET) -> Parts:
     """Where each of the build's ``rows`` rows is held by ``found``'s donors: the donor data
     files that hold any, at most :data:`LINKED_PARTS` of them (:func:`parts_to_keep` of the
     rows each holds), are opened and (``link``) hard-linked into ``directory`` with their
     ``row_files`` (:data:`~cachekit.store.manifest.SIDECARS`): once a link fails, no more
     are tried (the caller materializes). The rows of the other files are copied into
-    :data:`COPIES_FILE`, one file open at a time. A data file that cannot be opened, fails
-    its checks or lacks one of those row files gives no rows: they are decoded."""
+    :data:`COPIES_FILE`, one file open at a time (shown as ``report`` asks). A data file
+    that cannot be opened, fails its checks or lacks one of those row files gives no rows:
+    they are decoded."""
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
     try:
         offers = _offers(found, row_files)
@@ -236,7 +239,7 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
         others = [offers[i] for i in sorted(set(range(len(offers))) - set(kept.tolist()))]
         if others:
             assert found.template is not None  # (every donor's)
-            _copy(parts, directory, others, found.template)
+            _copy(parts, directory, others, found.template, report)
     except BaseException:
         parts.close()
         raise
@@ -341,7 +344,7 @@ def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
 
 
 def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
-          template: tuple[tuple[int, ...], np.dtype]) -> None:
+          template: tuple[tuple[int, ...], np.dtype], report: Report) -> None:
     """Copy the rows of ``offers`` from each lender's file in turn (each closed before the
     next is opened) into :data:`COPIES_FILE`, which has a slot for each row its own data
     file will hold, in row order: every row not in a part, or every row when the parts are
@@ -352,6 +355,7 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
     out = arrays.create_array(directory, COPIES_FILE, (len(ours), *shape), dtype,
                               align=PAGE_BYTES)
     step = copy_step(out.nbytes // max(1, len(out)))
+    shown = progress(sum(offer.rows for offer in offers), report)
     for offer in offers:
         copied = False
         for source, index, dst, at in offer.lenders:
@@ -366,10 +370,12 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
                 rows = _mapped(f, offset, source.manifest.data_files[index])
                 for start in range(0, len(at), step):
                     out[slots[start:start + step]] = rows[at[start:start + step]]
+                    shown.update(len(at[start:start + step]))
                 del rows
             _place(parts, source, dst, COPIED, slots)
             copied = True
         parts.copied_files += copied
+    shown.close()
     if parts.copied_files:
         parts.copies, parts.copies_rows = out, ours
     else:  # (no file could be opened: their rows are decoded)

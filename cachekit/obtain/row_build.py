@@ -154,7 +154,9 @@ class RowBuild:
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,
-                                       link=not call.contiguous)
+                                       link=not call.contiguous, report=Report(
+                                           progress=settings.progress,
+                                           description="cachekit copying shared rows"))
                 donors.say_shared(self.key, found, len(values), held.shared,
                                   copied=call.contiguous)
                 if held.copied_files and held.linked:

@@ -388,9 +388,10 @@ def test_a_build_that_shares_rows_with_more_entries_than_it_may_open_files_copie
 
 
 def test_the_rows_a_build_copies_are_written_once_beside_the_rows_it_decodes(
-        cache, pictures, tmp_path, monkeypatch):
+        cache, cache_root, pictures, tmp_path, monkeypatch, capsys):
     """The file it copies rows into has a slot for each row of its own data file, and
-    becomes that file once the decoded rows are copied in: no second copy of the rows."""
+    becomes that file once the decoded rows are copied in: no second copy of the rows. A
+    bar shows the copy, as it shows a fill."""
     from cachekit import arrays
 
     for start in range(0, 80, 2):  # 40 entries: more than it links
@@ -399,8 +400,11 @@ def test_the_rows_a_build_copies_are_written_once_beside_the_rows_it_decodes(
     create_array = arrays.create_array
     monkeypatch.setattr(arrays, "create_array", lambda directory, name, shape, *a, **k: (
         made.append((name, shape[0])), create_array(directory, name, shape, *a, **k))[1])
-    union = cache.images(column(pictures, range(90)), 8)
+    capsys.readouterr()
+    union = cachekit.Cache(cache_root, workers=1, progress=True).images(
+        column(pictures, range(90)), 8)
     assert (union.rows_decoded, union.rows_reused) == (10, 80)
+    assert "cachekit copying shared rows: 100%" in capsys.readouterr().err
     # (one two-row part linked; the other 78 rows copied, the 10 decoded)
     assert sorted(made) == [(manifests.DATA_FILE, 10), ("data.npy.copies", 88)]
     assert own_rows(union) == 88 and len(data_files(union)) == 2
