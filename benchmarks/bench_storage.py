@@ -23,6 +23,11 @@ another, and every round works in roots of its own (``Cache(workers=2)``, exact 
   own file) and once with no bound, as before: the files the last entry links, what the
   appends add to the root against the full entry, and the last entry's hit in this
   process (10 of each, taking turns), bounded against unbounded.
+- "union": the N covers as 400 entries of consecutive covers (a class each), then the
+  whole column, a call in the same root under a soft limit of 1,024 open files (a common
+  default): its time against a fresh build of the N covers in a root of its own, the
+  files the process opened at most during it beyond those it held before (sampled every
+  millisecond); it decodes no row (it links 1 file and copies the others' rows).
 - "retry": N covers of which one is a broken file build and fail (the good rows are
   kept), the file is fixed and the call retried: what the retry adds to the root, against
   one row plus the row map (the issue: at most the failed rows plus the map).
@@ -75,6 +80,11 @@ EPOCHS = 10
 """Epochs timed together for one sample of the "read" phase."""
 APPENDS = 200
 """One-row appends the "appends" phase makes (fewer with fewer covers)."""
+UNION_ENTRIES = 400
+"""Entries the "union" phase makes before the union of their rows (fewer with fewer
+covers)."""
+FILE_LIMIT = 1024
+"""The soft limit on open files of many systems, which the union is made under."""
 HIT_PAIRS = 20
 """Pairs of first hits a round of the "hit" phase times: one pair's ratio swings by far more
 than the 5% the issue allows, on a quiet machine too, and the median of 10 pairs still
@@ -281,6 +291,42 @@ def appends(paths: list[str], work: Path) -> dict[str, float]:
     return figures
 
 
+def union(paths: list[str], work: Path) -> dict[str, float]:
+    """The union of many entries' rows (see the module doc)."""
+    import resource
+    import threading
+
+    import pandas as pd
+
+    root = work / "union"
+    count = min(UNION_ENTRIES, len(paths))
+    bounds = [len(paths) * i // count for i in range(count + 1)]
+    for start, end in zip(bounds, bounds[1:]):
+        cache(root).images(pd.Series(paths[start:end]), SIZE)
+    fresh, _ = timed(lambda: cache(work / "union-fresh").images(pd.Series(paths), SIZE))
+    held = most = len(os.listdir("/proc/self/fd"))
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal most
+        while not done.wait(0.001):
+            most = max(most, len(os.listdir("/proc/self/fd")))
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, FILE_LIMIT), hard))
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        seconds, entry = timed(lambda: cache(root).images(pd.Series(paths), SIZE))
+    finally:
+        done.set()
+        watcher.join()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (entry.rows_decoded, entry.rows_reused) == (0, len(paths)), entry
+    return {f"union of {count} entries: call s / fresh build s": seconds / fresh,
+            f"union of {count} entries: files opened at most": most - held}
+
+
 def retry(paths: list[str], work: Path) -> dict[str, float]:
     import cachekit
     import pandas as pd
@@ -406,6 +452,7 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
     phases = {"folds": lambda work, i: folds(paths, work),
               "append": lambda work, i: append(paths, extra, work),
               "appends": lambda work, i: appends(paths, work),
+              "union": lambda work, i: union(paths, work),
               "retry": lambda work, i: retry(paths, work),
               "read": lambda work, i: read(paths, work, repeats),
               "remote": lambda work, i: remote(paths, work, f"{url}/{i}"),

@@ -189,7 +189,9 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
                    "first hit: derived s / contiguous s",
                    "40 appends: files the last entry links, bounded",
                    "40 appends: root growth / full entry, unbounded",
-                   "40 appends: hit of the last entry, bounded / unbounded"):
+                   "40 appends: hit of the last entry, bounded / unbounded",
+                   "union of 60 entries: call s / fresh build s",
+                   "union of 60 entries: files opened at most"):
         assert f"| {figure} |" in result["table"]
     assert all(value > 0 for value in result["rounds"][0].values())
     assert result["rounds"][0]["folds disk / full entry alone"] < 1.5  # the folds link it
@@ -198,6 +200,7 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
     links = [result["rounds"][0][f"40 appends: files the last entry links, {kind}"]
              for kind in ("bounded", "unbounded")]
     assert links[0] <= 32 < links[1] == 40
+    assert result["rounds"][0]["union of 60 entries: files opened at most"] < 60  # not each
     assert (tmp_path / "s.json").exists()
 
 
