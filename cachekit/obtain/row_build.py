@@ -99,11 +99,12 @@ class RowBuild:
 
     def computes_nothing(self) -> bool:
         """Whether committed entries of the recipe hold every row of the call (found now,
-        and kept for :meth:`build`), in files it may all link (:data:`.parts.LINKED_PARTS`;
-        the rows of more are copied, which may take as long as a build), and the call asks
-        for no contiguous copy: the build then only links their files and writes a row map.
-        No file is stat'ed unless they do: a call that goes on to wait for the lock does
-        nothing its builder does again."""
+        and kept for :meth:`build`), in files it may all link (:data:`.parts.LINKED_PARTS`),
+        and the call asks for no contiguous copy: the build then only links their files and
+        writes a row map. No file is stat'ed unless they hold every row: a call that goes on
+        to wait for the lock does nothing its builder does again. Rows in more files are
+        copied, which may take as long as a build: False, and the donors are kept for this
+        call's build, should it make one after the lock."""
         self._drop_found()
         if self.call.contiguous or self.aside is not None:
             return False
@@ -118,7 +119,7 @@ class RowBuild:
         rows, found = self._donors(stated, None, found if stated is rows else None)
         if _holds_all(found, len(rows.ids)):
             self._checked, self._found = rows, found
-            return True
+            return found.files <= parts.LINKED_PARTS
         found.close()
         return False
 
@@ -288,8 +289,7 @@ class RowBuild:
 
 
 def _holds_all(found: donors.Donors, rows: int) -> bool:
-    """Whether ``found`` holds all ``rows`` rows, in files a build may all link."""
-    return bool(found.donors) and found.rows == rows and found.files <= parts.LINKED_PARTS
+    return bool(found.donors) and found.rows == rows
 
 
 def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarray] = None

@@ -211,9 +211,12 @@ def test_a_fold_of_committed_rows_neither_takes_nor_waits_for_its_keys_build_loc
 
 
 def test_a_union_of_more_entries_than_it_links_waits_for_its_keys_build_lock(
-        cache_root, pictures, tmp_path):
+        cache_root, pictures, tmp_path, monkeypatch):
     """Every row is committed, but in 40 files: the rows of those it does not link are
-    copied, which may take as long as a build, so it is built under the key's lock."""
+    copied, which may take as long as a build, so it is built under the key's lock, from
+    the donors found before it (the entries are looked up once)."""
+    from cachekit.obtain import donors
+
     cache = cachekit.Cache(cache_root, workers=1, progress=False, lock_timeout=0.5)
     for start in range(0, 80, 2):
         cache.images(column(pictures, range(start, start + 2)), 8)
@@ -223,8 +226,12 @@ def test_a_union_of_more_entries_than_it_links_waits_for_its_keys_build_lock(
     with FileLock(str(LocalStore(cache_root).layout.lock_path(key))):
         with pytest.raises(cachekit.LockTimeout):
             cache.images(union, 8)
+    finds = []
+    find = donors.find
+    monkeypatch.setattr(donors, "find", lambda *a, **k: (finds.append(1), find(*a, **k))[1])
     built = cache.images(union, 8)
     assert (built.key, built.rows_decoded, built.rows_reused) == (key, 0, 80)
+    assert len(finds) == 1
 
 
 def test_a_call_whose_build_cannot_start_keeps_nothing_open(cache_root, pictures,
