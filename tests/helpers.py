@@ -181,20 +181,39 @@ def build_journal(root: Path) -> Path:
     return journals[0]
 
 
+_PICTURES: dict[tuple[int, tuple[int, int]], Path] = {}
+"""The pictures :func:`write_pictures` encoded, by count and shape, once per process."""
+
+
 def write_pictures(folder: Path, count: int, shape: tuple[int, int] = (10, 12)) -> list[str]:
     """``count`` small PNGs in the new folder ``folder``, picture ``i`` of its own random
-    pixels (seed ``i``), named in order: what incremental builds are tested on."""
+    pixels (seed ``i``), named in order: what incremental builds are tested on. Encoded
+    once per process and copied as new files (a hundred tests ask for the same 120)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    made = _PICTURES.get((count, shape))
+    if made is None:
+        made = Path(tempfile.mkdtemp(prefix="cachekit-test-pictures-")) / "pictures"
+        atexit.register(shutil.rmtree, made.parent, ignore_errors=True)
+        _encode_pictures(made, count, shape)
+        _PICTURES[count, shape] = made
+    folder.mkdir()
+    for i in range(count):
+        shutil.copyfile(made / f"p{i:04d}.png", folder / f"p{i:04d}.png")
+    return [str(folder / f"p{i:04d}.png") for i in range(count)]
+
+
+def _encode_pictures(folder: Path, count: int, shape: tuple[int, int]) -> None:
     import numpy as np
     from PIL import Image
 
     folder.mkdir()
-    paths = []
     for i in range(count):
         rng = np.random.default_rng(i)
-        path = folder / f"p{i:04d}.png"
-        Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(path)
-        paths.append(str(path))
-    return paths
+        Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(
+            folder / f"p{i:04d}.png")
 
 
 def lines_in(path: Path) -> list[str]:
