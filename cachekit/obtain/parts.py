@@ -74,9 +74,8 @@ class Parts:
     sidecars: dict[str, FileRecord] = field(default_factory=dict)
     """Each part's row files (identities, stats) by their name here, with their record."""
     copies: Optional[np.ndarray] = None
-    """:data:`COPIES_FILE` mapped for writing (until :meth:`compact`): a slot for each of
-    ``copies_rows``, the rows its own data file will hold (ascending)."""
-    copies_rows: Optional[np.ndarray] = None
+    """:data:`COPIES_FILE` mapped for writing (until :meth:`compact`): a slot for each row
+    its own data file will hold, in row order (the rows :meth:`compact` copies in)."""
     copied_files: int = 0
     """The donor files rows were copied from."""
 
@@ -159,7 +158,6 @@ class Parts:
         for i in dropped:
             files[i + 1] = _mapped(*self.opened[i], self.records[i])
         if out is not None:  # it has a slot for each of ours: fill the others'
-            assert np.array_equal(ours, self.copies_rows)
             todo = ours[fileno[ours] != n + 1]
             slots = np.searchsorted(ours, todo)
         else:
@@ -176,7 +174,7 @@ class Parts:
         arrays.flush(out)
         del out, view, files
         if self.copies is not None:
-            self.copies = self.copies_rows = None
+            self.copies = None
             directory.rename(COPIES_FILE, directory, DATA_FILE)  # (over the decoded rows)
         elif own:
             directory.unlink(OWN_FILE)
@@ -195,7 +193,7 @@ class Parts:
         for f, _ in self.opened:
             f.close()
         self.opened.clear()
-        self.copies = self.copies_rows = None
+        self.copies = None
 
 
 def parts_to_keep(held: np.ndarray, keep: int) -> np.ndarray:
@@ -377,7 +375,7 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
         parts.copied_files += copied
     shown.close()
     if parts.copied_files:
-        parts.copies, parts.copies_rows = out, ours
+        parts.copies = out
     else:  # (no file could be opened: their rows are decoded)
         del out
         directory.unlink(COPIES_FILE)

@@ -187,7 +187,7 @@ class RowBuild:
                 if not call.contiguous:
                     say(f"entry {self.key[:12]}: the files of the rows it shares cannot be "
                         "linked here (another filesystem, another user's files, or a file "
-                        "it could not open); copied its rows into one file instead")
+                        "removed meanwhile); copied its rows into one file instead")
                 held.materialize(current.dir)
             else:  # (the rows it copied join those it decoded)
                 held.compact(current.dir, keep=len(held.names))
