@@ -198,17 +198,19 @@ class Cache:
 
         ``cachekit clear`` may remove the entry between reading its manifest and opening
         its data, and ``open_entry`` may set it aside to be built again (FileNotFoundError):
-        neither is corruption, so it is obtained again (a rebuild) instead of raising."""
+        neither is corruption, so it is obtained again (the work of both: ``Outcome.after``)."""
         with quiet(self.progress is False), staleness.call_running(), closing(request):
+            earlier: Optional[Outcome] = None
             for attempt in range(_OPEN_ATTEMPTS):
                 outcome = obtain(self._store, request, lock_timeout=self.lock_timeout,
-                                 join=self.join, remote=self._remote_tier())
+                                 join=self.join, remote=self._remote_tier()).after(earlier)
                 try:
                     opened = open_entry(outcome)
                 except (CacheCorruptError, FileNotFoundError):
                     if attempt == _OPEN_ATTEMPTS - 1 or self._store.still_published(
                             outcome.entry):
                         raise
+                    earlier = outcome
                     continue
                 _wandb.report(outcome)  # into the user's active wandb run; never raises
                 if self.max_size is not None and outcome.committed_here:
@@ -264,8 +266,7 @@ class Cache:
         from .admin.removal import removal_for_clear
         from .units import seconds
 
-        if isinstance(keys, str):
-            keys = [keys]
+        keys = [keys] if isinstance(keys, str) else keys
         age = None if older_than is None else seconds(older_than)
         return removal_for_clear(self._store, keys, older_than=age).execute()
 
@@ -282,9 +283,7 @@ class Cache:
         manifest, headers, sizes, data checksums. ``Problem`` (key, path, message) list."""
         from .admin.integrity import verify
 
-        if isinstance(keys, str):
-            keys = [keys]
-        return verify(self._store, keys)
+        return verify(self._store, [keys] if isinstance(keys, str) else keys)
 
 
 MAX_SIZE_ENV = "CACHEKIT_MAX_SIZE"

@@ -5,6 +5,7 @@ returns (:class:`Outcome`): shared by the hit's path (:mod:`.flow`) and the miss
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -43,6 +44,22 @@ class Outcome:
     """Of ``build_seconds``, those spent computing rows of another process's build."""
     waited_for_build: bool = False
     """Whether the entry was published by another process while this call waited."""
+    carried: tuple[int, int] = (0, 0)
+    """Rows decoded and joined by earlier attempts of the same call (:meth:`after`)."""
+
+    def after(self, earlier: Optional["Outcome"]) -> "Outcome":
+        """This outcome, with the work of ``earlier`` (if any) counted in: an attempt of the
+        same call whose entry was then built again (a contiguous copy of its rows, a heal) or
+        removed before it was opened. The rows it decoded were this call's work, though the
+        entry now holds them as a copy."""
+        if earlier is None:
+            return self
+        decoded, joined, _ = earlier.row_counts
+        return dataclasses.replace(
+            self, wait_seconds=self.wait_seconds + earlier.wait_seconds,
+            build_seconds=self.build_seconds + earlier.build_seconds,
+            decode_seconds=self.decode_seconds + earlier.decode_seconds,
+            join_seconds=self.join_seconds + earlier.join_seconds, carried=(decoded, joined))
 
     @property
     def word(self) -> str:
@@ -65,7 +82,17 @@ class Outcome:
         A builder's come from its manifest's origin (a build that resumed dead builds counts
         their rows as joined: other processes decoded them); a joiner decoded the rows it
         filled, and everyone else decoded or copied the rest, counted as joined. They add up
-        to the entry's rows, and are all 0 on a hit."""
+        to the entry's rows, and are all 0 on a hit (unless :attr:`carried` says this call
+        built the entry before it was built again)."""
+        decoded, joined, reused = self._own_row_counts()
+        if self.carried == (0, 0):
+            return decoded, joined, reused
+        rows = self.entry.manifest.rows
+        decoded = min(rows, decoded + self.carried[0])
+        joined = min(rows - decoded, joined + self.carried[1])
+        return decoded, joined, rows - decoded - joined
+
+    def _own_row_counts(self) -> tuple[int, int, int]:
         manifest = self.entry.manifest
         if self.source == "built":
             origin = manifest.origin

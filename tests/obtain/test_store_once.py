@@ -732,23 +732,27 @@ def test_the_budget_counts_shared_bytes_once_and_keeps_what_folds_link(
 
 
 def test_a_fold_sharing_files_larger_than_the_budget_is_copied_so_that_the_root_fits(
-        cache_root, pictures, capsys):
-    """The full entry's file is larger than the budget, and a fold of half its rows links
-    it: evicting every other entry cannot bring the root within the budget, so the fold is
-    built again as a copy of its rows, and then the full entry goes."""
+        cache_root, pictures, capsys, tmp_path):
+    """The full entry's file is larger than the budget, and a fold of half its rows and one
+    new row links it: evicting every other entry cannot bring the root within the budget,
+    so the fold is built again as a copy of its rows, and then the full entry goes. The
+    fold's counts are the call's: the row it decoded before the copy was made."""
+    rows = [*range(0, N - 1, 2), N - 1]
     full = cachekit.Cache(cache_root, workers=1, progress=False).images(
-        column(pictures, range(N)), 8)
-    want = np.array(full.array)[::2]
+        column(pictures, range(N - 1)), 8)
+    want = np.array(full.array)[rows[:-1]]
     budget = root_file_bytes(cache_root) * 3 // 4
     capsys.readouterr()
     tight = cachekit.Cache(cache_root, workers=1, max_size=budget)
-    fold = tight.images(column(pictures, range(0, N, 2)), 8)
+    fold = tight.images(column(pictures, rows), 8)
     assert "copying them into one file of its own" in capsys.readouterr().err
-    assert fold.contiguous and fold.outcome == "built" and fold.rows_decoded == 0
-    np.testing.assert_array_equal(np.asarray(fold.array), want)
+    assert fold.contiguous and fold.outcome == "built"
+    assert (fold.rows_decoded, fold.rows_reused) == (1, len(rows) - 1)
+    np.testing.assert_array_equal(np.asarray(fold.array)[:-1], want)
+    np.testing.assert_array_equal(np.asarray(fold.array), fresh(tmp_path, column(pictures, rows)))
     assert [e.key for e in tight.entries()] == [fold.key]
     assert root_file_bytes(cache_root) <= budget
-    again = tight.images(column(pictures, range(0, N, 2)), 8)
+    again = tight.images(column(pictures, rows), 8)
     assert again.hit and again.contiguous
 
 
