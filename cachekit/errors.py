@@ -74,20 +74,23 @@ class ImageDecodeError(CachekitError, ValueError):
     ``failures`` lists every bad row as ``(row, path, reason)``, not only the first.
     ``rows`` (the column's length) and ``cwd`` (the working directory of the build): when
     every row is a missing file at a relative path, the message names ``cwd``, since the
-    paths were most likely written relative to another directory.
+    paths were most likely written relative to another directory. ``fix``: what to do, when
+    it is not that (every row of a ``map`` with ``on_error="zero"`` failed).
     """
 
     def __init__(self, failures: Sequence[Failure], rows: Optional[int] = None,
-                 cwd: Optional[str] = None) -> None:
+                 cwd: Optional[str] = None, fix: Optional[str] = None) -> None:
         self.failures = [(int(r), redaction.value(p), redaction.text(why))
                          for r, p, why in failures]
-        self.rows, self.cwd = rows, cwd
+        self.rows, self.cwd, self.fix = rows, cwd, fix
         shown = "\n".join(f"  row {r}: {p!r}: {why}" for r, p, why in self.failures[:10])
         more = len(self.failures) - 10
         tail = f"\n  ... and {more} more" if more > 0 else ""
         fix = ("fix or drop these rows, or pass on_error='zero' to store them as zeros; the "
                "rows that decoded are kept, so the next call decodes only these")
-        if self.all_missing_and_relative():
+        if self.fix is not None:
+            fix = self.fix
+        elif self.all_missing_and_relative():
             fix = (f"every path is missing, and every path is relative: they were looked up "
                    f"from the working directory {cwd}; run from the directory they are "
                    "relative to, or give absolute paths (e.g. "
@@ -102,7 +105,7 @@ class ImageDecodeError(CachekitError, ValueError):
             for _, path, why in self.failures))
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.failures, self.rows, self.cwd))
+        return (type(self), (self.failures, self.rows, self.cwd, self.fix))
 
 
 class NotAnArrayError(CachekitError, TypeError):

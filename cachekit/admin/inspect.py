@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
 
 from .. import _fs, processes, units
-from ..errors import CacheCorruptError, OtherFormatError
+from ..errors import CacheCorruptError, InvalidArgument, OtherFormatError
 from ..key_names import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
@@ -340,21 +340,21 @@ def without_other_formats(entries: list[Versioned],
 def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
     """Expand each key or unique key prefix to a full key among ``known``, in order.
 
-    Raises ValueError for text that is not hex or for an ambiguous prefix (naming every
-    match), and KeyError when nothing matches.
+    Raises InvalidArgument (a ValueError) for text that is not hex or for an ambiguous
+    prefix (naming every match), and KeyError when nothing matches.
     """
     known = sorted(set(known))
     resolved: list[str] = []
     for prefix in prefixes:
         text = prefix.lower()
         if not text or len(text) > KEY_HEX_LENGTH or any(c not in string.hexdigits for c in text):
-            raise ValueError(f"not a cache key or key prefix: {prefix!r} "
+            raise InvalidArgument(f"not a cache key or key prefix: {prefix!r} "
                              f"(keys are {KEY_HEX_LENGTH} hex digits, see `cachekit ls`)")
         matches = [k for k in known if k.startswith(text)]
         if not matches:
             raise KeyError(f"no cache entry matches {prefix!r} (see `cachekit ls`)")
         if len(matches) > 1:
-            raise ValueError(f"key prefix {prefix!r} is ambiguous; it matches "
+            raise InvalidArgument(f"key prefix {prefix!r} is ambiguous; it matches "
                              f"{', '.join(matches)}")
         if matches[0] not in resolved:
             resolved.append(matches[0])

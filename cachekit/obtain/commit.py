@@ -173,13 +173,14 @@ def raise_failure_seen_while_waiting(store: LocalStore, key: str, asked: float) 
         if not isinstance(failed_at, (int, float)) or not asked <= failed_at <= time.time():
             return
         rows = [(int(r), str(p), str(why)) for r, p, why in failures]
-        total, cwd = record.get("rows"), record.get("cwd")  # the builder's, for its hint
+        total, cwd, fix = record.get("rows"), record.get("cwd"), record.get("fix")
         if record.get("failed_mask") is not None and isinstance(total, int):
             rows += _undetailed(rows, parse_failed_mask(record["failed_mask"], total, ValueError))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return
     raise ImageDecodeError(rows, total if isinstance(total, int) else None,
-                           cwd if isinstance(cwd, str) else None)
+                           cwd if isinstance(cwd, str) else None,
+                           fix if isinstance(fix, str) else None)  # the builder's hint
 
 
 def _undetailed(detailed: list[Failure], mask: np.ndarray) -> list[Failure]:
@@ -201,7 +202,8 @@ def _record_failure(store: LocalStore, key: str, error: ImageDecodeError) -> Non
         store.write_record(FAILED, key, {"time": time.time(), **processes.owner(),
                                          "failures": [list(f) for f in failed["failed_rows"]],
                                          "failed_mask": failed["failed_mask"],
-                                         "rows": error.rows, "cwd": error.cwd})
+                                         "rows": error.rows, "cwd": error.cwd,
+                                         "fix": error.fix})
     except OSError:
         pass  # waiters then build again and fail the same way: slower, still correct
 

@@ -227,6 +227,11 @@ def test_clear_by_prefix_then_all(cache_root):
     assert cache.entries() == [] and list((cache_root / "tmp").iterdir()) == []
     with pytest.raises(KeyError):
         cache.clear([a.key])
+    for bad in ("zz", "xyz"):  # not hex: an argument error, as every one is
+        with pytest.raises(cachekit.InvalidArgument, match="not a cache key"):
+            cache.clear([bad])
+        with pytest.raises(cachekit.InvalidArgument, match="not a cache key"):
+            cache.verify([bad])
 
 
 def test_clear_older_than_uses_last_use(cache_root):

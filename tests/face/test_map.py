@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import cachekit
 from helpers import assert_cache_as_it_was, load_module
 from cachekit import code_identity, keys
 from cachekit.errors import NotAnArrayError as NotAnArray
@@ -64,6 +65,23 @@ def test_on_error_zero_stores_zeros_and_marks_rows_invalid(cache):
         cache.map(row, pd.Series([0, 1, 2, 3]))
 
 
+def test_on_error_zero_with_every_row_failing_raises_every_failure(cache, cache_root):
+    """No row gives the shape of the zeros to store: an ImageDecodeError (a ValueError, as
+    every error cachekit raises is a CachekitError) that lists each row and says so."""
+    import pickle
+
+    def row(value: int) -> np.ndarray:
+        raise OSError(f"unreadable {value}")
+
+    with pytest.raises(cachekit.ImageDecodeError, match="no row succeeded") as caught:
+        cache.map(row, pd.Series([4, 5, 6]), on_error="zero")
+    assert [(r, why) for r, _, why in caught.value.failures] == [
+        (0, "OSError: unreadable 4"), (1, "OSError: unreadable 5"), (2, "OSError: unreadable 6")]
+    assert "on_error='zero'" not in str(caught.value)  # it was given: not the fix
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)
+    assert list((cache_root / "entries").glob("*")) == []
+
+
 # --- map: failures leave the cache as it was --------------------------------------------------
 
 
@@ -71,7 +89,8 @@ def test_shape_mismatch_names_the_row_and_both_shapes(cache, cache_root):
     def row(value: int) -> np.ndarray:
         return np.zeros(3 if value == 5 else 2)
 
-    with pytest.raises(ValueError, match=r"row 5 gave shape \(3,\).*shape \(2,\)"):
+    with pytest.raises(cachekit.InvalidArgument,
+                       match=r"row 5 gave shape \(3,\).*shape \(2,\)"):
         cache.map(row, pd.Series(range(8)))
     assert_cache_as_it_was(cache_root)
 

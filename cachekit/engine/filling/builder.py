@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ... import _fs, arrays
-from ...errors import Failure, NotAnArrayError, failure
+from ...errors import Failure, ImageDecodeError, NotAnArrayError, failure
 from ...keys import rest_key
 from ..running.executors import RowTask, make_runner
 from ..running.rows import as_row
@@ -308,4 +308,6 @@ def _first_success(values: Sequence[Any], task: RowTask,
             if not task.record_failures or isinstance(exc, NotAnArrayError):
                 raise
             failures.append(failure(row, value, exc))
-    raise ValueError(f"all {len(values)} rows failed; there is nothing to store")
+    raise ImageDecodeError(failures, len(values), fix=(
+        "no row succeeded, so no row gives the shape and dtype of the zeros to store: fix "
+        "the function or the values"))

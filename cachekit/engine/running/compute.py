@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import numpy as np
 
-from ...errors import Failure, NotAnArrayError, failure
+from ...errors import Failure, InvalidArgument, NotAnArrayError, failure
 from .rows import as_row
 
 
@@ -82,7 +82,7 @@ def _compute(row_fn: Callable[[Any], Any], record: bool, values: Sequence[Any], 
         if type(result) is not np.ndarray:
             result = as_row(result)
         if result.shape != shape or result.dtype != dtype:
-            raise ValueError(
+            raise InvalidArgument(
                 f"row {first_row + i} gave shape {result.shape} dtype {result.dtype}, but "
                 f"the rows are shape {shape} dtype {dtype}; every row must have one shape")
         out[i] = result
