@@ -258,6 +258,13 @@ class InvalidArgument(CachekitError, ValueError):
     to pass instead. Also a ``ValueError``, so code that caught that keeps working."""
 
 
+class EntryNotFoundError(InvalidArgument, KeyError):
+    """No entry matches a key or key prefix given to ``clear``, ``verify`` (or a command
+    taking KEYs). Also a ``KeyError``, which it was before it was an argument error."""
+
+    __str__ = Exception.__str__  # the message, not KeyError's quoted repr of it
+
+
 class InvalidArgumentType(CachekitError, TypeError):
     """An argument of a public call has a type cachekit cannot use; the message says what
     to pass instead. Also a ``TypeError``, so code that caught that keeps working."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
 
 from .. import _fs, processes, units
-from ..errors import CacheCorruptError, InvalidArgument, OtherFormatError
+from ..errors import CacheCorruptError, EntryNotFoundError, InvalidArgument, OtherFormatError
 from ..key_names import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
@@ -341,7 +341,8 @@ def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
     """Expand each key or unique key prefix to a full key among ``known``, in order.
 
     Raises InvalidArgument (a ValueError) for text that is not hex or for an ambiguous
-    prefix (naming every match), and KeyError when nothing matches.
+    prefix (naming every match), and EntryNotFoundError (also a KeyError) when nothing
+    matches.
     """
     known = sorted(set(known))
     resolved: list[str] = []
@@ -352,7 +353,7 @@ def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
                              f"(keys are {KEY_HEX_LENGTH} hex digits, see `cachekit ls`)")
         matches = [k for k in known if k.startswith(text)]
         if not matches:
-            raise KeyError(f"no cache entry matches {prefix!r} (see `cachekit ls`)")
+            raise EntryNotFoundError(f"no cache entry matches {prefix!r} (see `cachekit ls`)")
         if len(matches) > 1:
             raise InvalidArgument(f"key prefix {prefix!r} is ambiguous; it matches "
                              f"{', '.join(matches)}")

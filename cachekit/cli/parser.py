@@ -65,7 +65,8 @@ def check_clear_selection(args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def key_errors() -> Iterator[None]:
     """Turn what :func:`cachekit.admin.inspect.resolve_keys` raises for KEY arguments
-    (KeyError: no match; ValueError: not a key, or an ambiguous prefix) into a usage error.
+    (EntryNotFoundError: no match; InvalidArgument: not a key, or an ambiguous prefix) into
+    a usage error.
     Every command that takes KEYs resolves them in this block."""
     try:
         yield

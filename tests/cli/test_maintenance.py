@@ -225,8 +225,9 @@ def test_clear_by_prefix_then_all(cache_root):
     report = cache.clear()
     assert {e.key for e in report.removed_entries} == {b.key, c.key}
     assert cache.entries() == [] and list((cache_root / "tmp").iterdir()) == []
-    with pytest.raises(KeyError):
+    with pytest.raises(cachekit.EntryNotFoundError) as gone:
         cache.clear([a.key])
+    assert isinstance(gone.value, KeyError) and str(gone.value).startswith("no cache entry")
     for bad in ("zz", "xyz"):  # not hex: an argument error, as every one is
         with pytest.raises(cachekit.InvalidArgument, match="not a cache key"):
             cache.clear([bad])

@@ -41,6 +41,8 @@ EXAMPLES = [
     errors.DatasetCorruptError("/r/entries/k/data.npy", "file is missing", True),
     errors.NotAnArrayError("map: f returned list"),
     errors.UsageError("bad flag"),
+    cachekit.EntryNotFoundError("no cache entry matches 'ab12' (see `cachekit ls`)"),
+    cachekit.ImageDecodeError([(0, "4", "OSError: bad")], 1, None, "no row succeeded"),
 ]
 
 
