@@ -34,7 +34,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, BinaryIO, Optional
 
 from .. import liveness
 from ..errors import RemoteWarning
@@ -54,6 +54,8 @@ class _Upload:
     lease: "Lease"
     root: Path
     pid: int
+    opened: dict[str, BinaryIO]
+    """The entry's files, opened when the upload was started (see :func:`start`)."""
     error: Optional[Exception] = None
     done: threading.Event = field(default_factory=threading.Event)
     """Set when the upload has ended and released the lease (a thread's own liveness is no
@@ -88,12 +90,23 @@ def start(remote: "RemoteStore", published: "Published", lease: "Lease", root: P
     """Upload ``published`` (an entry of the local root ``root``) to ``remote`` in a
     background thread, which releases ``lease`` when done: True. False when this process
     could not wait for it at exit (it is shutting down already, or no thread can start):
-    the caller then uploads it itself and still holds the lease."""
-    upload = _Upload(remote, published, lease, root, os.getpid())
+    the caller then uploads it itself and still holds the lease.
+
+    The entry's files are opened here, before the call returns, so that removing the entry
+    from the root meanwhile (``clear``, or the budget's eviction after a later call) does
+    not cut the upload off: it sends the bytes it holds."""
+    from ..store.remote_upload import open_files
+
+    try:
+        opened = open_files(published)
+    except OSError:
+        opened = {}  # the upload opens them itself, and says what it could not open
+    upload = _Upload(remote, published, lease, root, os.getpid(), opened)
     thread = threading.Thread(target=_run, args=(upload,), daemon=True,
                               name=f"cachekit-upload-{upload.key[:12]}")
     with _lock:
         if not _hook_exit():
+            _close(upload)
             return False
         _uploads.append(upload)
     try:
@@ -101,6 +114,7 @@ def start(remote: "RemoteStore", published: "Published", lease: "Lease", root: P
     except RuntimeError:
         with _lock:
             _uploads.remove(upload)
+        _close(upload)
         return False
     return True
 
@@ -141,7 +155,7 @@ def _run(upload: _Upload) -> None:
     try:
         upload.lease.uploading()
         sent: list[int] = []
-        won = upload.remote.upload(upload.published, sent=sent.append)
+        won = upload.remote.upload(upload.published, sent=sent.append, opened=upload.opened)
     except Exception as e:  # whatever it is, it is said, not lost with the thread
         upload.error = e
         with _lock:
@@ -157,11 +171,17 @@ def _run(upload: _Upload) -> None:
             say(f"entry {upload.key[:12]} was on {upload.remote.display} already; "
                  "nothing uploaded", always=True)
     finally:
+        _close(upload)
         upload.lease.release()
         with _lock:
             if upload in _uploads:  # (not after a fork)
                 _uploads.remove(upload)
         upload.done.set()
+
+
+def _close(upload: _Upload) -> None:
+    for f in upload.opened.values():
+        f.close()
 
 
 def _hook_exit() -> bool:

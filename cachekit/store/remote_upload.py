@@ -19,10 +19,11 @@ The functions work on a :class:`~cachekit.store.bucket.Bucket` and the entry lay
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional
 
 from .. import _fs, checksums
 from . import manifest as manifests
@@ -39,8 +40,29 @@ PUBLISH_ATTEMPTS = 2
 OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
 
 
+Opened = Mapping[str, BinaryIO]
+"""An entry's files by name, opened before its upload (:func:`open_files`)."""
+
+
+def open_files(published: Published) -> dict[str, BinaryIO]:
+    """The files of the local entry ``published``, opened now: an upload that runs later
+    (in the background) sends these bytes even if the entry is removed from the root
+    meanwhile (``clear``, ``prune`` or the budget's eviction unlink its files; an open file
+    keeps its bytes). The caller closes them."""
+    opened: dict[str, BinaryIO] = {}
+    try:
+        for record in published.manifest.files:
+            opened[record.name] = _fs.open_regular(published.path / record.name)
+    except BaseException:
+        for f in opened.values():
+            f.close()
+        raise
+    return opened
+
+
 def upload(bucket: Bucket, published: Published, *, progress: bool = False,
-           sent: Optional[Callable[[int], None]] = None) -> bool:
+           sent: Optional[Callable[[int], None]] = None,
+           opened: Optional[Opened] = None) -> bool:
     """Upload a local entry: its data objects under a fresh upload id, then the manifest,
     create-only. True when this call published the remote entry; False when one was
     there already (its own objects are then removed).
@@ -51,14 +73,16 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False,
     --remote``. After a win, the objects are checked once more: a sweep that judged a
     paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
     and the entry uploaded again under a fresh id (once). ``sent(n)`` is told the size of
-    each file sent (not of those the pool held already)."""
+    each file sent (not of those the pool held already). ``opened``: files of the entry
+    opened before (:func:`open_files`), read instead of the entry's paths."""
     manifest = published.manifest
     key = manifest.key
     if lookup(bucket, key) is not None:
         return False
     for attempt in range(1, PUBLISH_ATTEMPTS + 1):
         upload_id = uuid.uuid4().hex
-        won = _publish(bucket, published, upload_id, progress, sent or (lambda n: None))
+        won = _publish(bucket, published, upload_id, progress, sent or (lambda n: None),
+                       opened or {})
         if not won:
             return False
         objects = object_paths(bucket, manifest, upload_id)
@@ -76,7 +100,7 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False,
 
 
 def _publish(bucket: Bucket, published: Published, upload_id: str,
-             progress: bool, sent: Callable[[int], None]) -> bool:
+             progress: bool, sent: Callable[[int], None], opened: Opened) -> bool:
     """Data objects under ``upload_id``, then the manifest naming them, create-only: True
     when ours is the key's manifest now, False when another one is (ours removed)."""
     manifest = published.manifest
@@ -86,7 +110,7 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
         objects = object_paths(bucket, manifest, upload_id)
         try:
             for record, path in zip(manifest.files, objects):
-                if _send(bucket, published, record, path, bar):
+                if _send(bucket, published, record, path, bar, opened):
                     sent(record.bytes)
                 elif bar is not None:
                     bar.update(record.bytes)
@@ -185,16 +209,16 @@ if hasattr(os, "register_at_fork"):
 
 
 def _send(bucket: Bucket, published: Published, record: FileRecord, path: str,
-          bar: Any) -> bool:
+          bar: Any, opened: Opened) -> bool:
     """Send the entry's file ``record`` to ``path``; a pool object only if the pool lacks
     it, looked for and sent under the object's lock. Whether it was sent."""
     if not pooled(published.manifest, record):
-        _put(bucket, published, record, path, bar)
+        _put(bucket, published, record, path, bar, opened)
         return True
     with _pool_object(bucket, path):
         if _holds(bucket, path, record):
             return False
-        _put(bucket, published, record, path, bar)
+        _put(bucket, published, record, path, bar, opened)
         return True
 
 
@@ -208,12 +232,15 @@ def _holds(bucket: Bucket, path: str, record: FileRecord) -> bool:
 
 
 def _put(bucket: Bucket, published: Published, record: FileRecord, path: str,
-         bar: Any) -> None:
-    """Copy one local entry file to ``path``, checking its size against its record, and its
-    checksum on the bytes as they are read: a local file damaged since it was built
-    (CacheCorruptError) is not uploaded, and its manifest is never published."""
+         bar: Any, opened: Opened) -> None:
+    """Copy one local entry file (the one ``opened`` holds, else opened now) to ``path``,
+    checking its size against its record, and its checksum on the bytes as they are read: a
+    local file damaged since it was built (CacheCorruptError) is not uploaded, and its
+    manifest is never published."""
     local = published.path / record.name
-    with _fs.open_regular(local) as f:
+    held = opened.get(record.name)
+    with _fs.open_regular(local) if held is None else contextlib.nullcontext(held) as f:
+        f.seek(0)  # (a held file is read again by a second attempt)
         size = os.fstat(f.fileno()).st_size
         if size != record.bytes:
             raise CacheCorruptError(local, f"file is {size} bytes, "

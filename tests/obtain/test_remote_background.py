@@ -290,3 +290,25 @@ def test_a_second_call_for_the_key_while_its_upload_runs_starts_no_second_upload
     [listed], _, _ = remote.scan()
     assert len(listed.uploads) == 1
     assert capfd.readouterr().err.count(f"uploading entry {first.key[:12]}") == 1
+
+
+def test_an_entry_removed_here_while_its_upload_runs_is_uploaded_whole(
+        s3_env, tmp_path, monkeypatch, capfd):
+    """The upload holds the entry's files from the call on: a clear here (or the budget's
+    eviction after a later call) before it reads them does not cut it off."""
+    from cachekit.store import remote_upload
+
+    gate, lookup = threading.Event(), remote_upload.lookup
+    monkeypatch.setattr(remote_upload, "lookup",
+                        lambda bucket, key: gate.wait(60) and lookup(bucket, key))
+    cache = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    entry = cache.map(row, list(range(ROWS)))
+    assert entry.source == "built"
+    assert [e.key for e in cache.clear([entry.key]).removed_entries] == [entry.key]
+    gate.set()
+    background.wait_all()
+    err = capfd.readouterr().err
+    assert "failed" not in err and f"uploaded entry {entry.key[:12]}" in err, err
+    other = cachekit.Cache(tmp_path / "b", workers=1, progress=False).map(row, list(range(ROWS)))
+    assert other.source == "remote"
+    np.testing.assert_array_equal(np.asarray(other.array), np.stack([row(v) for v in range(ROWS)]))
