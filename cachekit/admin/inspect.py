@@ -349,14 +349,14 @@ def resolve_keys(prefixes: Iterable[str], known: Iterable[str]) -> list[str]:
     for prefix in prefixes:
         text = prefix.lower()
         if not text or len(text) > KEY_HEX_LENGTH or any(c not in string.hexdigits for c in text):
-            raise InvalidArgument(f"not a cache key or key prefix: {prefix!r} "
-                             f"(keys are {KEY_HEX_LENGTH} hex digits, see `cachekit ls`)")
+            raise InvalidArgument(f"not a cache key or key prefix: {prefix!r} (keys are "
+                                  f"{KEY_HEX_LENGTH} hex digits, see `cachekit ls`)")
         matches = [k for k in known if k.startswith(text)]
         if not matches:
             raise EntryNotFoundError(f"no cache entry matches {prefix!r} (see `cachekit ls`)")
         if len(matches) > 1:
             raise InvalidArgument(f"key prefix {prefix!r} is ambiguous; it matches "
-                             f"{', '.join(matches)}")
+                                  f"{', '.join(matches)}")
         if matches[0] not in resolved:
             resolved.append(matches[0])
     return resolved
