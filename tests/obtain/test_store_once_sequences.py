@@ -51,7 +51,7 @@ steps = st.one_of(
        st.sampled_from([None, 24_000, 60_000]))
 @example(1, [("call", [0, 1], False), ("call", [2], False), ("call", [3, 3, 4], False),
              ("union", [0, 1, 2], False), ("clear", 0), ("call", [5, 1, 0], True),
-             ("union", [3, 2, 0, 1], False)], None)  # copies twice; the second lacks a donor
+             ("union", [3, 2, 0, 1], False)], None)  # copies rows twice: before and after a clear
 def test_any_sequence_of_columns_reads_the_pictures_and_decodes_only_rows_no_entry_holds(
         pool, linked_parts, sequence, budget):
     paths, pixels = pool
