@@ -230,8 +230,9 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
     try:
         offers = _offers(found, row_files)
-        kept = parts_to_keep(np.array([offer.rows for offer in offers], dtype=np.int64),
-                             LINKED_PARTS)
+        linkable = np.flatnonzero([offer.linkable for offer in offers])
+        kept = linkable[parts_to_keep(np.array([offers[i].rows for i in linkable],
+                                               dtype=np.int64), LINKED_PARTS)]
         for i in kept:
             _take(parts, directory, offers[i])
         others = [offers[i] for i in sorted(set(range(len(offers))) - set(kept.tolist()))]
@@ -249,10 +250,12 @@ class _Offer:
     """A data file of donors (named by its checksum, as a part) that holds rows of the
     build, with the records of its row files (by their name in the build: name, the name
     in the donor and its record), and each donor that lends it: (the donor, the file's
-    index in its manifest, the build's rows it holds, their rows in the file)."""
+    index in its manifest, the build's rows it holds, their rows in the file). Not
+    ``linkable``: another offer's bytes with other row files; its rows are copied."""
 
     name: str
     row_files: dict[str, tuple[str, FileRecord]]
+    linkable: bool = True
     lenders: list[tuple[SharedRows, int, np.ndarray, np.ndarray]] = field(
         default_factory=list)
 
@@ -264,10 +267,11 @@ class _Offer:
 def _offers(found: Donors, row_files: Sequence[str]) -> list[_Offer]:
     """The data files of ``found``'s donors that hold rows of the build, read from their
     manifests alone (nothing is opened). Two donors may hold the same bytes (a file one
-    links of the other's) and lend them as one; not when the row files of the second's
-    differ (the same pixels for rows of other files, other identities or stats), whose rows
-    are decoded; nor when a donor's manifest lacks one of ``row_files``."""
-    offers: dict[str, _Offer] = {}
+    links of the other's) and lend them as one; with other row files (other identities or
+    stats for the same pixels) they are another offer, not ``linkable``. A donor whose
+    manifest lacks one of ``row_files`` offers nothing: those rows are decoded."""
+    offers: dict[tuple[str, tuple[str, ...]], _Offer] = {}
+    names: set[str] = set()
     for donor in found.donors:
         files, at = donor.source.locate(donor.src)
         for k in np.unique(files):
@@ -276,10 +280,11 @@ def _offers(found: Donors, row_files: Sequence[str]) -> list[_Offer]:
             theirs = _row_files_of(donor.source, index, name, row_files)
             if theirs is None:
                 continue
-            offer = offers.setdefault(name, _Offer(name, theirs))
-            if any(offer.row_files[here][1].checksum != record.checksum
-                   for here, (_, record) in theirs.items()):
-                continue
+            same = (name, tuple(record.checksum for _, record in theirs.values()))
+            offer = offers.get(same)
+            if offer is None:
+                offer = offers[same] = _Offer(name, theirs, linkable=name not in names)
+                names.add(name)
             here = files == k
             offer.lenders.append((donor.source, index, donor.dst[here], at[here]))
     return list(offers.values())

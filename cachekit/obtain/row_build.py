@@ -164,7 +164,7 @@ class RowBuild:
                     say(f"entry {self.key[:12]}: its rows are in "
                         f"{len(held.names) + held.copied_files} files of other entries; "
                         f"links {len(held.names)} of them and copies the rows of the "
-                        f"{held.copied_files} that hold the fewest into its own file")
+                        f"other {held.copied_files} into its own file")
         finally:
             if aside is not None:
                 aside.drop()

@@ -381,8 +381,8 @@ def test_a_build_that_shares_rows_with_more_entries_than_it_may_open_files_copie
     said = " ".join(run.stderr.split())
     assert "could not open" not in said and ("copying 110 rows from 55 entries" in said
                                              if contiguous else
-                                             "links 1 of them and copies the rows of the 54 "
-                                             "that hold the fewest" in said), said
+                                             "links 1 of them and copies the rows of the "
+                                             "other 54" in said), said
     union = cache.images(column(pictures, range(N)), 8)
     assert union.key == key and union.outcome == "hit" and union.contiguous == contiguous
     parts_linked = [name for name in data_files(union) if name != manifests.DATA_FILE]
@@ -1154,6 +1154,27 @@ def test_two_entries_with_the_same_bytes_for_other_rows_never_lend_each_other_id
     with open_shared_rows(LocalStore(cache_root), both.key, recipe) as source:
         expected, _ = keys.row_identities(pd.Series([1, 2, 3, 4, 5, 6]))
         np.testing.assert_array_equal(source.ids[:, :2], expected[:, :2])
+
+
+def test_rows_in_the_same_bytes_as_a_linked_file_but_of_other_stats_are_copied_not_decoded(
+        cache, pictures, tmp_path, capsys):
+    """A file touched (same content, new mtime) and decoded again under validate="stat"
+    makes a data file byte for byte another entry's, with other stats: a part is one file
+    under its name, so a column that needs rows of both links one and copies the other's
+    rows; it decodes none."""
+    first = cache.images(column(pictures, [1, 0]), 8, validate="stat")
+    cache.images(column(pictures, [1, 0, 2, 3]), 8, validate="stat")  # links first's file
+    os.utime(pictures[0], ns=(1, 1))
+    again = cache.images(column(pictures, [1, 0]), 8, validate="stat", contiguous=True)
+    assert again.rows_decoded == 1 and again.key != first.key
+    assert (again.path / manifests.DATA_FILE).read_bytes() == \
+        (first.path / manifests.DATA_FILE).read_bytes()
+    capsys.readouterr()
+    both = cache.images(column(pictures, [0, 1]), 8, validate="stat")
+    assert (both.rows_decoded, both.rows_reused) == (0, 2), capsys.readouterr().err
+    np.testing.assert_array_equal(np.asarray(both.array),
+                                  fresh(tmp_path, column(pictures, [0, 1])))
+    assert cache.verify() == []
 
 
 def test_contiguous_true_says_so_when_the_derived_entry_cannot_be_replaced(
