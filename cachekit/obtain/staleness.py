@@ -5,9 +5,10 @@ With ``validate="path"`` (the default) the key is made from the paths, so a file
 under the same name is a hit and serves the pixels decoded before. An entry records each
 file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
 
-- compares a few rows, picked at random, against the files now (:data:`SAMPLE_ROWS` stats,
-  however many rows the entry has), on the hit's own path: that finds a column that
-  changed in bulk (a data set regenerated, a folder copied over) at once;
+- compares :data:`SAMPLE_ROWS` rows, picked at random (every row of a smaller entry),
+  against the files now, however many rows the entry has, on the hit's own path: that
+  finds a column that changed in bulk (a data set regenerated, a folder copied over) at
+  once;
 - the first time an entry is hit in a process, and on a hit :data:`CONFIRMED_SECONDS` or
   more after its last one (a sweep agent that runs trial after trial in one process),
   starts a background thread that compares every row's file (about 0.5 s for 130k files
@@ -129,7 +130,8 @@ def check(entry_path: Path, manifest: Manifest, paths: Any,
             return  # a hit does not stop for an advisory record
         if recorded.shape != (manifest.rows, 2):
             return
-        rows = np.unique(np.random.default_rng().integers(0, manifest.rows, size=SAMPLE_ROWS))
+        rows = np.sort(np.random.default_rng().choice(
+            manifest.rows, min(SAMPLE_ROWS, manifest.rows), replace=False))
         changed = _changed(rows, recorded, paths, stop_at=1)
         if changed:
             _tell(found, manifest, changed)
