@@ -224,6 +224,8 @@ def read_row_map(entry_dir: Path, manifest: Manifest) -> np.ndarray:
     try:
         with _fs.DirHandle.open(entry_dir) as directory:
             return row_map_at(directory, manifest)
+    except FileNotFoundError:  # (removed since its data files were opened)
+        raise CacheCorruptError(entry_dir / ROW_MAP_FILE, "row map is missing") from None
     except OSError as e:
         if e.errno not in _fs.NOT_A_FILE_ERRNOS:
             raise

@@ -543,6 +543,18 @@ def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, p
         cache.images(column(pictures, range(0, 30)), 8)
 
 
+def test_a_derived_entry_whose_row_map_is_gone_is_corrupt_to_a_dataset_never_an_os_error(
+        cache, pictures):
+    """The map is read after the data files are opened: an entry removed in between (or a
+    map deleted) is a CacheCorruptError, which a Dataset says as a removed entry."""
+    cache.images(column(pictures, range(N)), 8)
+    fold = cache.images(column(pictures, range(0, 30)), 8)
+    dataset = fold.dataset()
+    (fold.path / manifests.ROW_MAP_FILE).unlink()
+    with pytest.raises(cachekit.CacheCorruptError, match="row map is missing"):
+        dataset[0]
+
+
 def test_a_hit_of_a_derived_entry_reads_its_row_map_once_and_a_new_map_again(
         cache, pictures, monkeypatch):
     """The open and the stale-file check both need the map (8 bytes a row): it is read and
