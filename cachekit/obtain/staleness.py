@@ -5,10 +5,9 @@ With ``validate="path"`` (the default) the key is made from the paths, so a file
 under the same name is a hit and serves the pixels decoded before. An entry records each
 file's (size, mtime_ns) when it was built (``row_stats.npy``). A hit then:
 
-- compares :data:`SAMPLE_ROWS` rows, picked at random (every row of a smaller entry),
-  against the files now, however many rows the entry has, on the hit's own path: that
-  finds a column that changed in bulk (a data set regenerated, a folder copied over) at
-  once;
+- compares :data:`SAMPLE_ROWS` rows picked at random, however large the entry (every row
+  of a smaller one), against the files now, on the hit's own path: that finds a column
+  that changed in bulk (a data set regenerated, a folder copied over) at once;
 - the first time an entry is hit in a process, and on a hit :data:`CONFIRMED_SECONDS` or
   more after its last one (a sweep agent that runs trial after trial in one process),
   starts a background thread that compares every row's file (about 0.5 s for 130k files

@@ -546,7 +546,8 @@ def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, p
 def test_a_derived_entry_whose_row_map_is_gone_is_corrupt_to_a_dataset_never_an_os_error(
         cache, pictures):
     """The map is read after the data files are opened: an entry removed in between (or a
-    map deleted) is a CacheCorruptError, which a Dataset says as a removed entry."""
+    map deleted) is a CacheCorruptError, as a removed contiguous entry is (a Dataset then
+    says the entry was removed, when its folder is gone)."""
     cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, 30)), 8)
     dataset = fold.dataset()
