@@ -202,14 +202,21 @@ class LocalRemoval(Removal):
         return self.subjects(LEFTOVER_DIRECTORY)
 
     def remove(self, item: Item) -> Optional[str]:
-        if item.noun == ENTRY:
-            return _remove_entry(self.store, item.subject, self.unused_since.get(item.key or ""))
-        if item.noun == LEFTOVER_DIRECTORY:
-            return _remove_temp_dir(self.store, item.subject)
+        """Remove ``item``, and then the build lock file of its key if no process holds
+        it; why not when it was spared or gone."""
         if item.noun == STRAY_INDEX:
             return None if self.store.row_index.forget_stray(item.key) else "its entry is back"
-        self.store.forget_record(FAILED, item.subject)
-        return None
+        if item.noun == ENTRY:
+            why_not = _remove_entry(self.store, item.subject,
+                                    self.unused_since.get(item.key or ""))
+        elif item.noun == LEFTOVER_DIRECTORY:
+            why_not = _remove_temp_dir(self.store, item.subject)
+        else:
+            self.store.forget_record(FAILED, item.subject)
+            why_not = None
+        if why_not is None and item.key:
+            self.store.forget_lock(item.key)
+        return why_not
 
 
 def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *,

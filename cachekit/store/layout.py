@@ -13,7 +13,7 @@
                                        files (a fill's chunk journal); resumed.N/, dead
                                        builds of this user it claimed to copy chunks from
       tmp/deleting.KEY.HOST.PID.UUID/  an entry or dead build being removed
-      locks/KEY.lock                   build locks (they only save duplicate work)
+      locks/KEY.lock                   build locks, while held (they only save duplicate work)
       locks/KEY.lock.holder            who holds the OS lock, its mtime their heartbeat
       locks/KEY.failed.json            the rows of the last failed build, for its waiters
       locks/KEY.stale.json             files of entry KEY that changed since its build

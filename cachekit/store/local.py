@@ -11,6 +11,7 @@ through.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from .. import _fs, file_modes, liveness, processes
 from . import commit as commits
-from . import failures
+from . import failures, locks
 from . import manifest as manifests
 from .row_index import RowIndex
 from .._version import __version__
@@ -292,25 +293,36 @@ class LocalStore:
     def write_record(self, kind: str, key: str, record: dict[str, Any]) -> None:
         """Write the ``kind`` record of ``key`` (``locks/KEY.KIND.json``, replaced whole,
         signed with signing on: :mod:`cachekit.store.failures`)."""
-        with self.layout.open_folder("locks", create=True) as locks:
-            failures.write(locks, self.layout.record_path(key, kind).name, key, record)
+        with self.layout.open_folder("locks", create=True) as folder:
+            failures.write(folder, self.layout.record_path(key, kind).name, key, record)
 
     def read_record(self, kind: str, key: str) -> tuple[Optional[dict[str, Any]],
                                                         Optional[str]]:
         """The ``kind`` record of ``key`` when it may be honoured, else why not (see
         :func:`cachekit.store.failures.read`)."""
         try:
-            with self.layout.open_folder("locks") as locks:
-                return failures.read(locks, self.layout.record_path(key, kind).name, key)
+            with self.layout.open_folder("locks") as folder:
+                return failures.read(folder, self.layout.record_path(key, kind).name, key)
         except OSError:
             return None, None
 
     def forget_record(self, kind: str, key: str) -> None:
-        try:
-            with self.layout.open_folder("locks") as locks:
-                locks.unlink(self.layout.record_path(key, kind).name)
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError), self.layout.open_folder("locks") as folder:
+            folder.unlink(self.layout.record_path(key, kind).name)
+
+    def forget_lock(self, key: str) -> None:
+        """Remove ``key``'s build lock file, and its holder's record unless it beats, when
+        no process holds it: what a killed builder leaves (holders remove their own)."""
+        lock = locks.OsLock(self.layout.lock_path(key))
+        with contextlib.suppress(OSError, CacheCorruptError), \
+                self.layout.open_folder("locks") as folder:  # a real folder, or nothing
+            folder.lstat(lock.path.name)  # none there: nothing to take, nor to make
+            if lock.acquire(timeout=0):
+                try:
+                    if not lock.holder_alive():
+                        folder.unlink(lock.holder_path.name)
+                finally:
+                    lock.release()
 
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""

@@ -9,7 +9,9 @@ A lock only saves duplicate work; correctness never depends on it (the atomic co
     local disks and for network filesystems whose locks work. Its holder also keeps a
     record ``KEY.lock.holder`` (owner; its mtime a heartbeat) from a lease / 4 after it took
     the lock, so that a waiter can tell a holder that works from a process that only sits
-    on the lock.
+    on the lock. The holder removes the lock file as it releases it, and a process that
+    takes the lock first checks that the name still leads to the file it locked (else it
+    locked a removed file and tries again), so lock files do not pile up one per key.
 ``soft``
     A lock file created with O_EXCL that records its owner (host, pid) and whose mtime the
     holder refreshes from a heartbeat thread. It is stale, and taken over, when its holder
@@ -103,11 +105,25 @@ class OsLock(BuildLock):
         return self.path.with_name(self.path.name + HOLDER_SUFFIX)
 
     def acquire(self, timeout: float) -> bool:
+        forever = timeout is None or timeout < 0
+        deadline = time.monotonic() + (0.0 if forever else timeout)
+        while True:
+            left = -1.0 if forever else max(0.0, deadline - time.monotonic())
+            if not self._flock(left):
+                return False
+            if self._locked_file_is_named():
+                self._record = _HolderRecord(self.holder_path)
+                return True
+            # We locked a file its last holder removed as it released it: lock the new one.
+            self._lock.release()
+            if not forever and time.monotonic() >= deadline:
+                return False
+
+    def _flock(self, timeout: float) -> bool:
         import filelock  # loaded by __init__ already
 
         # For a short timeout, one try now and one at its end: the caller's loop sets the pace.
-        every = _FLOCK_TRY_SECONDS if timeout is None or timeout < 0 else \
-            min(timeout, _FLOCK_TRY_SECONDS)
+        every = _FLOCK_TRY_SECONDS if timeout < 0 else min(timeout, _FLOCK_TRY_SECONDS)
         try:
             self._lock.acquire(timeout=timeout, poll_interval=every)
         except filelock.Timeout:
@@ -118,14 +134,41 @@ class OsLock(BuildLock):
             raise CacheCorruptError(self.path, f"the lock file is a symlink or not a file "
                                     f"({e.strerror})", "remove it, and cachekit makes a new "
                                     "one") from None
-        self._record = _HolderRecord(self.holder_path)
         return True
 
+    def _locked_file(self) -> Optional[os.stat_result]:
+        """The file filelock locked; None where filelock keeps its descriptor to itself or
+        holds a soft marker instead (flock missing): then the lock file stays in place."""
+        context = getattr(self._lock, "_context", None)
+        fd = getattr(context, "lock_file_fd", None)
+        if getattr(context, "soft_fallback", False) or not isinstance(fd, int):
+            return None
+        return os.fstat(fd)
+
+    def _locked_file_is_named(self) -> bool:
+        locked = self._locked_file()
+        try:
+            return locked is None or _fs.same_file(os.lstat(self.path), locked)
+        except FileNotFoundError:
+            return False
+
     def release(self) -> None:
+        """Release the lock, removing the lock file first (while still holding it, and
+        only when the name still leads to it): a waiter that opened it before then finds
+        it unnamed once it gets it, and takes the new one."""
         if self._record is not None:
             self._record.remove()
             self._record = None
-        self._lock.release()
+        try:
+            locked = self._locked_file()
+            if locked is not None:
+                with _fs.DirHandle.open(self.path.parent) as folder:
+                    if _fs.same_file(folder.lstat(self.path.name), locked):
+                        folder.unlink(self.path.name)
+        except OSError:
+            pass  # gone, or not ours to remove (a sticky folder): it only stays behind
+        finally:
+            self._lock.release()
 
     def holder_alive(self) -> bool:
         try:

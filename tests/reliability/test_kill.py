@@ -58,6 +58,7 @@ ZYGOTE = textwrap.dedent(r'''
     def run(job):
         root, point, chunk = Path(job["root"]), job["point"], job["chunk"]
         os.environ["CACHEKIT_LOCK"] = job["lock"]
+        os.environ.update(job.get("env", {}))
         plan.PAGE_BYTES, plan.MAX_CHUNK_ROWS, plan.CHUNKS_PER_WORKER = 1, chunk, 1
         paths = job["paths"]
         index = {p: i for i, p in enumerate(paths)}
@@ -318,6 +319,38 @@ def test_sigkill_at_each_point_leaves_no_partial_entry_and_the_next_build_resume
     assert decoded == todo
     np.testing.assert_array_equal(np.asarray(entry.array), reference)  # zero wrong reads
     assert_valid_entry(entry.path, reference)
+    assert list((root / "tmp").iterdir()) == []
+
+
+def test_the_lock_file_a_killed_builder_leaves_goes_with_its_build_directory(
+        zygote, rows, tmp_path):
+    """A lock's holder removes the lock file as it releases it; one killed mid-build
+    leaves it, with its holder record, and ``cachekit clear`` removes them with the dead
+    build's directory. Lock files of builds that ended are gone already."""
+    from cachekit.cli.main import main as cli_main
+
+    paths, reference = rows
+    root = tmp_path / "cache"
+    cachekit.Cache(root, progress=False).images(pd.Series(paths[:4]), (4, 4))  # no rows shared
+    assert list((root / "locks").iterdir()) == []
+    reached, result = tmp_path / "reached", tmp_path / "result.json"
+    pid = zygote.fork(root=str(root), point="row:3", chunk=CHUNK, lock="os", paths=paths,
+                      size=SIZE, signal=str(reached), result=str(result),
+                      env={"CACHEKIT_LOCK_LEASE": "0.4"})  # its record beats from 0.1 s
+    try:
+        wait_for_kill_point(reached, pid, result)
+        key = next((root / "tmp").iterdir()).name.split(".")[0]
+        holder = root / "locks" / f"{key}.lock.holder"
+        deadline = time.monotonic() + 30
+        while not holder.exists():
+            assert time.monotonic() < deadline, "the builder wrote no holder record"
+            time.sleep(0.01)
+    finally:
+        kill(pid)
+    assert sorted(p.name for p in (root / "locks").iterdir()) == [
+        f"{key}.lock", f"{key}.lock.holder"]
+    assert cli_main(["--root", str(root), "clear", "--yes", key]) == 0
+    assert list((root / "locks").glob("*.lock*")) == []  # (its listing memo stays)
     assert list((root / "tmp").iterdir()) == []
 
 

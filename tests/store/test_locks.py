@@ -164,7 +164,43 @@ def test_an_os_lock_held_briefly_writes_no_holder_record(tmp_path, monkeypatch):
     assert lock.acquire(timeout=0)
     assert not lock.holder_path.exists()
     lock.release()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lock"]
+    assert list(tmp_path.iterdir()) == []  # nor a lock file, once released
+
+
+def test_an_os_lock_removes_the_file_it_locked_never_one_swapped_in_meanwhile(tmp_path):
+    """A holder removes its lock file as it releases it, through the folder's handle and
+    only while the name still leads to the file it locked: a file another member of the
+    group renamed over it stays."""
+    path = tmp_path / "k.lock"
+    lock = locks.OsLock(path)
+    assert lock.acquire(timeout=0)
+    (tmp_path / "planted").write_text("")
+    os.replace(tmp_path / "planted", path)
+    planted = os.lstat(path)
+    lock.release()
+    assert _fs.same_file(os.lstat(path), planted)
+
+
+def test_clearing_a_key_leaves_its_lock_file_while_a_process_holds_it(tmp_path):
+    """``LocalStore.forget_lock`` (what a removal does after it removed a key's entry,
+    build directory or failure record) takes the lock at once or leaves it alone."""
+    from cachekit.store import LocalStore
+
+    store, key = LocalStore(tmp_path / "cache"), "ab" * 16
+    path, ready = store.layout.lock_path(key), tmp_path / "ready"
+    path.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", OS_HOLDER, str(path), str(ready)])
+    try:
+        while not ready.exists():
+            assert holder.poll() is None
+            time.sleep(0.01)
+        store.forget_lock(key)
+        assert path.exists() and not locks.OsLock(path).acquire(timeout=0)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    store.forget_lock(key)
+    assert list(path.parent.iterdir()) == []
 
 
 def test_an_os_lock_holder_shows_a_heartbeat_within_a_lease_until_it_is_killed(
