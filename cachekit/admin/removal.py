@@ -33,14 +33,15 @@ from ..messages import say
 from ..store import FAILED, LocalStore
 from ..store.manifest import Manifest
 from ..store.row_index import INDEX_FOLDER
+from . import lock_files
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
                       resolve_keys, scan, stored_bytes, temp_dir_info)
 
 ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
-STRAY_INDEX = "stray index file"
+STRAY_INDEX, LOCK_FILE = "stray index file", "lock file"
 """What an :class:`Item` is (``Item.noun``): a published entry, a directory under ``tmp/``
 left by a dead builder or an interrupted removal, a key's recorded build failure, the row
-index files of an entry removed outside cachekit."""
+index files of an entry removed outside cachekit, a lock file left behind (no ``line``)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,8 @@ class LocalRemoval(Removal):
     def remove(self, item: Item) -> Optional[str]:
         """Remove ``item``, and then the build lock file of its key if no process holds
         it; why not when it was spared or gone."""
+        if item.noun == LOCK_FILE:
+            return None if lock_files.forget(self.store, item.subject) else "held by a build"
         if item.noun == STRAY_INDEX:
             return None if self.store.row_index.forget_stray(item.key) else "its entry is back"
         if item.noun == ENTRY:
@@ -215,7 +218,7 @@ class LocalRemoval(Removal):
             self.store.forget_record(FAILED, item.subject)
             why_not = None
         if why_not is None and item.key:
-            self.store.forget_lock(item.key)
+            lock_files.forget(self.store, item.key)
         return why_not
 
 
@@ -247,8 +250,11 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
         k for k in failures if wanted is None or k in wanted]
     strays = () if older_than is not None else [
         s for s in found.stray_index if wanted is None or s.key in wanted]
+    lone_locks = () if older_than is not None else [
+        k for k in lock_files.lone_keys(store, found, failures) if wanted is None or k in wanted]
     return LocalRemoval(
-        items=_items(store, entries, [t for t in temps if t.removable], records, now, strays),
+        items=_items(store, entries, [t for t in temps if t.removable], records, now, strays,
+                     lone_locks),
         skipped=tuple(_skip_live(t) for t in temps if not t.removable),
         goal=f"in {store.root}", store=store,
         unused_since={e.key: e.last_used for e in entries} if older_than is not None else {})
@@ -283,7 +289,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         entries += _freeing([entry], [entry], holders)
         total -= entries[-1].own_bytes
     return LocalRemoval(
-        items=_items(store, entries, temps, [], time.time(), found.stray_index),
+        items=_items(store, entries, temps, [], time.time(), found.stray_index,
+                     lock_files.lone_keys(store, found, store.failure_keys())),
         skipped=tuple(_skip_live(t) for t in found.temp_dirs if not t.removable),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
         unused_since={e.key: e.last_used for e in entries},
@@ -329,10 +336,10 @@ def _freeing(entries: Iterable[EntryInfo], chosen: Iterable[EntryInfo],
 
 
 def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[TempDir],
-           records: Iterable[str], now: float, strays: Iterable[StrayIndex] = ()
-           ) -> tuple[Item, ...]:
+           records: Iterable[str], now: float, strays: Iterable[StrayIndex] = (),
+           lone_locks: Iterable[str] = ()) -> tuple[Item, ...]:
     """The items of a local removal: garbage (stray index files, then ``tmp/``) first,
-    then entries, then failure records."""
+    then entries, then failure records, then lock files left alone."""
     items = [Item(s.key, STRAY_INDEX, f"the row index file of {s.key[:SHORT_KEY]}",
                   store.root / INDEX_FOLDER, s.bytes,
                   f"{s.key[:SHORT_KEY]}  row index of an entry removed outside cachekit  "
@@ -344,6 +351,8 @@ def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[Temp
     items += [Item(k, FAILURE_RECORD, f"the failure record of {k[:SHORT_KEY]}",
                    store.layout.failure_path(k), 0,
                    f"{k[:SHORT_KEY]}  recorded build failure", k) for k in records]
+    items += [Item(k, LOCK_FILE, f"the lock file of {k[:SHORT_KEY]}", store.layout.lock_path(k),
+                   0, "", k) for k in lone_locks]
     return tuple(items)
 
 

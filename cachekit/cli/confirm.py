@@ -29,7 +29,8 @@ def carry_out(removal: Removal, args: argparse.Namespace) -> int:
         say(f"nothing to remove {removal.goal}")
         return 0
     for item in removal.items:
-        say(f"  {item.line}")
+        if item.line:  # lock files left behind are only counted
+            say(f"  {item.line}")
     summary = removal.summary()
     if args.dry_run:
         say(f"would remove {summary} (dry run: nothing removed)")

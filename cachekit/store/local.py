@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from .. import _fs, file_modes, liveness, processes
 from . import commit as commits
-from . import failures, locks
+from . import failures
 from . import manifest as manifests
 from .row_index import RowIndex
 from .._version import __version__
@@ -309,20 +309,6 @@ class LocalStore:
     def forget_record(self, kind: str, key: str) -> None:
         with contextlib.suppress(FileNotFoundError), self.layout.open_folder("locks") as folder:
             folder.unlink(self.layout.record_path(key, kind).name)
-
-    def forget_lock(self, key: str) -> None:
-        """Remove ``key``'s build lock file, and its holder's record unless it beats, when
-        no process holds it: what a killed builder leaves (holders remove their own)."""
-        lock = locks.OsLock(self.layout.lock_path(key))
-        with contextlib.suppress(OSError, CacheCorruptError), \
-                self.layout.open_folder("locks") as folder:  # a real folder, or nothing
-            folder.lstat(lock.path.name)  # none there: nothing to take, nor to make
-            if lock.acquire(timeout=0):
-                try:
-                    if not lock.holder_alive():
-                        folder.unlink(lock.holder_path.name)
-                finally:
-                    lock.release()
 
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""

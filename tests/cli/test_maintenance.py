@@ -286,6 +286,33 @@ def test_prune_removes_least_recently_used_first(cache_root):
     assert [e.key for e in cache.prune(0).removed_entries] == [first.key]
 
 
+def test_lock_files_left_behind_are_counted_and_removed_unless_held(cache_root, capsys):
+    """An older cachekit kept one ``locks/KEY.lock`` per key ever built (a killed builder
+    leaves one too). ``clear`` and ``prune`` count those of keys with nothing else left and
+    remove them (a dry run does not), leaving one that a process holds."""
+    import filelock
+
+    cache = cachekit.Cache(cache_root)
+    entry = block_entry(cache, 0)
+    layout = LocalStore(cache_root).layout
+    left = ["%032x" % i for i in range(1, 4)]
+    for key in [*left, entry.key]:  # the entry's own goes with it, uncounted
+        layout.lock_path(key).touch()
+    root = ["--root", str(cache_root)]
+    assert cli_main([*root, "clear", "--all", "--dry-run"]) == 0
+    assert "would remove 1 entry and 3 lock files" in capsys.readouterr().out
+    assert all(layout.lock_path(k).exists() for k in [*left, entry.key])
+    with filelock.FileLock(str(layout.lock_path(left[0]))):  # a process holds this one
+        assert cli_main([*root, "clear", "--all", "--yes"]) == 0
+    said = capsys.readouterr().out
+    assert "removed 1 entry and 2 lock files" in said, said
+    assert f"skipped the lock file of {left[0][:12]}: held by a build" in said, said
+    assert [p.name for p in layout.locks.glob("*.lock")] == [f"{left[0]}.lock"]
+    assert cli_main([*root, "prune", "--max-size", "1G", "--yes"]) == 0
+    assert "removed 0 entries and 1 lock file" in capsys.readouterr().out
+    assert list(layout.locks.glob("*.lock")) == []
+
+
 def test_a_mapped_reader_keeps_its_bytes_after_clear(cache_root):
     cache = cachekit.Cache(cache_root)
     entry = block_entry(cache, 3, rows=50)

@@ -181,25 +181,28 @@ def test_an_os_lock_removes_the_file_it_locked_never_one_swapped_in_meanwhile(tm
     assert _fs.same_file(os.lstat(path), planted)
 
 
-def test_clearing_a_key_leaves_its_lock_file_while_a_process_holds_it(tmp_path):
-    """``LocalStore.forget_lock`` (what a removal does after it removed a key's entry,
-    build directory or failure record) takes the lock at once or leaves it alone."""
+def test_a_lock_file_is_forgotten_only_when_no_process_holds_it(tmp_path):
+    """``lock_files.forget`` (what a removal does after it removed a key's entry, build
+    directory or failure record, or for a lock file left alone) takes the lock at once or
+    leaves it alone, and never makes a lock file."""
+    from cachekit.admin import lock_files
     from cachekit.store import LocalStore
 
     store, key = LocalStore(tmp_path / "cache"), "ab" * 16
     path, ready = store.layout.lock_path(key), tmp_path / "ready"
     path.parent.mkdir(parents=True)
+    assert not lock_files.forget(store, key) and list(path.parent.iterdir()) == []
     holder = subprocess.Popen([sys.executable, "-c", OS_HOLDER, str(path), str(ready)])
     try:
         while not ready.exists():
             assert holder.poll() is None
             time.sleep(0.01)
-        store.forget_lock(key)
+        assert not lock_files.forget(store, key)
         assert path.exists() and not locks.OsLock(path).acquire(timeout=0)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    store.forget_lock(key)
+    assert lock_files.forget(store, key)
     assert list(path.parent.iterdir()) == []
 
 
