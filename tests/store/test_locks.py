@@ -181,6 +181,35 @@ def test_an_os_lock_removes_the_file_it_locked_never_one_swapped_in_meanwhile(tm
     assert _fs.same_file(os.lstat(path), planted)
 
 
+def test_an_os_lock_that_locked_a_removed_file_takes_the_one_named_now(tmp_path,
+                                                                       monkeypatch):
+    """Between a taker's open of the lock file and its flock, the last holder may remove
+    the file as it releases it, and a third process make and lock a new one. Injected
+    here by removing the name right after filelock locked (older filelocks do not
+    look): the taker must not hold a file no one else can see, but the one named now."""
+    path = tmp_path / "k.lock"
+    lock = locks.OsLock(path)
+    real = lock._lock.acquire
+    lost: list[os.stat_result] = []
+
+    def acquire_then_lose_the_name(*args, **kwargs):
+        got = real(*args, **kwargs)
+        if not lost:
+            lost.append(os.lstat(path))
+            path.unlink()
+            path.touch()
+        return got
+
+    monkeypatch.setattr(lock._lock, "acquire", acquire_then_lose_the_name)
+    assert lock.acquire(timeout=5) and len(lost) == 1
+    assert not _fs.same_file(os.lstat(path), lost[0])
+    other = locks.OsLock(path)
+    assert not other.acquire(timeout=0)  # the file named now is the one held
+    lock.release()
+    assert other.acquire(timeout=0)
+    other.release()
+
+
 def test_a_lock_file_is_forgotten_only_when_no_process_holds_it(tmp_path):
     """``lock_files.forget`` (what a removal does after it removed a key's entry, build
     directory or failure record, or for a lock file left alone) takes the lock at once or
