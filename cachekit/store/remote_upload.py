@@ -51,8 +51,9 @@ def open_files(published: Published) -> dict[str, BinaryIO]:
     keeps its bytes). The caller closes them."""
     opened: dict[str, BinaryIO] = {}
     try:
-        for record in published.manifest.files:
-            opened[record.name] = _fs.open_regular(published.path / record.name)
+        with _fs.DirHandle.open(published.path) as folder:  # all of one directory
+            for record in published.manifest.files:
+                opened[record.name] = folder.open_file(record.name)
     except BaseException:
         for f in opened.values():
             f.close()
