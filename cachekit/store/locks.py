@@ -118,6 +118,7 @@ class OsLock(BuildLock):
             self._lock.release()
             if not forever and time.monotonic() >= deadline:
                 return False
+            time.sleep(_POLL_SECONDS)  # (not a hot loop where a stale cache misleads lstat)
 
     def _flock(self, timeout: float) -> bool:
         import filelock  # loaded by __init__ already
@@ -151,6 +152,8 @@ class OsLock(BuildLock):
             return locked is None or _fs.same_file(os.lstat(self.path), locked)
         except FileNotFoundError:
             return False
+        except OSError:
+            return True  # cannot tell (say ESTALE): trust the lock, as filelock alone does
 
     def release(self) -> None:
         """Release the lock, removing the lock file first (while still holding it, and
