@@ -18,13 +18,16 @@ from ..key_names import is_key
 from ..store import LocalStore, locks
 from .inspect import Scan
 
-SUFFIX = ".lock"
+SUFFIXES = (".lock", ".lock" + locks.SOFT_SUFFIX)
+"""An OS lock's file, and a soft lock's (``CACHEKIT_LOCK=soft``: a killed holder's stays
+until someone takes the lock over)."""
 
 
 def lock_keys(store: LocalStore) -> list[str]:
-    """The keys that have a build lock file in ``store`` (held, or left behind)."""
-    return [p.name[:-len(SUFFIX)] for p in store.layout.paths_in("locks")
-            if p.name.endswith(SUFFIX) and is_key(p.name[:-len(SUFFIX)])]
+    """The keys that have a build lock file in ``store`` (held, or left behind), once."""
+    keys = {p.name[:-len(suffix)] for p in store.layout.paths_in("locks")
+            for suffix in SUFFIXES if p.name.endswith(suffix)}
+    return sorted(k for k in keys if is_key(k))
 
 
 def lone_keys(store: LocalStore, found: Scan, failures: Iterable[str]) -> list[str]:
@@ -35,18 +38,21 @@ def lone_keys(store: LocalStore, found: Scan, failures: Iterable[str]) -> list[s
 
 
 def forget(store: LocalStore, key: str) -> bool:
-    """Remove ``key``'s build lock file, and its holder's record unless that beats, when no
-    process holds the lock: taken at once and released, which removes it. Whether it went.
-    Never makes a lock file, and never follows a ``locks`` folder that is a symlink."""
-    lock = locks.OsLock(store.layout.lock_path(key))
-    with contextlib.suppress(OSError, CacheCorruptError), \
-            store.layout.open_folder("locks") as folder:
-        folder.lstat(lock.path.name)  # none there: nothing to take, nor to make
-        if lock.acquire(timeout=0):
-            try:
-                if not lock.holder_alive():
-                    folder.unlink(lock.holder_path.name)
-            finally:
-                lock.release()
-            return True
-    return False
+    """Remove ``key``'s build lock files when no process holds them: each taken at once
+    and released, which removes it (a soft lock is taken over once its holder is dead),
+    with an OS lock holder's record unless that beats. Whether one went. Never makes a lock
+    file, and never follows a ``locks`` folder that is a symlink."""
+    path = store.layout.lock_path(key)
+    gone = False
+    for lock in (locks.OsLock(path), locks.make_lock(path, "soft")):
+        with contextlib.suppress(OSError, CacheCorruptError), \
+                store.layout.open_folder("locks") as folder:
+            folder.lstat(lock.path.name)  # none there: nothing to take, nor to make
+            if lock.acquire(timeout=0):
+                try:
+                    if isinstance(lock, locks.OsLock) and not lock.holder_alive():
+                        folder.unlink(lock.holder_path.name)  # (none: nothing done)
+                finally:
+                    lock.release()
+                gone = True
+    return gone

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -15,7 +17,7 @@ import pandas as pd
 import pytest
 
 import cachekit
-from cachekit import arrays, units
+from cachekit import _fs, arrays, units
 from cachekit.admin import inspect as maintenance, removal
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
@@ -298,19 +300,23 @@ def test_lock_files_left_behind_are_counted_and_removed_unless_held(cache_root, 
     left = ["%032x" % i for i in range(1, 4)]
     for key in [*left, entry.key]:  # the entry's own goes with it, uncounted
         layout.lock_path(key).touch()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    soft = layout.lock_path("%032x" % 4).with_suffix(".lock.soft")  # CACHEKIT_LOCK=soft's
+    soft.write_text(json.dumps({"host": _fs.host(), "pid": int(dead)}))
     root = ["--root", str(cache_root)]
     assert cli_main([*root, "clear", "--all", "--dry-run"]) == 0
-    assert "would remove 1 entry and 3 lock files" in capsys.readouterr().out
-    assert all(layout.lock_path(k).exists() for k in [*left, entry.key])
+    assert "would remove 1 entry and 4 lock files" in capsys.readouterr().out
+    assert all(layout.lock_path(k).exists() for k in [*left, entry.key]) and soft.exists()
     with filelock.FileLock(str(layout.lock_path(left[0]))):  # a process holds this one
         assert cli_main([*root, "clear", "--all", "--yes"]) == 0
     said = capsys.readouterr().out
-    assert "removed 1 entry and 2 lock files" in said, said
+    assert "removed 1 entry and 3 lock files" in said, said
     assert f"skipped the lock file of {left[0][:12]}: held by a build" in said, said
-    assert [p.name for p in layout.locks.glob("*.lock")] == [f"{left[0]}.lock"]
+    assert [p.name for p in layout.locks.glob("*.lock*")] == [f"{left[0]}.lock"]
     assert cli_main([*root, "prune", "--max-size", "1G", "--yes"]) == 0
     assert "removed 0 entries and 1 lock file" in capsys.readouterr().out
-    assert list(layout.locks.glob("*.lock")) == []
+    assert list(layout.locks.glob("*.lock*")) == []
 
 
 def test_a_mapped_reader_keeps_its_bytes_after_clear(cache_root):
