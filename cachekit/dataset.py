@@ -105,17 +105,25 @@ class EntryDataset(Dataset):
         return row if self.targets is None else (row, target)
 
     def _array(self) -> np.ndarray:
-        """The entry's rows, mapped read-only on first use in this process."""
+        """The entry's rows, mapped read-only on first use in this process.
+
+        An entry removed since (``clear``, ``prune``, another process's budget) is read
+        through the mapping its :class:`~cachekit.Entry` holds, where this process has one
+        (the process whose call returned it, and the workers forked from it): a removal
+        unlinks the files, and a mapping keeps the same bytes. Elsewhere (a spawned worker)
+        it is a :class:`DatasetCorruptError` that says what to do."""
         pid = os.getpid()
         if self._rows is None or self._pid != pid:
             try:
-                # A plain ndarray view: np.memmap's __array_finalize__ is a large share of
-                # a batch's fancy index (docs/dataloader.md).
                 rows = self.entry._map()  # (a derived entry's RowView gathers itself)
-                self._rows = np.asarray(rows) if isinstance(rows, np.ndarray) else rows
             except CacheCorruptError as e:
                 removed = not self.entry.path.exists()  # gone, not damaged: say what to do
-                raise DatasetCorruptError(e.path, e.reason, removed) from None
+                rows = self.entry.__dict__.get("array") if removed else None
+                if rows is None:
+                    raise DatasetCorruptError(e.path, e.reason, removed) from None
+            # A plain ndarray view: np.memmap's __array_finalize__ is a large share of a
+            # batch's fancy index (docs/dataloader.md).
+            self._rows = np.asarray(rows) if isinstance(rows, np.ndarray) else rows
             self._pid = pid
         return self._rows
 
