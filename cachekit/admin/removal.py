@@ -339,7 +339,7 @@ def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[Temp
            records: Iterable[str], now: float, strays: Iterable[StrayIndex] = (),
            lone_locks: Iterable[str] = ()) -> tuple[Item, ...]:
     """The items of a local removal: garbage (stray index files, then ``tmp/``) first,
-    then entries, then failure records, then lock files left alone."""
+    then entries, then failure records, then lock files left behind."""
     items = [Item(s.key, STRAY_INDEX, f"the row index file of {s.key[:SHORT_KEY]}",
                   store.root / INDEX_FOLDER, s.bytes,
                   f"{s.key[:SHORT_KEY]}  row index of an entry removed outside cachekit  "

@@ -10,7 +10,7 @@ A lock only saves duplicate work; correctness never depends on it (the atomic co
     record ``KEY.lock.holder`` (owner; its mtime a heartbeat) from a lease / 4 after it took
     the lock, so that a waiter can tell a holder that works from a process that only sits
     on the lock. The holder removes the lock file as it releases it, and a process that
-    takes the lock first checks that the name still leads to the file it locked (else it
+    takes the lock then checks that the name still leads to the file it locked (else it
     locked a removed file and tries again), so lock files do not pile up one per key.
 ``soft``
     A lock file created with O_EXCL that records its owner (host, pid) and whose mtime the
