@@ -203,10 +203,10 @@ class LocalRemoval(Removal):
         return self.subjects(LEFTOVER_DIRECTORY)
 
     def remove(self, item: Item) -> Optional[str]:
-        """Remove ``item``, and then the build lock file of its key if no process holds
-        it; why not when it was spared or gone."""
+        """Remove ``item``, then its key's lock file if free; why not when spared or gone."""
         if item.noun == LOCK_FILE:
-            return None if lock_files.forget(self.store, item.subject) else "held by a build"
+            return None if lock_files.forget(self.store, item.subject) else \
+                "a build holds it (or it is not this user's to take)"
         if item.noun == STRAY_INDEX:
             return None if self.store.row_index.forget_stray(item.key) else "its entry is back"
         if item.noun == ENTRY:

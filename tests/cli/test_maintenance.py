@@ -312,7 +312,7 @@ def test_lock_files_left_behind_are_counted_and_removed_unless_held(cache_root, 
         assert cli_main([*root, "clear", "--all", "--yes"]) == 0
     said = capsys.readouterr().out
     assert "removed 1 entry and 3 lock files" in said, said
-    assert f"skipped the lock file of {left[0][:12]}: held by a build" in said, said
+    assert f"skipped the lock file of {left[0][:12]}: a build holds it" in said, said
     assert [p.name for p in layout.locks.glob("*.lock*")] == [f"{left[0]}.lock"]
     assert cli_main([*root, "prune", "--max-size", "1G", "--yes"]) == 0
     assert "removed 0 entries and 1 lock file" in capsys.readouterr().out
