@@ -13,14 +13,16 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable
 
+from .. import _fs
 from ..errors import CacheCorruptError
 from ..key_names import is_key
 from ..store import LocalStore, locks
 from .inspect import Scan
 
-SUFFIXES = (".lock", ".lock" + locks.SOFT_SUFFIX)
-"""An OS lock's file, and a soft lock's (``CACHEKIT_LOCK=soft``: a killed holder's stays
-until someone takes the lock over)."""
+SUFFIXES = (".lock", ".lock" + locks.SOFT_SUFFIX, ".lock" + locks.HOLDER_SUFFIX)
+"""An OS lock's file, a soft lock's (``CACHEKIT_LOCK=soft``: a killed holder's stays until
+someone takes the lock over), and an OS lock holder's record (a killed holder's stays when
+the next holder held the lock too briefly to write its own)."""
 
 
 def lock_keys(store: LocalStore) -> list[str]:
@@ -38,21 +40,28 @@ def lone_keys(store: LocalStore, found: Scan, failures: Iterable[str]) -> list[s
 
 
 def forget(store: LocalStore, key: str) -> bool:
-    """Remove ``key``'s build lock files when no process holds them: each taken at once
-    and released, which removes it (a soft lock is taken over once its holder is dead),
-    with an OS lock holder's record unless that beats. Whether one went. Never makes a lock
-    file, and never follows a ``locks`` folder that is a symlink."""
+    """Remove ``key``'s build lock files that no process holds (each taken at once and
+    released, which removes it; a soft lock is taken over once its holder is dead), then
+    an OS lock holder's record that shows no heartbeat. Whether one went. Never makes a
+    lock file, and never follows a ``locks`` folder that is a symlink."""
     path = store.layout.lock_path(key)
+    os_lock = locks.OsLock(path)
     gone = False
-    for lock in (locks.OsLock(path), locks.make_lock(path, "soft")):
-        with contextlib.suppress(OSError, CacheCorruptError), \
-                store.layout.open_folder("locks") as folder:
-            folder.lstat(lock.path.name)  # none there: nothing to take, nor to make
-            if lock.acquire(timeout=0):
-                try:
-                    if isinstance(lock, locks.OsLock) and not lock.holder_alive():
-                        folder.unlink(lock.holder_path.name)  # (none: nothing done)
-                finally:
-                    lock.release()
+    with contextlib.suppress(OSError, CacheCorruptError), \
+            store.layout.open_folder("locks") as folder:
+        for lock in (os_lock, locks.make_lock(path, "soft")):
+            if _there(folder, lock.path.name) and lock.acquire(timeout=0):
+                lock.release()
                 gone = True
+        if _there(folder, os_lock.holder_path.name) and not os_lock.holder_alive():
+            folder.unlink(os_lock.holder_path.name)
+            gone = True
     return gone
+
+
+def _there(folder: _fs.DirHandle, name: str) -> bool:
+    try:
+        folder.lstat(name)
+    except FileNotFoundError:
+        return False
+    return True

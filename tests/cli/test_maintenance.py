@@ -302,16 +302,19 @@ def test_lock_files_left_behind_are_counted_and_removed_unless_held(cache_root, 
         layout.lock_path(key).touch()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
+    dead_owner = json.dumps({"host": _fs.host(), "pid": int(dead)})
     soft = layout.lock_path("%032x" % 4).with_suffix(".lock.soft")  # CACHEKIT_LOCK=soft's
-    soft.write_text(json.dumps({"host": _fs.host(), "pid": int(dead)}))
+    soft.write_text(dead_owner)
+    holder = layout.lock_path("%032x" % 5).with_suffix(".lock.holder")  # an OS lock holder's
+    holder.write_text(dead_owner)
     root = ["--root", str(cache_root)]
     assert cli_main([*root, "clear", "--all", "--dry-run"]) == 0
-    assert "would remove 1 entry and 4 lock files" in capsys.readouterr().out
+    assert "would remove 1 entry and 5 lock files" in capsys.readouterr().out
     assert all(layout.lock_path(k).exists() for k in [*left, entry.key]) and soft.exists()
     with filelock.FileLock(str(layout.lock_path(left[0]))):  # a process holds this one
         assert cli_main([*root, "clear", "--all", "--yes"]) == 0
     said = capsys.readouterr().out
-    assert "removed 1 entry and 3 lock files" in said, said
+    assert "removed 1 entry and 4 lock files" in said, said
     assert f"skipped the lock file of {left[0][:12]}: a build holds it" in said, said
     assert [p.name for p in layout.locks.glob("*.lock*")] == [f"{left[0]}.lock"]
     assert cli_main([*root, "prune", "--max-size", "1G", "--yes"]) == 0
