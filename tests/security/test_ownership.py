@@ -540,7 +540,7 @@ def test_a_lock_held_by_a_process_that_never_builds_does_not_block_forever(share
     """The attacker holds flock on locks/KEY.lock and never builds. The victim, with
     lock_timeout=None and a 2 s lease, builds anyway within a bounded time, in a directory
     of its own, gets the right pixels, and says on stderr that the holder shows no
-    heartbeat."""
+    heartbeat. Once the holder is gone, the victim's ``clear`` takes the lock file it left."""
     shared = shared_root
     paths = tiny_images(shared.base / "images", 64)
     key, expected = reference(shared, paths, 8)
@@ -556,12 +556,19 @@ def test_a_lock_held_by_a_process_that_never_builds_does_not_block_forever(share
     assert got["outcome"] == "ok" and got["source"] == "built" and not got["wrong"], \
         outcome(done)
     assert "no heartbeat" in done.stderr, outcome(done)
+    assert [p.name for p in (shared.root / "locks").glob("*.lock")] == [f"{key}.lock"]
+    holder.send_signal(signal.SIGKILL)  # the lock file it leaves is the victim's to take
+    holder.wait()
+    cleared = finish(shared.victim.cli(shared.root, "clear", "--all", "--yes"), TIMEOUT)
+    assert cleared.ok and "removed 1 entry" in cleared.stdout, cleared.failure()
+    assert list((shared.root / "locks").glob("*.lock*")) == []
 
 
 def test_a_live_teammates_build_is_waited_for_not_duplicated(shared_root):
     """A teammate (another uid) builds a map whose every row outlasts the 1 s lease, holding
     the lock, its heartbeat beating. The victim asks meanwhile, with lock_timeout=None: it
-    waits several leases and takes the teammate's entry, computing no row itself."""
+    waits several leases and takes the teammate's entry, computing no row itself. No lock
+    file of either is left behind."""
     shared = shared_root
     script = shared.script(SLOW_MAP)
     env = {"CACHEKIT_LOCK_LEASE": "1"}
@@ -574,3 +581,4 @@ def test_a_live_teammates_build_is_waited_for_not_duplicated(shared_root):
     expected = [[v] * 4 for v in range(4)]
     assert built.report() == {"source": "built", "calls": 4, "rows": expected}, context
     assert waited.report() == {"source": "local", "calls": 0, "rows": expected}, context
+    assert list((shared.root / "locks").glob("*.lock*")) == []  # each holder took its own
