@@ -35,6 +35,8 @@ class MappedEntry(Protocol):
 
     def _map(self, mode: str = "r") -> np.ndarray: ...
 
+    def _held(self) -> Optional[np.ndarray]: ...
+
 __all__ = ["DatasetCorruptError", "EntryDataset"]
 
 class EntryDataset(Dataset):
@@ -118,7 +120,7 @@ class EntryDataset(Dataset):
                 rows = self.entry._map()  # (a derived entry's RowView gathers itself)
             except CacheCorruptError as e:
                 removed = not self.entry.path.exists()  # gone, not damaged: say what to do
-                rows = self.entry.__dict__.get("array") if removed else None
+                rows = self.entry._held() if removed else None
                 if rows is None:
                     raise DatasetCorruptError(e.path, e.reason, removed) from None
             # A plain ndarray view: np.memmap's __array_finalize__ is a large share of a

@@ -125,6 +125,11 @@ class Entry:
         return (f"<cachekit.Entry {self.key} {self._manifest.dtype}{list(self._manifest.shape)}"
                 f" {self.source}>")
 
+    def _held(self) -> Optional[Rows]:
+        """The rows this object mapped when it was made, without mapping them again: None
+        once unpickled and not read since (a spawned DataLoader worker's entry)."""
+        return self.__dict__.get("array")
+
     def _map(self, mode: str = "r") -> Rows:
         """Open the entry's rows again: mapped read-only ("r") or copy-on-write ("c").
 

@@ -15,7 +15,6 @@ from typing import Iterable
 
 from .. import _fs
 from ..errors import CacheCorruptError
-from ..key_names import is_key
 from ..store import LocalStore, locks
 from .inspect import Scan
 
@@ -25,18 +24,11 @@ someone takes the lock over), and an OS lock holder's record (a killed holder's 
 the next holder held the lock too briefly to write its own)."""
 
 
-def lock_keys(store: LocalStore) -> list[str]:
-    """The keys that have a build lock file in ``store`` (held, or left behind), once."""
-    keys = {p.name[:-len(suffix)] for p in store.layout.paths_in("locks")
-            for suffix in SUFFIXES if p.name.endswith(suffix)}
-    return sorted(k for k in keys if is_key(k))
-
-
 def lone_keys(store: LocalStore, found: Scan, failures: Iterable[str]) -> list[str]:
     """The keys with a lock file and no entry, build directory or failure record in
     ``found`` and ``failures`` (what a removal of those takes their lock file with)."""
     others = {e.key for e in found.entries} | {t.key for t in found.temp_dirs} | set(failures)
-    return [k for k in lock_keys(store) if k not in others]
+    return [k for k in store.keys_in_locks(*SUFFIXES) if k not in others]
 
 
 def forget(store: LocalStore, key: str) -> bool:

@@ -312,9 +312,13 @@ class LocalStore:
 
     def failure_keys(self) -> list[str]:
         """Keys with a recorded build failure."""
-        suffix = self.layout.failure_path("0" * 32).name[32:]
-        return [p.name[:-len(suffix)] for p in self.layout.paths_in("locks")
-                if p.name.endswith(suffix) and is_key(p.name[:-len(suffix)])]
+        return self.keys_in_locks(self.layout.failure_path("0" * 32).name[32:])
+
+    def keys_in_locks(self, *suffixes: str) -> list[str]:
+        """The keys of the files ``locks/KEY`` + one of ``suffixes``, each once, sorted."""
+        keys = {p.name[:-len(suffix)] for p in self.layout.paths_in("locks")
+                for suffix in suffixes if p.name.endswith(suffix)}
+        return sorted(k for k in keys if is_key(k))
 
     # Removal -----------------------------------------------------------------------------
 

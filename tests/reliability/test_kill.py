@@ -329,7 +329,7 @@ def test_the_lock_file_a_killed_builder_leaves_goes_with_its_build_directory(
     build's directory. Lock files of builds that ended are gone already."""
     from cachekit.cli.main import main as cli_main
 
-    paths, reference = rows
+    paths, _ = rows
     root = tmp_path / "cache"
     cachekit.Cache(root, progress=False).images(pd.Series(paths[:4]), (4, 4))  # no rows shared
     assert list((root / "locks").iterdir()) == []
