@@ -153,11 +153,20 @@ class Entry:
         shared with ``array`` and every other reader through the page cache, and a write to
         the tensor changes only this process's copy of that page, never the cache (a
         read-only mapping would crash on write). For a derived entry it gathers the rows
-        into memory (a copy of its own).
+        into memory (a copy of its own), and so it does for an entry removed since this
+        object mapped it (``clear``, ``prune``, another process's budget): the mapping this
+        object holds keeps the removed files' bytes, and a new one cannot be made.
         """
         import torch
 
-        rows = self._map("c")
+        try:
+            rows = self._map("c")
+        except CacheCorruptError:
+            held = self._held() if not self.path.exists() else None
+            if held is None:
+                raise
+            return torch.from_numpy(np.array(held) if isinstance(held, np.ndarray)
+                                    else np.asarray(held))
         return torch.from_numpy(rows if isinstance(rows, np.ndarray) else np.asarray(rows))
 
     def dataset(self, targets: Any = None, transform: Optional[Callable] = None):

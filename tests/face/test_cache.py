@@ -261,6 +261,28 @@ def test_tensor_shares_the_file_without_a_warning(cache_root, cover_paths):
     assert arrays.checksum(entry.path / manifests.DATA_FILE)[1] == entry.manifest["files"][0]["checksum"]
 
 
+@pytest.mark.parametrize("rows", ["all", "every other"])
+def test_tensor_of_an_entry_removed_after_its_call_copies_the_held_rows(cache_root,
+                                                                       cover_paths, rows):
+    """Another agent's budget may evict the entry a call just returned: its tensor is then
+    the rows the entry's own mapping holds, a copy; an entry unpickled elsewhere cannot."""
+    cache = cachekit.Cache(cache_root)
+    full = cache.images(pd.Series(cover_paths), 8)
+    expected = np.array(full.array)
+    chosen = pd.Series(cover_paths) if rows == "all" else pd.Series(cover_paths[::2])
+    entry = full if rows == "all" else cache.images(chosen, 8)
+    assert entry.contiguous == (rows == "all")
+    unpickled = pickle.loads(pickle.dumps(entry))
+    cache.clear()
+    assert not entry.path.exists()
+    tensor = entry.tensor()
+    np.testing.assert_array_equal(tensor.numpy(), expected[:: 1 if rows == "all" else 2])
+    tensor[0] = 0  # a copy of its own
+    assert np.asarray(entry.array[0]).any()
+    with pytest.raises(cachekit.CacheCorruptError):
+        unpickled.tensor()
+
+
 @pytest.mark.parametrize("paths, error, words", [
     (pd.Series([], dtype=object), ValueError, "empty"),
     (pd.Series(["a.jpg", None]), ValueError, "rows [1]"),
