@@ -271,6 +271,13 @@ _PLAIN_HEADER = re.compile(rb"\{'descr': '([<>|=][a-z]\d{1,2})', 'fortran_order'
 and an open read a few dozen headers); any other header goes to numpy's parser."""
 
 
+def _brief(error: Exception, limit: int = 200) -> str:
+    """``error``'s message on one line and at most ``limit`` characters: numpy quotes a
+    header it cannot parse whole, and a header is padded to 4 KiB with spaces."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _header(f: BinaryIO, path: Path) -> tuple[tuple[int, ...], np.dtype]:
     try:
         f.seek(0)
@@ -292,7 +299,7 @@ def _header(f: BinaryIO, path: Path) -> tuple[tuple[int, ...], np.dtype]:
         else:
             raise ValueError(f"unsupported .npy version {version}")
     except (OSError, ValueError, TypeError, SyntaxError) as e:
-        raise CacheCorruptError(path, f"unreadable .npy header ({e})") from None
+        raise CacheCorruptError(path, f"unreadable .npy header ({_brief(e)})") from None
     if fortran_order:
         raise CacheCorruptError(path, "Fortran-ordered data is never stored")
     return tuple(shape), dtype

@@ -82,6 +82,15 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None
         if isinstance(e, FileNotFoundError):
             return Problem(path.name, path, f"{manifests.MANIFEST_FILE} is missing")
         if isinstance(e, CacheCorruptError):
-            return Problem(path.name, path, e.reason)
+            return Problem(path.name, path, _naming_its_file(e, path))
         return Problem(path.name, path, f"unreadable: {e}")
     return None
+
+
+def _naming_its_file(error: CacheCorruptError, entry_dir: Path) -> str:
+    """``error``'s reason, after the name of the entry's file it is about when the reason
+    does not say it: several entries may link one damaged file."""
+    file = Path(error.path)
+    if file.parent != entry_dir or file.name in error.reason:
+        return error.reason
+    return f"{file.name}: {error.reason}"

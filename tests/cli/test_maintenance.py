@@ -390,17 +390,25 @@ def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_
 
 def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root):
     cache = cachekit.Cache(cache_root)
-    healthy, flipped, truncated, garbled = (block_entry(cache, i * 10) for i in range(4))
+    healthy, flipped, truncated, garbled, headed = (block_entry(cache, i * 10)
+                                                    for i in range(5))
     assert cache.verify() == []
     flip_last_byte(flipped.path / manifests.DATA_FILE)
     with open(truncated.path / manifests.DATA_FILE, "r+b") as f:
         f.truncate(100)
     (garbled.path / manifests.MANIFEST_FILE).write_text(f'{{"format": {FORMAT_VERSION}}}')
+    with open(headed.path / manifests.DATA_FILE, "r+b") as f:  # in the header's padding
+        f.seek(120)
+        f.write(b"\xff" * 8)
     problems = {p.key: p for p in cache.verify()}
-    assert set(problems) == {flipped.key, truncated.key, garbled.key}
+    assert set(problems) == {flipped.key, truncated.key, garbled.key, headed.key}
     assert "checksum mismatch in data.npy" in problems[flipped.key].message
+    assert problems[truncated.key].message.startswith("data.npy: ")
     assert "unreadable .npy header" in problems[truncated.key].message or \
         "expected" in problems[truncated.key].message
+    header_problem = problems[headed.key].message  # one line that names the file, not 4 KiB
+    assert header_problem.startswith("data.npy: unreadable .npy header (Cannot parse header")
+    assert "\n" not in header_problem and len(header_problem) < 250, header_problem
     assert "'key' is missing" in problems[garbled.key].message
     assert problems[flipped.key].path == flipped.path
     assert cache.verify([healthy.key[:8]]) == []
