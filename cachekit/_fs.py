@@ -9,10 +9,10 @@ import errno
 import io
 import json
 import os
-import shutil
 import socket
 import stat
 import uuid
+from contextlib import suppress
 from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -209,19 +209,23 @@ class DirHandle:
         os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=to.fd)
 
     def remove_tree(self, name: str) -> None:
-        """Delete ``name`` and everything under it without following any symlink (a symlink
-        is unlinked); a tree already gone is not an error."""
+        """Delete ``name`` and everything under it through directory handles, never
+        following a symlink that another user swaps in (a name that is no directory when
+        opened ``O_NOFOLLOW`` is unlinked), as ``shutil.rmtree(dir_fd=)`` does from Python
+        3.11 on; a tree already gone is not an error."""
         try:
-            st = self.lstat(name)
-        except FileNotFoundError:
+            folder = self.child(name)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                self.unlink(name)
+            elif e.errno != errno.ENOENT:
+                raise
             return
-        if not stat.S_ISDIR(st.st_mode):
-            self.unlink(name)
-            return
-        try:
-            shutil.rmtree(name, dir_fd=self.fd)  # fd-based: immune to symlink swaps
-        except FileNotFoundError:
-            pass
+        with folder:
+            for child in folder.names():
+                folder.remove_tree(child)
+        with suppress(FileNotFoundError):
+            os.rmdir(name, dir_fd=self.fd)
 
     def fsync(self) -> None:
         if os.name != "nt":

@@ -191,3 +191,37 @@ def test_a_builder_taken_over_mid_build_returns_the_entry_its_successor_publishe
     assert outcome.source == "local" and len(calls) == 1
     assert np.load(outcome.entry.path / manifests.DATA_FILE).tolist() == [[0, 1], [2, 3],
                                                                          [4, 5]]
+
+
+def test_remove_tree_takes_a_tree_and_never_what_its_symlinks_lead_to(tmp_path, monkeypatch):
+    """Nested folders, a FIFO and symlinks go; what a symlink leads to stays, also when a
+    folder is swapped for one after its parent was listed (any group member can)."""
+    from cachekit._fs import DirHandle
+
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep").write_text("mine")
+    root = tmp_path / "root"
+    (root / "tree" / "a" / "b").mkdir(parents=True)
+    (root / "tree" / "a" / "b" / "rows.npy").write_bytes(b"x" * 10)
+    (root / "tree" / "swapped").mkdir()
+    (root / "tree" / "swapped" / "f").write_text("")
+    os.mkfifo(root / "tree" / "fifo")
+    os.symlink(precious, root / "tree" / "link")
+    os.symlink(precious, root / "top")
+    (root / "plain").write_text("")
+    listed = DirHandle.names
+
+    def swap_after_listing(folder: DirHandle) -> list[str]:
+        names = listed(folder)
+        if folder.path.name == "tree":
+            os.rename(root / "tree" / "swapped", tmp_path / "moved")
+            os.symlink(precious, root / "tree" / "swapped")
+        return names
+
+    monkeypatch.setattr(DirHandle, "names", swap_after_listing)
+    with DirHandle.open(root) as folder:
+        for name in ("tree", "top", "plain", "never-there"):
+            folder.remove_tree(name)
+    assert os.listdir(root) == []
+    assert os.listdir(precious) == ["keep"] and (precious / "keep").read_text() == "mine"
