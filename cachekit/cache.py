@@ -361,8 +361,8 @@ def _value_column(values: Any, name: str = "values"):
                 f"{name} must be a pandas Series (or a list), one value per row; got "
                 f"{type(values).__qualname__} (pick a column: df['img_path'])")
         values = list(values)
-        try:
-            values = pd.Series(values)
+        try:  # an empty list is given a dtype: pandas 1.x warns when it must guess one
+            values = pd.Series(values, dtype=None if values else object)
         except UnicodeEncodeError:  # pandas' str dtype holds UTF-8 only: a path that is
             values = pd.Series(values, dtype=object)  # not (see keys._row_hashes) stays str
     if len(values) == 0:
