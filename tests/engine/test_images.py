@@ -174,6 +174,30 @@ def test_pad_leaves_zero_borders(sources: dict[str, Path], backend: str) -> None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode, channels", [("RGB", 3), ("L", 1), ("RGBA", 4)])
+@pytest.mark.parametrize("wide", [True, False])
+def test_pad_of_a_sliver_is_zeros_whatever_the_pillow(tmp_path: Path, monkeypatch, backend: str,
+                                                      mode: str, channels: int,
+                                                      wide: bool) -> None:
+    """A 200x1 banner padded into 8x8 keeps 0.04 of a pixel: zeros, as Pillow 13's
+    ``ImageOps.contain`` gives. Pillows before 13 (which cachekit admits) raise there, so
+    the row would fail: ``contain`` here raises as theirs does."""
+    path = tmp_path / "banner.png"
+    Image.new("RGB", (200, 1) if wide else (1, 200), (200, 100, 50)).save(path)
+    contain = ImageOps.contain
+
+    def contain_before_pillow_13(image: Image.Image, size, *args, **kwargs) -> Image.Image:
+        result = contain(image, size, *args, **kwargs)
+        if 0 in result.size:
+            raise ValueError("height and width must be > 0")
+        return result
+
+    monkeypatch.setattr(ImageOps, "contain", contain_before_pillow_13)
+    out = load_image(str(path), (8, 8), mode=mode, fit="pad", backend=backend)
+    assert out.shape == (channels, 8, 8) and not out.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("source", ["1", "L", "LA", "I;16", "I", "F", "L-jpeg"])
 @pytest.mark.parametrize("fit", FITS)
 def test_grayscale_to_rgb_has_equal_channels(

@@ -118,7 +118,7 @@ def reference(path: str, size: tuple[int, int], mode: str, fit: str, resample: s
         out = VF.resize(t, list(size), interpolation, antialias=True)
     else:
         h, w = size
-        scaled = resize_tensor.fit_size(tuple(t.shape[1:]), size, "pad")
+        scaled = decode_pil.fit_size(tuple(t.shape[1:]), size, "pad")
         if min(scaled) == 0:  # ImageOps.contain of a sliver: an empty image, all padding
             return np.zeros((t.shape[0], h, w), dtype=np.uint8)
         resized = VF.resize(t, list(scaled), interpolation, antialias=True)

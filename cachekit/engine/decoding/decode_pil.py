@@ -160,8 +160,12 @@ def convert(im: Image.Image, mode: str) -> Image.Image:
 
 
 def _pad(im: Image.Image, size: tuple[int, int], filt: Image.Resampling) -> np.ndarray:
-    """Resize to fit inside ``size`` (w, h) and center on zeros, as ImageOps.pad(color=0)."""
+    """Resize to fit inside ``size`` (w, h) and center on zeros, as ImageOps.pad(color=0).
+    A sliver whose free side rounds to 0 pixels gives zeros, as Pillow 13's contain does
+    (older Pillows raise "height and width must be > 0")."""
     width, height = size
+    if min(fit_size((im.height, im.width), (height, width), "pad")) == 0:
+        return np.zeros((len(im.getbands()), height, width), dtype=np.uint8)
     resized = np.asarray(ImageOps.contain(im, size, filt))
     if resized.ndim == 2:
         resized = resized[:, :, None]
@@ -208,3 +212,17 @@ def _draft_request(
     pick = max if fit == "crop" else min
     scale = pick(tw / src_w, th / src_h)
     return math.ceil(src_w * scale), math.ceil(src_h * scale)
+
+
+def fit_size(src: tuple[int, int], target: tuple[int, int], fit: str) -> tuple[int, int]:
+    """The (height, width) the image of size ``src`` (h, w) is resized to for "stretch" and
+    "pad" (for "pad", ``ImageOps.contain``'s arithmetic, its rounding included)."""
+    (src_h, src_w), (h, w) = src, target
+    if fit == "stretch":
+        return h, w
+    im_ratio, dest_ratio = src_w / src_h, w / h
+    if im_ratio > dest_ratio:
+        return round(src_h / src_w * w), w
+    if im_ratio < dest_ratio:
+        return h, round(src_w / src_h * h)
+    return h, w

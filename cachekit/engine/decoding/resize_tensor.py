@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional
 
 from ..running import _worker_main
+from .decode_pil import fit_size
 
 __all__ = ["decode_jpeg", "fit_size", "resize_fit"]
 
@@ -83,20 +84,6 @@ def decode_jpeg(data: bytes, channels: int, height: int, width: int) -> Optional
         return None
     hwc = decoded.permute(1, 2, 0)  # torchvision's CHW is a view of libjpeg's HWC rows
     return hwc.numpy() if hwc.is_contiguous() else np.ascontiguousarray(hwc.numpy())
-
-
-def fit_size(src: tuple[int, int], target: tuple[int, int], fit: str) -> tuple[int, int]:
-    """The (height, width) the image of size ``src`` (h, w) is resized to for "stretch" and
-    "pad" (for "pad", ``ImageOps.contain``'s arithmetic, its rounding included)."""
-    (src_h, src_w), (h, w) = src, target
-    if fit == "stretch":
-        return h, w
-    im_ratio, dest_ratio = src_w / src_h, w / h
-    if im_ratio > dest_ratio:
-        return round(src_h / src_w * w), w
-    if im_ratio < dest_ratio:
-        return h, round(src_w / src_h * h)
-    return h, w
 
 
 def resize_fit(hwc: np.ndarray, size: tuple[int, int], fit: str, resample: str,
