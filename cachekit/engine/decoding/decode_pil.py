@@ -85,11 +85,17 @@ def load(path: str, size: tuple[int, int], mode: str, fit: str, resample: str, d
 
 
 def open_image(data: BinaryIO, path: str) -> Image.Image:
-    """``Image.open(data)`` (the header only), its failure naming ``path``."""
+    """``Image.open(data)`` (the header only), its failure naming ``path``.
+
+    A TIFF's EXIF is read here, from the open file: Pillows before 10.1 read it at the first
+    ``getexif()``, and after a multi-page TIFF's ``load()`` their file is gone."""
     try:
-        return Image.open(data)
+        im = Image.open(data)
     except UnidentifiedImageError:  # its message would name the BytesIO, not the file
         raise UnidentifiedImageError(f"cannot identify image file {path!r}") from None
+    if hasattr(im, "tag_v2"):
+        im.getexif()
+    return im
 
 
 def decode(im: Image.Image, size: tuple[int, int], mode: str, fit: str, resample: str,
