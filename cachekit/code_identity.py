@@ -94,7 +94,10 @@ def _captured(cell: Any, name: str, seen: frozenset[int]) -> Any:
     return value
 
 
-_CODE_HASHES: dict[types.CodeType, tuple[str, str]] = {}
+_CODE_HASHES: dict[int, tuple[types.CodeType, str, str]] = {}
+"""By ``id`` of the code object, which the value holds so the id is never reused. Not by
+the code object itself: code objects compare equal when only a comment differs (on 3.10
+even when lines moved), and a function defined again from edited source must be read again."""
 
 
 def _code_hashes(fn: Any) -> tuple[str, str]:
@@ -103,13 +106,13 @@ def _code_hashes(fn: Any) -> tuple[str, str]:
     code = getattr(fn, "__code__", None)
     if code is None:  # a builtin, ufunc or callable object: nothing to read
         raise InvalidArgumentType(f"{type(fn).__qualname__} {fn!r} has no Python source to key")
-    known = _CODE_HASHES.get(code)
+    known = _CODE_HASHES.get(id(code))
     if known is None:
         source = _source_text(fn)
-        known = (hashlib.blake2b(source.encode(), digest_size=16).hexdigest(),
+        known = (code, hashlib.blake2b(source.encode(), digest_size=16).hexdigest(),
                  _code_digest(code))
-        _CODE_HASHES[code] = known
-    return known
+        _CODE_HASHES[id(code)] = known
+    return known[1], known[2]
 
 
 def _code_digest(code: types.CodeType) -> str:

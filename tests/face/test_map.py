@@ -140,6 +140,8 @@ def test_values_of_mixed_types_that_pandas_hashes_alike_get_different_keys(cache
 V1 = "import numpy as np\n\ndef prep(v):\n    return np.array([v, 1])\n"
 V2 = "import numpy as np\n\ndef prep(v):\n    return np.array([v, 2])\n"
 V1_COMMENT = "import numpy as np\n\ndef prep(v):\n    # one\n    return np.array([v, 1])\n"
+V1_TRAILING = "import numpy as np\n\ndef prep(v):\n    return np.array([v, 1])  # one\n"
+"""Compiles to a code object equal to V1's (same lines and columns): only the source differs."""
 
 
 def test_editing_the_function_body_changes_the_key(tmp_path, cache, monkeypatch):
@@ -153,6 +155,8 @@ def test_editing_the_function_body_changes_the_key(tmp_path, cache, monkeypatch)
     # Documented: any source change, even a comment, changes the key (a rebuild, never stale).
     commented = cache.map(load_module(path, "userprep_map", V1_COMMENT).prep, [5])
     assert commented.key != first.key
+    trailing = cache.map(load_module(path, "userprep_map", V1_TRAILING).prep, [5])
+    assert trailing.key not in (first.key, commented.key)
 
 
 def test_identity_names_module_qualname_version_and_source():
