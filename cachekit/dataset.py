@@ -119,10 +119,10 @@ class EntryDataset(Dataset):
             try:
                 rows = self.entry._map()  # (a derived entry's RowView gathers itself)
             except CacheCorruptError as e:
-                removed = not self.entry.path.exists()  # gone, not damaged: say what to do
-                rows = self.entry._held() if removed else None
-                if rows is None:
-                    raise DatasetCorruptError(e.path, e.reason, removed) from None
+                rows = self.entry._held()
+                if rows is None:  # gone, not damaged: the message says what to do
+                    raise DatasetCorruptError(e.path, e.reason,
+                                              not self.entry.path.exists()) from None
             # A plain ndarray view: np.memmap's __array_finalize__ is a large share of a
             # batch's fancy index (docs/dataloader.md).
             self._rows = np.asarray(rows) if isinstance(rows, np.ndarray) else rows

@@ -126,9 +126,11 @@ class Entry:
                 f" {self.source}>")
 
     def _held(self) -> Optional[Rows]:
-        """The rows this object mapped when it was made, without mapping them again: None
+        """What a reader reads on through once the entry was removed (its directory gone):
+        the rows this object mapped when it was made, without mapping them again. None
+        while the entry is there (a failure to map it is then damage, never read past) and
         once unpickled and not read since (a spawned DataLoader worker's entry)."""
-        return self.__dict__.get("array")
+        return None if self.path.exists() else self.__dict__.get("array")
 
     def _map(self, mode: str = "r") -> Rows:
         """Open the entry's rows again: mapped read-only ("r") or copy-on-write ("c").
@@ -162,7 +164,7 @@ class Entry:
         try:
             rows = self._map("c")
         except CacheCorruptError:
-            held = self._held() if not self.path.exists() else None
+            held = self._held()
             if held is None:
                 raise
             return torch.from_numpy(np.array(held) if isinstance(held, np.ndarray)

@@ -19,8 +19,8 @@ from ... import options
 from ...options import FITS, MODES, RESAMPLE_NAMES
 from . import payload
 
-__all__ = ["FITS", "MODES", "RESAMPLES", "convert", "decode", "draft_scale", "load", "open_image",
-           "orient", "orientation", "request_draft", "resized", "TRANSPOSITIONS"]
+__all__ = ["FITS", "MODES", "RESAMPLES", "convert", "decode", "draft_scale", "fit_size", "load",
+           "open_image", "orient", "orientation", "request_draft", "resized", "TRANSPOSITIONS"]
 
 RESAMPLES: dict[str, Image.Resampling] = {
     name: Image.Resampling[name.upper()] for name in RESAMPLE_NAMES

@@ -36,7 +36,7 @@ from torch.nn import functional
 from ..running import _worker_main
 from .decode_pil import fit_size
 
-__all__ = ["decode_jpeg", "fit_size", "resize_fit"]
+__all__ = ["decode_jpeg", "resize_fit"]
 
 if _worker_main.serving():
     torch.set_num_threads(1)
