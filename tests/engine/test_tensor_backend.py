@@ -420,6 +420,27 @@ def test_the_covered_files_take_the_tensor_path(covered: dict[str, str],
     assert decoded.count == jpegs and resized.count == len(covered)
 
 
+def test_the_decoder_of_the_oldest_torchvision_admitted_still_decodes(
+        covered: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchvision 0.16's op is image::decode_jpeg(Tensor, int): it raises on the third
+    # argument (apply_exif_orientation) that 0.17 added. Called with one, every JPEG fell
+    # back to the "pil" pipeline, silently and under the tensor backend's key.
+    newer = resize_tensor._DECODE_JPEG
+    expected = {name: load_image(path, (16, 24)) for name, path in covered.items()}
+
+    def as_in_0_16(data: torch.Tensor, mode: int, *more: object) -> torch.Tensor:
+        if more:
+            raise RuntimeError("image::decode_jpeg() expected at most 2 argument(s) but "
+                               f"received {2 + len(more)} argument(s)")
+        return newer(data, mode)
+
+    monkeypatch.setattr(resize_tensor, "_DECODE_JPEG", as_in_0_16)
+    resized = Calls(monkeypatch, resize_tensor, "resize_fit")
+    for name, path in covered.items():
+        np.testing.assert_array_equal(load_image(path, (16, 24)), expected[name], err_msg=name)
+    assert resized.count == len(covered)  # every JPEG too: none went to the "pil" pipeline
+
+
 def test_a_file_above_the_read_cap_gets_the_pil_pixels(covered: dict[str, str]) -> None:
     for path in covered.values():
         cap = os.path.getsize(path) - 1

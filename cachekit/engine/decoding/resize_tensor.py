@@ -66,7 +66,9 @@ def _image_ops() -> Any:
 
 
 # The op itself, not torchvision.io.decode_jpeg: that wrapper warns (DeprecationWarning,
-# torchvision 0.29) on every call, and a warning filter cannot be set per thread.
+# torchvision 0.29) on every call, and a warning filter cannot be set per thread. It is
+# called with (data, mode) only: torchvision 0.16's op takes no third argument, and the
+# apply_exif_orientation that 0.17 added defaults to False, as orientation is applied here.
 _DECODE_JPEG: Callable[..., torch.Tensor] = _image_ops().decode_jpeg
 _UNCHANGED = 0  # torchvision.io.ImageReadMode.UNCHANGED: the file's own channels
 
@@ -77,7 +79,7 @@ def decode_jpeg(data: bytes, channels: int, height: int, width: int) -> Optional
     header promised (the caller then lets Pillow decode it, and report its error)."""
     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: no warning
     try:
-        decoded = _DECODE_JPEG(encoded, _UNCHANGED, False)
+        decoded = _DECODE_JPEG(encoded, _UNCHANGED)
     except RuntimeError:
         return None
     if tuple(decoded.shape) != (channels, height, width):
