@@ -441,6 +441,23 @@ def test_the_decoder_of_the_oldest_torchvision_admitted_still_decodes(
     assert resized.count == len(covered)  # every JPEG too: none went to the "pil" pipeline
 
 
+def test_a_decoder_that_fails_every_file_is_said_once_and_pillow_decodes(
+        covered: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resize_tensor.decoder_fault(resize_tensor._DECODE_JPEG) is None  # the real one
+
+    def needs_more(data: torch.Tensor, mode: int, device: str) -> torch.Tensor:
+        raise AssertionError("never called with two arguments")  # a signature yet to come
+
+    monkeypatch.setattr(resize_tensor, "_DECODE_JPEG", needs_more)
+    with pytest.warns(RuntimeWarning, match=r"JPEG decoder fails here \(TypeError: .*"
+                                            r"missing .*'device'.*decodes JPEGs with Pillow"):
+        assert resize_tensor._check_decoder() is False
+    monkeypatch.setattr(resize_tensor, "_DECODER_WORKS", False)
+    jpeg = covered["jpeg-rgb"]
+    np.testing.assert_array_equal(load_image(jpeg, (16, 24)),
+                                  load_image(jpeg, (16, 24), backend="pil"))
+
+
 def test_a_file_above_the_read_cap_gets_the_pil_pixels(covered: dict[str, str]) -> None:
     for path in covered.values():
         cap = os.path.getsize(path) - 1

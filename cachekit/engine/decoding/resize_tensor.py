@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import io
 import os
 import platform
 import sys
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.nn import functional
 
 from ..running import _worker_main
 from .decode_pil import fit_size
+from .images import decoder_versions
 
 __all__ = ["decode_jpeg", "resize_fit"]
 
@@ -73,10 +77,43 @@ _DECODE_JPEG: Callable[..., torch.Tensor] = _image_ops().decode_jpeg
 _UNCHANGED = 0  # torchvision.io.ImageReadMode.UNCHANGED: the file's own channels
 
 
+def decoder_fault(decode: Callable[..., torch.Tensor]) -> Optional[str]:
+    """Why ``decode`` (torchvision's op) cannot decode a small JPEG that Pillow wrote, or
+    None when it can. A fault here is the decoder's, not a file's: every JPEG would fall back
+    to the "pil" pipeline, unseen (as all did on torchvision 0.16 while the op was called
+    with a third argument it does not take)."""
+    sample = io.BytesIO()
+    Image.new("L", (16, 8), 128).save(sample, "JPEG")
+    try:
+        decoded = decode(torch.frombuffer(bytearray(sample.getvalue()), dtype=torch.uint8),
+                         _UNCHANGED)
+    except (RuntimeError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    if tuple(decoded.shape) != (1, 8, 16):
+        return f"it gave a tensor of shape {tuple(decoded.shape)} for an 8 x 16 gray image"
+    return None
+
+
+def _check_decoder() -> bool:
+    """Whether torchvision's decoder works here; warns once, in this process, when not."""
+    fault = decoder_fault(_DECODE_JPEG)
+    if fault is not None:
+        warnings.warn(f"cachekit: torchvision's JPEG decoder fails here ({fault}), so the "
+                      "tensor backend decodes JPEGs with Pillow in this process: the \"pil\" "
+                      "pipeline's pixels and speed for them (torchvision "
+                      f"{decoder_versions()['torchvision']})", RuntimeWarning, stacklevel=2)
+    return fault is None
+
+
+_DECODER_WORKS = _check_decoder()
+
+
 def decode_jpeg(data: bytes, channels: int, height: int, width: int) -> Optional[np.ndarray]:
     """The (H, W, C) uint8 pixels libjpeg-turbo decodes from the JPEG ``data`` (writable, C
     order), or None when torchvision refuses the file or gives another shape than the
     header promised (the caller then lets Pillow decode it, and report its error)."""
+    if not _DECODER_WORKS:
+        return None
     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: no warning
     try:
         decoded = _DECODE_JPEG(encoded, _UNCHANGED)
