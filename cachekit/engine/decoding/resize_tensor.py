@@ -36,6 +36,7 @@ import torch
 from PIL import Image
 from torch.nn import functional
 
+from ...messages import prefix
 from ..running import _worker_main
 from .decode_pil import fit_size
 from .images import decoder_versions
@@ -98,7 +99,7 @@ def _check_decoder() -> bool:
     """Whether torchvision's decoder works here; warns once, in this process, when not."""
     fault = decoder_fault(_DECODE_JPEG)
     if fault is not None:
-        warnings.warn(f"cachekit: torchvision's JPEG decoder fails here ({fault}), so the "
+        warnings.warn(f"{prefix()}: torchvision's JPEG decoder fails here ({fault}), so the "
                       "tensor backend decodes JPEGs with Pillow in this process: the \"pil\" "
                       "pipeline's pixels and speed for them (torchvision "
                       f"{decoder_versions()['torchvision']})", RuntimeWarning, stacklevel=2)
