@@ -196,15 +196,20 @@ HUGE_CHILD = textwrap.dedent("""
     import numpy as np, pandas as pd
     import cachekit
 
+    def peak_kb():
+        # VmHWM: this process's own peak. (ru_maxrss after fork and exec also counts the
+        # parent's resident set at the fork: the test process's, not ours.)
+        with open("/proc/self/status") as f:
+            return [int(line.split()[1]) for line in f if line.startswith("VmHWM:")][0]
+
     root, paths = sys.argv[1], sys.argv[2:]
-    entry = cachekit.Cache(root, workers=1, executor="threads", progress=False).images(
-        pd.Series(paths), 8, on_error="zero", validate="stat")
-    # VmHWM: this process's own peak. (ru_maxrss after fork and exec also counts the
-    # parent's resident set at the fork: the test process's, not ours.)
-    with open("/proc/self/status") as f:
-        peak = [int(line.split()[1]) for line in f if line.startswith("VmHWM:")][0]
+    cache = cachekit.Cache(root, workers=1, executor="threads", progress=False)
+    cache.images(pd.Series(paths[:1]), 8, validate="stat")  # the imports and the decoders
+    before = peak_kb()
+    entry = cache.images(pd.Series(paths), 8, on_error="zero", validate="stat")
     print(json.dumps({"valid": entry.valid.tolist(), "failed": entry.manifest["failed_rows"],
-                      "sum": int(np.asarray(entry.array[0]).sum()), "peak_kb": peak}))
+                      "sum": int(np.asarray(entry.array[0]).sum()),
+                      "grew_kb": peak_kb() - before}))
 """)
 HUGE_BYTES = 6 << 30
 
@@ -212,7 +217,9 @@ HUGE_BYTES = 6 << 30
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM (Linux)")
 def test_a_huge_non_image_fails_its_row_without_being_read_whole(tmp_path, cover_paths):
     """A 6 GiB sparse file of zeros in the column: its row fails (not an image) and the
-    process's peak RSS stays far below the file's size (it was never read whole)."""
+    process's peak RSS grows by far less than the file's size (it was never read whole).
+    The growth, not the peak: a build of small files alone peaks at 0.6 GB here on Python
+    3.11 and 0.8 GB on 3.13, torch's import mostly."""
     huge = tmp_path / "huge.jpg"
     with open(huge, "wb") as f:
         f.truncate(HUGE_BYTES)
@@ -224,7 +231,7 @@ def test_a_huge_non_image_fails_its_row_without_being_read_whole(tmp_path, cover
     assert got["valid"] == [True, False] and got["sum"] > 0
     assert [(row, path) for row, path, _ in got["failed"]] == [(1, str(huge))]
     assert "cannot identify image file" in got["failed"][0][2]
-    assert got["peak_kb"] * 1024 < HUGE_BYTES // 8, f"peak RSS {got['peak_kb'] // 1024} MB"
+    assert got["grew_kb"] * 1024 < HUGE_BYTES // 8, f"peak RSS grew {got['grew_kb'] // 1024} MB"
 
 
 # --- tampered entries -------------------------------------------------------------------
