@@ -29,6 +29,7 @@ finish among them) and output not yet flushed.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -84,19 +85,27 @@ _unwarned: list[_Upload] = []
 """Failed ones that no call has warned about yet."""
 _hooked_pid: Optional[int] = None
 """The process whose exit hook is in place (a forked child inherits its parent's)."""
+THREADS_START_AT_EXIT = not (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3)
+"""Whether a thread can start while the exit hooks run. Not on Python 3.12.0 to 3.12.2
+(CPython gh-117029, fixed in 3.12.3): an upload waited for at exit failed there with "can't
+create new thread at interpreter shutdown" (s3fs resolves host names on a new thread), so
+the call uploads before it returns instead."""
 
 
 def start(remote: "RemoteStore", published: "Published", lease: "Lease", root: Path) -> bool:
     """Upload ``published`` (an entry of the local root ``root``) to ``remote`` in a
     background thread, which releases ``lease`` when done: True. False when this process
-    could not wait for it at exit (it is shutting down already, or no thread can start):
-    the caller then uploads it itself and still holds the lease.
+    could not wait for it at exit (it is shutting down already, no thread can start, or
+    none could while it waits: :data:`THREADS_START_AT_EXIT`): the caller then uploads it
+    itself and still holds the lease.
 
     The entry's files are opened here, before the call returns, so that removing the entry
     from the root meanwhile (``clear``, or the budget's eviction after a later call) does
     not cut the upload off: it sends the bytes it holds."""
     from ..store.remote_upload import open_files
 
+    if not THREADS_START_AT_EXIT:
+        return False
     try:
         opened = open_files(published)
     except OSError:

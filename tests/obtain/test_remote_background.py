@@ -31,7 +31,7 @@ import pytest
 import cachekit
 import hosts
 import s3
-from helpers import lines_in, one_valid_entry
+from helpers import IN_THE_BACKGROUND, lines_in, one_valid_entry
 from cachekit import processes
 from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.obtain import background
@@ -152,6 +152,7 @@ def one_entry_of(remote: RemoteStore, tmp_path: Path, sha: str) -> str:
     return key
 
 
+@IN_THE_BACKGROUND
 def test_the_call_returns_before_its_upload_ends_and_the_process_waits_for_it_to_exit(
         s3_env, work, tmp_path, proxy):
     proxy.mode = "late-request"
@@ -178,6 +179,7 @@ def test_the_call_returns_before_its_upload_ends_and_the_process_waits_for_it_to
     assert one_entry_of(remote, tmp_path, report["sha"]) == report["key"]
 
 
+@IN_THE_BACKGROUND
 def test_a_process_that_exits_right_after_the_call_completes_its_upload(
         s3_env, work, tmp_path, proxy):
     done = hosts.finish(agent(work, tmp_path / "a", through(proxy, s3_env), "a"))
@@ -188,6 +190,7 @@ def test_a_process_that_exits_right_after_the_call_completes_its_upload(
     assert one_entry_of(remote, tmp_path, report["sha"]) == report["key"]
 
 
+@IN_THE_BACKGROUND
 def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_builds(
         s3_env, work, tmp_path, proxy):
     proxy.mode = "late-request"
@@ -214,6 +217,7 @@ def test_a_host_that_misses_during_the_upload_waits_for_it_and_downloads_never_b
     assert one_entry_of(remote, tmp_path, first["sha"]) == first["key"]
 
 
+@IN_THE_BACKGROUND
 def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, tmp_path,
                                                                    proxy):
     proxy.mode = "late-request"
@@ -243,6 +247,7 @@ def test_a_failed_background_upload_is_loud_and_publishes_nothing(s3_env, work, 
     assert verify_remote(remote) == (1, [])
 
 
+@IN_THE_BACKGROUND
 def test_a_ctrl_c_while_the_process_waits_at_exit_cuts_the_upload_off_and_says_so(
         s3_env, work, tmp_path, proxy):
     proxy.mode = "late-request"  # never released: the stop at teardown drops the create
@@ -271,6 +276,7 @@ def row(v):
     return np.full((3, 8, 8), v % 251, dtype=np.uint8)
 
 
+@IN_THE_BACKGROUND
 def test_a_second_call_for_the_key_while_its_upload_runs_starts_no_second_upload(
         s3_env, tmp_path, proxy, monkeypatch, capfd):
     proxy.mode, proxy.delay = "late-request", 2.0  # held 2 s, then passed on
@@ -292,6 +298,7 @@ def test_a_second_call_for_the_key_while_its_upload_runs_starts_no_second_upload
     assert capfd.readouterr().err.count(f"uploading entry {first.key[:12]}") == 1
 
 
+@IN_THE_BACKGROUND
 def test_an_entry_removed_here_while_its_upload_runs_is_uploaded_whole(
         s3_env, tmp_path, monkeypatch, capfd):
     """The upload holds the entry's files from the call on: a clear here (or the budget's
@@ -312,3 +319,20 @@ def test_an_entry_removed_here_while_its_upload_runs_is_uploaded_whole(
     other = cachekit.Cache(tmp_path / "b", workers=1, progress=False).map(row, list(range(ROWS)))
     assert other.source == "remote"
     np.testing.assert_array_equal(np.asarray(other.array), np.stack([row(v) for v in range(ROWS)]))
+
+
+def _pixels(v: int) -> np.ndarray:
+    return np.full((2, 2), v, dtype=np.uint8)
+
+
+def test_where_no_thread_may_start_at_exit_the_call_uploads_before_it_returns(
+        s3_env, tmp_path, monkeypatch):
+    monkeypatch.setattr(background, "THREADS_START_AT_EXIT", False)  # as on 3.12.0 to 3.12.2
+    started, start = [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda thread: started.append(thread.name) or start(thread))
+    cache = cachekit.Cache(tmp_path / "a", remote=s3_env["CACHEKIT_REMOTE"], progress=False)
+    entry = cache.map(_pixels, [1, 2, 3])
+    assert entry.source == "built"
+    assert one_valid_entry(RemoteStore(s3_env["CACHEKIT_REMOTE"])) == entry.key  # already
+    assert not [name for name in started if name.startswith("cachekit-upload")]

@@ -30,7 +30,7 @@ import pytest
 import cachekit
 import hosts
 import s3
-from helpers import lines_in, one_valid_entry, remote_object
+from helpers import IN_THE_BACKGROUND, lines_in, one_valid_entry, remote_object
 from cachekit.cli import main
 from cachekit.admin import remote as rm
 from cachekit.admin.remote_verify import verify as verify_remote
@@ -227,6 +227,7 @@ def test_a_manifest_create_answered_after_the_timeout_keeps_the_data_it_names(
     assert pulled.source == "remote" and np.array_equal(pulled.array, built.array)
 
 
+@IN_THE_BACKGROUND
 def test_a_create_that_lands_after_a_sweep_took_its_data_withdraws_its_manifest(
         s3_server, s3_env, tmp_path, monkeypatch, capsys):
     before = set(threading.enumerate())
