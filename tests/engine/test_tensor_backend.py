@@ -435,6 +435,7 @@ def test_the_decoder_of_the_oldest_torchvision_admitted_still_decodes(
         return newer(data, mode)
 
     monkeypatch.setattr(resize_tensor, "_DECODE_JPEG", as_in_0_16)
+    assert resize_tensor.decoder_fault() is None  # the start-up check calls it the same way
     resized = Calls(monkeypatch, resize_tensor, "resize_fit")
     for name, path in covered.items():
         np.testing.assert_array_equal(load_image(path, (16, 24)), expected[name], err_msg=name)
@@ -443,7 +444,7 @@ def test_the_decoder_of_the_oldest_torchvision_admitted_still_decodes(
 
 def test_a_decoder_that_fails_every_file_is_said_once_and_pillow_decodes(
         covered: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert resize_tensor.decoder_fault(resize_tensor._DECODE_JPEG) is None  # the real one
+    assert resize_tensor.decoder_fault() is None  # the real one
 
     def needs_more(data: torch.Tensor, mode: int, device: str) -> torch.Tensor:
         raise AssertionError("never called with two arguments")  # a signature yet to come

@@ -78,16 +78,22 @@ _DECODE_JPEG: Callable[..., torch.Tensor] = _image_ops().decode_jpeg
 _UNCHANGED = 0  # torchvision.io.ImageReadMode.UNCHANGED: the file's own channels
 
 
-def decoder_fault(decode: Callable[..., torch.Tensor]) -> Optional[str]:
-    """Why ``decode`` (torchvision's op) cannot decode a small JPEG that Pillow wrote, or
-    None when it can. A fault here is the decoder's, not a file's: every JPEG would fall back
-    to the "pil" pipeline, unseen (as all did on torchvision 0.16 while the op was called
-    with a third argument it does not take)."""
+def _decoded(data: bytes) -> torch.Tensor:
+    """torchvision's (C, H, W) uint8 tensor of the JPEG ``data``: the one call of the op, so
+    that :func:`decoder_fault` tries it exactly as :func:`decode_jpeg` makes it."""
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: no warning
+    return _DECODE_JPEG(encoded, _UNCHANGED)
+
+
+def decoder_fault() -> Optional[str]:
+    """Why torchvision's decoder cannot decode a small JPEG that Pillow wrote, or None when
+    it can. A fault here is the decoder's, not a file's: every JPEG would fall back to the
+    "pil" pipeline, unseen (as all did on torchvision 0.16 while the op was called with a
+    third argument it does not take)."""
     sample = io.BytesIO()
     Image.new("L", (16, 8), 128).save(sample, "JPEG")
     try:
-        decoded = decode(torch.frombuffer(bytearray(sample.getvalue()), dtype=torch.uint8),
-                         _UNCHANGED)
+        decoded = _decoded(sample.getvalue())
     except (RuntimeError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     if tuple(decoded.shape) != (1, 8, 16):
@@ -97,7 +103,7 @@ def decoder_fault(decode: Callable[..., torch.Tensor]) -> Optional[str]:
 
 def _check_decoder() -> bool:
     """Whether torchvision's decoder works here; warns once, in this process, when not."""
-    fault = decoder_fault(_DECODE_JPEG)
+    fault = decoder_fault()
     if fault is not None:
         warnings.warn(f"{prefix()}: torchvision's JPEG decoder fails here ({fault}), so the "
                       "tensor backend decodes JPEGs with Pillow in this process: the \"pil\" "
@@ -115,9 +121,8 @@ def decode_jpeg(data: bytes, channels: int, height: int, width: int) -> Optional
     header promised (the caller then lets Pillow decode it, and report its error)."""
     if not _DECODER_WORKS:
         return None
-    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: no warning
     try:
-        decoded = _DECODE_JPEG(encoded, _UNCHANGED)
+        decoded = _decoded(data)
     except RuntimeError:
         return None
     if tuple(decoded.shape) != (channels, height, width):
