@@ -61,7 +61,9 @@ def job(tmp_path):
 
 
 def _torchrun(work: Path) -> subprocess.CompletedProcess:
+    # TMPDIR: torchrun writes its ranks' logs in a new temporary directory it leaves behind.
     env = {**os.environ, "CACHEKIT_DIR": str(work / "cache"), "GLOO_SOCKET_IFNAME": "lo",
+           "TMPDIR": str(work),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = (f"ip link set lo up && exec {sys.executable} -m torch.distributed.run "
                f"--standalone --nproc_per_node=2 {shlex.quote(str(SCRIPT))} covers.csv")
