@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .. import _fs, arrays
+from ..units import count
 from ..errors import CacheCorruptError
 from .kept import Kept
 from .manifest import ROW_FILES_LIMIT, ROW_MAP_FILE, FileRecord, Manifest, sidecar_name
@@ -74,7 +75,7 @@ class RowView:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"<cachekit.RowView {self.dtype}{list(self.shape)} over {len(self._files)} files>"
+        return f"<cachekit.RowView {self.dtype}{list(self.shape)} over {count(len(self._files), 'file')}>"
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):
