@@ -13,8 +13,7 @@ from typing import Callable, Iterable, Optional
 from .. import _fs, arrays
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
-from .inspect import (EntryInfo, Problem, list_entries, resolve_keys, stored_bytes,
-                      without_other_formats)
+from .inspect import EntryInfo, Problem, list_entries, resolve_keys, without_other_formats
 from ..store import LocalStore
 from ..store.row_view import read_row_map
 
@@ -27,41 +26,56 @@ def verify(store: LocalStore, keys: Optional[Iterable[str]] = None, *,
     problems found, [] when all is well. Without ``keys``, items in ``entries/`` that are
     not entries count as problems too. Entries of another entry format (another cachekit
     version made them) are not checked and are no problem: this version never uses them;
-    ``on_other`` is given them.
+    ``on_other`` is given them. With ``keys``, the other entries that link a damaged file
+    are checked and reported too: rows are stored once, and each of them lends its files.
 
-    ``on_start(entries, bytes)`` is called once with what is about to be checked (each
-    file once, however many entries link it), and ``on_bytes(n)`` after each entry with
-    the bytes of its files not counted before, for a progress bar.
+    ``on_start(entries, bytes)`` is called with what is about to be checked (each file
+    once, however many entries link it), once more for entries added for a damaged file,
+    and ``on_bytes(n)`` after each entry with the bytes of its files not counted before,
+    for a progress bar.
     """
-    entries, problems = list_entries(store)
+    everything, problems = list_entries(store)
+    entries = everything
     if keys is not None:
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
         problems = [p for p in problems if p.key in wanted]
     kept = without_other_formats(entries, on_other)
     unused = {e.key for e in entries} - {e.key for e in kept}  # (list_entries said why)
-    entries, problems = kept, [p for p in problems if p.key not in unused]
-    if on_start is not None:
-        on_start(len(entries), stored_bytes(entries))
+    problems = [p for p in problems if p.key not in unused]
     hashed: dict[tuple[int, ...], str] = {}
+    damaged: set[tuple[int, int]] = set()
     counted: set[tuple[int, int, int]] = set()
-    for entry in entries:
-        if entry.problem is None:  # else list_entries reported it already
-            problem = check_entry(entry.path, hashed)
+    checked: set[str] = set()
+    while kept:
+        if on_start is not None:
+            on_start(len(kept), sum(f[2] for f in {f for e in kept for f in e.files} - counted))
+        for entry in kept:
+            checked.add(entry.key)
+            problem = None
+            if entry.problem is None:
+                problem = check_entry(entry.path, hashed, damaged)
+            elif entry.key not in {p.key for p in problems}:  # a sharer list_entries found bad
+                problem = Problem(entry.key, entry.path, entry.problem)
             if problem is not None:
                 problems.append(problem)
-        if on_bytes is not None:
-            on_bytes(sum(f[2] for f in set(entry.files) - counted))
+            if on_bytes is not None:
+                on_bytes(sum(f[2] for f in set(entry.files) - counted))
             counted.update(entry.files)
+        # Entries left out by ``keys`` that link a damaged file: a rebuild of a cleared entry
+        # would link that file again from them, so they are as broken as the ones asked for.
+        kept = [e for e in everything if e.key not in checked and not e.other_format
+                and any(f[:2] in damaged for f in e.files)]
     return problems
 
 
-def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None
-                ) -> Optional[Problem]:
+def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None,
+                damaged: Optional[set[tuple[int, int]]] = None) -> Optional[Problem]:
     """The problem with the entry at ``path``, or None when every file matches its manifest
     (and a derived entry's row map points inside its files). ``hashed``: checksums of files
     read already, by (device, inode, size, mtime), so a file that several entries link is
-    read once, and each of them is told when it does not match."""
+    read once, and each of them is told when it does not match. ``damaged`` is given the
+    (device, inode) of a file whose bytes do not match."""
     hashed = {} if hashed is None else hashed
     try:
         manifest = manifests.read(path)
@@ -74,6 +88,8 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None
                 hashed[seen] = arrays.checksum(path / record.name)[1]
             actual = hashed[seen]
             if actual != record.checksum:
+                if damaged is not None:
+                    damaged.add(seen[:2])
                 return Problem(path.name, path, f"checksum mismatch in {record.name}: manifest "
                                                 f"says {record.checksum}, the file has {actual}")
     except (FileNotFoundError, CacheCorruptError, OSError) as e:

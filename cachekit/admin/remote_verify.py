@@ -20,30 +20,39 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
     each object's size and checksum (every byte is read; a pool object that several
     entries name, once). (entries checked, problems). Entries of another cachekit version
     are not checked and are no problem (never used by this one); ``on_other`` is given
-    them."""
+    them. With ``keys``, the other entries that name a damaged pool object are checked and
+    reported too."""
     found = scan(remote)
     entries = list(found.entries)
     if keys is not None:
         wanted = set(resolve_keys(keys, [e.key for e in entries]))
         entries = [e for e in entries if e.key in wanted]
     entries = without_other_formats(entries, on_other)
-    if on_start is not None:
-        on_start(len(entries), found.stored_bytes(entries))
     problems: list[Problem] = []
     digests: dict[str, str] = {}
-    for info in entries:
-        problem = info.problem
-        if problem is None and info.entry is not None:
-            problem = _check(remote, info.entry, digests, on_bytes)
-        if problem is not None:
-            problems.append(Problem(info.key, info.url, problem))  # type: ignore[arg-type]
-    return len(entries), problems
+    damaged: set[str] = set()
+    checked: set[str] = set()
+    while entries:
+        if on_start is not None:
+            on_start(len(entries), found.stored_bytes(entries))
+        for info in entries:
+            checked.add(info.key)
+            problem = info.problem
+            if problem is None and info.entry is not None:
+                problem = _check(remote, info.entry, digests, damaged, on_bytes)
+            if problem is not None:
+                problems.append(Problem(info.key, info.url, problem))  # type: ignore[arg-type]
+        # Entries left out by ``keys`` that name a damaged pool object: it goes only with the
+        # last entry that names it, and until then a push finds it there and sends it not.
+        entries = [e for e in found.entries if e.key not in checked and not e.other_format
+                   and not e.pool.isdisjoint(damaged)]
+    return len(checked), problems
 
 
 def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
-           on_bytes: Optional[Callable[[int], None]]) -> Optional[str]:
+           damaged: set[str], on_bytes: Optional[Callable[[int], None]]) -> Optional[str]:
     """What is wrong with ``entry``'s objects, or None; ``digests`` holds the checksums of
-    the objects read so far."""
+    the objects read so far, and ``damaged`` is given each object found wrong."""
     m = entry.manifest
     for record, path in zip(m.files, entry.objects(remote)):
         if path not in digests:
@@ -51,8 +60,10 @@ def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
                 remote.check_sizes(entry.key, [record], [path])
                 digests[path] = _digest(remote, path, record.bytes, on_bytes)
             except CacheCorruptError as e:
+                damaged.add(path)
                 return f"{record.name}: {e.reason}"
         if digests[path] != record.checksum:
+            damaged.add(path)
             return (f"checksum mismatch in {record.name}: the manifest says {record.checksum},"
                     f" the object has {digests[path]}")
     return None

@@ -20,8 +20,8 @@ from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidA
                       UsageError)
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, SORTS, ByteProgress, ago, count, fail, fields, file_fields, \
-    joined_by, listing, other_versions, say, shape, when
+from .output import SHORT_KEY, SORTS, ByteProgress, ago, clear_advice, count, fail, fields, \
+    file_fields, joined_by, listing, other_versions, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
@@ -172,8 +172,8 @@ def verify(args: argparse.Namespace) -> int:
     if not args.keys:
         _report_temp_dirs(inspect.list_temp_dirs(store)[0])
     if problems:
-        say(f"{count(len(problems), 'problem', 'problems')} in {checked}; remove a broken "
-            "entry with `cachekit clear KEY` (it is rebuilt on next use)")
+        say(f"{count(len(problems), 'problem', 'problems')} in {checked}; "
+            f"{clear_advice(problems, 'cachekit clear', 'rebuilt on next use')}")
         return 1
     say(f"{checked} verified, no problems")
     return 0

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .. import units
-from ..admin.inspect import SHORT_KEY, ago, local_time
+from ..admin.inspect import SHORT_KEY, Problem, ago, local_time
 from ..messages import printable, write_line
 
 __all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
@@ -112,10 +112,23 @@ def count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+def clear_advice(problems: Iterable[Problem], command: str, again: str) -> str:
+    """What to do about the problems ``verify`` found: clear every broken entry with one
+    ``command``, each named, since an entry left that links a damaged file would lend its
+    rows to the others' rebuilds. ``again``: what becomes of a cleared entry."""
+    keys = list(dict.fromkeys(p.key[:SHORT_KEY] for p in problems if p.key is not None))
+    if not keys:
+        return f"remove a broken entry with `{command} KEY` (it is {again})"
+    if len(keys) == 1:
+        return f"remove it with `{command} {keys[0]}` (it is {again})"
+    return (f"remove them all with `{command} {' '.join(keys)}` (each is {again}; an entry "
+            "kept that links a damaged file would lend its rows to a rebuild)")
+
+
 class ByteProgress:
     """A progress bar in bytes on stderr when it is a terminal (none otherwise), for a
-    check that says what it is about to read (``start``) and then what it read
-    (``advance``); used as a context manager, which closes the bar."""
+    check that says what it is about to read (``start``, again when it finds more) and then
+    what it read (``advance``); used as a context manager, which closes the bar."""
 
     def __init__(self, description: str) -> None:
         self.description = description
@@ -123,8 +136,12 @@ class ByteProgress:
         self._bar: Any = None
 
     def start(self, entries: int, total_bytes: int) -> None:
-        self.entries = entries
-        if sys.stderr.isatty():
+        """Count ``entries`` more to check, of ``total_bytes`` more to read."""
+        self.entries += entries
+        if self._bar is not None:
+            self._bar.total += total_bytes
+            self._bar.refresh()
+        elif sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True,

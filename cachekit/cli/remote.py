@@ -22,8 +22,8 @@ from ..obtain.remote import Tier, pull as pull_entry
 from ..store import Published
 from ..store.remote import RemoteEntry, RemoteStore, sent_note
 from .confirm import carry_out, check_can_confirm
-from .output import SHORT_KEY, ByteProgress, ago, count, fields, file_fields, joined_by, \
-    listing, other_versions, say, shape, when
+from .output import SHORT_KEY, ByteProgress, ago, clear_advice, count, fields, file_fields, \
+    joined_by, listing, other_versions, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store, remote_store
 
@@ -194,8 +194,8 @@ def verify(args: argparse.Namespace) -> int:
     entries = count(checked, "entry", "entries")
     if problems:
         say(f"{count(len(problems), 'problem', 'problems')} in {entries} on "
-            f"{remote.display}; remove a broken entry with `cachekit clear --remote KEY` (it "
-            "is built and uploaded again on next use)")
+            f"{remote.display}; " + clear_advice(problems, "cachekit clear --remote",
+                                                 "built and uploaded again on next use"))
         return 1
     say(f"{entries} verified on {remote.display}, no problems")
     return 0

@@ -31,7 +31,7 @@ from cachekit.store import manifest as manifests
 from cachekit.store.remote import RemoteStore
 from cachekit.store.row_index import RowIndex
 from cachekit.store.row_view import RowView
-from helpers import write_pictures
+from helpers import remote_object, write_pictures
 
 N = 120
 
@@ -656,6 +656,37 @@ def test_ls_shows_own_and_shared_bytes_and_its_total_is_the_disk_use(
     assert cli_main(["--root", str(cache.root), "verify"]) == 0
 
 
+def test_verify_of_one_entry_names_every_entry_that_links_its_damaged_file_and_clearing_them_heals(
+        cache, pictures, capsys):
+    """Following verify's word must mend the root: an entry left that links a damaged file
+    would lend its rows to the rebuild of the entries cleared, damage and all."""
+    full = cache.images(column(pictures, range(N)), 8)
+    expected = np.asarray(full.array)[::2].copy()
+    folds = [cache.images(column(pictures, range(k, N, 2)), 8) for k in range(2)]
+    apart = cache.images(column(pictures, range(N)), 4)  # another recipe: no file in common
+    with open(full.path / manifests.DATA_FILE, "r+b") as f:
+        f.seek(-300, os.SEEK_END)  # in row 118
+        byte = f.read(1)[0]
+        f.seek(-300, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
+    broken = {full.key, *(fold.key for fold in folds)}
+    assert {p.key for p in cache.verify([folds[0].key])} == broken
+    assert {p.key for p in cache.verify()} == broken
+    capsys.readouterr()
+    assert cli_main(["--root", str(cache.root), "verify", folds[0].key[:12]]) == 1
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("3 problems in 3 entries; remove them all with `cachekit clear ")
+    named = said.split("`")[1].split()[2:]
+    assert sorted(named) == sorted(key[:12] for key in broken)
+    assert cli_main(["--root", str(cache.root), "clear", "--yes", *named]) == 0
+    assert [e.key for e in cache.entries()] == [apart.key]
+    again = cachekit.Cache(cache.root, workers=1, progress=False).images(
+        column(pictures, range(0, N, 2)), 8)
+    assert again.rows_decoded == N // 2
+    np.testing.assert_array_equal(np.asarray(again.array), expected)
+    assert cache.verify() == []
+
+
 def test_the_index_file_of_an_entry_removed_outside_cachekit_is_counted_and_pruned(
         cache, pictures, capsys):
     full = cache.images(column(pictures, range(N)), 8)
@@ -1043,6 +1074,40 @@ def test_a_derived_entry_is_pushed_and_pulled_whole_and_verifies(s3_env, tmp_pat
     capsys.readouterr()
     assert cli_main(["--root", str(tmp_path / "b"), "verify"]) == 0
     assert cli_main(["--root", str(tmp_path / "b"), "verify", "--remote"]) == 0
+
+
+def test_verify_remote_of_a_fold_names_the_entries_sharing_its_damaged_pool_object(
+        s3_env, tmp_path, capsys):
+    """A pool object goes with the last entry that names it, and a push finds it there
+    and does not send it: the word of `verify --remote` must name every entry to clear."""
+    from cachekit.obtain import background
+
+    here = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
+    full = here.map(_int_row, list(range(300)), version="1")
+    fold = here.map(_int_row, list(range(0, 300, 3)), version="1")
+    apart = here.map(_int_row, list(range(5)), version="2")
+    background.wait_all()
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    part = next(f.name for f in remote.lookup(fold.key).manifest.files
+                if manifests.is_part_name(f.name))  # the full entry's rows, in the pool
+    pooled = remote_object(remote, fold.key, part)
+    body = bytearray(remote.fs.cat_file(pooled))
+    body[-1] ^= 0xFF
+    remote.fs.pipe_file(pooled, bytes(body))
+    capsys.readouterr()
+    assert cli_main(["verify", "--remote", fold.key[:8]]) == 1
+    out = capsys.readouterr().out
+    assert f"{full.key}: checksum mismatch" in out and f"{fold.key}: checksum mismatch" in out
+    said = out.splitlines()[-1]
+    assert said.startswith("2 problems in 2 entries on ") and apart.key[:12] not in said
+    named = said.split("`")[1].split()[3:]
+    assert sorted(named) == sorted([full.key[:12], fold.key[:12]])
+    assert cli_main(["clear", "--remote", "--yes", *named]) == 0
+    assert not remote.fs.exists(pooled)
+    again = cachekit.Cache(tmp_path / "c", workers=1, progress=False)
+    again.map(_int_row, list(range(300)), version="1")
+    background.wait_all()
+    assert cli_main(["verify", "--remote"]) == 0
 
 
 def test_a_host_holding_the_full_entry_pulls_a_fold_without_its_rows(
