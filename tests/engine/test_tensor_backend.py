@@ -83,7 +83,23 @@ def decoded_tensor(path: str) -> torch.Tensor:
     data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
     with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders, loudly
         warnings.simplefilter("ignore", DeprecationWarning)
-        return tvio.decode_image(data, apply_exif_orientation=True)
+        try:
+            return tvio.decode_image(data, apply_exif_orientation=True)
+        except TypeError:  # torchvision 0.16 has no such argument: its pixels as stored
+            return upright_by_pillow(tvio.decode_image(data), path)
+
+
+def upright_by_pillow(t: torch.Tensor, path: str) -> torch.Tensor:
+    """``t`` turned as ``ImageOps.exif_transpose`` turns the file at ``path``: each plane
+    an "L" image tagged with the file's orientation."""
+    with Image.open(path) as im:
+        exif = im.getexif()
+    planes = []
+    for plane in t.numpy():
+        image = Image.fromarray(plane)
+        image.info["exif"] = exif.tobytes()
+        planes.append(np.asarray(ImageOps.exif_transpose(image)))
+    return torch.from_numpy(np.stack(planes))
 
 
 def pillow_mode(t: torch.Tensor, mode: str) -> torch.Tensor:

@@ -3,7 +3,7 @@ the pickle stays small, and a corrupt or removed entry fails clearly inside work
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 import os
 import pickle
 import shutil
@@ -196,11 +196,9 @@ def test_weighted_sampler_with_workers(shared_entry):
 
 def test_pin_memory_does_not_fail(shared_entry):
     dataset = shared_entry.dataset(targets=np.arange(ROWS))
-    pinning_possible = torch.accelerator.is_available()
-    no_pinning = contextlib.nullcontext() if pinning_possible else \
-        pytest.warns(UserWarning, match="pin_memory")
     batches = loader(dataset, shuffle=True, pin_memory=True)
-    with no_pinning:  # torch warns when the iterator starts
+    with warnings.catch_warnings():  # torch 2.14 warns that nothing can pin here (2.1 not)
+        warnings.filterwarnings("ignore", ".*pin_memory", UserWarning)
         started = iter(batches)
     assert sorted(assert_batches_match(shared_entry, started)) == list(range(ROWS))
 
