@@ -382,6 +382,8 @@ def column_dtype(column: Any) -> Any:
     values = column.cat.categories if isinstance(column.dtype, pd.CategoricalDtype) else column
     if pd.api.types.infer_dtype(values, skipna=True) == "string":
         return "string"
+    if str(getattr(column.dtype, "pyarrow_dtype", "")) in ("string", "large_string"):
+        return "string"  # an ArrowDtype of strings, which pandas 1.5 does not infer as such
     if column.dtype == object:
         return ["object", [type(v).__qualname__ for v in column]]
     return str(column.dtype)
