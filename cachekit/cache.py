@@ -280,7 +280,8 @@ class Cache:
 
     def verify(self, keys: Optional[Sequence[str]] = None) -> list:
         """Fully check entries (all, or ``keys``; not those another cachekit version made):
-        manifest, headers, sizes, data checksums. ``Problem`` (key, path, message) list."""
+        manifest, headers, sizes, data checksums; with ``keys``, also the other entries that
+        link a damaged file found. ``Problem`` (key, path, message) list."""
         from .admin.integrity import verify
 
         return verify(self._store, [keys] if isinstance(keys, str) else keys)
