@@ -14,8 +14,8 @@ from .. import units
 from ..admin.inspect import SHORT_KEY, Problem, ago, local_time
 from ..messages import printable, write_line
 
-__all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "count", "fail", "fields", "joined_by",
-           "listing", "other_versions", "printable", "say", "shape", "table", "when"]
+__all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "clear_advice", "count", "fail", "fields",
+           "joined_by", "listing", "other_versions", "printable", "say", "shape", "table", "when"]
 
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
 """``ls --sort`` choices and the EntryInfo field each sorts by (newest or largest first)."""
