@@ -33,8 +33,10 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
     damaged: set[str] = set()
     checked: set[str] = set()
     while entries:
-        if on_start is not None:
-            on_start(len(entries), found.stored_bytes(entries))
+        if on_start is not None:  # each object once: a pool object read already, not again
+            unread = {path for e in entries for path in e.pool} - digests.keys()
+            on_start(len(entries), sum(e.own_bytes for e in entries)
+                     + sum(o.size for o in found.pool if o.path in unread))
         for info in entries:
             checked.add(info.key)
             problem = info.problem

@@ -1080,6 +1080,7 @@ def test_verify_remote_of_a_fold_names_the_entries_sharing_its_damaged_pool_obje
         s3_env, tmp_path, capsys):
     """A pool object goes with the last entry that names it, and a push finds it there
     and does not send it: the word of `verify --remote` must name every entry to clear."""
+    from cachekit.admin.remote_verify import verify as verify_remote
     from cachekit.obtain import background
 
     here = cachekit.Cache(tmp_path / "a", workers=1, progress=False)
@@ -1094,6 +1095,12 @@ def test_verify_remote_of_a_fold_names_the_entries_sharing_its_damaged_pool_obje
     body = bytearray(remote.fs.cat_file(pooled))
     body[-1] ^= 0xFF
     remote.fs.pipe_file(pooled, bytes(body))
+    started: list[tuple[int, int]] = []
+    read: list[int] = []
+    verify_remote(remote, [fold.key], on_start=lambda n, size: started.append((n, size)),
+                  on_bytes=read.append)
+    assert [n for n, _ in started] == [1, 1]  # the fold, then the full entry it shares with
+    assert sum(read) <= sum(size for _, size in started) <= sum(read) + 2 * 8192  # manifests
     capsys.readouterr()
     assert cli_main(["verify", "--remote", fold.key[:8]]) == 1
     out = capsys.readouterr().out
@@ -1103,6 +1110,7 @@ def test_verify_remote_of_a_fold_names_the_entries_sharing_its_damaged_pool_obje
     named = said.split("`")[1].split()[3:]
     assert sorted(named) == sorted([full.key[:12], fold.key[:12]])
     assert cli_main(["clear", "--remote", "--yes", *named]) == 0
+    remote.fs.invalidate_cache()  # the listing verify_remote made through this instance
     assert not remote.fs.exists(pooled)
     again = cachekit.Cache(tmp_path / "c", workers=1, progress=False)
     again.map(_int_row, list(range(300)), version="1")
