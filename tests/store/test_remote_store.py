@@ -447,3 +447,21 @@ def test_without_conditional_writes_two_uploads_still_leave_one_valid_entry(s3_e
     assert got.manifest == entry._manifest  # the last manifest names a complete upload
     keys, _, _ = remote.scan()
     assert len(keys[0].uploads) == 2  # the other upload is an orphan for clear --remote
+
+
+def test_a_size_or_existence_asked_after_a_listing_is_the_stores_answer_now(s3_env):
+    """fsspec keeps each listing and answers ``info`` and ``exists`` from it. A process that
+    listed the pool (a sweep, ``verify --remote``) and later pushes must not take an object
+    that another host removed since for present: its manifest would name a missing object."""
+    from cachekit.store.bucket import Bucket
+
+    here, there = Bucket(s3_env["CACHEKIT_REMOTE"]), Bucket(s3_env["CACHEKIT_REMOTE"])
+    gone, sent = here.path("parts", "a" * 32), here.path("parts", "b" * 32)
+    here.fs.pipe_file(gone, b"x" * 10)
+    assert set(here.find(here.path("parts"))) == {gone}
+    there.fs.rm(gone)
+    there.fs.pipe_file(sent, b"y" * 20)
+    with pytest.raises(FileNotFoundError):
+        here.size(gone)
+    assert not here.exists(gone)
+    assert here.size(sent) == 20 and here.exists(sent)
