@@ -3,10 +3,10 @@ the pickle stays small, and a corrupt or removed entry fails clearly inside work
 
 from __future__ import annotations
 
-import warnings
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
