@@ -155,9 +155,29 @@ def wait_all() -> None:
         upload.done.wait()
 
 
-def _run(upload: _Upload) -> None:
+def upload_here(remote: "RemoteStore", published: "Published", lease: "Lease", root: Path,
+                *, progress: bool = False) -> None:
+    """Upload ``published`` in this thread, where :func:`start` could not hand it over, and
+    say what it did as a background upload says it; raises what the upload raises."""
+    upload = _Upload(remote, published, lease, root, os.getpid(), {})
+    started = time.monotonic()
+    sent: list[int] = []
+    _say_done(upload, remote.upload(published, progress=progress, sent=sent.append), sent,
+              started)
+
+
+def _say_done(upload: _Upload, won: bool, sent: list[int], started: float) -> None:
     from ..store.remote import sent_note  # loaded already: upload.remote is a RemoteStore
 
+    if won:
+        say(f"uploaded {upload.what()} in {time.monotonic() - started:.1f} s"
+            f"{sent_note(sum(sent), upload.published.manifest.bytes)}", always=True)
+    else:
+        say(f"entry {upload.key[:12]} was on {upload.remote.display} already; "
+            "nothing uploaded", always=True)
+
+
+def _run(upload: _Upload) -> None:
     say(f"uploading {upload.what()} in the background; the process waits for it "
          "before exiting", always=True)
     started = time.monotonic()
@@ -173,12 +193,7 @@ def _run(upload: _Upload) -> None:
              "local entry is good; no reader sees a partial remote entry (its manifest is "
              f"written last, only once all of its data is there); {upload.retry()}", always=True)
     else:
-        if won:
-            say(f"uploaded {upload.what()} in {time.monotonic() - started:.1f} s"
-                f"{sent_note(sum(sent), upload.published.manifest.bytes)}", always=True)
-        else:
-            say(f"entry {upload.key[:12]} was on {upload.remote.display} already; "
-                 "nothing uploaded", always=True)
+        _say_done(upload, won, sent, started)
     finally:
         _close(upload)
         upload.lease.release()

@@ -326,13 +326,16 @@ def _pixels(v: int) -> np.ndarray:
 
 
 def test_where_no_thread_may_start_at_exit_the_call_uploads_before_it_returns(
-        s3_env, tmp_path, monkeypatch):
+        s3_env, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(background, "THREADS_START_AT_EXIT", False)  # as on 3.12.0 to 3.12.2
     started, start = [], threading.Thread.start
     monkeypatch.setattr(threading.Thread, "start",
                         lambda thread: started.append(thread.name) or start(thread))
     cache = cachekit.Cache(tmp_path / "a", remote=s3_env["CACHEKIT_REMOTE"], progress=False)
+    capsys.readouterr()
     entry = cache.map(_pixels, [1, 2, 3])
     assert entry.source == "built"
     assert one_valid_entry(RemoteStore(s3_env["CACHEKIT_REMOTE"])) == entry.key  # already
     assert not [name for name in started if name.startswith("cachekit-upload")]
+    said = capsys.readouterr().err  # as a background upload says it, though the call is quiet
+    assert f"uploaded entry {entry.key[:12]} (" in said and " in the background" not in said
