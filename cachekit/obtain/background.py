@@ -67,8 +67,7 @@ class _Upload:
         return self.published.manifest.key
 
     def what(self) -> str:
-        size = format_size(self.published.manifest.bytes)
-        return f"entry {self.key[:12]} ({size}) to {self.remote.display}"
+        return _what(self.remote, self.published)
 
     def retry(self) -> str:
         return (f"`cachekit --root {self.root} --remote {self.remote.display} push "
@@ -155,25 +154,31 @@ def wait_all() -> None:
         upload.done.wait()
 
 
-def upload_here(remote: "RemoteStore", published: "Published", lease: "Lease", root: Path,
-                *, progress: bool = False) -> None:
+def upload_here(remote: "RemoteStore", published: "Published", *,
+                progress: bool = False) -> None:
     """Upload ``published`` in this thread, where :func:`start` could not hand it over, and
     say what it did as a background upload says it; raises what the upload raises."""
-    upload = _Upload(remote, published, lease, root, os.getpid(), {})
     started = time.monotonic()
     sent: list[int] = []
-    _say_done(upload, remote.upload(published, progress=progress, sent=sent.append), sent,
-              started)
+    won = remote.upload(published, progress=progress, sent=sent.append)
+    _say_done(remote, published, won, sent, started)
 
 
-def _say_done(upload: _Upload, won: bool, sent: list[int], started: float) -> None:
-    from ..store.remote import sent_note  # loaded already: upload.remote is a RemoteStore
+def _what(remote: "RemoteStore", published: "Published") -> str:
+    size = format_size(published.manifest.bytes)
+    return f"entry {published.manifest.key[:12]} ({size}) to {remote.display}"
+
+
+def _say_done(remote: "RemoteStore", published: "Published", won: bool, sent: list[int],
+              started: float) -> None:
+    """Say what an upload begun at ``started`` did: sent (``won``) or found there."""
+    from ..store.remote import sent_note  # loaded already: remote is a RemoteStore
 
     if won:
-        say(f"uploaded {upload.what()} in {time.monotonic() - started:.1f} s"
-            f"{sent_note(sum(sent), upload.published.manifest.bytes)}", always=True)
+        say(f"uploaded {_what(remote, published)} in {time.monotonic() - started:.1f} s"
+            f"{sent_note(sum(sent), published.manifest.bytes)}", always=True)
     else:
-        say(f"entry {upload.key[:12]} was on {upload.remote.display} already; "
+        say(f"entry {published.manifest.key[:12]} was on {remote.display} already; "
             "nothing uploaded", always=True)
 
 
@@ -193,7 +198,7 @@ def _run(upload: _Upload) -> None:
              "local entry is good; no reader sees a partial remote entry (its manifest is "
              f"written last, only once all of its data is there); {upload.retry()}", always=True)
     else:
-        _say_done(upload, won, sent, started)
+        _say_done(upload.remote, upload.published, won, sent, started)
     finally:
         _close(upload)
         upload.lease.release()

@@ -126,8 +126,7 @@ def share(tier: Tier, local: LocalStore, published: Published, lease: Lease) -> 
     try:
         handed_over = background.start(tier.store, published, lease, local.root)
         if not handed_over:
-            background.upload_here(tier.store, published, lease, local.root,
-                                   progress=tier.progress)
+            background.upload_here(tier.store, published, progress=tier.progress)
     except (RemoteUnavailableError, CacheCorruptError) as e:
         warn_once(tier.store, e)
     finally:

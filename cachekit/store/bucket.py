@@ -151,7 +151,6 @@ class Bucket:
             abandoned.set()
             raise
         if made is None:
-            self.fs.invalidate_cache(path)  # fsspec would answer from a listing made before
             if self.call(what, self.fs.exists, path):
                 return False
             raise RemoteUnavailableError(self.display, what, "the store refused a create-only "
@@ -193,13 +192,11 @@ class Bucket:
     def size(self, path: str) -> Any:
         """The size the store gives now for the object ``path`` (as it says it: checked by
         the caller); FileNotFoundError when there is none."""
-        self.fs.invalidate_cache(path)  # fsspec would answer from a listing made before
         info = self.call(f"reading {self.object_url(path)}", self.fs.info, path)
         return info.get("size")
 
     def exists(self, path: str) -> bool:
         """Whether the object ``path`` is there now."""
-        self.fs.invalidate_cache(path)
         return bool(self.call(f"reading {self.object_url(path)}", self.fs.exists, path))
 
     def read_ranges(self, path: str, size: int) -> Iterator[bytes]:

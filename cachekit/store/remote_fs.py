@@ -85,6 +85,10 @@ def filesystem(url: str, timeout: float) -> tuple[Any, str]:
     # A filesystem of our own: fsspec's instance cache keys on arguments, not on the
     # environment (AWS_ENDPOINT_URL, credentials) that the store reads when it connects.
     options: dict[str, Any] = {"skip_instance_cache": True}
+    # No listing kept: fsspec would answer info and exists from a listing made before, and
+    # another host may have sent or removed that object since (a push would then not send
+    # a pool object that is gone). Every answer is the store's, now.
+    options["use_listings_cache"] = False
     if protocol in ("file", "local"):
         options["auto_mkdir"] = True  # object stores have no folders to make first
     if protocol in CLIENT_RETRIES:
