@@ -3,7 +3,8 @@ blocking, and the next builder computes exactly the chunks that were not done (d
 need not be a prefix: two workers finish chunks in any order).
 
 Real processes, real SIGKILL. To keep each trial cheap, a "zygote" interpreter imports
-cachekit, numpy, pandas and Pillow once and forks one child per build; the test kills the
+cachekit, numpy, pandas, Pillow and the default decoder's torch once and forks one child per
+build; the test kills the
 child by pid once it reports (through a file) that it reached the chosen kill point. The
 child reaches a kill point through patched module functions (a row that blocks, or a step of
 publish that blocks), so the product carries no test hooks.
@@ -45,7 +46,7 @@ ZYGOTE = textwrap.dedent(r'''
     import numpy as np, pandas as pd
     import cachekit
     from cachekit import _fs, arrays
-    from cachekit.engine.decoding import images
+    from cachekit.engine.decoding import decode_tensor, images  # the default backend: torch
     from cachekit.engine.filling import plan
     from cachekit.store import manifest as manifests
     from cachekit.store import local
