@@ -70,7 +70,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 settings.register_profile("shared-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-machine")
-"""A test's inputs take as long to make as the machine lets them: CI runs four workers on
+"""A test's inputs take as long to make as the machine lets them: CI runs three workers on
 two cores, and a slow draw there is load, not a slow strategy."""
 
 

@@ -586,7 +586,7 @@ def test_a_console_block_shows_what_each_command_prints_or_fails(tmp_path) -> No
 def test_the_readme_commands_are_those_ci_runs() -> None:
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for command in ('pip install -e ".[dev]"', "python -m pytest -q -n 4 --dist worksteal"):
+    for command in ('pip install -e ".[dev]"', "python -m pytest -q -n 3 --dist worksteal"):
         assert command in ci.splitlines(), command
         assert command in readme, command
     assert "$ pip install -e . && cachekit demo\n" in readme  # the lean install: see test_demo
@@ -647,7 +647,7 @@ def test_the_readme_first_screen_says_what_it_is_the_demo_the_one_line_and_the_t
                 "`cachekit demo --csv covers.csv`",                  # a covers.csv in one command
                 'entry = cachekit.Cache().images(df["img_path"], size=224)',
                 "dataset = entry.dataset(",
-                "$ python -m pytest -q -n 4 --dist worksteal\n"]    # the tests
+                "$ python -m pytest -q -n 3 --dist worksteal\n"]    # the tests
     at = [first_screen.find(text) for text in in_order]
     assert -1 not in at and at == sorted(at), dict(zip(in_order, at))
     assert re.search(r"The tests take about \d+ minutes on a 2-core machine\.", first_screen)
