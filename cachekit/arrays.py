@@ -131,7 +131,7 @@ def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None
         shape, dtype = _header(f, path)
         _validated_offset(f, path, shape, dtype, None)
         if digest is None:
-            size, digest = _checksum_of(f)
+            size, digest = checksum_of(f)
         else:
             size = os.fstat(f.fileno()).st_size
     return shape, dtype, size, digest
@@ -236,10 +236,11 @@ def open_readonly(directory: _fs.DirHandle, name: str) -> np.ndarray:
 def checksum(path: Path) -> tuple[int, str]:
     """(size, blake2b-128) of a whole file, header included, read in large blocks."""
     with _fs.open_regular(path) as f:
-        return _checksum_of(f)
+        return checksum_of(f)
 
 
-def _checksum_of(f: BinaryIO) -> tuple[int, str]:
+def checksum_of(f: BinaryIO) -> tuple[int, str]:
+    """(size, blake2b-128) of the whole of the open file ``f``, read from its start."""
     whole = hasher()
     size = 0
     f.seek(0)

@@ -28,6 +28,7 @@ process may open 1,024 files on most systems).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import BinaryIO, Optional, Sequence
 
@@ -37,10 +38,12 @@ from .. import _fs, arrays
 from ..engine.filling.claimed import QUIET, Report
 from ..engine.filling.plan import PAGE_BYTES
 from ..engine.filling.progress import progress
-from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, part_name, sidecar_name
+from ..messages import prefix
+from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, sidecar_name
 from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
 from .donors import Donors
+from .offers import Offer, offers as find_offers
 
 LINKED_PARTS = 32
 """The most parts a build links. Each append to a column makes one more data file, and an
@@ -225,84 +228,26 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
     ``row_files`` (:data:`~cachekit.store.manifest.SIDECARS`): once a link fails, no more
     are tried (the caller materializes). The rows of the other files are copied into
     :data:`COPIES_FILE`, one file open at a time (shown as ``report`` asks). A data file
-    that cannot be opened, fails its checks or lacks one of those row files gives no rows:
-    they are decoded."""
+    that cannot be opened, fails its checks (its checksum too, where its rows are copied:
+    :func:`_intact`) or lacks one of those row files gives no rows: they are decoded."""
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
     try:
-        offers = _offers(found, row_files)
+        offers = find_offers(found, row_files)
         linkable = np.flatnonzero([offer.linkable for offer in offers])
         kept = linkable[parts_to_keep(np.array([offers[i].rows for i in linkable],
                                                dtype=np.int64), LINKED_PARTS)]
-        for i in kept:
-            _take(parts, directory, offers[i])
+        taken = [offers[i] for i in kept if _take(parts, directory, offers[i])]
+        verdicts: dict[tuple[int, int], bool] = {}
+        if not parts.linked:  # every part's rows are copied (materialize)
+            _drop_damaged(parts, directory, taken, verdicts)
         others = [offers[i] for i in sorted(set(range(len(offers))) - set(kept.tolist()))]
         if others:
             assert found.template is not None  # (every donor's)
-            _copy(parts, directory, others, found.template, report)
+            _copy(parts, directory, others, found.template, report, verdicts)
     except BaseException:
         parts.close()
         raise
     return parts
-
-
-@dataclass
-class _Offer:
-    """A data file of donors (named by its checksum, as a part) that holds rows of the
-    build, with the records of its row files (by their name in the build: name, the name
-    in the donor and its record), and each donor that lends it: (the donor, the file's
-    index in its manifest, the build's rows it holds, their rows in the file). Not
-    ``linkable``: another offer's bytes with other row files; its rows are copied."""
-
-    name: str
-    row_files: dict[str, tuple[str, FileRecord]]
-    linkable: bool = True
-    lenders: list[tuple[SharedRows, int, np.ndarray, np.ndarray]] = field(
-        default_factory=list)
-
-    @property
-    def rows(self) -> int:
-        return sum(len(dst) for _, _, dst, _ in self.lenders)
-
-
-def _offers(found: Donors, row_files: Sequence[str]) -> list[_Offer]:
-    """The data files of ``found``'s donors that hold rows of the build, read from their
-    manifests alone (nothing is opened). Two donors may hold the same bytes (a file one
-    links of the other's) and lend them as one; with other row files (other identities or
-    stats for the same pixels) they are another offer, not ``linkable``. A donor whose
-    manifest lacks one of ``row_files`` offers nothing: those rows are decoded."""
-    offers: dict[tuple[str, tuple[str, ...]], _Offer] = {}
-    names: set[str] = set()
-    for donor in found.donors:
-        files, at = donor.source.locate(donor.src)
-        for k in np.unique(files):
-            index = int(k)
-            name = part_name(donor.source.manifest.data_files[index].checksum)
-            theirs = _row_files_of(donor.source, index, name, row_files)
-            if theirs is None:
-                continue
-            same = (name, tuple(record.checksum for _, record in theirs.values()))
-            offer = offers.get(same)
-            if offer is None:
-                offer = offers[same] = _Offer(name, theirs, linkable=name not in names)
-                names.add(name)
-            here = files == k
-            offer.lenders.append((donor.source, index, donor.dst[here], at[here]))
-    return list(offers.values())
-
-
-def _row_files_of(source: SharedRows, index: int, name: str, row_files: Sequence[str]
-                  ) -> Optional[dict[str, tuple[str, FileRecord]]]:
-    """The ``row_files`` of data file ``index`` of ``source`` as the part ``name`` has them
-    (by their names there: the donor's name and record); None when one is not listed."""
-    part = source.manifest.data_files[index].name
-    theirs = {}
-    for row_file in row_files:
-        there = row_file if part == DATA_FILE else sidecar_name(part, row_file)
-        record = source.manifest.row_file(there)
-        if record is None:
-            return None
-        theirs[sidecar_name(name, row_file)] = (there, record)
-    return theirs
 
 
 def _place(parts: Parts, source: SharedRows, dst: np.ndarray, file: int,
@@ -312,9 +257,9 @@ def _place(parts: Parts, source: SharedRows, dst: np.ndarray, file: int,
     parts.shared[source.key] = parts.shared.get(source.key, 0) + len(dst)
 
 
-def _take(parts: Parts, directory: _fs.DirHandle, offer: _Offer) -> None:
+def _take(parts: Parts, directory: _fs.DirHandle, offer: Offer) -> bool:
     """Open ``offer``'s file from its first lender that can open it, as a part (linked
-    while links work), and place the rows of every lender there."""
+    while links work), and place the rows of every lender there; False when none can."""
     opened = False
     for source, index, dst, at in offer.lenders:
         if not opened:
@@ -325,10 +270,11 @@ def _take(parts: Parts, directory: _fs.DirHandle, offer: _Offer) -> None:
             if not opened:
                 continue
         _place(parts, source, dst, len(parts.names), at)
+    return opened
 
 
 def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
-         offer: _Offer) -> bool:
+         offer: Offer) -> bool:
     """Open data file ``index`` of ``source`` as the part ``offer.name`` with its row files
     (linked while links work); False when it cannot be opened or fails its checks."""
     try:
@@ -346,12 +292,56 @@ def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
     return True
 
 
-def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
-          template: tuple[tuple[int, ...], np.dtype], report: Report) -> None:
+def _intact(f: BinaryIO, record: FileRecord, verdicts: dict[tuple[int, int], bool]) -> bool:
+    """Whether the open donor file ``f`` holds the bytes its manifest's ``record`` names,
+    read whole once per file (``verdicts``, by device and inode). Rows are copied out of a
+    file only once it is: a copy would carry damage into an entry whose own checksum then
+    covers it, where a linked file stays the donor's, which ``verify`` checks in both."""
+    stat = os.fstat(f.fileno())
+    inode = (stat.st_dev, stat.st_ino)
+    if inode not in verdicts:
+        verdicts[inode] = arrays.checksum_of(f) == (record.bytes, record.checksum)
+    return verdicts[inode]
+
+
+def _warn_damaged(source: SharedRows, record: FileRecord) -> None:
+    warnings.warn(f"{prefix()}: {record.name} of entry {source.key[:12]} differs from its "
+                  "checksum (damaged on disk), so its rows are decoded, not copied; "
+                  f"`cachekit verify {source.key[:12]}` names every entry that uses it",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _drop_damaged(parts: Parts, directory: _fs.DirHandle, taken: list[Offer],
+                  verdicts: dict[tuple[int, int], bool]) -> None:
+    """Drop each part whose file is not :func:`_intact` (``taken``: the offer of each
+    part), with what it linked here: its rows are left to decode."""
+    for i in reversed(range(len(parts.names))):
+        f, record = parts.opened[i][0], parts.records[i]
+        if _intact(f, record, verdicts):
+            continue
+        _warn_damaged(taken[i].lenders[0][0], record)
+        file = i + 1
+        for source, _, dst, _ in taken[i].lenders:
+            lent = int(np.count_nonzero(parts.where[dst, 0] == file))
+            if lent:
+                parts.shared[source.key] -= lent
+        parts.where[parts.where[:, 0] == file] = -1
+        parts.where[parts.where[:, 0] > file, 0] -= 1
+        f.close()
+        for name in [parts.names[i], *(sidecar_name(parts.names[i], row_file)
+                                       for row_file in SIDECARS)]:
+            directory.unlink(name)  # (what it linked before a link failed)
+            parts.sidecars.pop(name, None)
+        del parts.names[i], parts.records[i], parts.opened[i], taken[i]
+
+
+def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
+          template: tuple[tuple[int, ...], np.dtype], report: Report,
+          verdicts: dict[tuple[int, int], bool]) -> None:
     """Copy the rows of ``offers`` from each lender's file in turn (each closed before the
     next is opened) into :data:`COPIES_FILE`, which has a slot for each row its own data
     file will hold, in row order: every row not in a part, or every row when the parts are
-    not linked (the caller materializes)."""
+    not linked (the caller materializes). A file not :func:`_intact` lends no rows."""
     shape, dtype = template
     ours = (np.flatnonzero(parts.where[:, 0] < 0) if parts.linked
             else np.arange(len(parts.where)))
@@ -369,8 +359,12 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[_Offer],
             finally:
                 source.release()
             slots = np.searchsorted(ours, dst)
+            record = source.manifest.data_files[index]
             with f:
-                rows = _mapped(f, offset, source.manifest.data_files[index])
+                if not _intact(f, record, verdicts):
+                    _warn_damaged(source, record)
+                    continue
+                rows = _mapped(f, offset, record)
                 for start in range(0, len(at), step):
                     out[slots[start:start + step]] = rows[at[start:start + step]]
                     shown.update(len(at[start:start + step]))

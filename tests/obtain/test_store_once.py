@@ -687,6 +687,74 @@ def test_verify_of_one_entry_names_every_entry_that_links_its_damaged_file_and_c
     assert cache.verify() == []
 
 
+def flip_a_byte(path: Path, from_end: int = 300) -> None:
+    """Damage a data file on disk as a failing disk does: one byte, size and header kept."""
+    with open(path, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-from_end, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+DAMAGED = "differs from its checksum"
+
+
+def test_a_contiguous_copy_never_copies_a_damaged_donors_rows(cache, pictures, tmp_path):
+    """A copy's checksum would cover the damage, and verify would never see it again: the
+    rows of a donor file that fails its checksum are decoded, and the call says why."""
+    full = cache.images(column(pictures, range(N)), 8)
+    flip_a_byte(full.path / manifests.DATA_FILE)  # in row 118
+    fold = column(pictures, range(0, N, 2))
+    with pytest.warns(RuntimeWarning, match=DAMAGED) as said:
+        copy = cache.images(fold, 8, contiguous=True)
+    assert f"`cachekit verify {full.key[:12]}`" in str(said[0].message)
+    assert copy.contiguous and (copy.rows_decoded, copy.rows_reused) == (N // 2, 0)
+    np.testing.assert_array_equal(np.asarray(copy.array), fresh(tmp_path, fold))
+    assert [p.key for p in cache.verify()] == [full.key]
+
+
+def test_rows_copied_past_the_link_bound_never_come_from_a_damaged_file(
+        cache, pictures, tmp_path, monkeypatch):
+    from cachekit.obtain import parts
+
+    monkeypatch.setattr(parts, "LINKED_PARTS", 1)
+    big = cache.images(column(pictures, range(80)), 8)  # linked: it lends the most rows
+    small = cache.images(column(pictures, range(80, N)), 8)  # copied
+    flip_a_byte(small.path / manifests.DATA_FILE)
+    union = column(pictures, range(N))
+    with pytest.warns(RuntimeWarning, match=DAMAGED):
+        entry = cache.images(union, 8)
+    assert (entry.rows_decoded, entry.rows_reused) == (N - 80, 80)
+    assert [name for name in data_files(entry) if name != manifests.DATA_FILE] == [
+        manifests.part_name(big.manifest["files"][0]["checksum"])]
+    np.testing.assert_array_equal(np.asarray(entry.array), fresh(tmp_path, union))
+    assert [p.key for p in cache.verify()] == [small.key]
+
+
+def test_a_damaged_file_linked_before_a_link_failed_lends_no_rows_to_the_copy(
+        cache, pictures, tmp_path, monkeypatch):
+    """Linking stops at the first file that cannot be linked (another user's, say), and
+    the rows of every part are then copied, those of the parts linked before too."""
+    first = cache.images(column(pictures, range(70)), 8)  # taken first: it lends the most
+    cache.images(column(pictures, range(70, N)), 8)
+    flip_a_byte(first.path / manifests.DATA_FILE)
+    links = []
+
+    def second_link_fails(self, f, name):
+        links.append(name)
+        return len(links) == 1 and real(self, f, name)
+
+    real = _fs.DirHandle.link_open_file
+    monkeypatch.setattr(_fs.DirHandle, "link_open_file", second_link_fails)
+    union = column(pictures, range(N))
+    with pytest.warns(RuntimeWarning, match=DAMAGED):
+        entry = cache.images(union, 8)
+    assert len(links) >= 2 and (entry.rows_decoded, entry.rows_reused) == (70, N - 70)
+    assert entry.contiguous and not [name for name in os.listdir(entry.path)
+                                     if manifests.is_part_name(name)]  # nothing left linked
+    np.testing.assert_array_equal(np.asarray(entry.array), fresh(tmp_path, union))
+
+
 def test_the_index_file_of_an_entry_removed_outside_cachekit_is_counted_and_pruned(
         cache, pictures, capsys):
     full = cache.images(column(pictures, range(N)), 8)
