@@ -112,8 +112,8 @@ class Seaweed:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         if not self.ports:
             self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
-        # -logdir: its log files go with its folder, not into /tmp for good.
-        argv = ["weed", f"-logdir={self.directory}", "mini", f"-dir={data}", f"-bucket={self.bucket}", "-ip=127.0.0.1",
+        argv = ["weed", f"-logdir={self.directory}",  # its log files: not into /tmp for good
+                "mini", f"-dir={data}", f"-bucket={self.bucket}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", f"-s3.config={config}", "-admin.ui=false",
                 "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false",

@@ -32,7 +32,7 @@ class Offer:
         return sum(len(dst) for _, _, dst, _ in self.lenders)
 
 
-def offers(found: Donors, row_files: Sequence[str]) -> list[Offer]:
+def find_offers(found: Donors, row_files: Sequence[str]) -> list[Offer]:
     """The data files of ``found``'s donors that hold rows of the build, read from their
     manifests alone (nothing is opened). Two donors may hold the same bytes (a file one
     links of the other's) and lend them as one; with other row files (other identities or
@@ -59,7 +59,7 @@ def offers(found: Donors, row_files: Sequence[str]) -> list[Offer]:
 
 
 def row_files_of(source: SharedRows, index: int, name: str, row_files: Sequence[str]
-                  ) -> Optional[dict[str, tuple[str, FileRecord]]]:
+                 ) -> Optional[dict[str, tuple[str, FileRecord]]]:
     """The ``row_files`` of data file ``index`` of ``source`` as the part ``name`` has them
     (by their names there: the donor's name and record); None when one is not listed."""
     part = source.manifest.data_files[index].name

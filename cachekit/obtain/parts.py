@@ -35,15 +35,15 @@ from typing import BinaryIO, Optional, Sequence
 import numpy as np
 
 from .. import _fs, arrays
+from ..engine.filling import plan
 from ..engine.filling.claimed import QUIET, Report
-from ..engine.filling.plan import PAGE_BYTES
 from ..engine.filling.progress import progress
 from ..messages import prefix
 from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, sidecar_name
 from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
 from .donors import Donors
-from .offers import Offer, offers as find_offers
+from .offers import Offer, find_offers
 
 LINKED_PARTS = 32
 """The most parts a build links. Each append to a column makes one more data file, and an
@@ -166,7 +166,7 @@ class Parts:
         else:
             some = next(f for f in files if f is not None)
             out = arrays.create_array(directory, DATA_FILE, (len(ours), *some.shape[1:]),
-                                      some.dtype, align=PAGE_BYTES)
+                                      some.dtype, align=plan.PAGE_BYTES)
             todo, slots = ours, np.arange(len(ours))
         empty = np.empty((0, *out.shape[1:]), out.dtype)
         view = RowView([empty if f is None else f for f in files],
@@ -346,7 +346,7 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
     ours = (np.flatnonzero(parts.where[:, 0] < 0) if parts.linked
             else np.arange(len(parts.where)))
     out = arrays.create_array(directory, COPIES_FILE, (len(ours), *shape), dtype,
-                              align=PAGE_BYTES)
+                              align=plan.PAGE_BYTES)
     step = copy_step(out.nbytes // max(1, len(out)))
     shown = progress(sum(offer.rows for offer in offers), report)
     for offer in offers:

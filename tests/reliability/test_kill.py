@@ -4,10 +4,9 @@ need not be a prefix: two workers finish chunks in any order).
 
 Real processes, real SIGKILL. To keep each trial cheap, a "zygote" interpreter imports
 cachekit, numpy, pandas, Pillow and the default decoder's torch once and forks one child per
-build; the test kills the
-child by pid once it reports (through a file) that it reached the chosen kill point. The
-child reaches a kill point through patched module functions (a row that blocks, or a step of
-publish that blocks), so the product carries no test hooks.
+build; the test kills the child by pid once it reports (through a file) that it reached the
+chosen kill point. The child reaches a kill point through patched module functions (a row
+that blocks, or a step of publish that blocks), so the product carries no test hooks.
 
 Trial counts: ``CACHEKIT_SOAK_TRIALS`` (default 6) sets the number of random multi-kill
 trials of ``test_soak_random_kill_chains``, for a longer soak run.
