@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,6 +51,16 @@ def leftovers(root: Path) -> list[str]:
     """The names under ROOT/tmp (build directories and what else is left there), sorted."""
     tmp = root / "tmp"
     return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
+
+
+def flip_a_byte(path: Path, from_end: int = 1) -> None:
+    """Damage a file on disk as a failing disk does: one byte, ``from_end`` bytes before its
+    end, inverted; its size and header kept."""
+    with open(path, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-from_end, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
 
 
 def load_module(path: Path, name: str, body: str):

@@ -21,7 +21,7 @@ from cachekit import _fs, arrays, units
 from cachekit.admin import inspect as maintenance, removal
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
-from helpers import GATED_ROWS, entry_disk_bytes, start_gated_builder
+from helpers import GATED_ROWS, entry_disk_bytes, flip_a_byte, start_gated_builder
 from cachekit.admin.integrity import verify
 from cachekit.cli.main import main as cli_main
 from cachekit.key_names import FORMAT_VERSION
@@ -40,14 +40,6 @@ def block_entry(cache: cachekit.Cache, start: int, rows: int = 8) -> cachekit.En
 
 def set_last_used(entry_path: Path, when: float) -> None:
     os.utime(entry_path, (when, when))
-
-
-def flip_last_byte(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([byte ^ 0xFF]))
 
 
 # -- units ---------------------------------------------------------------------------------
@@ -393,7 +385,7 @@ def test_verify_passes_a_healthy_cache_and_finds_each_kind_of_damage(cache_root)
     healthy, flipped, truncated, garbled, headed = (block_entry(cache, i * 10)
                                                     for i in range(5))
     assert cache.verify() == []
-    flip_last_byte(flipped.path / manifests.DATA_FILE)
+    flip_a_byte(flipped.path / manifests.DATA_FILE)
     with open(truncated.path / manifests.DATA_FILE, "r+b") as f:
         f.truncate(100)
     (garbled.path / manifests.MANIFEST_FILE).write_text(f'{{"format": {FORMAT_VERSION}}}')
@@ -425,7 +417,7 @@ def test_verify_counts_no_entry_of_another_cachekit_version_as_a_problem(cache_r
     os.chmod(path, 0o644)
     path.write_text(json.dumps({**raw, "format": FORMAT_VERSION - 1}))
     assert cache.verify() == []
-    flip_last_byte(flipped.path / manifests.DATA_FILE)  # a problem all the same
+    flip_a_byte(flipped.path / manifests.DATA_FILE)  # a problem all the same
     others: list = []
     assert [p.key for p in verify(LocalStore(cache_root), on_other=others.extend)] == [
         flipped.key]
@@ -457,6 +449,6 @@ def test_verify_checks_every_file_of_a_memoize_entry(cache_root):
     (info,) = cache.entries()
     assert info.kind == "memoize" and cache.verify() == []
     leaf = info.path / manifests.file_name(1)
-    flip_last_byte(leaf)
+    flip_a_byte(leaf)
     (problem,) = cache.verify()
     assert problem.key == info.key and f"checksum mismatch in {leaf.name}" in problem.message

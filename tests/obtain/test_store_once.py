@@ -31,7 +31,7 @@ from cachekit.store import manifest as manifests
 from cachekit.store.remote import RemoteStore
 from cachekit.store.row_index import RowIndex
 from cachekit.store.row_view import RowView
-from helpers import remote_object, write_pictures
+from helpers import flip_a_byte, remote_object, write_pictures
 
 N = 120
 
@@ -664,11 +664,7 @@ def test_verify_of_one_entry_names_every_entry_that_links_its_damaged_file_and_c
     expected = np.asarray(full.array)[::2].copy()
     folds = [cache.images(column(pictures, range(k, N, 2)), 8) for k in range(2)]
     apart = cache.images(column(pictures, range(N)), 4)  # another recipe: no file in common
-    with open(full.path / manifests.DATA_FILE, "r+b") as f:
-        f.seek(-300, os.SEEK_END)  # in row 118
-        byte = f.read(1)[0]
-        f.seek(-300, os.SEEK_END)
-        f.write(bytes([byte ^ 0xFF]))
+    flip_a_byte(full.path / manifests.DATA_FILE, 300)  # in row 118
     broken = {full.key, *(fold.key for fold in folds)}
     assert {p.key for p in cache.verify([folds[0].key])} == broken
     assert {p.key for p in cache.verify()} == broken
@@ -687,15 +683,6 @@ def test_verify_of_one_entry_names_every_entry_that_links_its_damaged_file_and_c
     assert cache.verify() == []
 
 
-def flip_a_byte(path: Path, from_end: int = 300) -> None:
-    """Damage a data file on disk as a failing disk does: one byte, size and header kept."""
-    with open(path, "r+b") as f:
-        f.seek(-from_end, os.SEEK_END)
-        byte = f.read(1)[0]
-        f.seek(-from_end, os.SEEK_END)
-        f.write(bytes([byte ^ 0xFF]))
-
-
 DAMAGED = "differs from its checksum"
 
 
@@ -703,7 +690,7 @@ def test_a_contiguous_copy_never_copies_a_damaged_donors_rows(cache, pictures, t
     """A copy's checksum would cover the damage, and verify would never see it again: the
     rows of a donor file that fails its checksum are decoded, and the call says why."""
     full = cache.images(column(pictures, range(N)), 8)
-    flip_a_byte(full.path / manifests.DATA_FILE)  # in row 118
+    flip_a_byte(full.path / manifests.DATA_FILE, 300)  # in row 118
     fold = column(pictures, range(0, N, 2))
     with pytest.warns(RuntimeWarning, match=DAMAGED) as said:
         copy = cache.images(fold, 8, contiguous=True)
@@ -720,7 +707,7 @@ def test_rows_copied_past_the_link_bound_never_come_from_a_damaged_file(
     monkeypatch.setattr(parts, "LINKED_PARTS", 1)
     big = cache.images(column(pictures, range(80)), 8)  # linked: it lends the most rows
     small = cache.images(column(pictures, range(80, N)), 8)  # copied
-    flip_a_byte(small.path / manifests.DATA_FILE)
+    flip_a_byte(small.path / manifests.DATA_FILE, 300)
     union = column(pictures, range(N))
     with pytest.warns(RuntimeWarning, match=DAMAGED):
         entry = cache.images(union, 8)
@@ -737,7 +724,7 @@ def test_a_damaged_file_linked_before_a_link_failed_lends_no_rows_to_the_copy(
     the rows of every part are then copied, those of the parts linked before too."""
     first = cache.images(column(pictures, range(70)), 8)  # taken first: it lends the most
     cache.images(column(pictures, range(70, N)), 8)
-    flip_a_byte(first.path / manifests.DATA_FILE)
+    flip_a_byte(first.path / manifests.DATA_FILE, 300)
     links = []
 
     def second_link_fails(self, f, name):
