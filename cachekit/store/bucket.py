@@ -232,9 +232,9 @@ class Bucket:
     # Listing and removal --------------------------------------------------------------------
 
     def find(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every object under ``prefix`` with its listing details, fresh (fsspec's listing
-        cache dropped first); FileNotFoundError when there is nothing there."""
-        self.fs.invalidate_cache()
+        """Every object under ``prefix`` with its listing details, fresh (the filesystem
+        keeps no listing: :func:`.remote_fs.filesystem`); FileNotFoundError when there is
+        nothing there."""
         found = self.call(f"listing {self.object_url(prefix)}", self.fs.find, prefix,
                           detail=True)
         return dict(found)
@@ -242,7 +242,6 @@ class Bucket:
     def list(self, folder: str) -> list[dict[str, Any]]:
         """The entries directly in ``folder`` with their details, fresh;
         FileNotFoundError when there is nothing there."""
-        self.fs.invalidate_cache(folder)
         listed = self.call(f"listing {self.object_url(folder)}", self.fs.ls, folder,
                            detail=True)
         return [info for info in listed if isinstance(info, dict)]

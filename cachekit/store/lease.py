@@ -54,7 +54,6 @@ def generations(remote: Bucket, key: str) -> list[int]:
     """The lease generations of ``key`` in the store, lowest first."""
     folder = remote.path("leases", key)
     try:
-        remote.fs.invalidate_cache(folder)
         names = remote.call(f"listing {remote.object_url(folder)}", remote.fs.ls, folder,
                             detail=False)
     except FileNotFoundError:

@@ -93,7 +93,6 @@ class RemoteStore(Bucket):
         except CacheCorruptError:
             found = None
         path = self.manifest_path(key)
-        self.fs.invalidate_cache(path)
         if found is None and not self.exists(path):
             return False
         self.remove([path], f"removing {self.object_url(path)}")
