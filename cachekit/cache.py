@@ -214,7 +214,7 @@ class Cache:
                     continue
                 _wandb.report(outcome)  # into the user's active wandb run; never raises
                 if self.max_size is not None and outcome.committed_here:
-                    from .admin.removal import keep_to_budget
+                    from .admin.budget import keep_to_budget
 
                     keep_to_budget(self._store, self.max_size, outcome.entry.manifest)
                 return opened

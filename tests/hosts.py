@@ -313,3 +313,23 @@ class StartBarrier:
 def report(**fields: Any) -> None:
     """Child side: print one JSON object on stdout, the child's report to the test."""
     print(json.dumps(fields), flush=True)
+
+
+def stop_decoding_at(row: int, file: str, seconds: float = 120.0) -> None:
+    """Child side: make cachekit's images decoder, at its decode of row ``row`` (with one
+    worker rows are decoded in order), create ``file`` and wait there up to ``seconds`` for
+    the test's signal (SIGINT or SIGKILL)."""
+    import cachekit.engine.decoding.images as images
+
+    decode, decoded = images.load_image, [0]
+
+    def load_image(*args: Any, **kwargs: Any) -> Any:
+        decoded[0] += 1
+        if decoded[0] == row + 1:
+            Path(file).touch()
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # the signal lands here
+        return decode(*args, **kwargs)
+
+    images.load_image = load_image

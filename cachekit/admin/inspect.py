@@ -37,7 +37,7 @@ from ..errors import CacheCorruptError, EntryNotFoundError, InvalidArgument, Oth
 from ..key_names import KEY_HEX_LENGTH, is_key
 from ..store import REMOVAL, LocalStore, parse_temp_name
 from ..store import manifest as manifests
-from . import disk_usage, listing_memo
+from . import disk_usage, listing_memo, permissions
 
 BUILDING, ORPHANED, DELETING, LEFTOVER = "building", "orphaned", "deleting", "leftover"
 REMOVABLE_STATES = frozenset({ORPHANED, LEFTOVER})
@@ -108,10 +108,15 @@ class TempDir:
     modified: float
     owner: str
     """Who made it, e.g. ``pid 4242 on node7 (2048/10000 rows)``."""
+    blocked_by: Optional[int] = None
+    """For an orphan or a leftover: the uid of the other user whose directory in it this
+    process may not empty (a teammate's build, private to its builder), who alone removes it
+    (:mod:`.permissions`)."""
 
     @property
     def removable(self) -> bool:
-        return self.state in REMOVABLE_STATES
+        """Whether this process may remove it now: dead, and all of it this user's to empty."""
+        return self.state in REMOVABLE_STATES and self.blocked_by is None
 
 
 @dataclass(frozen=True)
@@ -306,13 +311,22 @@ def temp_dir_info(store: LocalStore, path: Path) -> Optional[TempDir]:
     if named.kind == REMOVAL:
         alive = processes.owner_state({"host": host, "pid": pid}) == "alive"
         return TempDir(key, path, DELETING if alive else LEFTOVER, size, modified,
-                       f"removal by pid {pid} on {host}")
+                       f"removal by pid {pid} on {host}", None if alive else _blocker(path))
     state = store.build_state(path)
     if state is None:
         return None
     description = state.describe() + (", abandoned" if state.abandoned else "")
     return TempDir(key, path, BUILDING if state.alive else ORPHANED, size,
-                   max(modified, state.heartbeat), description)
+                   max(modified, state.heartbeat), description,
+                   None if state.alive else _blocker(path))
+
+
+def _blocker(path: Path) -> Optional[int]:
+    try:
+        with _fs.DirHandle.open(path.parent) as folder:
+            return permissions.blocking_owner(folder, path.name)
+    except OSError:
+        return None
 
 
 class _Versioned(Protocol):

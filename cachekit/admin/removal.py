@@ -29,11 +29,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Optional, Union
 
 from .. import units
-from ..messages import say
 from ..store import FAILED, LocalStore
-from ..store.manifest import Manifest
 from ..store.row_index import INDEX_FOLDER
-from . import lock_files
+from . import lock_files, permissions
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
                       resolve_keys, scan, stored_bytes, temp_dir_info)
 
@@ -255,7 +253,7 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
     return LocalRemoval(
         items=_items(store, entries, [t for t in temps if t.removable], records, now, strays,
                      lone_locks),
-        skipped=tuple(_skip_live(t) for t in temps if not t.removable),
+        skipped=tuple(_skip(t) for t in temps if not t.removable),
         goal=f"in {store.root}", store=store,
         unused_since={e.key: e.last_used for e in entries} if older_than is not None else {})
 
@@ -291,29 +289,10 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
     return LocalRemoval(
         items=_items(store, entries, temps, [], time.time(), found.stray_index,
                      lock_files.lone_keys(store, found, store.failure_keys())),
-        skipped=tuple(_skip_live(t) for t in found.temp_dirs if not t.removable),
+        skipped=tuple(_skip(t) for t in found.temp_dirs if not t.removable),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
         unused_since={e.key: e.last_used for e in entries},
         kept=tuple(e for e in found.entries if e.key in keep))
-
-
-def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
-    """Remove the least recently used entries until the root fits ``max_size``, never
-    the entry of manifest ``returned`` (which a call returns now); say what went, and when
-    that entry alone is larger than the budget: its bytes on disk, as ``cachekit ls`` counts
-    them."""
-    key = returned.key
-    removal = removal_for_prune(store, max_size, keep=[key])
-    report = removal.execute()
-    removed = [item for item in report.removed if item.noun == "entry"]
-    if removed:
-        say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
-            f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
-            f"({units.format_size(sum(item.bytes for item in removed))})")
-    size = next((e.bytes for e in removal.kept), returned.bytes)
-    if size > max_size:
-        say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
-            f"budget of {units.format_size(max_size)}; it is returned all the same")
 
 
 def _holders(entries: Iterable[EntryInfo]) -> collections.Counter:
@@ -362,11 +341,14 @@ def _temp_item(temp: TempDir) -> Item:
                 temp)
 
 
-def _skip_live(temp: TempDir) -> Skipped:
-    return Skipped(_temp_item(temp), _live(temp))
+def _skip(temp: TempDir) -> Skipped:
+    return Skipped(_temp_item(temp), _kept_because(temp))
 
 
-def _live(temp: TempDir) -> str:
+def _kept_because(temp: TempDir) -> str:
+    """Why a directory under ``tmp/`` stays: live, or another user's to remove."""
+    if temp.blocked_by is not None:
+        return permissions.only_owner(temp.blocked_by)
     doing = "being built" if temp.state == BUILDING else "being removed"
     return f"{doing} by {temp.owner}"
 
@@ -377,6 +359,10 @@ def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[fl
     try:
         if unused_since is not None and entry.path.stat().st_mtime > unused_since:
             return "used since the removal was planned"
+        with store.layout.open_folder("entries") as entries:
+            blocker = permissions.blocking_owner(entries, entry.key)
+        if blocker is not None:  # (a member who works under umask 022 made it)
+            return permissions.only_owner(blocker)
         if not store.remove_entry(entry.key):
             return "already removed by another process"
     except FileNotFoundError:
@@ -393,8 +379,8 @@ def _remove_temp_dir(store: LocalStore, temp: TempDir) -> Optional[str]:
     now = temp_dir_info(store, temp.path)
     if now is None:
         return "already removed by another process"
-    if now.state != ORPHANED:
-        return _live(now)
+    if not now.removable:
+        return _kept_because(now)
     if not store.remove_temp(temp.path.name, temp.key):
         return "already removed, or resumed, by another process"
     return None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .. import units
-from ..admin import inspect
+from ..admin import inspect, permissions
 from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidArgumentType,
                       UsageError)
 from ..store import manifest as manifests
@@ -313,8 +313,10 @@ def _report_temp_dirs(temp_dirs: Iterable[inspect.TempDir], out: Any = None) -> 
         elif t.state == inspect.DELETING:
             say(f"being removed: {t.key[:SHORT_KEY]} ({t.owner}), {size}", file=out)
         else:
+            who = ("remove" if t.blocked_by is None
+                   else f"{permissions.user(t.blocked_by)}, its owner, can remove it")
             say(f"{t.state} temporary directory {t.path} ({t.owner}), {size}; "
-                f"remove with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
+                f"{who} with `cachekit clear {t.key[:SHORT_KEY]}`", file=out)
 
 
 def _report_failed_builds(kept: list[inspect.EntryInfo], failed: list[str]) -> None:

@@ -114,30 +114,17 @@ INTERRUPTED_ATTACKER = textwrap.dedent(r'''
     argv: ROOT CONFIG. config: paths, size, poison, gate ([row, file]: the decode of that
     row makes the file and waits there for the test's SIGINT).
     """
-    import json, os, shutil, signal, sys, time
+    import json, os, shutil, signal, sys
     from pathlib import Path
 
     import numpy as np
 
     import cachekit
-    import cachekit.engine.decoding.images
-    from hosts import report
+    from hosts import report, stop_decoding_at
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    gate_row, gate_file = config["gate"]
-    decode, decoded = cachekit.engine.decoding.images.load_image, [0]
-
-    def load_image(*args, **kwargs):
-        decoded[0] += 1
-        if decoded[0] == gate_row + 1:  # one worker: rows are decoded in order
-            Path(gate_file).touch()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                time.sleep(0.01)  # the SIGINT lands here
-        return decode(*args, **kwargs)
-
-    cachekit.engine.decoding.images.load_image = load_image
+    stop_decoding_at(*config["gate"])
     try:
         cachekit.Cache(root, workers=1, progress=False).images(config["paths"], config["size"],
                                                                 backend="pil")

@@ -1,0 +1,30 @@
+"""A cache budget (``Cache(max_size=...)``, ``$CACHEKIT_MAX_SIZE``), kept after each commit:
+the least recently used entries go, as ``cachekit prune`` removes them, never the entry the
+call returns."""
+
+from __future__ import annotations
+
+from .. import units
+from ..messages import say
+from ..store import LocalStore
+from ..store.manifest import Manifest
+from .removal import ENTRY, removal_for_prune
+
+
+def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
+    """Remove the least recently used entries until the root fits ``max_size``, never
+    the entry of manifest ``returned`` (which a call returns now); say what went, and when
+    that entry alone is larger than the budget: its bytes on disk, as ``cachekit ls`` counts
+    them."""
+    key = returned.key
+    removal = removal_for_prune(store, max_size, keep=[key])
+    report = removal.execute()
+    removed = [item for item in report.removed if item.noun == ENTRY]
+    if removed:
+        say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
+            f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
+            f"({units.format_size(sum(item.bytes for item in removed))})")
+    size = next((e.bytes for e in removal.kept), returned.bytes)
+    if size > max_size:
+        say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
+            f"budget of {units.format_size(max_size)}; it is returned all the same")

@@ -1,0 +1,131 @@
+"""Removing on a root a team shares: a member's dead build is that member's to remove.
+
+A build directory is writable by its builder alone (no other member may plant files in a
+build), so when a member's build dies (SIGKILL, a lost node) only that member, or root, can
+empty its directory. Another member's ``clear``, ``prune`` and budget leave it alone and
+say whose it is; before, they moved it to ``tmp/deleting.*``, failed on its first file
+(exit 1) and left its bytes there, under a name its owner's next build no longer resumes.
+Its owner then removes it with the command ``cachekit ls`` names.
+
+Two plain uids of one group share the root the README way (tests/users.py): the "attacker"
+plays the teammate whose build died. Every child is a real interpreter; every wait is
+bounded by a subprocess timeout. Images are decoded with Pillow (no child imports torch).
+"""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+from pathlib import Path
+
+import users
+from helpers import write_pictures
+from hosts import finish, wait_for
+
+TIMEOUT = 60.0
+"""Seconds any one child may run (none needs more than about 10 here)."""
+
+BUILD = textwrap.dedent(r'''
+    """A member's images call (one worker, Pillow); with GATE, its decode of row GATE
+    creates the file GATE_FILE and waits there to be killed. Reports the entry.
+
+    argv: ROOT CONFIG. config: paths, size, gate ([row, file], or null), umask (or null:
+    the team's 002).
+    """
+    import json, os, sys
+    from pathlib import Path
+
+    import cachekit
+    from hosts import report, stop_decoding_at
+
+    root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    if config.get("umask") is not None:
+        os.umask(config["umask"])
+    if config["gate"]:
+        stop_decoding_at(*config["gate"])
+    entry = cachekit.Cache(root, workers=1, progress=False).images(
+        config["paths"], config["size"], backend="pil")
+    report(key=entry.key, source=entry.source, rows_decoded=entry.rows_decoded)
+''')
+
+
+def tree(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` with its size, by path relative to it."""
+    return {str(p.relative_to(directory)): p.stat().st_size
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_teammates_dead_build_is_left_to_them_by_clear_prune_and_a_budget(shared_root):
+    """The teammate's build is SIGKILLed mid-way. The other member's ``ls`` names who can
+    remove it; their ``clear --all``, ``prune`` and a call under a budget of 1 byte all
+    succeed and leave its directory as it was (same name, same files); the teammate's own
+    ``clear`` then removes it."""
+    shared = shared_root
+    paths = write_pictures(shared.base / "images", 320)  # 5 chunks of 64 rows (8x8 RGB)
+    gate = shared.work / "gate"
+    config = shared.write_json("teammate.json", {"paths": paths, "size": 8,
+                                                 "gate": [200, str(gate)]})
+    teammate = shared.attacker.python(shared.script(BUILD), shared.root, config)
+    wait_for(gate.exists, timeout=TIMEOUT, what="the teammate's build to reach row 200",
+             watch=[teammate])
+    teammate.kill_group()  # SIGKILL
+    teammate.reap()
+    assert teammate.returncode == -signal.SIGKILL
+    (build,) = (shared.root / "tmp").iterdir()
+    before = tree(build)
+    assert "data.npy" in before, before
+    key = build.name.split(".")[0]
+
+    listed = finish(shared.victim.cli(shared.root, "ls"), TIMEOUT)
+    assert listed.ok, listed.failure()
+    assert (f"uid {users.ATTACKER_UID}, its owner, can remove it with `cachekit clear "
+            f"{key[:12]}`") in listed.stderr, listed.stderr
+
+    for command in (["clear", "--all", "--yes"], ["prune", "--max-size", "0", "--yes"]):
+        done = finish(shared.victim.cli(shared.root, *command), TIMEOUT)
+        assert done.ok, done.failure()
+        assert f"uid {users.ATTACKER_UID} owns it" in done.stdout + done.stderr, done.failure()
+        assert [p.name for p in (shared.root / "tmp").iterdir()] == [build.name], command
+        assert tree(build) == before, command
+
+    keys = []
+    for name, rows, budget in (("first", paths[:40], {}), ("second", paths[40:80],
+                                                        {"CACHEKIT_MAX_SIZE": "1"})):
+        column = shared.write_json(f"{name}.json", {"paths": rows, "size": 8, "gate": None})
+        built = finish(shared.victim.python(shared.script(BUILD), shared.root, column,
+                                            env=budget), TIMEOUT)
+        assert built.report()["source"] == "built", built.failure()
+        keys.append(built.report()["key"])
+    assert [p.name for p in (shared.root / "entries").iterdir()] == keys[1:]  # (evicted)
+    assert [p.name for p in (shared.root / "tmp").iterdir()] == [build.name]
+    assert tree(build) == before
+
+    cleared = finish(shared.attacker.cli(shared.root, "clear", key[:12], "--yes"), TIMEOUT)
+    assert cleared.ok, cleared.failure()
+    assert list((shared.root / "tmp").iterdir()) == [], cleared.stdout
+
+
+def test_an_entry_a_teammate_made_under_umask_022_is_left_to_them_by_clear(shared_root):
+    """A member who works under ``umask 022`` publishes an entry whose directory the group
+    cannot empty. Another member's ``clear --all`` succeeds, says whose it is and leaves it
+    published: its owner's next call still hits it."""
+    shared = shared_root
+    paths = write_pictures(shared.base / "images", 64)
+    mine = shared.write_json("mine.json", {"paths": paths[:32], "size": 8, "gate": None})
+    assert finish(shared.victim.python(shared.script(BUILD), shared.root, mine),
+                  TIMEOUT).report()["source"] == "built"
+    theirs = shared.write_json("theirs.json", {"paths": paths[32:], "size": 8, "gate": None,
+                                               "umask": 0o022})
+    key = finish(shared.attacker.python(shared.script(BUILD), shared.root, theirs),
+                 TIMEOUT).report()["key"]
+    before = tree(shared.root / "entries" / key)
+
+    done = finish(shared.victim.cli(shared.root, "clear", "--all", "--yes"), TIMEOUT)
+    assert done.ok, done.failure()
+    assert f"uid {users.ATTACKER_UID} owns it" in done.stdout + done.stderr, done.failure()
+    assert [p.name for p in (shared.root / "entries").iterdir()] == [key]
+    assert tree(shared.root / "entries" / key) == before
+    assert list((shared.root / "tmp").iterdir()) == []
+
+    again = finish(shared.attacker.python(shared.script(BUILD), shared.root, theirs), TIMEOUT)
+    assert again.report() == {"key": key, "source": "local", "rows_decoded": 0}
