@@ -17,6 +17,7 @@ import stat
 from typing import Optional
 
 from .. import _fs
+from ..store import LocalStore
 
 
 def blocking_owner(folder: _fs.DirHandle, name: str) -> Optional[int]:
@@ -37,6 +38,16 @@ def blocking_owner(folder: _fs.DirHandle, name: str) -> Optional[int]:
                          if uid is not None), None)
     except OSError:  # removed or replaced while we looked
         return None
+
+
+def entry_owner(store: LocalStore, key: str) -> Optional[int]:
+    """The other user who alone can remove the published entry ``key`` of ``store`` (a
+    member who works under ``umask 022`` made it); None when this process can."""
+    entries = store.layout.open_folder_if_any("entries")
+    if entries is None:
+        return None
+    with entries:
+        return blocking_owner(entries, key)
 
 
 def user(uid: int) -> str:

@@ -279,17 +279,23 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         temps.append(temp)
         total -= temp.bytes
     entries: list[EntryInfo] = []
+    theirs: list[Skipped] = []
+    now = time.time()
     for entry in sorted(found.entries, key=lambda e: (e.last_used, e.created, e.key)):
         if total <= max_bytes:
             break
         if entry.key in keep:
             continue
+        owner = permissions.entry_owner(store, entry.key)
+        if owner is not None:  # counted, as it stays
+            theirs.append(Skipped(_entry_item(entry, now), permissions.only_owner(owner)))
+            continue
         entries += _freeing([entry], [entry], holders)
         total -= entries[-1].own_bytes
     return LocalRemoval(
-        items=_items(store, entries, temps, [], time.time(), found.stray_index,
+        items=_items(store, entries, temps, [], now, found.stray_index,
                      lock_files.lone_keys(store, found, store.failure_keys())),
-        skipped=tuple(_skip(t) for t in found.temp_dirs if not t.removable),
+        skipped=(*theirs, *(_skip(t) for t in found.temp_dirs if not t.removable)),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
         unused_since={e.key: e.last_used for e in entries},
         kept=tuple(e for e in found.entries if e.key in keep))
@@ -324,15 +330,19 @@ def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[Temp
                   f"{s.key[:SHORT_KEY]}  row index of an entry removed outside cachekit  "
                   f"{units.format_size(s.bytes)}", s) for s in strays]
     items += [_temp_item(t) for t in temps]
-    items += [Item(e.key, ENTRY, e.key, e.path, e.own_bytes,
-                   f"{e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.own_bytes):>9}  "
-                   f"last used {ago(e.last_used, now)}", e) for e in entries]
+    items += [_entry_item(e, now) for e in entries]
     items += [Item(k, FAILURE_RECORD, f"the failure record of {k[:SHORT_KEY]}",
                    store.layout.failure_path(k), 0,
                    f"{k[:SHORT_KEY]}  recorded build failure", k) for k in records]
     items += [Item(k, LOCK_FILE, f"the lock file of {k[:SHORT_KEY]}", store.layout.lock_path(k),
                    0, "", k) for k in lone_locks]
     return tuple(items)
+
+
+def _entry_item(e: EntryInfo, now: float) -> Item:
+    return Item(e.key, ENTRY, e.key, e.path, e.own_bytes,
+                f"{e.key[:SHORT_KEY]}  {e.kind or '?':<7} {units.format_size(e.own_bytes):>9}  "
+                f"last used {ago(e.last_used, now)}", e)
 
 
 def _temp_item(temp: TempDir) -> Item:
@@ -359,10 +369,9 @@ def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[fl
     try:
         if unused_since is not None and entry.path.stat().st_mtime > unused_since:
             return "used since the removal was planned"
-        with store.layout.open_folder("entries") as entries:
-            blocker = permissions.blocking_owner(entries, entry.key)
-        if blocker is not None:  # (a member who works under umask 022 made it)
-            return permissions.only_owner(blocker)
+        owner = permissions.entry_owner(store, entry.key)
+        if owner is not None:
+            return permissions.only_owner(owner)
         if not store.remove_entry(entry.key):
             return "already removed by another process"
     except FileNotFoundError:

@@ -14,6 +14,7 @@ bounded by a subprocess timeout. Images are decoded with Pillow (no child import
 
 from __future__ import annotations
 
+import json
 import signal
 import textwrap
 from pathlib import Path
@@ -105,16 +106,17 @@ def test_a_teammates_dead_build_is_left_to_them_by_clear_prune_and_a_budget(shar
     assert list((shared.root / "tmp").iterdir()) == [], cleared.stdout
 
 
-def test_an_entry_a_teammate_made_under_umask_022_is_left_to_them_by_clear(shared_root):
+def test_an_entry_a_teammate_made_under_umask_022_is_left_to_them(shared_root):
     """A member who works under ``umask 022`` publishes an entry whose directory the group
     cannot empty. Another member's ``clear --all`` succeeds, says whose it is and leaves it
-    published: its owner's next call still hits it."""
+    published; their budget counts it and removes their own entries instead; its owner's
+    next call still hits it."""
     shared = shared_root
-    paths = write_pictures(shared.base / "images", 64)
-    mine = shared.write_json("mine.json", {"paths": paths[:32], "size": 8, "gate": None})
+    paths = write_pictures(shared.base / "images", 96)
+    mine = shared.write_json("mine.json", {"paths": paths[:16], "size": 8, "gate": None})
     assert finish(shared.victim.python(shared.script(BUILD), shared.root, mine),
                   TIMEOUT).report()["source"] == "built"
-    theirs = shared.write_json("theirs.json", {"paths": paths[32:], "size": 8, "gate": None,
+    theirs = shared.write_json("theirs.json", {"paths": paths[16:80], "size": 8, "gate": None,
                                                "umask": 0o022})
     key = finish(shared.attacker.python(shared.script(BUILD), shared.root, theirs),
                  TIMEOUT).report()["key"]
@@ -126,6 +128,18 @@ def test_an_entry_a_teammate_made_under_umask_022_is_left_to_them_by_clear(share
     assert [p.name for p in (shared.root / "entries").iterdir()] == [key]
     assert tree(shared.root / "entries" / key) == before
     assert list((shared.root / "tmp").iterdir()) == []
+
+    # A budget that their entry's removal would meet on paper, and only our oldest does:
+    keys = []
+    for name, rows in (("first", paths[80:88]), ("second", paths[88:96])):
+        column = shared.write_json(f"{name}.json", {"paths": rows, "size": 8, "gate": None})
+        budget = {} if not keys else {"CACHEKIT_MAX_SIZE": str(2 * sizes[keys[0]]
+                                                               + sizes[key] // 2)}
+        keys.append(finish(shared.victim.python(shared.script(BUILD), shared.root, column,
+                                                env=budget), TIMEOUT).report()["key"])
+        listed = finish(shared.victim.cli(shared.root, "ls", "--json"), TIMEOUT)
+        sizes = {e["key"]: e["bytes"] for e in json.loads(listed.stdout)}
+    assert sorted(sizes) == sorted([key, keys[1]])  # the first went; theirs stays, counted
 
     again = finish(shared.attacker.python(shared.script(BUILD), shared.root, theirs), TIMEOUT)
     assert again.report() == {"key": key, "source": "local", "rows_decoded": 0}
