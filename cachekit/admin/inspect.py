@@ -246,7 +246,7 @@ def _entry_fields(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
         try:
             manifest = manifests.read_at(directory, key)
         except FileNotFoundError:
-            if not path.exists():
+            if moved(entries.path / key, st):  # removed, or removed and built again
                 return None
             problem = f"{manifests.MANIFEST_FILE} is missing"
             other_format = False
@@ -265,6 +265,15 @@ def _entry_fields(entries: _fs.DirHandle, key: str, sizes: disk_usage.FileSizes,
             return {**listed, **read}
     return {**listed, "kind": None, "rows": None, "shape": None, "dtype": None,
             "created": st.st_mtime, "problem": problem, "other_format": other_format}
+
+
+def moved(path: Path, st: os.stat_result) -> bool:
+    """Whether ``path`` no longer names the directory ``st`` was taken of: removed, or
+    removed and built again (by another process, while a listing or a check read it)."""
+    try:
+        return not _fs.same_file(path.lstat(), st)
+    except FileNotFoundError:
+        return True
 
 
 def _broken_entry(path: Path, also: Iterable[tuple[int, int, int]]) -> Optional[dict[str, Any]]:

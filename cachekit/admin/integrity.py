@@ -13,7 +13,8 @@ from typing import Callable, Iterable, Optional
 from .. import _fs, arrays
 from ..store import manifest as manifests
 from ..errors import CacheCorruptError
-from .inspect import EntryInfo, Problem, list_entries, resolve_keys, without_other_formats
+from .inspect import (EntryInfo, Problem, list_entries, moved, resolve_keys,
+                      without_other_formats)
 from ..store import LocalStore
 from ..store.row_view import read_row_map
 
@@ -78,6 +79,19 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None,
     (device, inode) of a file whose bytes do not match."""
     hashed = {} if hashed is None else hashed
     try:
+        identity = path.lstat()
+    except FileNotFoundError:
+        return None  # removed (cachekit clear) since it was listed
+    problem = _problem(path, identity, hashed, damaged)
+    if problem is not None and moved(path, identity):
+        return None  # removed, or removed and built again, while we checked: not a problem
+    return problem
+
+
+def _problem(path: Path, identity: os.stat_result, hashed: dict[tuple[int, ...], str],
+             damaged: Optional[set[tuple[int, int]]]) -> Optional[Problem]:
+    """:func:`check_entry`'s finding, before it asks whether the directory was replaced."""
+    try:
         manifest = manifests.read(path)
         if not manifest.contiguous:
             read_row_map(path, manifest)
@@ -88,13 +102,11 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None,
                 hashed[seen] = arrays.checksum(path / record.name)[1]
             actual = hashed[seen]
             if actual != record.checksum:
-                if damaged is not None:
+                if damaged is not None and not moved(path, identity):
                     damaged.add(seen[:2])
                 return Problem(path.name, path, f"checksum mismatch in {record.name}: manifest "
                                                 f"says {record.checksum}, the file has {actual}")
     except (FileNotFoundError, CacheCorruptError, OSError) as e:
-        if not path.exists():
-            return None  # removed (cachekit clear) while we checked: not a problem
         if isinstance(e, FileNotFoundError):
             return Problem(path.name, path, f"{manifests.MANIFEST_FILE} is missing")
         if isinstance(e, CacheCorruptError):

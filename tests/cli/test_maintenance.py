@@ -452,3 +452,31 @@ def test_verify_checks_every_file_of_a_memoize_entry(cache_root):
     flip_a_byte(leaf)
     (problem,) = cache.verify()
     assert problem.key == info.key and f"checksum mismatch in {leaf.name}" in problem.message
+
+
+@pytest.mark.parametrize("reader", ["read_at", "read"])  # the listing's, the check's
+def test_verify_reports_no_problem_for_an_entry_removed_and_built_again_as_it_reads(
+        cache_root, monkeypatch, reader):
+    """Another process clears the entry just as verify reads its manifest and builds it
+    again before verify looks at what went wrong: the directory verify read is gone, the
+    key's new one is whole, and neither is a problem (verify said "manifest.json is
+    missing" for it, where only the existence of the key's directory was checked)."""
+    cache = cachekit.Cache(cache_root)
+    entry = block_entry(cache, 0)
+    read, raced = getattr(manifests, reader), []
+
+    def racing_read(*args, **kwargs):
+        if raced:  # (the clear's and the build's own reads too)
+            return read(*args, **kwargs)
+        raced.append(None)
+        raced[0] = cache.clear([entry.key]).removed_entries  # "another process"
+        try:
+            return read(*args, **kwargs)
+        finally:
+            block_entry(cache, 0)  # ... builds it again, before verify looks
+
+    monkeypatch.setattr(manifests, reader, racing_read)
+    assert verify(LocalStore(cache_root)) == []
+    assert raced and [e.key for e in raced[0]] == [entry.key]
+    monkeypatch.undo()
+    assert [e.key for e in cache.entries()] == [entry.key] and cache.verify() == []
