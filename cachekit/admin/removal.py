@@ -265,7 +265,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
     The row index files of entries removed outside cachekit always go (they name nothing);
     orphaned build directories and interrupted removals go next (they are garbage); live
     builds are not counted and are listed as skipped; the entries ``keep`` names are
-    counted and never removed (the entry a call returns, under a budget).
+    counted and never removed (the entry a call returns, under a budget), and so are those
+    only another user can remove (:mod:`.permissions`), listed as skipped.
     """
     keep = set(keep)
     found = scan(store)
