@@ -182,6 +182,8 @@ class _Reader:
         except CacheCorruptError as e:
             self._met(found, e)
             return None
+        if published is None:
+            return None
         if self.stale is not None:
             size = found.manifest.bytes
             say(f"entry {self.key[:12]}: {self.tier.store.display} holds it built again "
@@ -242,14 +244,22 @@ def pull(tier: Tier, local: LocalStore, key: str,
         if found is not None:
             return found, "local"
         entry = tier.store.lookup(key)
-        return None if entry is None else (_download(tier, local, entry, linked), "remote")
+        published = None if entry is None else _download(tier, local, entry, linked)
+        return None if published is None else (published, "remote")
     finally:
         lock.release()
 
 
 def _download(tier: Tier, local: LocalStore, found: RemoteEntry,
-              linked: Optional[Callable[[int], None]] = None) -> Published:
-    published, _ = tier.store.download(found, local, progress=tier.progress, linked=linked)
+              linked: Optional[Callable[[int], None]] = None) -> Optional[Published]:
+    """``found`` downloaded and published here; None when one of its objects went while
+    it was read: the entry was removed from the remote meanwhile (``clear --remote``,
+    manifest first), so there is none to download."""
+    try:
+        published, _ = tier.store.download(found, local, progress=tier.progress,
+                                           linked=linked)
+    except FileNotFoundError:
+        return None
     return published
 
 

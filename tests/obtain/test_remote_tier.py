@@ -31,6 +31,7 @@ from cachekit.cli.main import main as cli_main
 from cachekit.obtain import Outcome, background, remote as remote_tier
 from cachekit.errors import RemoteUnavailableError, RemoteWarning
 from cachekit.store import LocalStore
+from cachekit.store.bucket import Bucket
 from cachekit.store.remote import RemoteStore
 from cachekit.store.lease import generations, lease_path
 
@@ -381,3 +382,33 @@ def test_a_remote_entry_that_disagrees_with_the_call_is_refused_and_built_here(
     background.wait_all()  # the upload runs after the call returns
     assert remote.lookup(good.key).manifest.dtype == np.uint8  # repaired
     assert cache.images(column, 8).source == "local"
+
+
+def test_an_entry_removed_from_the_remote_while_it_downloads_is_built_here(
+        s3_env, tmp_path, monkeypatch, capsys):
+    """Another host's ``cachekit clear --remote`` removes the entry (its manifest first, then
+    its objects) after this process found it and before it read its data. The call builds
+    the entry here, where it raised FileNotFoundError out of the download (found by a soak
+    of four agents with a clear every few seconds), and ``cachekit pull`` says the entry
+    was removed, exit 1, where it failed the same way."""
+    built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(row, list(range(40)))
+    background.wait_all()
+    read_ranges, removed = Bucket.read_ranges, []
+
+    def removed_first(self, path, size):
+        if not removed:  # "another host" clears the entry: manifest, then its objects
+            removed.append(RemoteStore(s3_env["CACHEKIT_REMOTE"]).remove_entry(built.key))
+        return read_ranges(self, path, size)
+
+    monkeypatch.setattr(Bucket, "read_ranges", removed_first)
+    entry = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(row, list(range(40)))
+    assert removed == [True] and entry.source == "built"
+    np.testing.assert_array_equal(np.asarray(entry.array), np.asarray(built.array))
+    assert list((tmp_path / "b" / "tmp").iterdir()) == []  # the download's directory went
+
+    background.wait_all()  # (the call uploaded its entry)
+    removed.clear()
+    capsys.readouterr()
+    assert cli_main(["--root", str(tmp_path / "c"), "pull", built.key]) == 1
+    assert removed == [True]
+    assert f"{built.key} was removed from" in capsys.readouterr().err
