@@ -252,13 +252,19 @@ def pull(tier: Tier, local: LocalStore, key: str,
 
 def _download(tier: Tier, local: LocalStore, found: RemoteEntry,
               linked: Optional[Callable[[int], None]] = None) -> Optional[Published]:
-    """``found`` downloaded and published here; None when one of its objects went while
-    it was read: the entry was removed from the remote meanwhile (``clear --remote``,
-    manifest first), so there is none to download."""
+    """``found`` downloaded and published here. When one of its objects went while it was
+    read: None if its manifest went too (``clear --remote`` removes the manifest first: there
+    is no entry to download), else CacheCorruptError (a broken entry, to be replaced)."""
     try:
         published, _ = tier.store.download(found, local, progress=tier.progress,
                                            linked=linked)
     except FileNotFoundError:
+        remote = tier.store
+        now = remote.lookup(found.key)
+        if now is not None and now.upload == found.upload:
+            raise CacheCorruptError(remote.object_url(remote.manifest_path(found.key)),
+                                    "a data object it lists went missing while it was read"
+                                    ) from None
         return None
     return published
 

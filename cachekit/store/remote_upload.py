@@ -75,15 +75,23 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False,
     paused uploader dead may have removed them meanwhile. Then the manifest is withdrawn
     and the entry uploaded again under a fresh id (once). ``sent(n)`` is told the size of
     each file sent (not of those the pool held already). ``opened``: files of the entry
-    opened before (:func:`open_files`), read instead of the entry's paths."""
+    opened before (:func:`open_files`), read instead of the entry's paths. A pool object
+    found in the bucket may go before the commit (``cachekit clear --remote`` of the
+    entry that named it): the check before the commit finds it missing, and the upload
+    starts again under a fresh id, which sends it (once)."""
     manifest = published.manifest
     key = manifest.key
     if lookup(bucket, key) is not None:
         return False
     for attempt in range(1, PUBLISH_ATTEMPTS + 1):
         upload_id = uuid.uuid4().hex
-        won = _publish(bucket, published, upload_id, progress, sent or (lambda n: None),
-                       opened or {})
+        try:
+            won = _publish(bucket, published, upload_id, progress, sent or (lambda n: None),
+                           opened or {})
+        except CacheCorruptError:
+            if attempt == PUBLISH_ATTEMPTS:
+                raise
+            continue  # a pool object it found went before its commit (a clear): send it
         if not won:
             return False
         objects = object_paths(bucket, manifest, upload_id)

@@ -160,3 +160,33 @@ def test_an_entry_uploaded_before_the_pool_existed_is_still_pulled_and_verified(
     pulled = there.map(_int_row, list(range(40)), version="1")
     assert pulled.source == "remote"
     np.testing.assert_array_equal(np.asarray(pulled.array)[:, 0], np.arange(40))
+
+
+def test_a_pool_object_cleared_before_an_upload_commits_is_sent_again(
+        s3_env, tmp_path, monkeypatch):
+    """A fold's upload finds the full entry's rows in the pool and sends nothing for them;
+    before it commits, another host's ``clear --remote`` of the full entry takes them (no
+    manifest names them then). The check before the commit finds them missing, and the
+    upload starts again and sends them: the fold's remote entry is whole. (The upload
+    failed with "a data object the manifest lists is missing" before, found by a soak
+    with a clear every few seconds.)"""
+    from cachekit.store import LocalStore, remote_upload
+
+    [full] = _pushed(tmp_path / "a", list(range(300)))
+    fold = cachekit.Cache(tmp_path / "a", workers=1, progress=False, remote="").map(
+        _int_row, list(range(0, 300, 3)), version="1")  # not uploaded yet
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    rows = pool_path(remote, full._manifest.files[0].checksum)
+    check_sizes, cleared = remote_upload.check_sizes, []
+
+    def cleared_first(*args, **kwargs):
+        if not cleared:  # "another host", between the look into the pool and the commit
+            cleared.append(removal_for_clear(remote, [full.key]).execute().failed)
+            assert rows not in {o.path for o in remote.scan().pool}
+        return check_sizes(*args, **kwargs)
+
+    monkeypatch.setattr(remote_upload, "check_sizes", cleared_first)
+    assert remote.upload(LocalStore(tmp_path / "a").lookup(fold.key))
+    assert cleared == [()]
+    assert rows in _pooled_files(remote, fold.key)
+    assert verify_remote(remote) == (1, [])

@@ -412,3 +412,34 @@ def test_an_entry_removed_from_the_remote_while_it_downloads_is_built_here(
     assert cli_main(["--root", str(tmp_path / "c"), "pull", built.key]) == 1
     assert removed == [True]
     assert f"{built.key} was removed from" in capsys.readouterr().err
+
+
+def test_an_object_that_goes_while_it_downloads_under_a_manifest_that_stays_is_repaired(
+        s3_env, tmp_path, monkeypatch):
+    """The data object goes while a call reads it, and the manifest naming it stays: the
+    remote entry is broken, not removed. The call warns so, builds the entry, and uploads
+    it in place of the broken one: the next host downloads it whole."""
+    built = cachekit.Cache(tmp_path / "a", workers=2, progress=False).map(row, list(range(40)))
+    background.wait_all()
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    torn = remote.lookup(built.key).upload
+    read_ranges, removed = Bucket.read_ranges, []
+
+    def object_removed_first(self, path, size):
+        if not removed:
+            self.remove([path], "removing it for the test")
+            removed.append(path)
+        return read_ranges(self, path, size)
+
+    monkeypatch.setattr(Bucket, "read_ranges", object_removed_first)
+    with pytest.warns(RemoteWarning, match=f"remote entry {built.key[:12]} is broken: .*"
+                      "a data object it lists went missing while it was read"):
+        entry = cachekit.Cache(tmp_path / "b", workers=2, progress=False).map(
+            row, list(range(40)))
+    assert removed and entry.source == "built"
+    background.wait_all()
+    monkeypatch.setattr(Bucket, "read_ranges", read_ranges)
+    assert remote.lookup(built.key).upload != torn  # replaced
+    again = cachekit.Cache(tmp_path / "c", workers=2, progress=False).map(row, list(range(40)))
+    assert again.source == "remote"
+    np.testing.assert_array_equal(np.asarray(again.array), np.asarray(built.array))
