@@ -39,9 +39,13 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
                      + sum(o.size for o in found.pool if o.path in unread))
         for info in entries:
             checked.add(info.key)
-            problem = info.problem
+            problem, bad = info.problem, None
             if problem is None and info.entry is not None:
-                problem = _check(remote, info.entry, digests, damaged, on_bytes)
+                problem, bad = _check(remote, info.entry, digests, on_bytes)
+                if problem is not None and _replaced(remote, info.entry):
+                    continue  # removed, or uploaded again, while it was read: no problem
+            if bad is not None:
+                damaged.add(bad)
             if problem is not None:
                 problems.append(Problem(info.key, info.url, problem))  # type: ignore[arg-type]
         # Entries left out by ``keys`` that name a damaged pool object: it goes only with the
@@ -52,9 +56,9 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
 
 
 def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
-           damaged: set[str], on_bytes: Optional[Callable[[int], None]]) -> Optional[str]:
-    """What is wrong with ``entry``'s objects, or None; ``digests`` holds the checksums of
-    the objects read so far, and ``damaged`` is given each object found wrong."""
+           on_bytes: Optional[Callable[[int], None]]) -> tuple[Optional[str], Optional[str]]:
+    """(what is wrong with ``entry``'s objects, the object found wrong), or (None, None);
+    ``digests`` holds the checksums of the objects read so far."""
     m = entry.manifest
     for record, path in zip(m.files, entry.objects(remote)):
         if path not in digests:
@@ -62,13 +66,23 @@ def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
                 remote.check_sizes(entry.key, [record], [path])
                 digests[path] = _digest(remote, path, record.bytes, on_bytes)
             except CacheCorruptError as e:
-                damaged.add(path)
-                return f"{record.name}: {e.reason}"
+                return f"{record.name}: {e.reason}", path
+            except FileNotFoundError:
+                return f"{record.name}: the object went missing while it was read", path
         if digests[path] != record.checksum:
-            damaged.add(path)
             return (f"checksum mismatch in {record.name}: the manifest says {record.checksum},"
-                    f" the object has {digests[path]}")
-    return None
+                    f" the object has {digests[path]}"), path
+    return None, None
+
+
+def _replaced(remote: RemoteStore, entry: RemoteEntry) -> bool:
+    """Whether the key's manifest no longer names ``entry``'s upload: the entry was removed
+    (``clear --remote`` takes the manifest first, then the objects) or uploaded again."""
+    try:
+        now = remote.lookup(entry.key)
+    except CacheCorruptError:
+        return False
+    return now is None or now.upload != entry.upload
 
 
 def _digest(remote: RemoteStore, path: str, size: int,

@@ -190,3 +190,23 @@ def test_a_pool_object_cleared_before_an_upload_commits_is_sent_again(
     assert cleared == [()]
     assert rows in _pooled_files(remote, fold.key)
     assert verify_remote(remote) == (1, [])
+
+
+def test_verify_remote_reports_no_problem_for_an_entry_cleared_as_it_reads(
+        s3_env, tmp_path, monkeypatch):
+    """Another host's ``clear --remote`` takes an entry (its manifest, then its objects)
+    while ``verify --remote`` reads it: the entry is gone, not broken, and verify reports
+    nothing (it said "a data object the manifest lists is missing", exit 1, in a soak)."""
+    first, second = _pushed(tmp_path / "a", list(range(50)), list(range(100, 150)))
+    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    check_sizes, cleared = RemoteStore.check_sizes, []
+
+    def cleared_first(self, key, *args, **kwargs):
+        if not cleared:  # "another host" clears the first entry checked
+            cleared.append(key)
+            assert removal_for_clear(remote, [key]).execute().failed == ()
+        return check_sizes(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteStore, "check_sizes", cleared_first)
+    assert verify_remote(remote) == (2, [])
+    assert cleared and cleared[0] in (first.key, second.key)
