@@ -82,15 +82,18 @@ def check_entry(path: Path, hashed: Optional[dict[tuple[int, ...], str]] = None,
         identity = path.lstat()
     except FileNotFoundError:
         return None  # removed (cachekit clear) since it was listed
-    problem = _problem(path, identity, hashed, damaged)
+    problem, bad = _problem(path, hashed)
     if problem is not None and moved(path, identity):
         return None  # removed, or removed and built again, while we checked: not a problem
+    if bad is not None and damaged is not None:
+        damaged.add(bad)
     return problem
 
 
-def _problem(path: Path, identity: os.stat_result, hashed: dict[tuple[int, ...], str],
-             damaged: Optional[set[tuple[int, int]]]) -> Optional[Problem]:
-    """:func:`check_entry`'s finding, before it asks whether the directory was replaced."""
+def _problem(path: Path, hashed: dict[tuple[int, ...], str]
+             ) -> tuple[Optional[Problem], Optional[tuple[int, int]]]:
+    """:func:`check_entry`'s finding, before it asks whether the directory was replaced,
+    with the (device, inode) of a data file whose bytes do not match."""
     try:
         manifest = manifests.read(path)
         if not manifest.contiguous:
@@ -102,17 +105,15 @@ def _problem(path: Path, identity: os.stat_result, hashed: dict[tuple[int, ...],
                 hashed[seen] = arrays.checksum(path / record.name)[1]
             actual = hashed[seen]
             if actual != record.checksum:
-                if damaged is not None and not moved(path, identity):
-                    damaged.add(seen[:2])
                 return Problem(path.name, path, f"checksum mismatch in {record.name}: manifest "
-                                                f"says {record.checksum}, the file has {actual}")
-    except (FileNotFoundError, CacheCorruptError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            return Problem(path.name, path, f"{manifests.MANIFEST_FILE} is missing")
-        if isinstance(e, CacheCorruptError):
-            return Problem(path.name, path, _naming_its_file(e, path))
-        return Problem(path.name, path, f"unreadable: {e}")
-    return None
+                               f"says {record.checksum}, the file has {actual}"), seen[:2]
+    except FileNotFoundError:
+        return Problem(path.name, path, f"{manifests.MANIFEST_FILE} is missing"), None
+    except CacheCorruptError as e:
+        return Problem(path.name, path, _naming_its_file(e, path)), None
+    except OSError as e:
+        return Problem(path.name, path, f"unreadable: {e}"), None
+    return None, None
 
 
 def _naming_its_file(error: CacheCorruptError, entry_dir: Path) -> str:

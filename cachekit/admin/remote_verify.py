@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Optional
 
 from .. import checksums
 from ..errors import CacheCorruptError
-from ..store.remote import RemoteEntry, RemoteStore
+from ..store.remote import NONE, OTHERS, RemoteEntry, RemoteStore
 from .inspect import Problem, resolve_keys, without_other_formats
 from .remote import RemoteEntryInfo, scan
 
@@ -42,7 +42,8 @@ def verify(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
             problem, bad = info.problem, None
             if problem is None and info.entry is not None:
                 problem, bad = _check(remote, info.entry, digests, on_bytes)
-                if problem is not None and _replaced(remote, info.entry):
+                if problem is not None and remote.named(info.key, info.entry.upload) in (
+                        NONE, OTHERS):
                     continue  # removed, or uploaded again, while it was read: no problem
             if bad is not None:
                 damaged.add(bad)
@@ -73,16 +74,6 @@ def _check(remote: RemoteStore, entry: RemoteEntry, digests: dict[str, str],
             return (f"checksum mismatch in {record.name}: the manifest says {record.checksum},"
                     f" the object has {digests[path]}"), path
     return None, None
-
-
-def _replaced(remote: RemoteStore, entry: RemoteEntry) -> bool:
-    """Whether the key's manifest no longer names ``entry``'s upload: the entry was removed
-    (``clear --remote`` takes the manifest first, then the objects) or uploaded again."""
-    try:
-        now = remote.lookup(entry.key)
-    except CacheCorruptError:
-        return False
-    return now is None or now.upload != entry.upload
 
 
 def _digest(remote: RemoteStore, path: str, size: int,

@@ -45,7 +45,7 @@ from ..errors import CacheCorruptError, RemoteUnavailableError, RemoteWarning
 from ..messages import prefix, say
 from ..store import LocalStore, Published, locks
 from ..store.manifest import Manifest
-from ..store.remote import RemoteEntry, RemoteStore
+from ..store.remote import OURS, RemoteEntry, RemoteStore
 from ..store.lease import Lease, Watch, lease_path
 from ..units import format_size
 from . import background
@@ -260,8 +260,7 @@ def _download(tier: Tier, local: LocalStore, found: RemoteEntry,
                                            linked=linked)
     except FileNotFoundError:
         remote = tier.store
-        now = remote.lookup(found.key)
-        if now is not None and now.upload == found.upload:
+        if remote.named(found.key, found.upload) == OURS:
             raise CacheCorruptError(remote.object_url(remote.manifest_path(found.key)),
                                     "a data object it lists went missing while it was read"
                                     ) from None
