@@ -1,7 +1,5 @@
-"""Looking at, checking and cleaning a remote tier: what ``cachekit ls|info|verify|clear
---remote`` do. Inspection returns frozen dataclasses; removal is a
-:class:`~cachekit.admin.removal.Removal` like the local ones, whose ``execute()`` does the
-work, so ``--dry-run`` and confirmation cost nothing.
+"""Looking at a remote tier: what ``cachekit ls|info --remote`` show, and what ``clear
+--remote`` (:mod:`.remote_clear`) may remove, as frozen dataclasses.
 
 Besides published entries, a remote holds what interrupted work left:
 
@@ -14,7 +12,9 @@ Besides published entries, a remote holds what interrupted work left:
   :mod:`cachekit.store.remote_entry`): those the removed entries named go with them, and
   (whatever the selection) any other once untouched for twice the lease (an upload may be
   about to name it).
-  Just before they go, every manifest is read again, and a pool object one names stays.
+  Just before they go, every manifest is read again, and a pool object one names stays;
+  just after, the manifests published meanwhile are read, and one that names a removed
+  object (an upload met it in the pool in between) is withdrawn: its key is a miss.
 - old lease generations: ``leases/KEY/GEN.*`` below the key's newest generation. The newest
   generation's two small objects always stay, so that generation numbers only rise and a
   holder that wakes late never writes into another holder's lease.
@@ -31,16 +31,12 @@ a miss, never a torn entry. The uploader itself checks its objects after its man
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Optional
+from typing import Iterable, Optional
 
-from .. import liveness, units
-from ..errors import CacheCorruptError, OtherFormatError, RemoteUnavailableError
-from ..store.remote import (OTHERS, OURS, UNKNOWN, RemoteEntry, RemoteKey, RemoteObject,
-    RemoteStore)
-from .inspect import SHORT_KEY, ago, resolve_keys
-from .removal import ENTRY, Item, Removal, Skipped
+from .. import liveness
+from ..errors import CacheCorruptError, OtherFormatError
+from ..store.remote import RemoteEntry, RemoteKey, RemoteObject, RemoteStore
 
 
 @dataclass(frozen=True)
@@ -120,7 +116,7 @@ class RemoteScan:
         """The bytes of ``entries`` (default: every entry) on the store, each object
         counted once: their manifests and uploads, and the pool objects they name."""
         entries = list(self.entries if entries is None else entries)
-        named = _pool_names(entries) or set()
+        named = pool_names(entries) or set()
         return (sum(e.own_bytes for e in entries)
                 + sum(o.size for o in self.pool if o.path in named))
 
@@ -140,7 +136,7 @@ def scan(remote: RemoteStore) -> RemoteScan:
     for item in listed:
         named = None
         if item.manifest is not None:
-            info = _entry_info(remote, item)
+            info = entry_info(remote, item)
             entries.append(info)
             named = info.entry.upload if info.entry is not None else None
         for upload, objects in sorted(item.uploads.items()):
@@ -158,7 +154,7 @@ def scan(remote: RemoteStore) -> RemoteScan:
                       tuple(item.key for item in listed), now, tuple(pool))
 
 
-def _pool_names(entries: Iterable[RemoteEntryInfo]) -> Optional[set[str]]:
+def pool_names(entries: Iterable[RemoteEntryInfo]) -> Optional[set[str]]:
     """The pool objects that ``entries`` name; None when a manifest could not be read (it
     may name any)."""
     named: set[str] = set()
@@ -176,7 +172,7 @@ def _unnamed_pool(entries: list[RemoteEntryInfo], pool: list[RemoteObject],
                   now: Optional[float], quiet: float) -> list[Leftover]:
     """The pool objects that no manifest names: removable when untouched for ``quiet``
     seconds, kept (with why) when recent."""
-    named = _pool_names(entries)
+    named = pool_names(entries)
     unnamed = [o for o in pool if named is None or o.path not in named]
     if not unnamed:
         return []
@@ -230,7 +226,7 @@ def _older_generations(leases: Iterable[RemoteObject]) -> list[RemoteObject]:
     return [o for o in leases if newest is None or generation(o)[0] < newest]
 
 
-def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
+def entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
     assert item.manifest is not None
     url = remote.object_url(item.manifest.path)
     entry, problem, other_format = None, None, False
@@ -251,132 +247,3 @@ def _entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
         pooled_bytes = sum(f.bytes for f, _ in in_pool)
     return RemoteEntryInfo(item.key, url, entry, size + pooled_bytes, item.manifest.modified,
                            problem, pool, pooled_bytes, other_format)
-
-
-# Clear --------------------------------------------------------------------------------------
-
-
-LEFTOVER = "leftover"
-"""What a remote removal's leftover items are (``Item.noun``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RemoteRemoval(Removal):
-    """Remote entries and leftovers to remove. An entry goes manifest first, so readers stop
-    seeing it at once and never see it without its data. Leftovers that stay are skipped,
-    with why (an upload or build may still be going on, or the store's time is unknown)."""
-
-    remote: RemoteStore
-    failures: ClassVar[tuple[type[BaseException], ...]] = (RemoteUnavailableError,)
-
-    @property
-    def leftovers(self) -> tuple[Leftover, ...]:
-        return self.subjects(LEFTOVER)
-
-    def remove(self, item: Item) -> Optional[str]:
-        remote = self.remote
-        if item.noun == ENTRY:
-            info: RemoteEntryInfo = item.subject
-            if info.entry is not None and remote.named(info.key, info.entry.upload) == OTHERS:
-                return "replaced by another upload since it was listed: a new entry"
-            remote.remove([remote.manifest_path(info.key)], f"removing {info.url}")
-            if info.entry is not None:
-                remote.remove_upload(info.key, info.entry.upload)
-            return None
-        leftover: Leftover = item.subject
-        if leftover.upload is not None:
-            return _remove_orphan(remote, leftover)
-        if leftover.pool:
-            return _remove_unnamed(remote, leftover)
-        remote.remove([o.path for o in leftover.objects],
-                      f"removing the {leftover.what} of {leftover.key}")
-        return None
-
-
-def _remove_orphan(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
-    """Remove an orphaned upload unless a manifest names it now; withdraw a manifest that
-    came to name it while its objects went (its uploader woke in between)."""
-    assert leftover.upload is not None
-    if remote.named(leftover.key, leftover.upload) in (OURS, UNKNOWN):
-        return "published since it was listed, or its key's manifest could not be read"
-    remote.remove([o.path for o in leftover.objects],
-                  f"removing the {leftover.what} of {leftover.key}")
-    remote.withdraw(leftover.key, leftover.upload)
-    return None
-
-
-def _remove_unnamed(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
-    """Remove pool objects unless a manifest names them now (every manifest is read
-    again: an upload may have come to name one since the scan)."""
-    listed = remote.scan().keys
-    named = _pool_names(_entry_info(remote, item) for item in listed
-                        if item.manifest is not None)
-    if named is None:
-        return UNREAD
-    remote.remove([o.path for o in leftover.objects if o.path not in named],
-                  f"removing {leftover.what}")
-    return None
-
-
-def removal_for_clear(remote: RemoteStore, keys: Optional[Iterable[str]] = None, *,
-                      older_than: Optional[float] = None) -> RemoteRemoval:
-    """Removing entries (all, ``keys``/prefixes, or those uploaded longer than
-    ``older_than`` seconds ago), with the removable leftovers of the same keys (of every key
-    when no ``keys`` are given)."""
-    found = scan(remote)
-    entries = list(found.entries)
-    wanted: Optional[set[str]] = None
-    if keys is not None:
-        wanted = set(resolve_keys(keys, found.keys))
-        entries = [e for e in entries if e.key in wanted]
-    if older_than is not None:
-        entries = [e for e in entries if _age(e, found.now) > older_than]
-    leftovers = [x for x in found.leftovers
-                 if (wanted is None and not x.pool) or x.key in (wanted or ())]
-    leftovers += _pool_freed(found, entries)
-    now = time.time()
-    # An entry's own objects: the pool objects it frees are the pool leftover's, counted
-    # once and only when no other entry names them.
-    items = [Item(e.key, ENTRY, e.key, e.url, e.own_bytes,
-                  f"{e.key[:SHORT_KEY]}  {e.entry.manifest.kind if e.entry else '?':<7} "
-                  f"{units.format_size(e.own_bytes):>9}  created {ago(e.created, now)}", e)
-             for e in entries]
-    items += [_leftover_item(remote, x) for x in leftovers if x.removable]
-    return RemoteRemoval(items=tuple(items), goal=f"in {remote.display}", remote=remote,
-                         skipped=tuple(Skipped(_leftover_item(remote, x), x.kept_because)
-                                       for x in leftovers if not x.removable))
-
-
-def _pool_freed(found: RemoteScan, removed: list[RemoteEntryInfo]) -> list[Leftover]:
-    """The pool objects to remove with ``removed``: those they name that no other entry
-    names, and the old ones that none names (whatever the selection: they belong to no
-    key)."""
-    gone = {e.key for e in removed}
-    kept = _pool_names(e for e in found.entries if e.key not in gone)
-    unnamed = [x for x in found.leftovers if x.pool]
-    if kept is None:
-        return unnamed  # kept, and says why: a manifest could not be read
-    theirs = set().union(*(e.pool for e in removed)) - kept
-    # One removable leftover, so that its removal reads the manifests again only once.
-    going = tuple(o for o in found.pool if o.path in theirs) + tuple(
-        o for x in unnamed if x.removable for o in x.objects)
-    out = [Leftover("", "pool objects no entry names", going, True, pool=True)
-           ] if going else []
-    return out + [x for x in unnamed if not x.removable]
-
-
-def _leftover_item(remote: RemoteStore, leftover: Leftover) -> Item:
-    folder = leftover.objects[0].path.rsplit("/", 1)[0] if leftover.objects else ""
-    return Item(leftover.key, LEFTOVER, f"the {leftover.what} of {leftover.key[:SHORT_KEY]}",
-                remote.object_url(folder), leftover.bytes,
-                f"{leftover.key[:SHORT_KEY]}  {leftover.what}  "
-                f"{units.format_size(leftover.bytes)}", leftover)
-
-
-def _age(entry: RemoteEntryInfo, now: Optional[float]) -> float:
-    """Seconds since ``entry`` was uploaded, by the store's clock; by this host's clock from
-    its manifest's creation time when the store cannot say. Removing an entry never tears
-    one (its manifest goes first), so here a skewed clock only moves the day it goes."""
-    if now is not None and entry.uploaded is not None:
-        return now - entry.uploaded
-    return time.time() - entry.created

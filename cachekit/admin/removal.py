@@ -7,7 +7,7 @@ nothing, and the command line shows, confirms and reports every removal the same
 (:class:`Skipped`, each with why) and its goal; ``execute()`` removes each item that is
 still safe to remove and returns a :class:`RemovalReport`. This module holds the family and
 the local removals (:func:`removal_for_clear`, :func:`removal_for_prune`); the remote one is
-:class:`cachekit.admin.remote.RemoteRemoval`.
+:class:`cachekit.admin.remote_clear.RemoteRemoval`.
 
 To remove a local entry, its directory is first renamed out of ``entries/`` into
 ``tmp/deleting.KEY.HOST.PID.UUID`` in one atomic step, then deleted

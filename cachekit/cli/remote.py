@@ -2,7 +2,8 @@
 --remote``. The remote's URL is the global ``--remote URL`` or ``$CACHEKIT_REMOTE``; the
 commands' own ``--remote`` flag says to act on it instead of the local root. Like the local
 commands (:mod:`cachekit.cli.local`), these only format and confirm; the work is done by
-:mod:`cachekit.store.remote`, :mod:`cachekit.obtain.remote` and :mod:`cachekit.admin.remote`.
+:mod:`cachekit.store.remote`, :mod:`cachekit.obtain.remote`, :mod:`cachekit.admin.remote` and
+:mod:`cachekit.admin.remote_clear`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from .. import units
 from ..admin import remote as admin
+from ..admin.remote_clear import removal_for_clear
 from ..admin.remote_verify import verify as verify_remote
 from ..admin.inspect import list_entries, resolve_keys
 from ..errors import CacheCorruptError, UsageError
@@ -206,6 +208,6 @@ def clear(args: argparse.Namespace) -> int:
     check_can_confirm(args)
     remote = remote_store(args)
     with key_errors():
-        removal = admin.removal_for_clear(remote, args.keys or None,
+        removal = removal_for_clear(remote, args.keys or None,
                                           older_than=args.older_than)
     return carry_out(removal, args)

@@ -164,7 +164,8 @@ def test_import_and_ls_load_neither_torch_nor_pandas(cache_root, three):
         assert cachekit.cli.main(["--root", {str(cache_root)!r}, "prune", "--max-size", "1M",
                                   "--dry-run"]) == 0
         unused = sorted(m for m in ("numpy", "cachekit.store.remote", "cachekit.cli.remote",
-                                    "cachekit.admin.remote", "cachekit.obtain",
+                                    "cachekit.admin.remote", "cachekit.admin.remote_clear",
+                                    "cachekit.obtain",
                                     "cachekit.engine.running.executors", "fsspec")
                         if m in sys.modules)
         assert not unused, unused

@@ -4,6 +4,7 @@ removes the pool objects that no manifest names, never one that a manifest names
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 
 import cachekit
 from cachekit import units
-from cachekit.admin.remote import removal_for_clear
+from cachekit.admin.remote_clear import removal_for_clear
 from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.cli.main import main as cli_main
 from cachekit.obtain import background
@@ -39,6 +40,15 @@ def _pooled_files(remote: RemoteStore, key: str) -> dict[str, int]:
     found = remote.lookup(key)
     return {path: f.bytes for f, path in zip(found.manifest.files, found.objects(remote))
             if found.pooled(f)}
+
+
+def _full_pushed_and_fold_not(root: Path) -> tuple[cachekit.Entry, cachekit.Entry, RemoteStore]:
+    """A full entry of 300 rows, uploaded, and a fold of every third row of it that is
+    not (yet), both on ``root``; and the remote of ``$CACHEKIT_REMOTE``."""
+    [full] = _pushed(root, list(range(300)))
+    fold = cachekit.Cache(root, workers=1, progress=False, remote="").map(
+        _int_row, list(range(0, 300, 3)), version="1")
+    return full, fold, RemoteStore(os.environ["CACHEKIT_REMOTE"])
 
 
 def test_push_sends_each_row_file_once_and_clear_remote_takes_what_no_entry_names(
@@ -172,10 +182,7 @@ def test_a_pool_object_cleared_before_an_upload_commits_is_sent_again(
     with a clear every few seconds.)"""
     from cachekit.store import LocalStore, remote_upload
 
-    [full] = _pushed(tmp_path / "a", list(range(300)))
-    fold = cachekit.Cache(tmp_path / "a", workers=1, progress=False, remote="").map(
-        _int_row, list(range(0, 300, 3)), version="1")  # not uploaded yet
-    remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
+    full, fold, remote = _full_pushed_and_fold_not(tmp_path / "a")
     rows = pool_path(remote, full._manifest.files[0].checksum)
     check_sizes, cleared = remote_upload.check_sizes, []
 
@@ -210,3 +217,37 @@ def test_verify_remote_reports_no_problem_for_an_entry_cleared_as_it_reads(
     monkeypatch.setattr(RemoteStore, "check_sizes", cleared_first)
     assert verify_remote(remote) == (2, [])
     assert cleared and cleared[0] in (first.key, second.key)
+
+
+def test_an_upload_that_names_a_pool_object_as_clear_removes_it_is_withdrawn(
+        s3_env, tmp_path, monkeypatch):
+    """``clear --remote`` of the full entry reads every manifest, finds its rows named by
+    none, and removes them; in between, a fold's upload (another host's) met them in the
+    pool, published its manifest naming them and checked that they were there. The clear
+    reads the manifests published since once more after its removal and withdraws the
+    fold's: the key is a miss that the next call builds, never a manifest naming deleted
+    rows. (A soak with a clear every few seconds left such a torn entry at rest.)"""
+    from cachekit.store import LocalStore
+
+    full, fold, remote = _full_pushed_and_fold_not(tmp_path / "a")
+    rows = pool_path(remote, full._manifest.files[0].checksum)
+    remove, uploaded = RemoteStore.remove, []
+
+    def uploaded_first(self, paths, what):
+        paths = list(paths)
+        if rows in paths and not uploaded:  # just before the rows go
+            uploaded.append(remote.upload(LocalStore(tmp_path / "a").lookup(fold.key)))
+            assert rows in _pooled_files(remote, fold.key)  # relied on, not sent
+        return remove(self, paths, what)
+
+    monkeypatch.setattr(RemoteStore, "remove", uploaded_first)
+    assert removal_for_clear(remote, [full.key]).execute().failed == ()
+    monkeypatch.setattr(RemoteStore, "remove", remove)
+    assert uploaded == [True]
+    assert rows not in {o.path for o in remote.scan().pool}
+    assert remote.lookup(fold.key) is None
+    assert verify_remote(remote) == (0, [])
+    there = cachekit.Cache(tmp_path / "b", workers=1, progress=False)
+    again = there.map(_int_row, list(range(0, 300, 3)), version="1")
+    assert again.source == "built"
+    np.testing.assert_array_equal(np.asarray(again.array)[:, 0], np.arange(0, 300, 3))

@@ -165,7 +165,7 @@ def test_an_uploader_killed_between_data_and_manifest_publishes_nothing_remotely
     assert hosts.finish(after).report()["source"] == "built"
     assert remote.lookup(key) is not None
     # What the killed uploader left is an orphaned upload, which clear --remote removes.
-    from cachekit.admin import remote as rm
+    from cachekit.admin import remote_clear as rm
 
     monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")
     # Untouched for twice the lease by the store's whole-second clock, upload and leases.

@@ -32,7 +32,7 @@ import hosts
 import s3
 from helpers import IN_THE_BACKGROUND, lines_in, one_valid_entry, remote_object
 from cachekit.cli import main
-from cachekit.admin import remote as rm
+from cachekit.admin import remote_clear as rm
 from cachekit.admin.remote_verify import verify as verify_remote
 from cachekit.errors import RemoteWarning
 from cachekit.obtain import background
