@@ -263,7 +263,7 @@ class Cache:
         Orphaned build directories of dead builders go too. Safe while other processes read;
         builds in progress are never touched. Returns a ``RemovalReport`` (``removed_entries``,
         ``skipped``, ``failed``, ``freed_bytes``)."""
-        from .admin.removal import removal_for_clear
+        from .admin.local_removal import removal_for_clear
         from .units import seconds
 
         keys = [keys] if isinstance(keys, str) else keys
@@ -273,7 +273,7 @@ class Cache:
     def prune(self, max_bytes: Union[int, str]):
         """Remove least recently used entries until the cache holds at most ``max_bytes``
         (an int, or a size like "10G"). Returns a ``RemovalReport``."""
-        from .admin.removal import removal_for_prune
+        from .admin.local_removal import removal_for_prune
         from .units import byte_count
 
         return removal_for_prune(self._store, byte_count(max_bytes)).execute()

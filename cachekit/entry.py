@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 
 from .errors import CacheCorruptError, InvalidArgument
+from .store import holds
 from .store import manifest as manifests
 from .store.row_view import Rows, open_rows
 
@@ -39,6 +40,9 @@ class Entry:
     build (not counting the time it filled chunks of it), ``build_seconds`` building (its
     own build, or the chunks it filled of another's; 0 on a hit), and ``decode_seconds``,
     the part of ``build_seconds`` spent computing rows.
+
+    While it lives, it holds its entry (:mod:`cachekit.store.holds`): ``prune``, budgets
+    and ``clear --older-than`` pass over the entry as in use.
 
     ``rows_decoded``, ``rows_joined``, ``rows_reused``: of the entry's rows, those this
     call decoded, those other processes decoded for its build (its joiners, or the dead
@@ -72,6 +76,7 @@ class Entry:
         self.manifest: dict[str, Any] = manifest.to_json()
         self.array: Rows = self._map()  # before anything sized by the manifest
         self.valid = _valid_rows(manifest)
+        self._hold = holds.hold(self.path)
 
     @classmethod
     def from_outcome(cls, outcome: "Outcome") -> "Entry":
@@ -98,9 +103,10 @@ class Entry:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the location and manifest only, a few KiB whatever N (DataLoader workers
-        get entries this way); ``array`` and ``valid`` are re-made on first use."""
+        get entries this way); ``array`` and ``valid`` are re-made on first use, and the
+        entry is held again then (:mod:`cachekit.store.holds`)."""
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("array", "valid", "_labels")}
+                if k not in ("array", "valid", "_labels", "_hold")}
 
     def show(self, rows: Optional[Sequence[int]] = None, sample: int = 16) -> Any:
         """A contact sheet (a PIL image) of ``rows`` of an images entry, or of ``sample``
@@ -115,6 +121,7 @@ class Entry:
         # Reached only when normal lookup fails: for the attributes __getstate__ dropped.
         if name == "array":
             self.array = self._map()
+            self._hold = holds.hold(self.path)
             return self.array
         if name == "valid":
             self.valid = _valid_rows(self._manifest)
@@ -146,7 +153,9 @@ class Entry:
             if current is None:
                 raise
             self._manifest, self.manifest = current, current.to_json()
-            return open_rows(self.path, current, mode)
+            rows = open_rows(self.path, current, mode)
+            self._hold = holds.hold(self.path)  # the key's new directory
+            return rows
 
     def tensor(self):
         """A torch.Tensor of the entry's rows.

@@ -1,14 +1,15 @@
 """A cache budget (``Cache(max_size=...)``, ``$CACHEKIT_MAX_SIZE``), kept after each commit:
 the least recently used entries go, as ``cachekit prune`` removes them, never the entry the
-call returns."""
+call returns nor one that a live process uses (:mod:`cachekit.store.holds`)."""
 
 from __future__ import annotations
 
 from .. import units
 from ..messages import say
-from ..store import LocalStore
+from ..store import LocalStore, holds
 from ..store.manifest import Manifest
-from .removal import ENTRY, removal_for_prune
+from .local_removal import removal_for_prune
+from .removal import ENTRY
 
 
 def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
@@ -24,6 +25,12 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
         say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
             f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
             f"({units.format_size(sum(item.bytes for item in removed))})")
+    in_use = [s.item for s in report.skipped if s.reason == holds.IN_USE]
+    if in_use:
+        held = units.format_size(sum(item.bytes for item in in_use))
+        say(f"cache budget {units.format_size(max_size)}: left {len(in_use)} entr"
+            f"{'y' if len(in_use) == 1 else 'ies'} ({held}) that live processes use; they "
+            "can go once no process holds them")
     size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "

@@ -6,8 +6,8 @@ Nothing here changes an entry (a scan keeps only this user's memo of what it rea
 is taken.
 
 Inspection returns frozen dataclasses; a scan never aborts on a broken entry or a stray file,
-it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.admin.removal`, the full
-integrity check in :mod:`cachekit.admin.integrity`.
+it records a :class:`Problem` and goes on. Removal lives in :mod:`cachekit.admin.local_removal`, the
+full integrity check in :mod:`cachekit.admin.integrity`.
 
 An entry's last use is its directory's mtime: every hit sets it with one ``os.utime`` (see
 :meth:`cachekit.store.LocalStore.lookup`), without a lock and without rewriting the immutable entry.

@@ -1,7 +1,7 @@
 """The commands on the local root: ``dir``, ``ls``, ``info``, ``clear``, ``prune``,
 ``verify``, ``build`` and ``demo``. Each takes the parsed arguments and returns the exit
 status. They only format and confirm: the work is done by :mod:`cachekit.admin.inspect`,
-:mod:`cachekit.admin.removal` and :mod:`cachekit.admin.integrity`, and only ``build`` (which
+:mod:`cachekit.admin.local_removal` and :mod:`cachekit.admin.integrity`, and only ``build`` (which
 reads a CSV) imports pandas or torch.
 """
 
@@ -140,7 +140,7 @@ def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
 def clear(args: argparse.Namespace) -> int:
     check_clear_selection(args)
     check_can_confirm(args)
-    from ..admin.removal import removal_for_clear
+    from ..admin.local_removal import removal_for_clear
 
     with key_errors():
         removal = removal_for_clear(local_store(args), args.keys or None,
@@ -150,7 +150,7 @@ def clear(args: argparse.Namespace) -> int:
 
 def prune(args: argparse.Namespace) -> int:
     check_can_confirm(args)
-    from ..admin.removal import removal_for_prune
+    from ..admin.local_removal import removal_for_prune
 
     return carry_out(removal_for_prune(local_store(args), args.max_size), args)
 

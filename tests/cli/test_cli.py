@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import numpy as np
@@ -77,14 +78,22 @@ def keys_in(root: Path) -> set[str]:
     return {e.key for e in cachekit.Cache(root).entries() if e.failed_build is None}
 
 
+class Made(NamedTuple):
+    """An entry a test made, by key and directory: its ``Entry`` let go, so that no live
+    process holds it (``prune`` and ``clear --older-than`` pass over a held entry)."""
+
+    key: str
+    path: Path
+
+
 @pytest.fixture
-def three(cache_root: Path) -> list[cachekit.Entry]:
+def three(cache_root: Path) -> list[Made]:
     """Three entries, used 300, 200 and 10 s ago (the first made is the least recently used)."""
     entries = [small_block_entry(cache_root, i * 10) for i in range(3)]
     now = time.time()
     for entry, age in zip(entries, (300, 200, 10)):
         os.utime(entry.path, (now - age, now - age))
-    return entries
+    return [Made(e.key, e.path) for e in entries]
 
 
 # -- dir, help, python -m ------------------------------------------------------------------

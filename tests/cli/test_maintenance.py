@@ -18,7 +18,7 @@ import pytest
 
 import cachekit
 from cachekit import _fs, arrays, units
-from cachekit.admin import inspect as maintenance, removal
+from cachekit.admin import inspect as maintenance, local_removal as removal
 from cachekit.store import manifest as manifests
 from cachekit.store import LocalStore
 from helpers import GATED_ROWS, entry_disk_bytes, flip_a_byte, start_gated_builder
@@ -36,6 +36,13 @@ def block(value: int) -> np.ndarray:
 
 def block_entry(cache: cachekit.Cache, start: int, rows: int = 8) -> cachekit.Entry:
     return cache.map(block, pd.Series(range(start, start + rows)))
+
+
+def let_go(cache: cachekit.Cache, start: int) -> tuple[str, Path]:
+    """The key and directory of a new entry whose ``Entry`` this process let go: while
+    one lives, its entry is in use, and ``prune`` and ``clear --older-than`` pass over it."""
+    entry = block_entry(cache, start)
+    return entry.key, entry.path
 
 
 def set_last_used(entry_path: Path, when: float) -> None:
@@ -231,12 +238,17 @@ def test_clear_by_prefix_then_all(cache_root):
 
 def test_clear_older_than_uses_last_use(cache_root):
     cache = cachekit.Cache(cache_root)
-    old, fresh = block_entry(cache, 0), block_entry(cache, 10)
-    set_last_used(old.path, time.time() - 8 * DAY)
+    (old, old_path), (fresh, _) = let_go(cache, 0), let_go(cache, 10)
+    set_last_used(old_path, time.time() - 8 * DAY)
     assert cache.clear(older_than="9d").removed_entries == ()
     report = cache.clear(older_than=datetime.timedelta(days=7))
-    assert [e.key for e in report.removed_entries] == [old.key]
-    assert [e.key for e in cache.entries()] == [fresh.key]
+    assert [e.key for e in report.removed_entries] == [old]
+    assert [e.key for e in cache.entries()] == [fresh]
+    held = block_entry(cache, 10)  # a live Entry: in use, however old its last use
+    set_last_used(held.path, time.time() - 8 * DAY)
+    report = cache.clear(older_than="7d")
+    assert report.removed_entries == () and [fresh] == [e.key for e in cache.entries()]
+    assert [(s.key, s.reason) for s in report.skipped] == [(fresh, "in use by a live process")]
 
 
 def test_a_plan_removes_nothing_until_executed(cache_root):
@@ -252,32 +264,52 @@ def test_a_plan_removes_nothing_until_executed(cache_root):
 
 def test_an_entry_used_after_an_age_based_plan_is_spared(cache_root):
     cache = cachekit.Cache(cache_root)
-    entry = block_entry(cache, 0)
-    set_last_used(entry.path, time.time() - 10 * DAY)
+    _, path = let_go(cache, 0)
+    set_last_used(path, time.time() - 10 * DAY)
     plan = removal.removal_for_clear(LocalStore(cache_root), older_than=7 * DAY)
     assert len(plan.entries) == 1
     assert block_entry(cache, 0).hit  # a sweep agent uses it while the user reads the prompt
     report = plan.execute()
     assert report.removed_entries == () and "used since" in report.skipped[0].reason
-    assert entry.path.exists()
+    assert path.exists()
+
+
+def test_an_entry_opened_after_a_prune_was_planned_is_spared_while_held(cache_root):
+    """A prune plans while no process holds the entry; a call opens it (a live ``Entry``
+    holds it) before the plan runs: the plan passes over it as in use, even though its
+    last use is as old as planned. Once that Entry is let go, it goes."""
+    cache = cachekit.Cache(cache_root)
+    key, path = let_go(cache, 0)
+    used = path.stat().st_mtime
+    plan = removal.removal_for_prune(LocalStore(cache_root), 0)
+    assert [e.key for e in plan.entries] == [key]
+    entry = block_entry(cache, 0)
+    assert entry.hit
+    os.utime(path, (used, used))  # as if unused since: only the hold spares it
+    report = plan.execute()
+    assert report.removed_entries == ()
+    assert [s.reason for s in report.skipped] == ["in use by a live process"]
+    del entry
+    assert [e.key for e in plan.execute().removed_entries] == [key]
 
 
 def test_prune_removes_least_recently_used_first(cache_root):
     cache = cachekit.Cache(cache_root)
-    first, second, third = (block_entry(cache, i * 10) for i in range(3))
+    (first, first_path), (second, second_path), (third, third_path) = (
+        let_go(cache, i * 10) for i in range(3))
     now = time.time()
-    set_last_used(first.path, now - 10)  # the oldest entry is the most recently used
-    set_last_used(second.path, now - 300)
-    set_last_used(third.path, now - 200)
+    set_last_used(first_path, now - 10)  # the oldest entry is the most recently used
+    set_last_used(second_path, now - 300)
+    set_last_used(third_path, now - 200)
     size = {e.key: e.bytes for e in cache.entries()}
     total = sum(size.values())
     assert cache.prune(total).removed_entries == ()
     report = cache.prune(total - 1)
-    assert [e.key for e in report.removed_entries] == [second.key]
-    report = cache.prune(str(size[first.key] + size[third.key] - 1))
-    assert [e.key for e in report.removed_entries] == [third.key]
-    assert [e.key for e in cache.entries()] == [first.key]
-    assert [e.key for e in cache.prune(0).removed_entries] == [first.key]
+    assert [e.key for e in report.removed_entries] == [second]
+    report = cache.prune(str(size[first] + size[third] - 1))
+    assert [e.key for e in report.removed_entries] == [third]
+    assert [e.key for e in cache.entries()] == [first]
+    assert [e.key for e in cache.prune(0).removed_entries] == [first]
 
 
 def test_lock_files_left_behind_are_counted_and_removed_unless_held(cache_root, capsys):
@@ -354,14 +386,14 @@ def test_an_interrupted_removal_is_finished_by_clear(cache_root):
 
 def test_clear_and_prune_skip_a_live_build_which_then_publishes(tmp_path, cache_root):
     cache = cachekit.Cache(cache_root)
-    other = block_entry(cache, 100)
+    other, _ = let_go(cache, 100)
     proc, go = start_gated_builder(tmp_path, cache_root)
     try:
         store = LocalStore(cache_root)
         (temp,) = maintenance.scan(store).temp_dirs
         assert temp.state == maintenance.BUILDING and not temp.removable
         report = cache.prune(0)
-        assert [e.key for e in report.removed_entries] == [other.key]
+        assert [e.key for e in report.removed_entries] == [other]
         assert [s.path for s in report.skipped] == [temp.path]
         report = cache.clear()
         assert report.removed_temp_dirs == () and "being built by pid" in report.skipped[0].reason

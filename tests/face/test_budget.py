@@ -34,12 +34,12 @@ def _root_bytes(root) -> int:
 def test_each_commit_keeps_the_root_within_its_budget_least_recently_used_first(tmp_path,
                                                                                  capsys):
     cache = cachekit.Cache(tmp_path, max_size="500K", workers=1)  # two entries of ~209 KB
-    first = cache.map(_row, _column(0))
-    second = cache.map(_row, _column(1000))
-    os.utime(first.path, (time.time() + 5, time.time() + 5))  # first is used more recently
+    first = cache.map(_row, _column(0)).path  # the Entry let go: the entry is not in use
+    cache.map(_row, _column(1000))
+    os.utime(first, (time.time() + 5, time.time() + 5))  # first is used more recently
     third = cache.map(_row, _column(2000))
     keys = {e.key for e in cache.entries()}
-    assert keys == {first.key, third.key}  # second, the least recently used, went
+    assert keys == {first.name, third.key}  # second, the least recently used, went
     assert _root_bytes(tmp_path) <= 500_000
     assert "cache budget 500 KB: removed 1 least recently used entry" in capsys.readouterr().err
     np.testing.assert_array_equal(third.array[5], _row(2005))
@@ -76,17 +76,20 @@ READER = textwrap.dedent('''
     calls = rebuilt = 0
     while time.monotonic() < deadline:
         entry = cachekit.Cache(root, workers=1, progress=False).map(_row, _column(0))
-        rebuilt += entry.outcome in ("built", "joined", "waited")
+        rebuilt += calls > 0 and entry.outcome in ("built", "joined", "waited")
         assert np.array_equal(np.asarray(entry.array[7]), _row(7)), "wrong bytes"
         calls += 1
+        del entry  # let go: until the next call, a budget may evict it
+        time.sleep(0.01)
     print(calls, rebuilt)
 ''')
 
 
 def test_readers_of_an_entry_never_fail_while_builders_evict_it(tmp_path):
-    """Two processes keep reading one entry while this one builds new entries under a
-    budget that fits one: each commit evicts the readers' entry; each reader's call
-    obtains it again (a rebuild) and reads the right bytes, never an error."""
+    """Two processes keep reading one entry, letting it go between calls, while this one
+    builds new entries under a budget that fits one: a commit between two calls evicts
+    the readers' entry; the next call obtains it again (a rebuild) and reads the right
+    bytes, never an error."""
     script = tmp_path / "reader.py"
     script.write_text(READER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -109,6 +112,77 @@ def test_readers_of_an_entry_never_fail_while_builders_evict_it(tmp_path):
         calls, rebuilt = map(int, out.split()[-2:])
         assert calls > 0
         rebuilds.append(rebuilt)
-    # the readers' entry was evicted under them at least once (an entry used between the
-    # eviction's listing and its removal is left alone, as prune leaves it)
+    # the readers' entry was evicted between their calls at least once (an entry used
+    # between the eviction's listing and its removal is left alone, as prune leaves it)
     assert built > 2 and sum(rebuilds) >= 1
+
+
+HOLDER = textwrap.dedent('''
+    import sys, time
+    import cachekit
+    from test_budget import _column, _row
+    entry = cachekit.Cache(sys.argv[1], workers=1, progress=False).map(_row, _column(0))
+    print(entry.key, flush=True)
+    time.sleep(600)  # holding the entry, until killed
+''')
+
+
+def _env() -> dict[str, str]:
+    """The environment in which a child process imports this module as ``test_budget``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
+         os.environ.get("PYTHONPATH", "")])}
+
+
+def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_dies(
+        tmp_path, capsys):
+    """Another process made an entry and holds it (its ``Entry`` lives). Commits under a
+    budget that fits one entry evict everything else but leave it, and say so; ``prune``
+    lists it as in use. Once that process is SIGKILLed, the kernel drops its hold and the
+    next commit evicts it."""
+    root = tmp_path / "root"
+    with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
+                          stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            key = holder.stdout.readline().strip()
+            assert key, "the holder made no entry"
+            held = os.stat(root / "entries" / key)
+            builder = cachekit.Cache(root, max_size="250K", workers=1)
+            for i in range(3):
+                last = builder.map(_row, _column(10_000 + 1000 * i)).key
+            assert {e.key for e in builder.entries()} == {key, last}
+            assert os.stat(root / "entries" / key).st_ino == held.st_ino
+            assert "cache budget 250 KB: left 1 entry (" in capsys.readouterr().err
+            report = builder.prune(0)
+            assert [e.key for e in report.removed_entries] == [last]
+            assert [(s.key, s.reason) for s in report.skipped] == [
+                (key, "in use by a live process")]
+        finally:
+            holder.kill()  # SIGKILL: the kernel drops the hold with the process
+    builder.map(_row, _column(20_000))
+    assert key not in {e.key for e in builder.entries()}
+
+
+def test_spawn_workers_of_a_later_epoch_read_the_entry_another_process_budget_would_evict(
+        tmp_path):
+    """A DataLoader with ``spawn`` workers, not persistent: each epoch's worker opens the
+    entry anew by its path. Between two epochs another process commits under a budget that
+    fits only its own entry; the entry this process holds stays, and the second epoch
+    reads every row (it raised "the entry was removed" when the budget evicted it)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    root = tmp_path / "root"
+    entry = cachekit.Cache(root, workers=1, progress=False).map(_row, _column(0))
+    loader = DataLoader(entry.dataset(), batch_size=64, num_workers=1,
+                        multiprocessing_context="spawn")
+    want = torch.from_numpy(np.stack([_row(v) for v in range(200)]))
+    assert torch.equal(torch.cat(list(loader)), want)
+    other = subprocess.run([sys.executable, "-c", textwrap.dedent(f'''
+        import cachekit
+        from test_budget import _column, _row
+        cachekit.Cache({str(root)!r}, max_size="250K", workers=1).map(_row, _column(5000))
+    ''')], env=_env(), capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr
+    assert "that live processes use" in other.stderr
+    assert torch.equal(torch.cat(list(loader)), want)

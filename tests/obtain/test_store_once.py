@@ -24,7 +24,7 @@ from hypothesis import given, strategies as st
 
 import cachekit
 from cachekit import _fs, source_stats, units
-from cachekit.admin.removal import removal_for_clear
+from cachekit.admin.local_removal import removal_for_clear
 from cachekit.cli.main import main as cli_main
 from cachekit.store import LocalStore
 from cachekit.store import manifest as manifests
@@ -840,6 +840,7 @@ def test_a_fold_sharing_files_larger_than_the_budget_is_copied_so_that_the_root_
     full = cachekit.Cache(cache_root, workers=1, progress=False).images(
         column(pictures, range(N - 1)), 8)
     want = np.array(full.array)[rows[:-1]]
+    del full  # let go: an entry a live Entry holds is never evicted
     budget = root_file_bytes(cache_root) * 3 // 4
     capsys.readouterr()
     tight = cachekit.Cache(cache_root, workers=1, max_size=budget)
@@ -981,6 +982,8 @@ def test_budget_eviction_racing_derived_builds_and_reads_never_breaks_them(
     np.save(tmp_path / "truth.npy", truth)
     full = cachekit.Cache(cache_root, workers=1, progress=False).images(
         column(pictures, range(N)), 8)
+    full_key, full_rows = full.key, full.array
+    del full  # its rows stay mapped, but no live Entry holds it: a budget may evict it
     budget = sum(e.bytes for e in cachekit.Cache(cache_root).entries())
     stop = tmp_path / "stop"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -997,8 +1000,8 @@ def test_budget_eviction_racing_derived_builds_and_reads_never_breaks_them(
     for proc, (out, err) in zip(racers, results):
         assert proc.returncode == 0, err[-3000:]
         assert json.loads(out.splitlines()[-1])["checked"] >= 6
-    assert full.key not in {e.key for e in cachekit.Cache(cache_root).entries()}
-    np.testing.assert_array_equal(np.asarray(full.array), truth)  # its file lives on
+    assert full_key not in {e.key for e in cachekit.Cache(cache_root).entries()}
+    np.testing.assert_array_equal(np.asarray(full_rows), truth)  # its file lives on
 
 
 # --- a derived build killed, resumed --------------------------------------------------------

@@ -144,7 +144,7 @@ def test_remove_never_follows_a_symlink(cache_root, tmp_path):
 
 def test_an_older_versions_build_directory_is_never_resumed_and_is_listed_and_cleared(
         cache_root):
-    from cachekit.admin import inspect, removal
+    from cachekit.admin import inspect, local_removal as removal
 
     store = LocalStore(cache_root)
     store.ensure_writable(KEY)

@@ -1,0 +1,121 @@
+"""Which entries live processes use: ``prune``, a budget and ``clear --older-than`` leave
+those alone.
+
+While an :class:`~cachekit.Entry` lives, its process holds a shared flock(2) on the entry's
+directory (:func:`hold`); so do the DataLoader workers that unpickle it, and the workers a
+fork makes share their parent's. A removal that chose entries for being unused takes the
+lock exclusively, without waiting, around its rename (:func:`unheld`), and passes over an
+entry it cannot take: the entry is in use. Evicting it would free no disk anyway (a
+process that maps a removed file keeps its blocks), and a ``spawn`` worker started for the
+next epoch would find it gone.
+
+The kernel drops a lock with the last descriptor of its holder: when the Entry is
+collected, or the process ends (SIGKILL too), so a hold never outlives its holder. A
+filesystem where flock fails (some NFS mounts refuse an exclusive flock on a directory)
+holds nothing, and removals there work as they would without holds. A process holds at
+most :data:`MAX_HOLDS` entries at once (a descriptor each); the ones it opens beyond are
+not held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .. import _fs
+from .layout import Layout
+
+MAX_HOLDS = 256
+IN_USE = "in use by a live process"
+"""Why a removal of unused entries passes over one (``Skipped.reason``)."""
+
+_HELD_FOR_A_RENAME = 0.05
+"""Seconds a new hold waits out a removal's exclusive lock (held across one rename)."""
+
+_count = 0
+_count_guard = threading.RLock()  # (a collected Hold may close inside another's count)
+
+
+class Hold:
+    """A shared lock on one entry directory, released by :meth:`close` or collection."""
+
+    def __init__(self, fd: int) -> None:
+        global _count
+        self.fd = fd
+        with _count_guard:
+            _count += 1
+
+    def close(self) -> None:
+        global _count
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+            with _count_guard:
+                _count -= 1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def hold(entry_dir: Path) -> Optional[Hold]:
+    """Hold the entry at ``entry_dir`` for this process; None when it cannot be held (gone,
+    flock unsupported, :data:`MAX_HOLDS` reached). A removal that locks it at this
+    moment is waited out (it holds the lock across one rename); one that has moved the
+    entry already leaves this a hold on a removed entry, which holds nothing back."""
+    if _count >= MAX_HOLDS:
+        return None
+    try:
+        fd = os.open(entry_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    taken = Hold(fd)
+    deadline = time.monotonic() + _HELD_FOR_A_RENAME
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return taken
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+    taken.close()
+    return None
+
+
+@contextlib.contextmanager
+def unheld(entries: _fs.DirHandle, key: str) -> Iterator[bool]:
+    """Whether no live process holds the entry ``entries/KEY``, kept so while the block
+    runs (the entry locked exclusively: a process that opens it meanwhile waits for the
+    block, or holds nothing). True also when it cannot tell (flock fails there) or the
+    entry is gone: the caller then removes as it would without holds."""
+    try:
+        folder = entries.child(key)
+    except OSError:
+        yield True
+        return
+    with folder:
+        try:
+            fcntl.flock(folder.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            yield e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK)
+            return
+        try:  # the lock is the named entry's, not one that replaced it
+            same = _fs.same_file(os.fstat(folder.fd), entries.lstat(key))
+        except FileNotFoundError:
+            same = True
+        yield same
+
+
+def held(layout: Layout, key: str) -> bool:
+    """Whether a live process holds the entry ``key`` of the root ``layout`` now."""
+    try:
+        with layout.open_folder("entries") as entries, unheld(entries, key) as free:
+            return not free
+    except FileNotFoundError:
+        return False
