@@ -135,8 +135,8 @@ def scan(remote: RemoteStore) -> RemoteScan:
     leftovers: list[Leftover] = []
     for item in listed:
         named = None
-        if item.manifest is not None:
-            info = entry_info(remote, item)
+        info = entry_info(remote, item)
+        if info is not None:
             entries.append(info)
             named = info.entry.upload if info.entry is not None else None
         for upload, objects in sorted(item.uploads.items()):
@@ -226,14 +226,17 @@ def _older_generations(leases: Iterable[RemoteObject]) -> list[RemoteObject]:
     return [o for o in leases if newest is None or generation(o)[0] < newest]
 
 
-def entry_info(remote: RemoteStore, item: RemoteKey) -> RemoteEntryInfo:
-    assert item.manifest is not None
+def entry_info(remote: RemoteStore, item: RemoteKey) -> Optional[RemoteEntryInfo]:
+    """The entry whose manifest the listing ``item`` shows, its manifest read now; None
+    when the listing shows none, or it was removed since (a clear elsewhere): no entry."""
+    if item.manifest is None:
+        return None
     url = remote.object_url(item.manifest.path)
     entry, problem, other_format = None, None, False
     try:
         entry = remote.lookup(item.key)
         if entry is None:
-            problem = "the manifest went away while we looked"
+            return None
     except CacheCorruptError as e:
         problem, other_format = e.reason, isinstance(e, OtherFormatError)
     size = item.manifest.size

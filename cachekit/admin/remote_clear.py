@@ -7,6 +7,7 @@ the scan's to say (:mod:`cachekit.admin.remote`).
 from __future__ import annotations
 
 import time
+from functools import partial
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
@@ -75,8 +76,8 @@ def _remove_unnamed(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
     and the removal: the manifests published since are read once more after it, and one
     that names a removed object is withdrawn, so its key is a miss, never a torn entry."""
     since = remote.clock()  # before the listing: manifests it misses are newer
-    named = pool_names(entry_info(remote, item) for item in remote.scan().keys
-                        if item.manifest is not None)
+    named = pool_names(info for info in map(partial(entry_info, remote), remote.scan().keys)
+                       if info is not None)
     if named is None:
         return UNREAD
     going = [o.path for o in leftover.objects if o.path not in named]
@@ -95,7 +96,7 @@ def _withdraw_naming(remote: RemoteStore, gone: set[str], since: Optional[float]
                              and found.modified < since - STORE_TIME_SLACK):
             continue
         info = entry_info(remote, item)
-        if info.entry is not None and info.pool & gone:
+        if info is not None and info.entry is not None and info.pool & gone:
             remote.withdraw(item.key, info.entry.upload)
 
 

@@ -123,7 +123,13 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
                     sent(record.bytes)
                 elif bar is not None:
                     bar.update(record.bytes)
-            check_sizes(bucket, key, manifest.files, objects)  # all there before the commit
+            try:
+                check_sizes(bucket, key, manifest.files, objects)  # all there before the commit
+            except CacheCorruptError as e:  # a pool object it found went: a clear elsewhere
+                raise CacheCorruptError(e.path, f"{e.reason} before the manifest naming it "
+                                        "was published (a `cachekit clear --remote` elsewhere "
+                                        "took it); nothing was published",
+                                        "upload it again (`cachekit push`)") from None
         except BaseException:
             remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
             raise

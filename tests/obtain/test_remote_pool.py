@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import cachekit
 from cachekit import units
@@ -199,23 +200,26 @@ def test_a_pool_object_cleared_before_an_upload_commits_is_sent_again(
     assert verify_remote(remote) == (1, [])
 
 
+@pytest.mark.parametrize("hooked, checked", [("check_sizes", 2), ("lookup", 1)])
 def test_verify_remote_reports_no_problem_for_an_entry_cleared_as_it_reads(
-        s3_env, tmp_path, monkeypatch):
-    """Another host's ``clear --remote`` takes an entry (its manifest, then its objects)
-    while ``verify --remote`` reads it: the entry is gone, not broken, and verify reports
-    nothing (it said "a data object the manifest lists is missing", exit 1, in a soak)."""
+        s3_env, tmp_path, monkeypatch, hooked, checked):
+    """Another host's ``clear --remote`` takes an entry while ``verify --remote`` reads it:
+    as it reads its objects (``check_sizes``), or after it listed the manifest and before
+    it read it (``lookup``). The entry is gone, not broken, and verify reports nothing (it
+    said "a data object the manifest lists is missing", or "the manifest went away while
+    we looked", exit 1, in soaks with a clear every few seconds)."""
     first, second = _pushed(tmp_path / "a", list(range(50)), list(range(100, 150)))
     remote = RemoteStore(s3_env["CACHEKIT_REMOTE"])
-    check_sizes, cleared = RemoteStore.check_sizes, []
+    original, cleared = getattr(RemoteStore, hooked), []
 
     def cleared_first(self, key, *args, **kwargs):
-        if not cleared:  # "another host" clears the first entry checked
+        if not cleared:  # "another host" clears the first entry read
             cleared.append(key)
             assert removal_for_clear(remote, [key]).execute().failed == ()
-        return check_sizes(self, key, *args, **kwargs)
+        return original(self, key, *args, **kwargs)
 
-    monkeypatch.setattr(RemoteStore, "check_sizes", cleared_first)
-    assert verify_remote(remote) == (2, [])
+    monkeypatch.setattr(RemoteStore, hooked, cleared_first)
+    assert verify_remote(remote) == (checked, [])
     assert cleared and cleared[0] in (first.key, second.key)
 
 
@@ -251,3 +255,29 @@ def test_an_upload_that_names_a_pool_object_as_clear_removes_it_is_withdrawn(
     again = there.map(_int_row, list(range(0, 300, 3)), version="1")
     assert again.source == "built"
     np.testing.assert_array_equal(np.asarray(again.array)[:, 0], np.arange(0, 300, 3))
+
+
+def test_an_upload_whose_pool_object_goes_before_each_commit_fails_saying_what_to_do(
+        s3_env, tmp_path, monkeypatch):
+    """A clear elsewhere takes the full entry's rows before the fold's upload commits, and
+    again before its second attempt commits: the upload fails, publishes nothing, and says
+    to push again (it advised removing a remote entry that was never published)."""
+    from cachekit.store import LocalStore, remote_upload
+
+    full, fold, remote = _full_pushed_and_fold_not(tmp_path / "a")
+    rows = pool_path(remote, full._manifest.files[0].checksum)
+    check_sizes, calls = remote_upload.check_sizes, []
+
+    def taken_first(bucket, key, records, objects):
+        calls.append(key)
+        if rows in objects:
+            remote.fs.rm_file(rows)  # as the clear of the full entry would, every time
+        return check_sizes(bucket, key, records, objects)
+
+    monkeypatch.setattr(remote_upload, "check_sizes", taken_first)
+    with pytest.raises(cachekit.CacheCorruptError) as raised:
+        remote.upload(LocalStore(tmp_path / "a").lookup(fold.key))
+    said = str(raised.value)
+    assert "before the manifest naming it was published" in said and "cachekit push" in said
+    assert "remove the remote entry" not in said
+    assert len(calls) == 2 and remote.lookup(fold.key) is None
