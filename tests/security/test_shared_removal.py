@@ -5,7 +5,8 @@ build), so when a member's build dies (SIGKILL, a lost node) only that member, o
 empty its directory. Another member's ``clear``, ``prune`` and budget leave it alone and
 say whose it is; before, they moved it to ``tmp/deleting.*``, failed on its first file
 (exit 1) and left its bytes there, under a name its owner's next build no longer resumes.
-Its owner then removes it with the command ``cachekit ls`` names.
+Its owner then removes it with the command ``cachekit ls`` names. An entry a member's live
+job uses is left by the others' ``prune`` and budget until that job ends.
 
 Two plain uids of one group share the root the README way (tests/users.py): the "attacker"
 plays the teammate whose build died. Every child is a real interpreter; every wait is
@@ -31,9 +32,10 @@ BUILD = textwrap.dedent(r'''
     creates the file GATE_FILE and waits there to be killed. Reports the entry.
 
     argv: ROOT CONFIG. config: paths, size, gate ([row, file], or null), umask (or null:
-    the team's 002).
+    the team's 002), holding (a file: created once the entry is obtained, then the child
+    holds the entry until it is killed).
     """
-    import json, os, sys
+    import json, os, sys, time
     from pathlib import Path
 
     import cachekit
@@ -47,6 +49,9 @@ BUILD = textwrap.dedent(r'''
     entry = cachekit.Cache(root, workers=1, progress=False).images(
         config["paths"], config["size"], backend="pil")
     report(key=entry.key, source=entry.source, rows_decoded=entry.rows_decoded)
+    if config.get("holding"):
+        Path(config["holding"]).touch()
+        time.sleep(600)
 ''')
 
 
@@ -143,3 +148,39 @@ def test_an_entry_a_teammate_made_under_umask_022_is_left_to_them(shared_root):
 
     again = finish(shared.attacker.python(shared.script(BUILD), shared.root, theirs), TIMEOUT)
     assert again.report() == {"key": key, "source": "local", "rows_decoded": 0}
+
+
+def test_an_entry_a_teammate_uses_is_left_by_the_others_budget_and_prune_until_they_end(
+        shared_root):
+    """A teammate's job holds its entry (its ``Entry`` lives) while another member's calls
+    commit under a budget of 1 byte and their ``prune --max-size 0`` runs: both leave it,
+    as in use (a shared flock on its directory, which another uid can test), and prune
+    says so. Once the teammate's job is SIGKILLed, the member's prune removes it."""
+    shared = shared_root
+    paths = write_pictures(shared.base / "images", 48)
+    holding = shared.work / "holding"
+    theirs = shared.write_json("theirs.json", {"paths": paths[:32], "size": 8, "gate": None,
+                                               "holding": str(holding)})
+    teammate = shared.attacker.python(shared.script(BUILD), shared.root, theirs)
+    try:
+        wait_for(holding.exists, timeout=TIMEOUT, what="the teammate's entry",
+                 watch=[teammate])
+        (key,) = [p.name for p in (shared.root / "entries").iterdir()]
+        mine = shared.write_json("mine.json", {"paths": paths[32:], "size": 8, "gate": None})
+        built = finish(shared.victim.python(shared.script(BUILD), shared.root, mine,
+                                            env={"CACHEKIT_MAX_SIZE": "1"}), TIMEOUT)
+        assert built.report()["source"] == "built"
+        assert sorted(p.name for p in (shared.root / "entries").iterdir()) == sorted(
+            [key, built.report()["key"]])  # theirs left; the call's own entry returned
+        pruned = finish(shared.victim.cli(shared.root, "prune", "--max-size", "0", "--yes"),
+                        TIMEOUT)
+        assert pruned.ok, pruned.failure()
+        assert f"skipping {key}: in use by a live process" in pruned.stdout + pruned.stderr
+        assert [p.name for p in (shared.root / "entries").iterdir()] == [key]
+    finally:
+        teammate.kill_group()  # SIGKILL: the kernel drops the hold with the job
+        teammate.reap()
+    pruned = finish(shared.victim.cli(shared.root, "prune", "--max-size", "0", "--yes"),
+                    TIMEOUT)
+    assert pruned.ok, pruned.failure()
+    assert list((shared.root / "entries").iterdir()) == []
