@@ -37,8 +37,8 @@ class LocalRemoval(Removal):
     """Entries, directories under ``tmp/`` and failure records to remove from a root.
 
     ``unused_since``: when an entry's key is there, the entry is spared at execution if it
-    was used (hit) after that time, because prune and ``older_than`` chose it for being
-    unused.
+    was used (hit) after that time, or a live process uses it now, because prune and
+    ``older_than`` chose it for being unused.
     """
 
     store: LocalStore

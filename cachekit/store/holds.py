@@ -95,21 +95,24 @@ def unheld(entries: _fs.DirHandle, key: str) -> Iterator[bool]:
     block, or holds nothing). True also when it cannot tell (flock fails there) or the
     entry is gone: the caller then removes as it would without holds."""
     try:
-        folder = entries.child(key)
+        folder: Optional[_fs.DirHandle] = entries.child(key)
     except OSError:
-        yield True
-        return
-    with folder:
-        try:
-            fcntl.flock(folder.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            yield e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK)
-            return
-        try:  # the lock is the named entry's, not one that replaced it
-            same = _fs.same_file(os.fstat(folder.fd), entries.lstat(key))
-        except FileNotFoundError:
-            same = True
-        yield same
+        folder = None
+    with folder if folder is not None else contextlib.nullcontext():
+        yield folder is None or _locked(folder, entries, key)
+
+
+def _locked(folder: _fs.DirHandle, entries: _fs.DirHandle, key: str) -> bool:
+    """Lock the entry directory ``folder`` exclusively, without waiting: False when a
+    live process holds it, or ``entries/KEY`` is another directory now (a new entry)."""
+    try:
+        fcntl.flock(folder.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK)
+    try:
+        return _fs.same_file(os.fstat(folder.fd), entries.lstat(key))
+    except FileNotFoundError:
+        return True
 
 
 def held(layout: Layout, key: str) -> bool:
