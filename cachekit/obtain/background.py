@@ -100,13 +100,21 @@ def start(remote: "RemoteStore", published: "Published", lease: "Lease", root: P
 
     The entry's files are opened here, before the call returns, so that removing the entry
     from the root meanwhile (``clear``, or the budget's eviction after a later call) does
-    not cut the upload off: it sends the bytes it holds."""
+    not cut the upload off: it sends the bytes it holds. An entry removed already, between
+    its commit and now, has no bytes to send: that is said, the lease released, and True
+    returned (nothing is left to upload; the call that committed it builds it again)."""
     from ..store.remote_upload import open_files
 
     if not THREADS_START_AT_EXIT:
         return False
     try:
         opened = open_files(published)
+    except FileNotFoundError:
+        say(f"entry {published.manifest.key[:12]} was removed from {root} before its upload "
+            "began (a `cachekit clear`, or another process's budget); nothing uploaded",
+            always=True)
+        lease.release()
+        return True
     except OSError:
         opened = {}  # the upload opens them itself, and says what it could not open
     upload = _Upload(remote, published, lease, root, os.getpid(), opened)

@@ -339,3 +339,30 @@ def test_where_no_thread_may_start_at_exit_the_call_uploads_before_it_returns(
     assert not [name for name in started if name.startswith("cachekit-upload")]
     said = capsys.readouterr().err  # as a background upload says it, though the call is quiet
     assert f"uploaded entry {entry.key[:12]} (" in said and " in the background" not in said
+
+
+def test_an_entry_removed_here_before_its_upload_opens_it_is_said_not_failed(
+        s3_env, tmp_path, monkeypatch, capfd):
+    """Another process clears the entry between its commit and the moment its upload opens
+    its files: there is nothing to send. The upload says so (it failed with "No such file
+    or directory: data.npy ... the local entry is good", found by a soak); the call builds
+    the entry again, which is uploaded."""
+    from cachekit.store import remote_upload
+
+    open_files, removed = remote_upload.open_files, []
+
+    def removed_first(published):
+        if not removed:  # "another process" clears it first
+            removed.append(LocalStore(tmp_path / "a").remove_entry(published.manifest.key))
+        return open_files(published)
+
+    monkeypatch.setattr(remote_upload, "open_files", removed_first)
+    entry = cachekit.Cache(tmp_path / "a", workers=1, progress=False).map(
+        row, list(range(ROWS)))
+    background.wait_all()
+    assert removed == [True] and entry.source == "built"
+    err = capfd.readouterr().err
+    assert f"entry {entry.key[:12]} was removed from {tmp_path / 'a'} before its upload" in err
+    assert "ERROR" not in err and f"uploaded entry {entry.key[:12]}" in err, err
+    assert one_valid_entry(RemoteStore(s3_env["CACHEKIT_REMOTE"])) == entry.key
+    np.testing.assert_array_equal(np.asarray(entry.array), np.stack([row(v) for v in range(ROWS)]))
