@@ -10,11 +10,11 @@ process that maps a removed file keeps its blocks), and a ``spawn`` worker start
 next epoch would find it gone.
 
 The kernel drops a lock with the last descriptor of its holder: when the Entry is
-collected, or the process ends (SIGKILL too), so a hold never outlives its holder. A
-filesystem where flock fails (some NFS mounts refuse an exclusive flock on a directory)
-holds nothing, and removals there work as they would without holds. A process holds at
-most :data:`MAX_HOLDS` entries at once (a descriptor each); the ones it opens beyond are
-not held.
+collected, or the process ends (SIGKILL too), so a hold never outlives its holder. Holds
+are seen by the processes of one machine (Linux's NFS client keeps a directory's flock
+local); where flock fails, nothing is held, and removals work as they would without
+holds. A process holds at most :data:`MAX_HOLDS` entries at once (a descriptor each); the
+ones it opens beyond are not held.
 """
 
 from __future__ import annotations
