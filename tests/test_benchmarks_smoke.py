@@ -7,6 +7,7 @@ failure here, never a skip.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -219,3 +220,13 @@ def test_the_listing_benchmark_times_ls_at_each_count(tmp_path: Path, monkeypatc
                and [len(runs) for runs in r["runs"].values()] == [3, 3, 3]
                for r in result["results"])
     assert "| 30 | " in result["table"] and (tmp_path / "l.json").exists()
+
+
+def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path) -> None:
+    """``benchmarks/soak.py`` for 10 s with two workers: each call is counted, and nothing
+    failed (a failure makes it exit 1 and print it)."""
+    result = subprocess.run([sys.executable, str(RUN_PY.with_name("soak.py")),
+                             "--seconds", "10", "--workers", "2"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| built |" in result.stdout and result.stdout.rstrip().endswith("no failures")
