@@ -130,7 +130,7 @@ def scan(remote: RemoteStore) -> RemoteScan:
     the upload that holds its data), and the leftovers of interrupted uploads and builds."""
     now = remote.clock()  # before the listing: ages only come out too young
     listed, unknown, pool = remote.scan()
-    quiet = 2 * liveness.lease_from_env() + STORE_TIME_SLACK
+    quiet = quiet_seconds()
     entries: list[RemoteEntryInfo] = []
     leftovers: list[Leftover] = []
     for item in listed:
@@ -142,7 +142,7 @@ def scan(remote: RemoteStore) -> RemoteScan:
         for upload, objects in sorted(item.uploads.items()):
             if upload == named:
                 continue
-            why = _kept_because(objects, item.leases, now, quiet)
+            why = why_kept(objects, item.leases, now, quiet)
             leftovers.append(Leftover(item.key, f"orphaned upload {upload}", tuple(objects),
                                       not why, upload=upload, kept_because=why))
         old = _older_generations(item.leases)
@@ -180,13 +180,13 @@ def _unnamed_pool(entries: list[RemoteEntryInfo], pool: list[RemoteObject],
         return [Leftover("", "unnamed pool objects", tuple(unnamed), False,
                          kept_because=UNREAD, pool=True)]
     out = []
-    old = tuple(o for o in unnamed if not _kept_because([o], [], now, quiet))
+    old = tuple(o for o in unnamed if not why_kept([o], [], now, quiet))
     if old:
         out.append(Leftover("", "unnamed pool objects", old, True, pool=True))
     young = tuple(o for o in unnamed if o not in old)
     if young:
         out.append(Leftover("", "recent pool objects", young, False, pool=True,
-                            kept_because=_kept_because(list(young), [], now, quiet)))
+                            kept_because=why_kept(list(young), [], now, quiet)))
     return out
 
 
@@ -194,12 +194,18 @@ STORE_TIME_SLACK = 1.0
 """Seconds added to every age limit: S3 gives objects' times in whole seconds."""
 
 
+def quiet_seconds() -> float:
+    """How long an upload's objects and its key's lease must stay untouched before it
+    counts as dead: twice the lease, and the slack of the store's whole seconds."""
+    return 2 * liveness.lease_from_env() + STORE_TIME_SLACK
+
+
 def _newest(objects: Iterable[RemoteObject]) -> Optional[float]:
     times = [o.modified for o in objects]
     return None if not times or None in times else max(t for t in times if t is not None)
 
 
-def _kept_because(upload: list[RemoteObject], leases: list[RemoteObject],
+def why_kept(upload: list[RemoteObject], leases: list[RemoteObject],
                   now: Optional[float], quiet: float) -> str:
     """Why an orphaned upload must stay (empty when it may go): it or its key's lease was
     touched within ``quiet`` seconds by the store's clock ``now``, or that is unknown."""

@@ -13,10 +13,12 @@ from typing import ClassVar, Iterable, Optional
 
 from .. import units
 from ..errors import RemoteUnavailableError
-from ..store.remote import OTHERS, OURS, UNKNOWN, RemoteStore
+from ..store.remote import OTHERS, OURS, UNKNOWN, RemoteKey, RemoteStore
+from ..store.remote_entry import PINS_FILE
 from .inspect import SHORT_KEY, ago, resolve_keys
 from .remote import (STORE_TIME_SLACK, UNREAD, Leftover, RemoteEntryInfo, RemoteScan,
-                     entry_info, pool_names, scan)
+                     entry_info, pool_names, quiet_seconds, scan,
+                     why_kept)
 from .removal import ENTRY, Item, Removal, Skipped
 
 
@@ -76,14 +78,33 @@ def _remove_unnamed(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
     and the removal: the manifests published since are read once more after it, and one
     that names a removed object is withdrawn, so its key is a miss, never a torn entry."""
     since = remote.clock()  # before the listing: manifests it misses are newer
-    named = pool_names(info for info in map(partial(entry_info, remote), remote.scan().keys)
-                       if info is not None)
+    listed = remote.scan().keys
+    infos = [info for info in map(partial(entry_info, remote), listed) if info is not None]
+    named = pool_names(infos)
     if named is None:
         return UNREAD
+    named |= _pinned(remote, listed, infos, since)
     going = [o.path for o in leftover.objects if o.path not in named]
     remote.remove(going, f"removing {leftover.what}")
     _withdraw_naming(remote, set(going), since)
     return None
+
+
+def _pinned(remote: RemoteStore, listed: list[RemoteKey], infos: list[RemoteEntryInfo],
+            now: Optional[float]) -> set[str]:
+    """The pool objects that uploads in progress rely on (their ``pool.json``): those of
+    the uploads no manifest names that, or whose key's lease, were touched within the
+    quiet period by the store's clock ``now`` (or whose age is unknown)."""
+    published = {info.key: info.entry.upload for info in infos if info.entry is not None}
+    quiet = quiet_seconds()
+    relied_on: set[str] = set()
+    for item in listed:
+        for upload, objects in item.uploads.items():
+            if (upload != published.get(item.key)
+                    and any(o.path.endswith(f"/{PINS_FILE}") for o in objects)
+                    and why_kept(objects, item.leases, now, quiet)):
+                relied_on |= remote.pinned(item.key, upload)
+    return relied_on
 
 
 def _withdraw_naming(remote: RemoteStore, gone: set[str], since: Optional[float]) -> None:

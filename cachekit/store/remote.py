@@ -9,6 +9,7 @@ conditional operation, the create-only write (``If-None-Match: *``, fsspec
                                             names its upload ("upload": UPLOAD)
     PREFIX/entries/KEY/UPLOAD/row_map.npy   the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
+    PREFIX/entries/KEY/UPLOAD/pool.json     the pool objects the upload relies on
     PREFIX/parts/HEX                        a row data file, named by its checksum: stored
                                             once, whatever entries name it
     PREFIX/leases/KEY/GEN.json, GEN.beat    build leases (see :mod:`.lease`)
@@ -71,6 +72,7 @@ class RemoteStore(Bucket):
     parse_manifest = staticmethod(remote_entry.parse_manifest)
     check_sizes = remote_entry.check_sizes
     remove_upload = remote_entry.remove_upload
+    pinned = remote_entry.pinned
     download = remote_download.download
     upload = remote_upload.upload
     named = remote_upload.named

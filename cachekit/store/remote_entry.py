@@ -7,6 +7,8 @@ its manifest is read: the layer that upload, download and listing share.
                                             ("upload": UPLOAD, "pool": true)
     PREFIX/entries/KEY/UPLOAD/row_map.npy   the data objects of one upload (UPLOAD: 32 hex
                                             digits, fresh per upload)
+    PREFIX/entries/KEY/UPLOAD/pool.json     the pool objects the upload relies on, written
+                                            before it looks into the pool
     PREFIX/parts/HEX                        a row data file, named by its checksum's HEX
                                             digits: stored once, whatever entries name it
 
@@ -22,6 +24,7 @@ of it is read (:func:`check_sizes`).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -41,6 +44,10 @@ POOL_FIELD = "pool"
 entry uploaded before the pool existed has none: all of its objects are its upload's."""
 POOL_FOLDER = "parts"
 """The folder of the row data files that entries share, each named by its checksum."""
+PINS_FILE = "pool.json"
+"""An upload's object listing the pool objects it relies on (:func:`pin`): ``cachekit clear
+--remote`` spares them while the upload is recent, before a manifest names them."""
+PINS_LIMIT = 1 << 20
 MANIFEST_RETRY_SECONDS = 0.2
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _ROW_DATA = (DATA_FILE, ROW_IDS_FILE, ROW_STATS_FILE)
@@ -111,6 +118,31 @@ def object_paths(bucket: Bucket, manifest: Manifest, upload: str, pool: bool = T
     (``pool``: an entry uploaded since the pool exists), or under the upload."""
     return [pool_path(bucket, f.checksum) if pool and pooled(manifest, f)
             else upload_path(bucket, manifest.key, upload, f.name) for f in manifest.files]
+
+
+def pin(bucket: Bucket, key: str, upload: str, paths: Sequence[str]) -> None:
+    """Write the list of pool objects ``paths`` that ``upload`` of ``key`` relies on."""
+    bucket.write(upload_path(bucket, key, upload, PINS_FILE), json.dumps(list(paths)).encode())
+
+
+def pinned(bucket: Bucket, key: str, upload: str) -> set[str]:
+    """The pool objects ``upload`` of ``key`` relies on (:func:`pin`): empty when it lists
+    none, or its list cannot be read (gone, or not a list of pool paths: untrusted, it can
+    only keep objects of the pool from a sweep). RemoteUnavailableError when the remote
+    fails: the caller cannot tell what it relies on."""
+    try:
+        raw = bucket.read(upload_path(bucket, key, upload, PINS_FILE), 0, PINS_LIMIT)
+    except FileNotFoundError:
+        return set()
+    try:
+        paths = json.loads(raw)
+    except ValueError:
+        return set()
+    pool = bucket.path(POOL_FOLDER) + "/"
+    if not isinstance(paths, list):
+        return set()
+    return {p for p in paths if isinstance(p, str) and p.startswith(pool)
+            and _HEX32.fullmatch(p[len(pool):])}
 
 
 def fix_for(key: str) -> str:

@@ -3,7 +3,9 @@
 Every upload writes its data objects under an upload id of its own (32 hex digits, fresh per
 upload), and its row data files into the pool (each once: one that is there, of its size, is
 not sent again, and the uploads of one process look for and send a pool object one at a
-time, so that uploads running at once do not each send it), then tries to create the
+time, so that uploads running at once do not each send it; before it looks, it lists the pool
+objects it relies on in its upload's ``pool.json``, which ``cachekit clear --remote`` spares
+while the upload is recent), then tries to create the
 manifest naming it (``"upload": UPLOAD``), create-only; the store lets exactly one succeed,
 and the loser removes its upload's objects (never pool objects, which other entries may
 name: ``cachekit clear --remote`` removes those that none names). No uploader removes
@@ -33,7 +35,7 @@ from .bucket import Bucket
 from .layout import Published
 from .manifest import FileRecord
 from .remote_entry import (POOL_FIELD, UPLOAD_FIELD, check_sizes, lookup, manifest_path, object_paths,
-                           pooled, remove_upload)
+                           pin, pooled, remove_upload)
 from .remote_fs import progress_bar
 
 PUBLISH_ATTEMPTS = 2
@@ -118,6 +120,10 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
     try:
         objects = object_paths(bucket, manifest, upload_id)
         try:
+            relied_on = [path for record, path in zip(manifest.files, objects)
+                         if pooled(manifest, record)]
+            if relied_on:  # before it looks: a clear from now on spares them
+                pin(bucket, key, upload_id, relied_on)
             for record, path in zip(manifest.files, objects):
                 if _send(bucket, published, record, path, bar, opened):
                     sent(record.bytes)

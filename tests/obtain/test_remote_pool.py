@@ -20,6 +20,7 @@ from cachekit.cli.main import main as cli_main
 from cachekit.obtain import background
 from cachekit.store import manifest as manifests
 from cachekit.store.remote import RemoteStore
+from cachekit.store import remote_entry
 from cachekit.store.remote_entry import pool_path
 
 
@@ -173,31 +174,73 @@ def test_an_entry_uploaded_before_the_pool_existed_is_still_pulled_and_verified(
     np.testing.assert_array_equal(np.asarray(pulled.array)[:, 0], np.arange(40))
 
 
-def test_a_pool_object_cleared_before_an_upload_commits_is_sent_again(
+def test_a_clear_spares_the_pool_objects_an_upload_in_progress_relies_on(
         s3_env, tmp_path, monkeypatch):
     """A fold's upload finds the full entry's rows in the pool and sends nothing for them;
-    before it commits, another host's ``clear --remote`` of the full entry takes them (no
-    manifest names them then). The check before the commit finds them missing, and the
-    upload starts again and sends them: the fold's remote entry is whole. (The upload
-    failed with "a data object the manifest lists is missing" before, found by a soak
-    with a clear every few seconds.)"""
+    before it commits, another host's ``clear --remote`` of the full entry runs. The
+    upload listed the rows in its ``pool.json`` before it looked: the clear leaves them,
+    and the upload commits at its first attempt. (In a soak with a clear every few
+    seconds, such uploads failed twice in a row: 8 in 300 s.)"""
     from cachekit.store import LocalStore, remote_upload
 
     full, fold, remote = _full_pushed_and_fold_not(tmp_path / "a")
     rows = pool_path(remote, full._manifest.files[0].checksum)
-    check_sizes, cleared = remote_upload.check_sizes, []
+    check_sizes, cleared, sent = remote_upload.check_sizes, [], []
 
     def cleared_first(*args, **kwargs):
         if not cleared:  # "another host", between the look into the pool and the commit
             cleared.append(removal_for_clear(remote, [full.key]).execute().failed)
-            assert rows not in {o.path for o in remote.scan().pool}
+            assert remote.lookup(full.key) is None
+            assert rows in {o.path for o in remote.scan().pool}
         return check_sizes(*args, **kwargs)
 
     monkeypatch.setattr(remote_upload, "check_sizes", cleared_first)
-    assert remote.upload(LocalStore(tmp_path / "a").lookup(fold.key))
-    assert cleared == [()]
+    assert remote.upload(LocalStore(tmp_path / "a").lookup(fold.key), sent=sent.append)
+    assert cleared == [()] and full._manifest.files[0].bytes not in sent
     assert rows in _pooled_files(remote, fold.key)
     assert verify_remote(remote) == (1, [])
+
+
+def test_a_pool_object_that_goes_before_an_upload_commits_is_sent_again(
+        s3_env, tmp_path, monkeypatch):
+    """A clear that read the upload's ``pool.json`` before it was written takes the rows
+    the upload found in the pool. The check before the commit finds them missing, and the
+    upload starts again and sends them: the fold's remote entry is whole."""
+    from cachekit.store import LocalStore, remote_upload
+
+    full, fold, remote = _full_pushed_and_fold_not(tmp_path / "a")
+    rows = pool_path(remote, full._manifest.files[0].checksum)
+    check_sizes, taken = remote_upload.check_sizes, []
+
+    def taken_first(*args, **kwargs):
+        if not taken:  # as that clear does, between the look into the pool and the commit
+            taken.append(remote.remove_entry(full.key))
+            remote.fs.rm_file(rows)
+        return check_sizes(*args, **kwargs)
+
+    monkeypatch.setattr(remote_upload, "check_sizes", taken_first)
+    assert remote.upload(LocalStore(tmp_path / "a").lookup(fold.key))
+    assert taken == [True]
+    assert rows in _pooled_files(remote, fold.key)
+    assert verify_remote(remote) == (1, [])
+
+
+def test_the_pool_json_of_a_dead_upload_spares_nothing(s3_env, tmp_path, monkeypatch):
+    """An uploader killed after it wrote its ``pool.json`` leaves an orphaned upload; once
+    it and its key's lease are untouched for twice the lease, its list keeps nothing from
+    a clear of the full entry, which removes the rows no manifest names; a clear of its
+    key then removes the orphaned upload."""
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.5")  # untouched for 2 s: dead
+    full, fold, remote = _full_pushed_and_fold_not(tmp_path / "a")
+    rows = pool_path(remote, full._manifest.files[0].checksum)
+    dead = "ab" * 16
+    remote_entry.pin(remote, fold.key, dead, [rows])
+    assert remote.pinned(fold.key, dead) == {rows}
+    time.sleep(3.5)
+    assert removal_for_clear(remote, [full.key]).execute().failed == ()
+    assert remote.scan().pool == []
+    assert removal_for_clear(remote, [fold.key]).execute().failed == ()
+    assert [item.uploads for item in remote.scan().keys if item.key == fold.key] in ([], [{}])
 
 
 @pytest.mark.parametrize("hooked, checked", [("check_sizes", 2), ("lookup", 1)])
