@@ -235,8 +235,11 @@ def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[fl
             if unused_since is not None and not unused.enter_context(holds.unheld(
                     unused.enter_context(store.layout.open_folder("entries")), entry.key)):
                 return holds.IN_USE
-            if not store.remove_entry(entry.key):
-                return "already removed by another process"
+            aside = store.set_aside(entry.key)  # under the lock: the rename alone
+        if aside is None:
+            return "already removed by another process"
+        if aside:
+            store.remove_temp(aside, entry.key)
     except FileNotFoundError:
         return "already removed by another process"
     return None

@@ -7,8 +7,8 @@ the scan's to say (:mod:`cachekit.admin.remote`).
 from __future__ import annotations
 
 import time
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Iterable, Optional
 
 from .. import units
@@ -17,8 +17,7 @@ from ..store.remote import OTHERS, OURS, UNKNOWN, RemoteKey, RemoteStore
 from ..store.remote_entry import PINS_FILE
 from .inspect import SHORT_KEY, ago, resolve_keys
 from .remote import (STORE_TIME_SLACK, UNREAD, Leftover, RemoteEntryInfo, RemoteScan,
-                     entry_info, pool_names, quiet_seconds, scan,
-                     why_kept)
+                     entry_info, pool_names, quiet_seconds, scan, why_kept)
 from .removal import ENTRY, Item, Removal, Skipped
 
 
@@ -73,10 +72,11 @@ def _remove_orphan(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
 
 def _remove_unnamed(remote: RemoteStore, leftover: Leftover) -> Optional[str]:
     """Remove pool objects unless a manifest names them now (every manifest is read
-    again: an upload may have come to name one since the scan). An upload that met one in
-    the pool may still publish a manifest naming it, and check it, between that reading
-    and the removal: the manifests published since are read once more after it, and one
-    that names a removed object is withdrawn, so its key is a miss, never a torn entry."""
+    again: an upload may have come to name one since the scan), or a recent upload relies
+    on them (:func:`_pinned`). An upload that met one in the pool may still list it,
+    publish a manifest naming it and check it between that reading and the removal: the
+    manifests published since are read once more after it, and one that names a removed
+    object is withdrawn, so its key is a miss, never a torn entry."""
     since = remote.clock()  # before the listing: manifests it misses are newer
     listed = remote.scan().keys
     infos = [info for info in map(partial(entry_info, remote), listed) if info is not None]

@@ -48,6 +48,7 @@ PINS_FILE = "pool.json"
 """An upload's object listing the pool objects it relies on (:func:`pin`): ``cachekit clear
 --remote`` spares them while the upload is recent, before a manifest names them."""
 PINS_LIMIT = 1 << 20
+"""The bytes of a ``pool.json`` read at most (a list of paths: a few KB)."""
 MANIFEST_RETRY_SECONDS = 0.2
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _ROW_DATA = (DATA_FILE, ROW_IDS_FILE, ROW_STATS_FILE)
