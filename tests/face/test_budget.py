@@ -92,11 +92,8 @@ def test_readers_of_an_entry_never_fail_while_builders_evict_it(tmp_path):
     bytes, never an error."""
     script = tmp_path / "reader.py"
     script.write_text(READER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
-         os.environ.get("PYTHONPATH", "")])}
     root = tmp_path / "root"
-    readers = [subprocess.Popen([sys.executable, str(script), str(root), "6"], env=env,
+    readers = [subprocess.Popen([sys.executable, str(script), str(root), "6"], env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for _ in range(2)]
     builder = cachekit.Cache(root, max_size="250K", workers=1, progress=False)
