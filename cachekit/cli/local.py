@@ -18,6 +18,7 @@ from .. import units
 from ..admin import inspect, permissions
 from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidArgumentType,
                       UsageError)
+from ..store import holds
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, SORTS, ByteProgress, ago, clear_advice, count, fail, fields, \
@@ -38,6 +39,7 @@ def ls(args: argparse.Namespace) -> int:
     entries = [e for e in listed if e.failed_build is None]
     stray = sum(s.bytes for s in found.stray_index)
     now = time.time()
+    used = holds.in_use(store.layout, [e.key for e in entries]) if not args.json else set()
     listing(entries, listed, args.json, f"no entries in {store.root}",
             ("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED", "CREATED", "LAST USED",
              "MADE WITH", ""),
@@ -45,7 +47,7 @@ def ls(args: argparse.Namespace) -> int:
                        _row_shape(e), e.dtype or "?", units.format_size(e.own_bytes),
                        units.format_size(e.shared_bytes) if e.shared_bytes else "-",
                        ago(e.created, now), ago(e.last_used, now), made_with(e.kind, e.params),
-                       _note(e)),
+                       _note(e, e.key in used)),
             right=(2, 5, 6),
             total=lambda: f"{count(len(entries), 'entry', 'entries')}, "
                           f"{units.format_size(inspect.stored_bytes(listed) + stray)} on disk "
@@ -65,19 +67,20 @@ def ls(args: argparse.Namespace) -> int:
 
 
 def info(args: argparse.Namespace) -> int:
-    found = inspect.scan(local_store(args))
+    store = local_store(args)
+    found = inspect.scan(store)
     with key_errors():
         key = inspect.resolve_keys(
             [args.key], [e.key for e in found.entries] + [t.key for t in found.temp_dirs]
             + [e.failed_build for e in found.entries if e.failed_build is not None])[0]
     entry = next((e for e in found.entries if key in (e.key, e.failed_build)), None)
     if entry is not None:
-        _print_entry(entry, {e.key for e in found.entries})
+        _print_entry(entry, {e.key for e in found.entries}, holds.held(store.layout, entry.key))
     _report_temp_dirs([t for t in found.temp_dirs if t.key == key], out=sys.stdout)
     return 0
 
 
-def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
+def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> None:
     now = time.time()
     pairs: list[tuple[str, Any]] = [("key", e.key), ("path", e.path), ("kind", e.kind)]
     if e.failed_build is not None:
@@ -93,6 +96,9 @@ def _print_entry(e: inspect.EntryInfo, published: set[str]) -> None:
               ("shared", f"{units.format_size(e.shared_bytes)} of it with other entries "
                          "(stored once)" if e.shared_bytes else "nothing"),
               ("created", when(e.created, now)), ("last used", when(e.last_used, now))]
+    if in_use:
+        pairs.append(("in use", "by a live process: `prune`, budgets and `clear --older-than`"
+                                " pass over it"))
     manifest: dict[str, Any] = {}
     if e.problem is None:
         try:
@@ -334,7 +340,7 @@ def _report_failed_builds(kept: list[inspect.EntryInfo], failed: list[str]) -> N
             f"({units.format_size(e.bytes)}), which the next build of them reuses")
 
 
-def _note(e: inspect.EntryInfo) -> str:
+def _note(e: inspect.EntryInfo, in_use: bool = False) -> str:
     if e.other_format:
         return f"not used: {e.problem}"
     if e.problem is not None:
@@ -342,6 +348,8 @@ def _note(e: inspect.EntryInfo) -> str:
     parts = [f"column {e.column}"] if e.column else []
     if e.failed_rows:
         parts.append(units.count(e.failed_rows, "failed row"))
+    if in_use:
+        parts.append("in use")
     return ", ".join(parts)
 
 

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from .. import _fs
 from .layout import Layout
@@ -117,8 +117,18 @@ def _locked(folder: _fs.DirHandle, entries: _fs.DirHandle, key: str) -> bool:
 
 def held(layout: Layout, key: str) -> bool:
     """Whether a live process holds the entry ``key`` of the root ``layout`` now."""
-    try:
-        with layout.open_folder("entries") as entries, unheld(entries, key) as free:
-            return not free
-    except FileNotFoundError:
-        return False
+    return bool(in_use(layout, [key]))
+
+
+def in_use(layout: Layout, keys: Iterable[str]) -> set[str]:
+    """Which of the entries ``keys`` of the root ``layout`` live processes hold now."""
+    entries = layout.open_folder_if_any("entries")
+    if entries is None:
+        return set()
+    found = set()
+    with entries:
+        for key in keys:
+            with unheld(entries, key) as free:
+                if not free:
+                    found.add(key)
+    return found

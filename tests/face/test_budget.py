@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 import cachekit
+from cachekit.cli.main import main as cli_main
 from cachekit.units import format_size
 
 
@@ -134,8 +135,8 @@ def _env() -> dict[str, str]:
 def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_dies(
         tmp_path, capsys):
     """Another process made an entry and holds it (its ``Entry`` lives). Commits under a
-    budget that fits one entry evict everything else but leave it, and say so; ``prune``
-    lists it as in use. Once that process is SIGKILLed, the kernel drops its hold and the
+    budget that fits one entry evict everything else but leave it, and say so; ``ls`` and
+    ``info`` mark it in use, and ``prune`` lists it as skipped for that. Once that process is SIGKILLed, the kernel drops its hold and the
     next commit evicts it."""
     root = tmp_path / "root"
     with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
@@ -150,6 +151,12 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
             assert {e.key for e in builder.entries()} == {key, last}
             assert os.stat(root / "entries" / key).st_ino == held.st_ino
             assert "cache budget 250 KB: left 1 entry (" in capsys.readouterr().err
+            assert cli_main(["--root", str(root), "ls"]) == 0
+            marked = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+                      if line.endswith("in use")]
+            assert marked == [key[:12]]
+            assert cli_main(["--root", str(root), "info", key[:12]]) == 0
+            assert "in use:      by a live process" in capsys.readouterr().out
             report = builder.prune(0)
             assert [e.key for e in report.removed_entries] == [last]
             assert [(s.key, s.reason) for s in report.skipped] == [
