@@ -95,8 +95,10 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
                 and (older_than is None or now - used >= older_than))
 
     chosen = [e for e in found.entries if selected(e.key, e.last_used)]
-    in_use = [e for e in chosen if older_than is not None and holds.held(store.layout, e.key)]
-    entries = _freeing(found.entries, [e for e in chosen if e not in in_use])
+    used = holds.in_use(store.layout, [e.key for e in chosen]) if older_than is not None \
+        else set()
+    in_use = [e for e in chosen if e.key in used]
+    entries = _freeing(found.entries, [e for e in chosen if e.key not in used])
     temps = [t for t in found.temp_dirs if selected(t.key, t.modified)]
     records = [] if older_than is not None else [
         k for k in failures if wanted is None or k in wanted]
@@ -231,9 +233,10 @@ def _remove_entry(store: LocalStore, entry: EntryInfo, unused_since: Optional[fl
         owner = permissions.entry_owner(store, entry.key)
         if owner is not None:
             return permissions.only_owner(owner)
-        with contextlib.ExitStack() as unused:  # chosen as unused: not while a process uses it
-            if unused_since is not None and not unused.enter_context(holds.unheld(
-                    unused.enter_context(store.layout.open_folder("entries")), entry.key)):
+        chosen_as_unused = unused_since is not None  # then not while a process uses it
+        with holds.unused(store.layout, entry.key) if chosen_as_unused \
+                else contextlib.nullcontext(True) as free:
+            if not free:
                 return holds.IN_USE
             aside = store.set_aside(entry.key)  # under the lock: the rename alone
         if aside is None:

@@ -120,6 +120,13 @@ def held(layout: Layout, key: str) -> bool:
     return bool(in_use(layout, [key]))
 
 
+@contextlib.contextmanager
+def unused(layout: Layout, key: str) -> Iterator[bool]:
+    """:func:`unheld` for the entry ``key`` of the root ``layout``."""
+    with layout.open_folder("entries") as entries, unheld(entries, key) as free:
+        yield free
+
+
 def in_use(layout: Layout, keys: Iterable[str]) -> set[str]:
     """Which of the entries ``keys`` of the root ``layout`` live processes hold now."""
     entries = layout.open_folder_if_any("entries")

@@ -42,6 +42,12 @@ PUBLISH_ATTEMPTS = 2
 OURS, OTHERS, NONE, UNKNOWN = "ours", "others", "none", "unknown"
 
 
+class PoolObjectWent(CacheCorruptError):
+    """An object the upload found in the pool was gone (or changed) at its check before
+    the commit: another host's ``cachekit clear --remote`` took it. The upload starts again
+    once; a local file found damaged as it is read is not tried again."""
+
+
 Opened = Mapping[str, BinaryIO]
 """An entry's files by name, opened before its upload (:func:`open_files`)."""
 
@@ -90,7 +96,7 @@ def upload(bucket: Bucket, published: Published, *, progress: bool = False,
         try:
             won = _publish(bucket, published, upload_id, progress, sent or (lambda n: None),
                            opened or {})
-        except CacheCorruptError:
+        except PoolObjectWent:
             if attempt == PUBLISH_ATTEMPTS:
                 raise
             continue  # a pool object it found went before its commit (a clear): send it
@@ -132,10 +138,10 @@ def _publish(bucket: Bucket, published: Published, upload_id: str,
             try:
                 check_sizes(bucket, key, manifest.files, objects)  # all there before the commit
             except CacheCorruptError as e:  # a pool object it found went: a clear elsewhere
-                raise CacheCorruptError(e.path, f"{e.reason} before the manifest naming it "
-                                        "was published (a `cachekit clear --remote` elsewhere "
-                                        "took it); nothing was published",
-                                        "upload it again (`cachekit push`)") from None
+                raise PoolObjectWent(e.path, f"{e.reason} before the manifest naming it "
+                                     "was published (a `cachekit clear --remote` elsewhere "
+                                     "took it); nothing was published",
+                                     "upload it again (`cachekit push`)") from None
         except BaseException:
             remove_upload(bucket, key, upload_id, quiet=True)  # no manifest can name it yet
             raise

@@ -154,9 +154,13 @@ def test_an_upload_checks_every_checksum_and_sends_no_damaged_entry(tmp_path, pa
     remote = RemoteStore((tmp_path / "shared").as_uri())
     if part_bytes is not None:
         monkeypatch.setattr(bucket, "RANGE_BYTES", part_bytes)
+    put, sent = remote_upload._put, []
+    monkeypatch.setattr(remote_upload, "_put",
+                        lambda *args: sent.append(args[2].name) or put(*args))
     with pytest.raises(CacheCorruptError, match=r"data\.npy: checksum mismatch: the "
                        r"manifest says .*nothing was uploaded"):
         remote.upload(published(tmp_path / "a", entry.key))
+    assert sent.count("data.npy") == 1  # read and hashed once: damage is not tried again
     assert remote.lookup(entry.key) is None  # no manifest was published
     keys, _, _ = remote.scan()
     assert all(not k.uploads for k in keys)  # and no data objects are left
