@@ -39,8 +39,9 @@ def ls(args: argparse.Namespace) -> int:
     entries = [e for e in listed if e.failed_build is None]
     stray = sum(s.bytes for s in found.stray_index)
     now = time.time()
-    used = holds.in_use(store.layout, [e.key for e in entries]) if not args.json else set()
-    listing(entries, listed, args.json, f"no entries in {store.root}",
+    used = holds.in_use(store.layout, [e.key for e in entries])
+    listing(entries, lambda: [{**e.to_json(), "in_use": e.key in used} for e in listed],
+            args.json, f"no entries in {store.root}",
             ("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "OWN", "SHARED", "CREATED", "LAST USED",
              "MADE WITH", ""),
             lambda e: (e.key[:SHORT_KEY], e.kind or "?", "?" if e.rows is None else str(e.rows),

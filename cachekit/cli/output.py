@@ -51,14 +51,15 @@ def table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
         say(line.format(*row).rstrip())
 
 
-def listing(shown: Sequence[Any], as_json: Sequence[Any], json_wanted: bool, empty: str,
-            heading: tuple[str, ...], row: Callable[[Any], tuple[str, ...]],
-            right: tuple[int, ...], total: Callable[[], str]) -> None:
-    """What ``ls`` prints, of a root or a bucket: ``as_json`` as JSON when ``json_wanted``;
+def listing(shown: Sequence[Any], as_json: Callable[[], list[dict[str, Any]]],
+            json_wanted: bool, empty: str, heading: tuple[str, ...],
+            row: Callable[[Any], tuple[str, ...]], right: tuple[int, ...],
+            total: Callable[[], str]) -> None:
+    """What ``ls`` prints, of a root or a bucket: ``as_json()`` as JSON when ``json_wanted``;
     else ``empty`` when nothing is ``shown``, or a table of ``row`` of each entry shown
     under ``heading`` (``right``: its columns aligned right) and the ``total`` line."""
     if json_wanted:
-        print(json.dumps([e.to_json() for e in as_json], indent=1))
+        print(json.dumps(as_json(), indent=1))
     elif not shown:
         say(empty)
     else:

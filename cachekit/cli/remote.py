@@ -106,7 +106,8 @@ def ls(args: argparse.Namespace) -> int:
                 f"PROBLEM: {e.problem}" if e.problem else
                 (f"column {m.column}" if m and m.column else ""))
 
-    listing(entries, entries, args.json, f"no entries in {remote.display}",
+    listing(entries, lambda: [e.to_json() for e in entries], args.json,
+            f"no entries in {remote.display}",
             ("KEY", "KIND", "ROWS", "SHAPE", "DTYPE", "SIZE", "CREATED", ""), row,
             right=(2, 5), total=lambda: f"{count(len(entries), 'entry', 'entries')}, "
                                         f"{units.format_size(found.stored_bytes())} in "

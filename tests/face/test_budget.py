@@ -5,6 +5,7 @@ evicted obtains it again (a rebuild), never fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,9 +136,10 @@ def _env() -> dict[str, str]:
 def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_dies(
         tmp_path, capsys):
     """Another process made an entry and holds it (its ``Entry`` lives). Commits under a
-    budget that fits one entry evict everything else but leave it, and say so; ``ls`` and
-    ``info`` mark it in use, and ``prune`` lists it as skipped for that. Once that process is SIGKILLed, the kernel drops its hold and the
-    next commit evicts it."""
+    budget that fits one entry evict everything else but leave it, and say so; ``ls``
+    (``--json`` too) and ``info`` mark it in use, and ``prune`` lists it as skipped for
+    that. Once that process is SIGKILLed, the kernel drops its hold and the next commit
+    evicts it."""
     root = tmp_path / "root"
     with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
                           stdout=subprocess.PIPE, text=True) as holder:
@@ -155,6 +157,9 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
             marked = [line.split()[0] for line in capsys.readouterr().out.splitlines()
                       if line.endswith("in use")]
             assert marked == [key[:12]]
+            assert cli_main(["--root", str(root), "ls", "--json"]) == 0
+            assert {e["key"]: e["in_use"] for e in json.loads(capsys.readouterr().out)} == {
+                key: True, last: False}
             assert cli_main(["--root", str(root), "info", key[:12]]) == 0
             assert "in use:      by a live process" in capsys.readouterr().out
             report = builder.prune(0)
