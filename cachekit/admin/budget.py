@@ -14,9 +14,10 @@ from .removal import ENTRY
 
 def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
     """Remove the least recently used entries until the root fits ``max_size``, never
-    the entry of manifest ``returned`` (which a call returns now); say what went, and when
-    that entry alone is larger than the budget: its bytes on disk, as ``cachekit ls`` counts
-    them."""
+    the entry of manifest ``returned`` (which a call returns now); say what went (a note of
+    the call's work), and warn, a quiet call too, when the root is left over the budget:
+    by entries live processes use, or by that entry alone (its bytes on disk, as
+    ``cachekit ls`` counts them)."""
     key = returned.key
     removal = removal_for_prune(store, max_size, keep=[key])
     report = removal.execute()
@@ -30,8 +31,9 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
         held = units.format_size(sum(item.bytes for item in in_use))
         say(f"cache budget {units.format_size(max_size)}: left {len(in_use)} entr"
             f"{'y' if len(in_use) == 1 else 'ies'} ({held}) that live processes use; they "
-            "can go once no process holds them")
+            "can go once no process holds them", always=True)
     size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
-            f"budget of {units.format_size(max_size)}; it is returned all the same")
+            f"budget of {units.format_size(max_size)}; it is returned all the same",
+            always=True)

@@ -88,7 +88,7 @@ class RowRequest:
             # (it returns only when it could not set the entry aside)
             say(f"entry {self.key[:12]}: a contiguous entry was asked for, but this one "
                 "shares its rows and cannot be removed here (another user's, or a "
-                "read-only root); returned as it is")
+                "read-only root); returned as it is", always=True)
         elif self.budget is not None and outcome.committed_here \
                 and copying_shrinks(outcome.entry.manifest, self.budget):
             manifest = outcome.entry.manifest

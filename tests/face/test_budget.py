@@ -47,9 +47,13 @@ def test_each_commit_keeps_the_root_within_its_budget_least_recently_used_first(
     np.testing.assert_array_equal(third.array[5], _row(2005))
 
 
-def test_an_entry_larger_than_the_budget_is_returned_and_said(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("progress", [True, False])
+def test_an_entry_larger_than_the_budget_is_returned_and_said(tmp_path, capsys, monkeypatch,
+                                                              progress):
+    """The line is a warning: a quiet call (``progress=False``) says it too, as the root
+    is left over the budget the user set."""
     monkeypatch.setenv("CACHEKIT_MAX_SIZE", "100K")
-    cache = cachekit.Cache(tmp_path, workers=1)
+    cache = cachekit.Cache(tmp_path, workers=1, progress=progress)
     assert cache.max_size == 100_000
     entry = cache.map(_row, _column(0))
     [listed] = cache.entries()
