@@ -14,7 +14,7 @@ collected, or the process ends (SIGKILL too), so a hold never outlives its holde
 are seen by the processes of one machine (Linux's NFS client keeps a directory's flock
 local); where flock fails, nothing is held, and removals work as they would without
 holds. A process holds at most :data:`MAX_HOLDS` entries at once (a descriptor each); the
-ones it opens beyond are not held.
+ones it opens beyond are not held, which it says once.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from .. import _fs
+from ..messages import say
 from .layout import Layout
 
 MAX_HOLDS = 256
@@ -39,6 +40,7 @@ _HELD_FOR_A_RENAME = 0.05
 """Seconds a new hold waits out a removal's exclusive lock (held across one rename)."""
 
 _count = 0
+_said_full = False
 _count_guard = threading.RLock()  # (a collected Hold may close inside another's count)
 
 
@@ -65,10 +67,17 @@ class Hold:
 
 def hold(entry_dir: Path) -> Optional[Hold]:
     """Hold the entry at ``entry_dir`` for this process; None when it cannot be held (gone,
-    flock unsupported, :data:`MAX_HOLDS` reached). A removal that locks it at this
+    flock unsupported, :data:`MAX_HOLDS` reached: said once a process). A removal that locks it at this
     moment is waited out (it holds the lock across one rename); one that has moved the
     entry already leaves this a hold on a removed entry, which holds nothing back."""
+    global _said_full
     if _count >= MAX_HOLDS:
+        if not _said_full:
+            _said_full = True
+            say(f"this process holds {MAX_HOLDS} entries, the most it holds at once; "
+                f"{entry_dir.name[:12]} and the others it opens beyond are not held, so "
+                "`prune`, budgets and `clear --older-than` may remove them as it uses them "
+                "(let go of the Entry objects it no longer uses)", always=True)
         return None
     try:
         fd = os.open(entry_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

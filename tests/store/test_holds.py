@@ -51,12 +51,18 @@ def test_a_forked_child_keeps_the_hold_its_parent_let_go_until_it_ends(tmp_path)
     assert _free(tmp_path, "KEY")
 
 
-def test_a_process_holds_at_most_max_holds_entries_at_once(tmp_path, monkeypatch):
+def test_a_process_holds_at_most_max_holds_entries_at_once_and_says_so_once(
+        tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(holds, "MAX_HOLDS", holds._count + 3)
-    for name in "abcd":
+    monkeypatch.setattr(holds, "_said_full", False)
+    for name in "abcde":
         (tmp_path / name).mkdir()
     taken = [holds.hold(tmp_path / name) for name in "abc"]
-    assert None not in taken
+    assert None not in taken and "holds" not in capsys.readouterr().err
     assert holds.hold(tmp_path / "d") is None and _free(tmp_path, "d")
+    assert holds.hold(tmp_path / "e") is None
+    said = [line for line in capsys.readouterr().err.splitlines() if "are not held" in line]
+    assert len(said) == 1 and f"holds {holds.MAX_HOLDS} entries" in said[0] \
+        and " d and the others" in said[0]
     taken.pop().close()
     assert holds.hold(tmp_path / "d") is not None
