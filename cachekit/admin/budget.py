@@ -9,14 +9,14 @@ from ..messages import say
 from ..store import LocalStore, holds
 from ..store.manifest import Manifest
 from .local_removal import removal_for_prune
-from .removal import ENTRY
+from .removal import ENTRY, LEFTOVER_DIRECTORY
 
 
 def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
     """Remove the least recently used entries until the root fits ``max_size``, never
     the entry of manifest ``returned`` (which a call returns now); say what went (a note of
     the call's work), and warn, a quiet call too, when the root is left over the budget:
-    by entries live processes use, or by that entry alone (its bytes on disk, as
+    for entries live processes use, or for that entry alone (its bytes on disk, as
     ``cachekit ls`` counts them)."""
     key = returned.key
     removal = removal_for_prune(store, max_size, keep=[key])
@@ -26,12 +26,15 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
         say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
             f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
             f"({units.format_size(sum(item.bytes for item in removed))})")
+    left = removal.counted - sum(item.bytes for item in report.removed
+                                 if item.noun in (ENTRY, LEFTOVER_DIRECTORY))
     in_use = [s.item for s in report.skipped if s.reason == holds.IN_USE]
-    if in_use:
+    if in_use and left > max_size:
         held = units.format_size(sum(item.bytes for item in in_use))
-        say(f"cache budget {units.format_size(max_size)}: left {len(in_use)} entr"
-            f"{'y' if len(in_use) == 1 else 'ies'} ({held}) that live processes use; they "
-            "can go once no process holds them", always=True)
+        say(f"cache budget {units.format_size(max_size)}: the root holds "
+            f"{units.format_size(left)}; {len(in_use)} entr"
+            f"{'y' if len(in_use) == 1 else 'ies'} ({held}) that live processes use stay "
+            "until no process holds them", always=True)
     size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "

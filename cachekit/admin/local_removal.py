@@ -46,6 +46,10 @@ class LocalRemoval(Removal):
     kept: tuple[EntryInfo, ...] = ()
     """The entries a prune was told to keep, as its scan found them: counted, never
     removed."""
+    counted: int = 0
+    """The bytes a prune counted in the root (entries, and the directories under ``tmp/`` it
+    may remove): less the entries and directories its report says it removed, what the
+    root holds after it."""
 
     @property
     def temp_dirs(self) -> tuple[TempDir, ...]:
@@ -130,7 +134,7 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
     found = scan(store)
     garbage = [t for t in found.temp_dirs if t.removable]
     holders = _holders(found.entries)
-    total = stored_bytes(found.entries) + sum(t.bytes for t in garbage)
+    total = counted = stored_bytes(found.entries) + sum(t.bytes for t in garbage)
     temps: list[TempDir] = []
     for temp in garbage:
         if total <= max_bytes:
@@ -159,7 +163,7 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         skipped=(*theirs, *(_skip(t) for t in found.temp_dirs if not t.removable)),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
         unused_since={e.key: e.last_used for e in entries},
-        kept=tuple(e for e in found.entries if e.key in keep))
+        kept=tuple(e for e in found.entries if e.key in keep), counted=counted)
 
 
 def _holders(entries: Iterable[EntryInfo]) -> collections.Counter:

@@ -67,9 +67,10 @@ class Hold:
 
 def hold(entry_dir: Path) -> Optional[Hold]:
     """Hold the entry at ``entry_dir`` for this process; None when it cannot be held (gone,
-    flock unsupported, :data:`MAX_HOLDS` reached: said once a process). A removal that locks it at this
-    moment is waited out (it holds the lock across one rename); one that has moved the
-    entry already leaves this a hold on a removed entry, which holds nothing back."""
+    flock unsupported, :data:`MAX_HOLDS` reached: said once a process). A removal that
+    locks it at this moment is waited out (it holds the lock across one rename); one that
+    has moved the entry already leaves this a hold on a removed entry, which holds nothing
+    back."""
     global _said_full
     if _count >= MAX_HOLDS:
         if not _said_full:

@@ -156,7 +156,7 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
                 last = builder.map(_row, _column(10_000 + 1000 * i)).key
             assert {e.key for e in builder.entries()} == {key, last}
             assert os.stat(root / "entries" / key).st_ino == held.st_ino
-            assert "cache budget 250 KB: left 1 entry (" in capsys.readouterr().err
+            assert "cache budget 250 KB: the root holds 4" in capsys.readouterr().err
             assert cli_main(["--root", str(root), "ls"]) == 0
             marked = [line.split()[0] for line in capsys.readouterr().out.splitlines()
                       if line.endswith("in use")]
@@ -174,6 +174,34 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
             holder.kill()  # SIGKILL: the kernel drops the hold with the process
     builder.map(_row, _column(20_000))
     assert key not in {e.key for e in builder.entries()}
+
+
+def test_a_budget_warns_of_entries_in_use_only_when_they_leave_the_root_over_it(
+        tmp_path, capsys):
+    """Another process holds the least recently used entry. Under a budget that two
+    entries fit, a quiet call's commit passes over it, evicts the next one, and the root
+    fits: nothing to warn of. Under a budget that fits one, the root stays over it for the
+    held entry: a warning, which a quiet call says too."""
+    root = tmp_path / "root"
+    with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
+                          stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            key = holder.stdout.readline().strip()
+            assert key, "the holder made no entry"
+            quiet = cachekit.Cache(root, max_size="500K", workers=1, progress=False)
+            second = quiet.map(_row, _column(10_000)).key
+            quiet.map(_row, _column(11_000))
+            assert second not in {e.key for e in quiet.entries()}  # evicted in the held one's place
+            assert key in {e.key for e in quiet.entries()}
+            assert "cache budget" not in capsys.readouterr().err
+            quiet = cachekit.Cache(root, max_size="250K", workers=1, progress=False)
+            quiet.map(_row, _column(12_000))
+            said = capsys.readouterr().err
+            assert "cache budget 250 KB: the root holds 4" in said
+            assert "1 entry (" in said and "that live processes use stay until no process " \
+                                           "holds them" in said
+        finally:
+            holder.kill()
 
 
 def test_spawn_workers_of_a_later_epoch_read_the_entry_another_process_budget_would_evict(
