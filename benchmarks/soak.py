@@ -3,6 +3,7 @@
     python benchmarks/soak.py                           # 4 workers on one root, 300 s
     python benchmarks/soak.py --remote --seconds 600    # two hosts' roots, one bucket
     python benchmarks/soak.py --quick                   # 30 s: checks the script
+    python benchmarks/soak.py --team                    # two plain uids share the root (root)
 
 The race tests in ``tests/`` aim at one race each; a soak runs them all at once, at length.
 Each worker loops over random calls on the cache, under a budget (``--budget``) so that
@@ -13,7 +14,9 @@ entries and reads a row of each again after every call. A supervisor SIGKILLs a 
 worker every 5-20 s and starts it again. With ``--remote`` (a loopback SeaweedFS, the tests'
 ``weed``), half the workers use a second root (another host), and a prober runs ``cachekit
 clear --remote --all``, ``verify --remote`` and ``ls --remote`` over and over; at the end
-``verify --remote`` must find no problem.
+``verify --remote`` must find no problem. With ``--team`` (as root), the workers take turns
+between two plain uids of one group on a shared root (setgid, ``umask 002``), as a team
+shares one (the tests' :mod:`users`): each evicts, clears and prunes the other's entries.
 
 It prints what each worker did and every failure: a call that raised, a wrong byte, a
 problem ``verify`` found, a probe that failed; it exits 1 when there was any. A background
@@ -33,6 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
@@ -120,9 +124,13 @@ def main() -> None:
     parser.add_argument("--budget", default="6M", help="each worker's cache budget")
     parser.add_argument("--remote", action="store_true", help="two roots and a bucket")
     parser.add_argument("--quick", action="store_true", help="30 s")
+    parser.add_argument("--team", action="store_true",
+                        help="two plain uids share one root (needs root)")
     parser.add_argument("--worker", nargs=3, metavar=("ROOT", "SECONDS", "LOG"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.team and args.remote:
+        parser.error("--team soaks one shared root: leave out --remote")
     if args.worker:
         root, seconds, log = args.worker
         return worker(root, float(seconds), Path(log), args.budget)
@@ -149,14 +157,15 @@ def supervise(base: Path, seconds: float, args: argparse.Namespace) -> int:
     end = time.time() + seconds
     logs: list[Path] = []
     procs: dict[int, subprocess.Popen] = {}
+    launch, shared_root, logs_in = team(base) if args.team else (_as_is, None, base)
 
     def start(i: int) -> None:
-        root = base / ("b" if args.remote and i % 2 else "a")
-        logs.append(base / f"w{i}-{len(logs)}.json")
+        root = shared_root or base / ("b" if args.remote and i % 2 else "a")
+        logs.append(logs_in / f"w{i}-{len(logs)}.json")
+        argv, env = launch(i, [sys.executable, __file__, "--budget", args.budget, "--worker",
+                               str(root), str(max(5.0, end - time.time())), str(logs[-1])])
         with open(logs[-1].with_suffix(".err"), "w") as err:
-            procs[i] = subprocess.Popen(
-                [sys.executable, __file__, "--budget", args.budget, "--worker", str(root),
-                 str(max(5.0, end - time.time())), str(logs[-1])], stderr=err)
+            procs[i] = subprocess.Popen(argv, env=env, stderr=err)
 
     probes = Probes()
     prober = threading.Thread(target=probes.run, args=(base / "p", end))
@@ -185,6 +194,34 @@ def supervise(base: Path, seconds: float, args: argparse.Namespace) -> int:
     return report(logs, probes, kills, seconds)
 
 
+Launch = Callable[[int, list[str]], tuple[list[str], Optional[dict[str, str]]]]
+"""How worker ``i``'s command runs: the argv and environment that wrap it."""
+
+
+def _as_is(i: int, command: list[str]) -> tuple[list[str], Optional[dict[str, str]]]:
+    return command, None
+
+
+def team(base: Path) -> tuple[Launch, Path, Path]:
+    """Lay out a team's shared root under ``base``; return how a worker runs as one of its
+    two members (by turns), the root, and the folder both may write their logs into."""
+    import users
+
+    why_not = users.why_no_two_uids()
+    if why_not is not None:
+        raise SystemExit(f"soak: --team: {why_not}")
+    shared = users.make_shared_root(base)
+    members = (shared.victim, shared.attacker)
+
+    def launch(i: int, command: list[str]) -> tuple[list[str], Optional[dict[str, str]]]:
+        member = members[i % 2]
+        return (users.launch_argv(member.uid, member.gid, member.home, command,
+                                  [shared.base]),
+                users.child_env({"HOME": str(member.home), "USER": member.name}))
+
+    return launch, shared.root, shared.work
+
+
 def cachekit_cli(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cachekit", "--root", str(root), *args],
                           capture_output=True, text=True)
@@ -205,8 +242,9 @@ class Probes:
                 done = cachekit_cli(root, *command)
                 self.runs += 1
                 if done.returncode != 0:
+                    said = (done.stdout + done.stderr)[-1000:]
                     self.failures.append(f"`cachekit {' '.join(command)}` exited "
-                                         f"{done.returncode}: {(done.stdout + done.stderr)[-1000:]}")
+                                         f"{done.returncode}: {said}")
 
 
 def report(logs: list[Path], probes: Probes, kills: int, seconds: float) -> int:

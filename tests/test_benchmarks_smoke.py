@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import users
+
 RUN_PY = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
 
 
@@ -222,11 +224,17 @@ def test_the_listing_benchmark_times_ls_at_each_count(tmp_path: Path, monkeypatc
     assert "| 30 | " in result["table"] and (tmp_path / "l.json").exists()
 
 
-def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path) -> None:
-    """``benchmarks/soak.py`` for 10 s with two workers: each call is counted, and nothing
-    failed (a failure makes it exit 1 and print it)."""
+@pytest.mark.parametrize("mode", [[], ["--team"]], ids=["one-user", "team"])
+def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path,
+                                                                 mode: list[str]) -> None:
+    """``benchmarks/soak.py`` for 10 s with two workers (with ``--team``, two plain uids on
+    a shared root): each call is counted, and nothing failed (a failure makes it exit 1 and
+    print it)."""
+    reason = users.why_no_two_uids() if mode else None
+    if reason is not None:
+        pytest.skip(reason)  # as the shared_root fixture does (CI runs as root: it runs)
     result = subprocess.run([sys.executable, str(RUN_PY.with_name("soak.py")),
-                             "--seconds", "10", "--workers", "2"], cwd=tmp_path,
+                             "--seconds", "10", "--workers", "2", *mode], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| built |" in result.stdout and result.stdout.rstrip().endswith("no failures")
