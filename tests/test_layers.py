@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cachekit"
 BASE = {"_fs", "file_modes", "_version", "errors", "units", "options", "keys", "key_names",
         "code_identity", "processes", "liveness", "arrays", "checksums", "messages", "redaction",
         "urls", "source_stats", "small_json", "flushing"}
-FACE = {"__init__", "__main__", "cache", "entry", "memoize", "dataset", "demo", "samples",
+FACE = {"__init__", "__main__", "cache", "arguments", "entry", "memoize", "dataset", "demo", "samples",
         "_wandb"}
 LAYERS = {"base": {"base"}, "engine": {"base", "engine"}, "store": {"base", "store"},
           "obtain": {"base", "engine", "store", "obtain"},
