@@ -60,12 +60,14 @@ def remote_tier(remote: Any) -> tuple[Optional[str], Any]:
 
 
 def choose(name: str, value: Any, allowed: Sequence[str]) -> None:
+    """Refuse ``value`` of the option ``name`` unless it is one of ``allowed``."""
     if value not in allowed:
         raise InvalidArgument(f"{name} must be one of {', '.join(map(repr, allowed))}; "
                               f"got {value!r}")
 
 
 def image_size(size: Any) -> tuple[int, int]:
+    """(height, width) of ``size``: an int for a square, or a pair of positive ints."""
     if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
         pair: Sequence[Any] = (size, size)
     elif isinstance(size, (tuple, list)) and len(size) == 2:
