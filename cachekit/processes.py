@@ -23,6 +23,16 @@ def pid_alive(pid: int) -> bool:
     return stat_fields is None or stat_fields[0] != "Z"
 
 
+def process_name(pid: int) -> Optional[str]:
+    """The name the kernel gives the process ``pid`` of this host (``/proc/PID/comm``: its
+    program's, or what it set, at most 15 characters); None when there is none to read."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode("utf-8", "replace").strip() or None
+    except OSError:
+        return None
+
+
 def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
     """(state, start time in clock ticks since boot) from /proc, or None off Linux."""
     try:

@@ -125,6 +125,24 @@ def _locked(folder: _fs.DirHandle, entries: _fs.DirHandle, key: str) -> bool:
         return True
 
 
+def holders(entry_dir: Path) -> list[int]:
+    """The pids of this machine's processes that hold the entry at ``entry_dir``, as the
+    kernel lists its locks (``/proc/locks``; a hold a forked child inherited shows the pid
+    that took it); empty where that list cannot be read or names another device number
+    than stat gives (btrfs subvolumes)."""
+    try:
+        st = os.lstat(entry_dir)
+        with open("/proc/locks", encoding="ascii", errors="replace") as listing:
+            lines = listing.read().splitlines()
+    except OSError:
+        return []
+    node = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = {int(fields[4]) for fields in map(str.split, lines)  # (a waiter's has "->")
+            if fields[1:2] == ["FLOCK"] and fields[3:4] == ["READ"] and fields[5:6] == [node]
+            and fields[4].isdigit()}
+    return sorted(pid for pid in pids if pid > 0)
+
+
 def held(layout: Layout, key: str) -> bool:
     """Whether a live process holds the entry ``key`` of the root ``layout`` now."""
     return bool(in_use(layout, [key]))

@@ -165,7 +165,7 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
             assert {e["key"]: e["in_use"] for e in json.loads(capsys.readouterr().out)} == {
                 key: True, last: False}
             assert cli_main(["--root", str(root), "info", key[:12]]) == 0
-            assert "in use:      by a live process" in capsys.readouterr().out
+            assert f"in use:      by pid {holder.pid} (python" in capsys.readouterr().out
             report = builder.prune(0)
             assert [e.key for e in report.removed_entries] == [last]
             assert [(s.key, s.reason) for s in report.skipped] == [

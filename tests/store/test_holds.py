@@ -22,12 +22,13 @@ def test_a_hold_keeps_an_entry_in_use_until_it_is_closed(tmp_path):
     assert _free(tmp_path, "KEY")
     taken = holds.hold(tmp_path / "KEY")
     assert taken is not None and not _free(tmp_path, "KEY")
+    assert holds.holders(tmp_path / "KEY") == [os.getpid()]  # as `cachekit info` names it
     again = holds.hold(tmp_path / "KEY")  # a second Entry of the same entry shares it
     assert again is not None
     taken.close()
     assert not _free(tmp_path, "KEY")
     del again  # collected: released
-    assert _free(tmp_path, "KEY")
+    assert _free(tmp_path, "KEY") and holds.holders(tmp_path / "KEY") == []
     assert _free(tmp_path, "GONE")  # nothing to hold back a removal that finds nothing
 
 
