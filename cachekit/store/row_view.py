@@ -44,7 +44,9 @@ class RowView:
 
     ``len``, ``shape``, ``dtype`` and ``ndim`` are the entry's; an integer gives a row,
     and a slice, a boolean mask or an array of integers gives a new numpy array of those
-    rows; ``numpy.asarray(view)`` gathers every row."""
+    rows; ``numpy.asarray(view)`` gathers every row. Any other index numpy takes (a tuple
+    over the row's axes too, ``None``, ``...``) gives what numpy gives for the gathered
+    array, reading only the rows it names."""
 
     def __init__(self, files: Sequence[np.ndarray], where: np.ndarray) -> None:
         # Plain ndarray views (each keeps its mapping alive): np.memmap's
@@ -86,14 +88,8 @@ class RowView:
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, tuple):
-            if not index:
-                return np.asarray(self)
-            head, rest = index[0], index[1:]
-            if head is Ellipsis:
-                return np.asarray(self)[index]
-            rows = self[head]
-            return rows[rest] if _is_integer(head) else rows[(slice(None), *rest)]
+        if isinstance(index, (tuple, bool, np.bool_)) or index is None or index is Ellipsis:
+            return self._within_rows(index if isinstance(index, tuple) else (index,))
         if _is_integer(index):
             i = operator.index(index)
             if not -len(self) <= i < len(self):
@@ -102,18 +98,51 @@ class RowView:
             return self._files[self._file[i]][self._row[i]]
         if isinstance(index, slice):
             return self.take(np.arange(len(self))[index])
-        wanted = np.asarray(index)
-        if wanted.size == 0:  # (an empty list is float64 to numpy)
-            wanted = wanted.astype(np.intp)
+        wanted = _row_index(index)
         if wanted.dtype == bool:
+            if wanted.ndim > 1:  # (it selects along the next axes too)
+                return np.asarray(self)[wanted]
             if wanted.shape != (len(self),):
                 raise IndexError(f"a boolean index of {len(self)} rows has shape "
                                  f"{wanted.shape}")
             return self.take(np.flatnonzero(wanted))
-        if wanted.dtype.kind not in "iu":
-            raise IndexError("only integers, slices, boolean masks and integer arrays index "
-                             "the rows of an entry")
         return self.take(wanted)
+
+    def _in_range(self, rows: np.ndarray) -> np.ndarray:
+        """Integer ``rows``, negative from the end, as row numbers; IndexError for one out
+        of range."""
+        n = len(self)
+        low, high = (rows.min(), rows.max()) if rows.size else (0, 0)
+        if low < -n or high >= n:
+            bad = rows[(rows < -n) | (rows >= n)].flat[0]
+            raise IndexError(f"index {int(bad)} is out of range for {n} rows")
+        return np.where(rows < 0, rows + n, rows) if low < 0 else rows
+
+    def _within_rows(self, parts: tuple[Any, ...]) -> np.ndarray:
+        """``self[parts]`` for a tuple index, as numpy indexes the gathered array: the rows
+        its first-axis part names are gathered, and the whole index applied to them with
+        that part pointing into the gathered rows (so numpy orders the axes of mixed
+        indexes, and raises its own errors). An Ellipsis or a boolean scalar before the
+        rows' part, or a boolean array of more than one axis, gathers every row."""
+        at = next((i for i, part in enumerate(parts) if part is not None), None)
+        head = None if at is None else parts[at]
+        if head is None or head is Ellipsis or isinstance(head, (bool, np.bool_)):
+            return np.asarray(self)[parts]
+        if _is_integer(head):
+            rows, head = self[head][np.newaxis], 0
+        elif isinstance(head, slice):
+            rows, head = self[head], slice(None)
+        else:
+            wanted = _row_index(head)
+            if wanted.dtype == bool and wanted.ndim > 1:
+                return np.asarray(self)[parts]
+            if wanted.dtype == bool:
+                rows, head = self[wanted], np.arange(int(wanted.sum()))
+            else:
+                wanted = self._in_range(wanted)
+                chosen = np.unique(wanted)
+                rows, head = self.take(chosen), np.searchsorted(chosen, wanted)
+        return rows[(*parts[:at], head, *parts[at + 1:])]
 
     def __setitem__(self, index: Any, value: Any) -> None:
         # numpy's own error for the read-only memmap of a contiguous entry: one except
@@ -123,12 +152,7 @@ class RowView:
     def take(self, rows: np.ndarray) -> np.ndarray:
         """A new array of ``rows`` (integers, negative from the end), read file by file."""
         rows = np.asarray(rows, dtype=np.intp)
-        n = len(self)
-        low, high = (rows.min(), rows.max()) if rows.size else (0, 0)
-        if low < -n or high >= n:
-            bad = rows[(rows < -n) | (rows >= n)].flat[0]
-            raise IndexError(f"index {int(bad)} is out of range for {n} rows")
-        flat = (np.where(rows < 0, rows + n, rows) if low < 0 else rows).reshape(-1)
+        flat = self._in_range(rows).reshape(-1)
         shape = (*rows.shape, *self.shape[1:])
         if self._only is not None:
             return self._files[self._only][self._row[flat]].reshape(shape)
@@ -149,6 +173,17 @@ class RowView:
 
 def _is_integer(index: Any) -> bool:
     return isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+
+
+def _row_index(index: Any) -> np.ndarray:
+    """``index`` (a boolean mask or integers) as an array; IndexError for anything else."""
+    wanted = np.asarray(index)
+    if wanted.size == 0 and not isinstance(index, np.ndarray):  # ([] is float64 to numpy)
+        wanted = wanted.astype(np.intp)
+    if wanted.dtype != bool and wanted.dtype.kind not in "iu":
+        raise IndexError("only integers, slices, boolean masks and integer arrays index "
+                         "the rows of an entry")
+    return wanted
 
 
 Rows = Union[np.ndarray, RowView]

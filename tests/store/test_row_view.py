@@ -1,0 +1,78 @@
+"""A derived entry's rows (cachekit.store.row_view.RowView) index as numpy indexes the
+array of the same rows: whatever the index, the same values, shape and dtype, or the same
+kind of error. The view is made here over in-memory "files", as the entry's data files
+and row map would make it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cachekit.store.row_view import RowView
+
+ROW_SHAPE = (2, 3)
+
+
+@st.composite
+def views(draw) -> tuple[RowView, np.ndarray]:
+    """A view over 1 to 3 files of random rows, through a random row map; and the array
+    of its rows in order."""
+    sizes = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    files = [np.random.default_rng(draw(st.integers(0, 2**32 - 1))).integers(
+        0, 256, (size, *ROW_SHAPE), dtype=np.uint8) for size in sizes]
+    where = draw(st.lists(st.integers(0, len(files) - 1).flatmap(
+        lambda f: st.tuples(st.just(f), st.integers(0, sizes[f] - 1))), min_size=1, max_size=9))
+    table = np.array(where, dtype="<u4")
+    return RowView(files, table), np.stack([files[f][r] for f, r in where])
+
+
+def parts(size: int) -> st.SearchStrategy:
+    """One part of an index along an axis of ``size``, out of range at times."""
+    return st.one_of(
+        st.integers(-size - 2, size + 1),
+        st.slices(size + 2),
+        st.lists(st.integers(-size - 1, size), max_size=5).map(np.array),
+        st.lists(st.lists(st.integers(-size, size - 1), min_size=2, max_size=2),
+                 min_size=1, max_size=3).map(np.array),  # a 2-D integer array
+        st.lists(st.booleans(), min_size=size, max_size=size).map(np.array),
+        st.lists(st.booleans(), min_size=1, max_size=size + 1).map(np.array),
+        st.sampled_from([None, Ellipsis, True, False, 1.5]))
+
+
+def indexes(rows: int) -> st.SearchStrategy:
+    sizes = (rows, *ROW_SHAPE)
+    return st.one_of(parts(rows), st.lists(st.integers(0, 2), max_size=4).flatmap(
+        lambda axes: st.tuples(*(parts(sizes[a]) for a in axes))))
+
+
+def _outcome(rows, index):
+    try:
+        return np.asarray(rows[index]), None
+    except (IndexError, ValueError, TypeError) as e:
+        return None, type(e)
+
+
+@settings(max_examples=400)
+@given(data=st.data())
+def test_a_row_view_indexes_as_numpy_indexes_its_rows(data):
+    view, array = data.draw(views())
+    index = data.draw(indexes(len(array)), label="index")
+    want, want_error = _outcome(array, index)
+    got, got_error = _outcome(view, index)
+    assert got_error is want_error
+    if want is not None:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("index", [([0, 2], [0, 1]), (0, slice(None), [1, 2]),
+                                   ([1, 0], slice(None), [0, 1])],
+                         ids=["two integer arrays", "integer, slice, array", "array, slice, array"])
+def test_mixed_integer_arrays_pair_up_as_numpy_pairs_them(index):
+    """Before, the rows were taken first and the rest indexed each row alone: ``view[[0, 2],
+    [0, 1]]`` gave both halves of rows 0 and 2, not one half of each."""
+    files = [np.arange(3 * 2 * 3, dtype=np.uint8).reshape(3, *ROW_SHAPE)]
+    view = RowView(files, np.array([[0, 2], [0, 1], [0, 0]], dtype="<u4"))
+    np.testing.assert_array_equal(view[index], np.asarray(view)[index])
+    assert view[index].shape == np.asarray(view)[index].shape
