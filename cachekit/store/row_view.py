@@ -84,6 +84,11 @@ class RowView:
             yield self[i]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:  # (numpy 2's protocol: the rows are gathered, always a copy)
+            raise ValueError("a derived entry's rows are gathered from several files into "
+                             "a new array: numpy.asarray(entry.array, copy=False) cannot "
+                             "avoid a copy; ask for a contiguous entry (contiguous=True) "
+                             "to map one file")
         out = self.take(np.arange(len(self)))
         return out if dtype is None else out.astype(dtype, copy=False)
 

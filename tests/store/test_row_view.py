@@ -76,3 +76,16 @@ def test_mixed_integer_arrays_pair_up_as_numpy_pairs_them(index):
     view = RowView(files, np.array([[0, 2], [0, 1], [0, 0]], dtype="<u4"))
     np.testing.assert_array_equal(view[index], np.asarray(view)[index])
     assert view[index].shape == np.asarray(view)[index].shape
+
+
+@pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0",
+                    reason="numpy 1 passes no copy= to __array__")
+def test_asarray_without_a_copy_is_refused_as_numpy_refuses_it():
+    """Gathering rows always copies: ``copy=False`` raises numpy's ValueError, as for any
+    array that cannot be had without a copy; ``copy=None`` and ``copy=True`` gather."""
+    view = RowView([np.arange(6, dtype=np.uint8).reshape(3, 2)],
+                   np.array([[0, 2], [0, 0]], dtype="<u4"))
+    with pytest.raises(ValueError, match="cannot avoid a copy"):
+        np.asarray(view, copy=False)
+    np.testing.assert_array_equal(np.asarray(view), [[4, 5], [0, 1]])
+    np.testing.assert_array_equal(np.array(view, copy=True), [[4, 5], [0, 1]])
