@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ..admin.removal import Removal
+from ..admin.removal import Removal, Skipped
 from ..errors import UsageError
-from .output import say
+from ..store.holds import IN_USE
+from .output import holders, say
 
 
 def check_can_confirm(args: argparse.Namespace) -> None:
@@ -24,7 +26,7 @@ def carry_out(removal: Removal, args: argparse.Namespace) -> int:
     """Show ``removal``, confirm it, execute it, and report; the exit status (1 when
     something could not be removed)."""
     for skipped in removal.skipped:
-        say(f"skipping {skipped.name}: {skipped.reason}")
+        say(f"skipping {skipped.name}: {_reason(skipped)}")
     if not len(removal):
         say(f"nothing to remove {removal.goal}")
         return 0
@@ -40,11 +42,18 @@ def carry_out(removal: Removal, args: argparse.Namespace) -> int:
         return 0
     report = removal.execute()
     for skipped in report.skipped[len(removal.skipped):]:
-        say(f"skipped {skipped.name}: {skipped.reason}")
+        say(f"skipped {skipped.name}: {_reason(skipped)}")
     say(f"removed {report.summary()}")
     for failed in report.failed:
         say(f"cachekit: error: could not remove {failed.path}: {failed.reason}", file=sys.stderr)
     return 1 if report.failed else 0
+
+
+def _reason(skipped: Skipped) -> str:
+    """Why ``skipped`` stays, naming the processes that hold an entry in use."""
+    who = holders(skipped.path) if skipped.reason == IN_USE and isinstance(
+        skipped.path, Path) else ""
+    return f"{skipped.reason} ({who})" if who else skipped.reason
 
 
 def confirm(question: str) -> bool:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .. import processes, units
+from .. import units
 from ..admin import inspect, permissions
 from ..errors import (CachekitError, ImageDecodeError, InvalidArgument, InvalidArgumentType,
                       UsageError)
@@ -22,7 +22,7 @@ from ..store import holds
 from ..store import manifest as manifests
 from .confirm import carry_out, check_can_confirm
 from .output import SHORT_KEY, SORTS, ByteProgress, ago, clear_advice, count, fail, fields, \
-    file_fields, joined_by, listing, other_versions, say, shape, when
+    file_fields, holders, joined_by, listing, other_versions, say, shape, when
 from .parser import check_clear_selection, key_errors
 from .stores import local_store
 
@@ -98,8 +98,8 @@ def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> Non
                          "(stored once)" if e.shared_bytes else "nothing"),
               ("created", when(e.created, now)), ("last used", when(e.last_used, now))]
     if in_use:
-        pairs.append(("in use", f"by {_holders(e.path)}: `prune`, budgets and `clear "
-                                "--older-than` pass over it"))
+        pairs.append(("in use", f"by {holders(e.path) or 'a live process'}: `prune`, budgets "
+                                "and `clear --older-than` pass over it"))
     manifest: dict[str, Any] = {}
     if e.problem is None:
         try:
@@ -123,16 +123,6 @@ def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> Non
         say(f"  failed row {row}: {path}: {reason}")
     if e.failed_rows > len(failed):
         say(f"  ... and {e.failed_rows - len(failed)} more")
-
-
-def _holders(path: Path) -> str:
-    """Who holds the entry at ``path``: ``pid 4242 (python)``, ..., as far as this
-    machine's kernel tells."""
-    pids = holds.holders(path)
-    if not pids:
-        return "a live process"
-    names = [(pid, processes.process_name(pid)) for pid in pids]
-    return ", ".join(f"pid {pid}" + (f" ({name})" if name else "") for pid, name in names)
 
 
 def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]

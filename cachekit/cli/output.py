@@ -10,9 +10,12 @@ import json
 import sys
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from .. import units
+from pathlib import Path
+
+from .. import processes, units
 from ..admin.inspect import SHORT_KEY, Problem, ago, local_time
 from ..messages import printable, write_line
+from ..store import holds
 
 __all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "clear_advice", "count", "fail", "fields",
            "joined_by", "listing", "other_versions", "printable", "say", "shape", "table", "when"]
@@ -158,3 +161,10 @@ class ByteProgress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def holders(path: Path) -> str:
+    """Who holds the entry at ``path`` (:mod:`cachekit.store.holds`): ``pid 4242
+    (python), ...`` as far as this machine's kernel tells; "" when it does not."""
+    named = [(pid, processes.process_name(pid)) for pid in holds.holders(path)]
+    return ", ".join(f"pid {pid}" + (f" ({name})" if name else "") for pid, name in named)

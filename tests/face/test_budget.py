@@ -166,6 +166,10 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
                 key: True, last: False}
             assert cli_main(["--root", str(root), "info", key[:12]]) == 0
             assert f"in use:      by pid {holder.pid} (python" in capsys.readouterr().out
+            assert cli_main(["--root", str(root), "prune", "--max-size", "0", "--dry-run"]) == 0
+            said = capsys.readouterr()
+            assert f"skipping {key}: in use by a live process (pid {holder.pid} (python" in \
+                said.out + said.err
             report = builder.prune(0)
             assert [e.key for e in report.removed_entries] == [last]
             assert [(s.key, s.reason) for s in report.skipped] == [
