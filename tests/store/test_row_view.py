@@ -5,6 +5,8 @@ and row map would make it."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -89,3 +91,17 @@ def test_asarray_without_a_copy_is_refused_as_numpy_refuses_it():
         np.asarray(view, copy=False)
     np.testing.assert_array_equal(np.asarray(view), [[4, 5], [0, 1]])
     np.testing.assert_array_equal(np.array(view, copy=True), [[4, 5], [0, 1]])
+
+
+def test_torch_takes_a_row_view_as_one_array():
+    """``torch.as_tensor`` and ``torch.tensor`` read a view through DLPack, in one gather:
+    without it torch walked the view as a sequence of rows, and warned that this is
+    "extremely slow" (a warning is an error here)."""
+    import torch
+    files = [np.arange(4 * 6, dtype=np.uint8).reshape(4, *ROW_SHAPE)]
+    view = RowView(files, np.array([[0, 3], [0, 1], [0, 1]], dtype="<u4"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for made in (torch.as_tensor(view), torch.tensor(view)):
+            assert made.dtype == torch.uint8
+            assert torch.equal(made, torch.from_numpy(np.asarray(view)))
