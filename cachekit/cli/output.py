@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Iterable, Optional, Sequence
-
 from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .. import processes, units
 from ..admin.inspect import SHORT_KEY, Problem, ago, local_time
@@ -18,7 +17,8 @@ from ..messages import printable, write_line
 from ..store import holds
 
 __all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "clear_advice", "count", "fail", "fields",
-           "joined_by", "listing", "other_versions", "printable", "say", "shape", "table", "when"]
+           "file_fields", "holders", "joined_by", "listing", "other_versions", "printable",
+           "say", "shape", "table", "when"]
 
 SORTS = {"used": "last_used", "size": "bytes", "created": "created"}
 """``ls --sort`` choices and the EntryInfo field each sorts by (newest or largest first)."""

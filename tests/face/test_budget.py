@@ -5,12 +5,14 @@ evicted obtains it again (a rebuild), never fails."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -137,6 +139,21 @@ def _env() -> dict[str, str]:
          os.environ.get("PYTHONPATH", "")])}
 
 
+@contextlib.contextmanager
+def _holding(root) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Another process that made the entry of ``_column(0)`` in ``root`` and holds it (its
+    ``Entry`` lives) until the block ends; then it is SIGKILLed, and the kernel drops its
+    hold with it."""
+    with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
+                          stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            key = holder.stdout.readline().strip()
+            assert key, "the holder made no entry"
+            yield holder, key
+        finally:
+            holder.kill()
+
+
 def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_dies(
         tmp_path, capsys):
     """Another process made an entry and holds it (its ``Entry`` lives). Commits under a
@@ -145,37 +162,31 @@ def test_an_entry_a_live_process_holds_is_left_by_budgets_and_prune_until_it_die
     that. Once that process is SIGKILLed, the kernel drops its hold and the next commit
     evicts it."""
     root = tmp_path / "root"
-    with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
-                          stdout=subprocess.PIPE, text=True) as holder:
-        try:
-            key = holder.stdout.readline().strip()
-            assert key, "the holder made no entry"
-            held = os.stat(root / "entries" / key)
-            builder = cachekit.Cache(root, max_size="250K", workers=1)
-            for i in range(3):
-                last = builder.map(_row, _column(10_000 + 1000 * i)).key
-            assert {e.key for e in builder.entries()} == {key, last}
-            assert os.stat(root / "entries" / key).st_ino == held.st_ino
-            assert "cache budget 250 KB: the root holds 4" in capsys.readouterr().err
-            assert cli_main(["--root", str(root), "ls"]) == 0
-            marked = [line.split()[0] for line in capsys.readouterr().out.splitlines()
-                      if line.endswith("in use")]
-            assert marked == [key[:12]]
-            assert cli_main(["--root", str(root), "ls", "--json"]) == 0
-            assert {e["key"]: e["in_use"] for e in json.loads(capsys.readouterr().out)} == {
-                key: True, last: False}
-            assert cli_main(["--root", str(root), "info", key[:12]]) == 0
-            assert f"in use:      by pid {holder.pid} (python" in capsys.readouterr().out
-            assert cli_main(["--root", str(root), "prune", "--max-size", "0", "--dry-run"]) == 0
-            said = capsys.readouterr()
-            assert f"skipping {key}: in use by a live process (pid {holder.pid} (python" in \
-                said.out + said.err
-            report = builder.prune(0)
-            assert [e.key for e in report.removed_entries] == [last]
-            assert [(s.key, s.reason) for s in report.skipped] == [
-                (key, "in use by a live process")]
-        finally:
-            holder.kill()  # SIGKILL: the kernel drops the hold with the process
+    with _holding(root) as (holder, key):
+        held = os.stat(root / "entries" / key)
+        builder = cachekit.Cache(root, max_size="250K", workers=1)
+        for i in range(3):
+            last = builder.map(_row, _column(10_000 + 1000 * i)).key
+        assert {e.key for e in builder.entries()} == {key, last}
+        assert os.stat(root / "entries" / key).st_ino == held.st_ino
+        assert "cache budget 250 KB: the root holds 4" in capsys.readouterr().err
+        assert cli_main(["--root", str(root), "ls"]) == 0
+        marked = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+                  if line.endswith("in use")]
+        assert marked == [key[:12]]
+        assert cli_main(["--root", str(root), "ls", "--json"]) == 0
+        assert {e["key"]: e["in_use"] for e in json.loads(capsys.readouterr().out)} == {
+            key: True, last: False}
+        assert cli_main(["--root", str(root), "info", key[:12]]) == 0
+        assert f"in use:      by pid {holder.pid} (python" in capsys.readouterr().out
+        assert cli_main(["--root", str(root), "prune", "--max-size", "0", "--dry-run"]) == 0
+        said = capsys.readouterr()
+        assert f"skipping {key}: in use by a live process (pid {holder.pid} (python" in \
+            said.out + said.err
+        report = builder.prune(0)
+        assert [e.key for e in report.removed_entries] == [last]
+        assert [(s.key, s.reason) for s in report.skipped] == [
+            (key, "in use by a live process")]
     builder.map(_row, _column(20_000))
     assert key not in {e.key for e in builder.entries()}
 
@@ -187,25 +198,19 @@ def test_a_budget_warns_of_entries_in_use_only_when_they_leave_the_root_over_it(
     fits: nothing to warn of. Under a budget that fits one, the root stays over it for the
     held entry: a warning, which a quiet call says too."""
     root = tmp_path / "root"
-    with subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=_env(),
-                          stdout=subprocess.PIPE, text=True) as holder:
-        try:
-            key = holder.stdout.readline().strip()
-            assert key, "the holder made no entry"
-            quiet = cachekit.Cache(root, max_size="500K", workers=1, progress=False)
-            second = quiet.map(_row, _column(10_000)).key
-            quiet.map(_row, _column(11_000))
-            assert second not in {e.key for e in quiet.entries()}  # evicted in the held one's place
-            assert key in {e.key for e in quiet.entries()}
-            assert "cache budget" not in capsys.readouterr().err
-            quiet = cachekit.Cache(root, max_size="250K", workers=1, progress=False)
-            quiet.map(_row, _column(12_000))
-            said = capsys.readouterr().err
-            assert "cache budget 250 KB: the root holds 4" in said
-            assert "1 entry (" in said and "that live processes use stay until no process " \
-                                           "holds them" in said
-        finally:
-            holder.kill()
+    with _holding(root) as (holder, key):
+        quiet = cachekit.Cache(root, max_size="500K", workers=1, progress=False)
+        second = quiet.map(_row, _column(10_000)).key
+        quiet.map(_row, _column(11_000))
+        assert second not in {e.key for e in quiet.entries()}  # evicted in the held one's place
+        assert key in {e.key for e in quiet.entries()}
+        assert "cache budget" not in capsys.readouterr().err
+        quiet = cachekit.Cache(root, max_size="250K", workers=1, progress=False)
+        quiet.map(_row, _column(12_000))
+        said = capsys.readouterr().err
+        assert "cache budget 250 KB: the root holds 4" in said
+        assert "1 entry (" in said and "that live processes use stay until no process " \
+                                       "holds them" in said
 
 
 def test_spawn_workers_of_a_later_epoch_read_the_entry_another_process_budget_would_evict(
