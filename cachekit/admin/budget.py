@@ -31,10 +31,11 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
     in_use = [s.item for s in report.skipped if s.reason == holds.IN_USE]
     if in_use and left > max_size:
         held = units.format_size(sum(item.bytes for item in in_use))
+        one = len(in_use) == 1
         say(f"cache budget {units.format_size(max_size)}: the root holds "
-            f"{units.format_size(left)}; {len(in_use)} entr"
-            f"{'y' if len(in_use) == 1 else 'ies'} ({held}) that live processes use stay "
-            "until no process holds them", always=True)
+            f"{units.format_size(left)}; live processes use {len(in_use)} "
+            f"entr{'y' if one else 'ies'} ({held}) of it, kept until no process holds "
+            f"{'it' if one else 'them'}", always=True)
     size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
