@@ -73,7 +73,7 @@ def worker(root: str, seconds: float, log: Path, budget: str) -> None:
     warnings.simplefilter("ignore")  # a failed background upload warns; it is counted apart
     rng = random.Random(os.getpid())
     cache = cachekit.Cache(root, max_size=budget, workers=1, progress=False)
-    pool, held, counts = columns(), [], {}
+    pool, held, counts = columns(), [], {"uid": os.getuid()}  # (whose worker: --team)
     end = time.time() + seconds
 
     def count(what: str, failure: str = "") -> None:
@@ -250,10 +250,12 @@ class Probes:
 def report(logs: list[Path], probes: Probes, kills: int, seconds: float) -> int:
     totals: dict[str, int] = {}
     failures = list(probes.failures)
+    uids: set[int] = set()
     for log in logs:
         if log.exists():
             counts = json.loads(log.read_text())
             failures += counts.pop("failures", [])
+            uids.add(counts.pop("uid"))
             for what, n in counts.items():
                 totals[what] = totals.get(what, 0) + n
         said = log.with_suffix(".err").read_text(errors="replace")
@@ -262,6 +264,7 @@ def report(logs: list[Path], probes: Probes, kills: int, seconds: float) -> int:
             totals["failed background upload"] = totals.get("failed background upload", 0) + uploads
     print(f"soak: {seconds:.0f} s, {len(logs)} worker processes, {kills} SIGKILLed"
           + (f", {probes.runs} runs of the remote prober" if probes.runs else ""))
+    print(f"worker uids: {', '.join(map(str, sorted(uids)))}")
     print("| what | count |\n|---|---:|")
     for what, n in sorted(totals.items()):
         print(f"| {what} | {n} |")

@@ -7,6 +7,7 @@ failure here, never a skip.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,5 @@ def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| built |" in result.stdout and result.stdout.rstrip().endswith("no failures")
+    uids = f"{users.VICTIM_UID}, {users.ATTACKER_UID}" if mode else str(os.getuid())
+    assert f"worker uids: {uids}\n" in result.stdout  # --team: each plain uid ran workers
