@@ -25,6 +25,7 @@ import fcntl
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -45,24 +46,28 @@ _count_guard = threading.RLock()  # (a collected Hold may close inside another's
 
 
 class Hold:
-    """A shared lock on one entry directory, released by :meth:`close` or collection."""
+    """A shared lock on one entry directory, released by :meth:`close`, by collection, or
+    at interpreter exit. The release is a ``weakref.finalize``: exit runs it while modules
+    still stand, where a ``__del__`` of an Entry left in a global would find this module's
+    names already gone (and print a traceback at the end of every such script)."""
 
     def __init__(self, fd: int) -> None:
         global _count
         self.fd = fd
         with _count_guard:
             _count += 1
+        self._release = weakref.finalize(self, _release, fd)
 
     def close(self) -> None:
-        global _count
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-            with _count_guard:
-                _count -= 1
+        self.fd = -1
+        self._release()
 
-    def __del__(self) -> None:
-        self.close()
+
+def _release(fd: int) -> None:
+    global _count
+    os.close(fd)
+    with _count_guard:
+        _count -= 1
 
 
 def hold(entry_dir: Path) -> Optional[Hold]:

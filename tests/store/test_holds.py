@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from cachekit import _fs
@@ -67,3 +69,19 @@ def test_a_process_holds_at_most_max_holds_entries_at_once_and_says_so_once(
         and " d and the others" in said[0]
     taken.pop().close()
     assert holds.hold(tmp_path / "d") is not None
+
+
+def test_a_script_that_keeps_entries_in_globals_ends_without_a_word(tmp_path, cover_paths):
+    """An Entry (and its Dataset) left in a script's globals is released at exit, with
+    torch imported too, which makes its module's names go before the Entry does."""
+    root = tmp_path / "cache"
+    script = (
+        "import torch, cachekit\n"
+        f"cache = cachekit.Cache({str(root)!r}, progress=False)\n"
+        f"full = cache.images({cover_paths!r}, size=8)\n"
+        f"fold = cache.images({cover_paths[3:]!r}, size=8)  # a derived entry\n"
+        "dataset = fold.dataset()\n"
+        "assert not fold.contiguous and len(dataset) == 9\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stderr) == (0, "")
