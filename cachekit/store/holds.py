@@ -12,9 +12,10 @@ next epoch would find it gone.
 The kernel drops a lock with the last descriptor of its holder: when the Entry is
 collected, or the process ends (SIGKILL too), so a hold never outlives its holder. Holds
 are seen by the processes of one machine (Linux's NFS client keeps a directory's flock
-local); where flock fails, nothing is held, and removals work as they would without
-holds. A process holds at most :data:`MAX_HOLDS` entries at once (a descriptor each); the
-ones it opens beyond are not held, which it says once.
+local), so each hold also keeps a record that other machines see (:mod:`hold_records`).
+Where flock fails, nothing is held, and removals work as they would without holds. A
+process holds at most :data:`MAX_HOLDS` entries at once (a descriptor each); the ones it
+opens beyond are not held, which it says once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Iterable, Iterator, Optional
 
 from .. import _fs
 from ..messages import say
+from . import hold_records
 from .layout import Layout
 
 MAX_HOLDS = 256
@@ -46,25 +48,33 @@ _count_guard = threading.RLock()  # (a collected Hold may close inside another's
 
 
 class Hold:
-    """A shared lock on one entry directory, released by :meth:`close`, by collection, or
-    at interpreter exit. The release is a ``weakref.finalize``: exit runs it while modules
-    still stand, where a ``__del__`` of an Entry left in a global would find this module's
-    names already gone (and print a traceback at the end of every such script)."""
+    """A shared lock on one entry directory and its record for other machines, released by
+    :meth:`close`, by collection, or at interpreter exit. The release is a
+    ``weakref.finalize``: exit runs it while modules still stand, where a ``__del__`` of an
+    Entry left in a global would find this module's names already gone (and print a
+    traceback at the end of every such script)."""
 
     def __init__(self, fd: int) -> None:
         global _count
         self.fd = fd
         with _count_guard:
             _count += 1
-        self._release = weakref.finalize(self, _release, fd)
+        self._records: list[hold_records.Record] = []
+        self._release = weakref.finalize(self, _release, fd, self._records)
+
+    def keep_record(self, entry_dir: Path) -> None:
+        """Show the hold to other machines too (:mod:`cachekit.store.hold_records`)."""
+        self._records.append(hold_records.record(entry_dir))
 
     def close(self) -> None:
         self.fd = -1
         self._release()
 
 
-def _release(fd: int) -> None:
+def _release(fd: int, records: list[hold_records.Record]) -> None:
     global _count
+    for made in records:
+        made.remove()
     os.close(fd)
     with _count_guard:
         _count -= 1
@@ -94,6 +104,7 @@ def hold(entry_dir: Path) -> Optional[Hold]:
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            taken.keep_record(entry_dir)
             return taken
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) or time.monotonic() > deadline:
@@ -106,15 +117,26 @@ def hold(entry_dir: Path) -> Optional[Hold]:
 @contextlib.contextmanager
 def unheld(entries: _fs.DirHandle, key: str) -> Iterator[bool]:
     """Whether no live process holds the entry ``entries/KEY``, kept so while the block
-    runs (the entry locked exclusively: a process that opens it meanwhile waits for the
-    block, or holds nothing). True also when it cannot tell (flock fails there) or the
-    entry is gone: the caller then removes as it would without holds."""
+    runs on this machine (the entry locked exclusively: a process here that opens it
+    meanwhile waits for the block, or holds nothing). True also when it cannot tell (flock
+    fails there) or the entry is gone: the caller then removes as it would without holds.
+    A process of another machine holds it by its record (:mod:`hold_records`), which one
+    that opens it in the same instant may make only as the block runs."""
+    with _here(entries, key) as free:
+        yield free is None or (
+            free and not hold_records.held_elsewhere(Layout(entries.path.parent), [key]))
+
+
+@contextlib.contextmanager
+def _here(entries: _fs.DirHandle, key: str) -> Iterator[Optional[bool]]:
+    """Whether no process of this machine holds the entry ``entries/KEY`` (as
+    :func:`unheld` keeps it); None when it is gone."""
     try:
         folder: Optional[_fs.DirHandle] = entries.child(key)
     except OSError:
         folder = None
     with folder if folder is not None else contextlib.nullcontext():
-        yield folder is None or _locked(folder, entries, key)
+        yield None if folder is None else _locked(folder, entries, key)
 
 
 def _locked(folder: _fs.DirHandle, entries: _fs.DirHandle, key: str) -> bool:
@@ -165,10 +187,12 @@ def in_use(layout: Layout, keys: Iterable[str]) -> set[str]:
     entries = layout.open_folder_if_any("entries")
     if entries is None:
         return set()
-    found = set()
+    keys = list(keys)
+    found = hold_records.held_elsewhere(layout, keys)
     with entries:
         for key in keys:
-            with unheld(entries, key) as free:
-                if not free:
-                    found.add(key)
+            if key not in found:
+                with _here(entries, key) as free:
+                    if free is False:
+                        found.add(key)
     return found

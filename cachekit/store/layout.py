@@ -18,6 +18,8 @@
       locks/KEY.failed.json            the rows of the last failed build, for its waiters
       locks/KEY.stale.json             files of entry KEY that changed since its build
       locks/listing.UID.json           what user UID's last ``ls`` read of each manifest
+      holds/KEY.HOST.PID.UUID          a live process holds entry KEY (see hold_records),
+                                       its mtime a heartbeat
 """
 
 from __future__ import annotations

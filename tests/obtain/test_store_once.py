@@ -624,10 +624,11 @@ def test_a_part_not_named_by_its_checksum_is_corrupt(cache, pictures):
 
 
 def root_file_bytes(root: Path) -> int:
-    """Bytes of every file of the root but the lock files, each file once (as ``du``)."""
+    """Bytes of every file of the root but the lock files and hold records, each file once
+    (as ``du``)."""
     unique = {}
     for path in root.rglob("*"):
-        if path.is_file() and path.parent.name != "locks":
+        if path.is_file() and path.parent.name not in ("locks", "holds"):
             st = path.lstat()
             unique[(st.st_dev, st.st_ino)] = st.st_size
     return sum(unique.values())

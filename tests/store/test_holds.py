@@ -4,14 +4,17 @@ included, and a process holds at most MAX_HOLDS entries at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import hosts
 from cachekit import _fs
-from cachekit.store import holds
+from cachekit.store import hold_records, holds
 
 
 def _free(entries: Path, key: str) -> bool:
@@ -32,6 +35,22 @@ def test_a_hold_keeps_an_entry_in_use_until_it_is_closed(tmp_path):
     del again  # collected: released
     assert _free(tmp_path, "KEY") and holds.holders(tmp_path / "KEY") == []
     assert _free(tmp_path, "GONE")  # nothing to hold back a removal that finds nothing
+
+
+def test_a_hold_kept_past_a_quarter_lease_shows_in_a_beating_record_until_let_go(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "4")  # a beat a second
+    (tmp_path / "entries" / "KEY").mkdir(parents=True)
+    records = tmp_path / hold_records.FOLDER
+    taken = holds.hold(tmp_path / "entries" / "KEY")
+    assert not records.exists()  # a hit writes nothing
+    (record,) = hosts.wait_for(lambda: records.exists() and list(records.iterdir()),
+                               timeout=30, what="the record")
+    assert record.name.startswith("KEY.") and json.loads(record.read_text())["pid"] == os.getpid()
+    written = record.stat().st_mtime
+    hosts.wait_for(lambda: record.stat().st_mtime > written, timeout=30, what="a beat")
+    taken.close()
+    assert list(records.iterdir()) == []
 
 
 def test_a_forked_child_keeps_the_hold_its_parent_let_go_until_it_ends(tmp_path):
@@ -85,3 +104,62 @@ def test_a_script_that_keeps_entries_in_globals_ends_without_a_word(tmp_path, co
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+HOLDER = """
+import fcntl, sys, time
+import cachekit
+from cachekit.store import holds
+
+class Unseen:  # Linux's NFS client keeps a directory's flock to the machine that takes it
+    LOCK_SH, LOCK_EX, LOCK_NB = fcntl.LOCK_SH, fcntl.LOCK_EX, fcntl.LOCK_NB
+    flock = staticmethod(lambda fd, operation: None)
+
+holds.fcntl = Unseen
+entry = cachekit.Cache(sys.argv[1], progress=False).images(sys.argv[2:], size=8)
+print(entry.key, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_entry_a_process_of_another_host_holds_stays_until_its_record_stops_beating(
+        two_hosts, cover_paths):
+    """host-a trains on an entry, its flock unseen by host-b (as on NFS). host-b's prune
+    and ``ls`` see the entry in use while host-a's record beats. Once the holder is killed,
+    its record stays behind: host-a's own prune takes the entry at once (its host's records
+    are left to the flock), host-b's once the record is older than the lease (2 s here)."""
+    a, b = two_hosts
+    lease = {"CACHEKIT_LOCK_LEASE": "2"}
+    prune = ("prune", "--max-size", "0", "--yes")
+
+    def hold_on_a() -> tuple[hosts.HostProcess, Path]:
+        holder = a.python(HOLDER, a.root, *cover_paths, env=lease)
+        key = holder.stdout.readline().strip()
+        assert (a.root / "entries" / key).is_dir(), hosts.finish(holder).failure()
+        return holder, a.root / "entries" / key
+
+    def kill(holder: hosts.HostProcess) -> Path:
+        (record,) = hosts.wait_for(lambda: list((a.root / hold_records.FOLDER).iterdir()),
+                                   timeout=30, what="the holder's record", watch=[holder])
+        holder.kill_group()
+        holder.reap()
+        assert record.exists()  # a killed holder's record stays behind
+        return record
+
+    holder, entry = hold_on_a()
+    time.sleep(2.5)  # longer than the lease: the record (written at 0.5 s) beats
+    kept = hosts.finish(b.cli(*prune, env=lease))
+    assert kept.ok and entry.is_dir(), kept.failure()
+    assert f"skipping {entry.name}: in use by a live process" in kept.stdout, kept.failure()
+    listed = hosts.finish(b.cli("ls", "--json", env=lease))
+    assert [e["in_use"] for e in json.loads(listed.stdout)] == [True]
+    kill(holder)
+    removed = hosts.finish(a.cli(*prune, env=lease))
+    assert removed.ok and not entry.exists(), removed.failure()
+
+    holder, entry = hold_on_a()
+    record = kill(holder)
+    hosts.wait_for(lambda: time.time() - record.stat().st_mtime > 2.1, timeout=30,
+                   what="the killed holder's record to outlive the lease")
+    removed = hosts.finish(b.cli(*prune, env=lease))
+    assert removed.ok and not entry.exists(), removed.failure()

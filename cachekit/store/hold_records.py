@@ -1,0 +1,137 @@
+"""Holds that other machines see: a record per held entry in ``ROOT/holds/``, its mtime a
+heartbeat.
+
+A hold (:mod:`cachekit.store.holds`) is a flock on the entry's directory, which the
+processes of one machine see, but Linux's NFS client keeps a directory's flock to the
+machine that took it. So each hold also keeps a record, ``holds/KEY.HOST.PID.UUID``: its
+owner as :func:`cachekit.processes.owner` writes it, written a lease / 4 after the hold
+was taken (a hit writes nothing) and its mtime refreshed as often by the process's
+heartbeat timer, removed as the hold is let go. A removal of unused entries passes over
+an entry that another host's record shows alive by the rule of :mod:`cachekit.liveness`
+(a heartbeat younger than the lease). This host's records are left to the flock, which
+tells exactly: a record that a killed process left holds nothing back here, and on
+another host for one lease at most.
+
+A record that cannot be written (a root this user cannot write, a ``holds`` folder that
+is a symlink) is not: the hold is then seen on its machine only, and so is a hold in its
+first lease / 4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from .. import _fs, file_modes, liveness, processes
+from ..errors import CacheCorruptError
+from .layout import Layout
+
+FOLDER = "holds"
+_RECORD_LIMIT = 4096
+"""Bytes of a record read at most: an owner is about a hundred."""
+
+
+class Record:
+    """This process's record of one hold, written by the heartbeat's first beat, a lease /
+    4 after the hold was taken, and refreshed by each beat until :meth:`remove`.
+
+    A hit thus writes nothing (a process that lets its entry go sooner writes no record),
+    and no descriptor of the record stays open: a root's filesystem can still be
+    remounted read-only under a process that holds an entry of it."""
+
+    def __init__(self, layout: Layout, key: str) -> None:
+        self.pid = os.getpid()
+        self.layout = layout
+        self.name = f"{key}.{_fs.unique_suffix()}"
+        self.made: Optional[tuple[int, int]] = None
+        """(device, inode) of the record once written."""
+        self.heartbeat = liveness.Heartbeat(self._beat).start(at_once=False)
+
+    def _beat(self) -> None:
+        """Write the record, or refresh it; write it again when a removal took it for a
+        dead one (this process was paused for longer than a lease)."""
+        with contextlib.suppress(OSError, CacheCorruptError), \
+                self.layout.open_folder(FOLDER, create=True) as folder:
+            if self.made is not None and self._ours(folder):
+                os.utime(self.name, dir_fd=folder.fd, follow_symlinks=False)
+                return
+            fd = folder.create(self.name, file_modes.file_mode())  # (the group reads it)
+            try:
+                os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            self.made = st.st_dev, st.st_ino
+
+    def _ours(self, folder: _fs.DirHandle) -> bool:
+        try:
+            st = folder.lstat(self.name)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.made
+
+    def remove(self) -> None:
+        """Stop beating and remove the record, if it is still this process's own (a forked
+        child, such as a DataLoader worker, leaves its parent's record alone)."""
+        self.heartbeat.stop()
+        if self.made is None or os.getpid() != self.pid:
+            return
+        with contextlib.suppress(OSError, CacheCorruptError), \
+                self.layout.open_folder(FOLDER) as folder:
+            if self._ours(folder):
+                folder.unlink(self.name)
+
+
+def record(entry_dir: Path) -> Record:
+    """A record of this process's hold of the entry at ``entry_dir`` (``ROOT/entries/KEY``)."""
+    return Record(Layout(entry_dir.parent.parent), entry_dir.name)
+
+
+def held_elsewhere(layout: Layout, keys: Iterable[str]) -> set[str]:
+    """Which of the entries ``keys`` a live process of another host holds, by its record."""
+    wanted = set(keys)
+    held = set()
+    for folder, name, key in _records(layout):
+        if key in wanted and key not in held:
+            owner = _owner(folder, name)
+            if owner is not None and owner[0].get("host") != _fs.host() \
+                    and liveness.is_alive(*owner):
+                held.add(key)
+    return held
+
+
+def forget(layout: Layout, key: str) -> None:
+    """Remove the records of the entry ``key`` whose processes are gone (killed: a process
+    removes its own as it lets go) or show no heartbeat for a lease: a removal of the
+    entry takes them with it. (A holder only paused writes its record again.)"""
+    for folder, name, found in _records(layout):
+        if found == key:
+            owner = _owner(folder, name)
+            if owner is None or not liveness.is_alive(*owner):
+                with contextlib.suppress(OSError):
+                    folder.unlink(name)
+
+
+def _records(layout: Layout) -> Iterator[tuple[_fs.DirHandle, str, str]]:
+    """Each record of the root ``layout``: the open folder, its name, the key it holds."""
+    try:
+        folder = layout.open_folder(FOLDER)
+    except (OSError, CacheCorruptError):
+        return
+    with folder:
+        for name in folder.names():
+            yield folder, name, name.partition(".")[0]
+
+
+def _owner(folder: _fs.DirHandle, name: str) -> Optional[tuple[dict[str, Any], float]]:
+    """The owner a record names and its last heartbeat; None when it is gone or no record."""
+    try:
+        with folder.open_file(name) as f:
+            owner = json.loads(f.read(_RECORD_LIMIT))
+            beat = os.fstat(f.fileno()).st_mtime
+    except (OSError, ValueError, CacheCorruptError):
+        return None
+    return (owner, beat) if isinstance(owner, dict) else None
