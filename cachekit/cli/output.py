@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from .. import processes, units
 from ..admin.inspect import SHORT_KEY, Problem, ago, local_time
 from ..messages import printable, write_line
-from ..store import holds
+from ..store import hold_records, holds
+from ..store.layout import Layout
 
 __all__ = ["SHORT_KEY", "SORTS", "ByteProgress", "ago", "clear_advice", "count", "fail", "fields",
            "file_fields", "holders", "joined_by", "listing", "other_versions", "printable",
@@ -165,6 +166,10 @@ class ByteProgress:
 
 def holders(path: Path) -> str:
     """Who holds the entry at ``path`` (:mod:`cachekit.store.holds`): ``pid 4242
-    (python), ...`` as far as this machine's kernel tells; "" when it does not."""
-    named = [(pid, processes.process_name(pid)) for pid in holds.holders(path)]
-    return ", ".join(f"pid {pid}" + (f" ({name})" if name else "") for pid, name in named)
+    (python), pid 77 on gpu-2, ...``, as far as this machine's kernel and other machines'
+    records tell; "" when they do not."""
+    named = [f"pid {pid}" + (f" ({name})" if name else "")
+             for pid, name in ((pid, processes.process_name(pid)) for pid in holds.holders(path))]
+    named += [f"pid {pid} on {host}" for host, pid in
+              hold_records.holders_elsewhere(Layout(path.parent.parent), path.name)]
+    return ", ".join(named)

@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .. import _fs, file_modes, liveness, processes
 from ..errors import CacheCorruptError
@@ -93,14 +93,25 @@ def record(entry_dir: Path) -> Record:
 def held_elsewhere(layout: Layout, keys: Iterable[str]) -> set[str]:
     """Which of the entries ``keys`` a live process of another host holds, by its record."""
     wanted = set(keys)
-    held = set()
+    return {key for key, _ in _alive_elsewhere(layout, lambda key: key in wanted)}
+
+
+def holders_elsewhere(layout: Layout, key: str) -> list[tuple[str, int]]:
+    """(host, pid) of each live process of another host that holds the entry ``key``."""
+    return sorted((str(owner.get("host")), owner.get("pid", 0))
+                  for _, owner in _alive_elsewhere(layout, lambda found: found == key))
+
+
+def _alive_elsewhere(layout: Layout, wanted: Callable[[str], bool]
+                     ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(key, owner) of each record of another host's live process that holds a key
+    ``wanted`` says yes to."""
     for folder, name, key in _records(layout):
-        if key in wanted and key not in held:
+        if wanted(key):
             owner = _owner(folder, name)
             if owner is not None and owner[0].get("host") != _fs.host() \
                     and liveness.is_alive(*owner):
-                held.add(key)
-    return held
+                yield key, owner[0]
 
 
 def forget(layout: Layout, key: str) -> None:

@@ -150,9 +150,12 @@ def test_an_entry_a_process_of_another_host_holds_stays_until_its_record_stops_b
     time.sleep(2.5)  # longer than the lease: the record (written at 0.5 s) beats
     kept = hosts.finish(b.cli(*prune, env=lease))
     assert kept.ok and entry.is_dir(), kept.failure()
-    assert f"skipping {entry.name}: in use by a live process" in kept.stdout, kept.failure()
+    said = f"skipping {entry.name}: in use by a live process (pid {holder.pid} on host-a)"
+    assert said in kept.stdout, kept.failure()
     listed = hosts.finish(b.cli("ls", "--json", env=lease))
     assert [e["in_use"] for e in json.loads(listed.stdout)] == [True]
+    told = hosts.finish(b.cli("info", entry.name, env=lease))
+    assert f"by pid {holder.pid} on host-a: `prune`" in told.stdout, told.failure()
     kill(holder)
     removed = hosts.finish(a.cli(*prune, env=lease))
     assert removed.ok and not entry.exists(), removed.failure()
