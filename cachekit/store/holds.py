@@ -120,8 +120,8 @@ def unheld(entries: _fs.DirHandle, key: str) -> Iterator[bool]:
     runs on this machine (the entry locked exclusively: a process here that opens it
     meanwhile waits for the block, or holds nothing). True also when it cannot tell (flock
     fails there) or the entry is gone: the caller then removes as it would without holds.
-    A process of another machine holds it by its record (:mod:`hold_records`), which one
-    that opens it in the same instant may make only as the block runs."""
+    A process of another machine holds it by its record (:mod:`hold_records`), from a
+    lease / 4 after it took the entry."""
     with _here(entries, key) as free:
         yield free is None or (
             free and not hold_records.held_elsewhere(Layout(entries.path.parent), [key]))
