@@ -4,6 +4,7 @@
     python benchmarks/soak.py --remote --seconds 600    # two hosts' roots, one bucket
     python benchmarks/soak.py --quick                   # 30 s: checks the script
     python benchmarks/soak.py --team                    # two plain uids share the root (root)
+    python benchmarks/soak.py --hosts                   # two hosts share the root (root)
 
 The race tests in ``tests/`` aim at one race each; a soak runs them all at once, at length.
 Each worker loops over random calls on the cache, under a budget (``--budget``) so that
@@ -17,6 +18,11 @@ clear --remote --all``, ``verify --remote`` and ``ls --remote`` over and over; a
 ``verify --remote`` must find no problem. With ``--team`` (as root), the workers take turns
 between two plain uids of one group on a shared root (setgid, ``umask 002``), as a team
 shares one (the tests' :mod:`users`): each evicts, clears and prunes the other's entries.
+With ``--hosts`` (as root), they take turns between two simulated machines that share the
+root, each with a lock folder of its own (the tests' :mod:`hosts`: a network filesystem
+whose locks work within one machine, as ``localflock`` mounts; set ``CACHEKIT_LOCK=soft``
+for the lock made for them): a build lock, a hold and a heartbeat of one are unseen by the
+other's flock, and only their records tell.
 
 It prints what each worker did and every failure: a call that raised, a wrong byte, a
 problem ``verify`` found, a probe that failed; it exits 1 when there was any. A background
@@ -30,6 +36,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,7 +80,8 @@ def worker(root: str, seconds: float, log: Path, budget: str) -> None:
     warnings.simplefilter("ignore")  # a failed background upload warns; it is counted apart
     rng = random.Random(os.getpid())
     cache = cachekit.Cache(root, max_size=budget, workers=1, progress=False)
-    pool, held, counts = columns(), [], {"uid": os.getuid()}  # (whose worker: --team)
+    pool, held = columns(), []
+    counts = {"uid": os.getuid(), "host": socket.gethostname()}  # (--team, --hosts)
     end = time.time() + seconds
 
     def count(what: str, failure: str = "") -> None:
@@ -126,11 +134,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="30 s")
     parser.add_argument("--team", action="store_true",
                         help="two plain uids share one root (needs root)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="two simulated hosts share one root (needs root)")
     parser.add_argument("--worker", nargs=3, metavar=("ROOT", "SECONDS", "LOG"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.team and args.remote:
-        parser.error("--team soaks one shared root: leave out --remote")
+    if sum((args.team, args.remote, args.hosts)) > 1:
+        parser.error("choose one of --team, --remote and --hosts")
     if args.worker:
         root, seconds, log = args.worker
         return worker(root, float(seconds), Path(log), args.budget)
@@ -157,7 +167,8 @@ def supervise(base: Path, seconds: float, args: argparse.Namespace) -> int:
     end = time.time() + seconds
     logs: list[Path] = []
     procs: dict[int, subprocess.Popen] = {}
-    launch, shared_root, logs_in = team(base) if args.team else (_as_is, None, base)
+    launch, shared_root, logs_in = team(base) if args.team else \
+        machines(base) if args.hosts else (_as_is, None, base)
 
     def start(i: int) -> None:
         root = shared_root or base / ("b" if args.remote and i % 2 else "a")
@@ -222,6 +233,25 @@ def team(base: Path) -> tuple[Launch, Path, Path]:
     return launch, shared.root, shared.work
 
 
+def machines(base: Path) -> tuple[Launch, Path, Path]:
+    """Lay out two simulated hosts sharing a root under ``base``; return how a worker runs
+    on one of them (by turns), the root, and the folder both may write their logs into."""
+    import hosts
+
+    why_not = hosts.why_no_hosts()
+    if why_not is not None:
+        raise SystemExit(f"soak: --hosts: {why_not}")
+    pair = hosts.make_hosts(base, ("host-a", "host-b"))
+    settings = {k: v for k, v in os.environ.items() if k.startswith("CACHEKIT_")}
+
+    def launch(i: int, command: list[str]) -> tuple[list[str], Optional[dict[str, str]]]:
+        host = pair[i % 2]
+        return (hosts.namespace_argv(host.name, host.private_locks, host.root / "locks",
+                                     command), hosts.child_env(settings))
+
+    return launch, pair[0].root, pair[0].work
+
+
 def cachekit_cli(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cachekit", "--root", str(root), *args],
                           capture_output=True, text=True)
@@ -251,11 +281,13 @@ def report(logs: list[Path], probes: Probes, kills: int, seconds: float) -> int:
     totals: dict[str, int] = {}
     failures = list(probes.failures)
     uids: set[int] = set()
+    names: set[str] = set()
     for log in logs:
         if log.exists():
             counts = json.loads(log.read_text())
             failures += counts.pop("failures", [])
             uids.add(counts.pop("uid"))
+            names.add(counts.pop("host"))
             for what, n in counts.items():
                 totals[what] = totals.get(what, 0) + n
         said = log.with_suffix(".err").read_text(errors="replace")
@@ -264,7 +296,7 @@ def report(logs: list[Path], probes: Probes, kills: int, seconds: float) -> int:
             totals["failed background upload"] = totals.get("failed background upload", 0) + uploads
     print(f"soak: {seconds:.0f} s, {len(logs)} worker processes, {kills} SIGKILLed"
           + (f", {probes.runs} runs of the remote prober" if probes.runs else ""))
-    print(f"worker uids: {', '.join(map(str, sorted(uids)))}")
+    print(f"worker uids: {', '.join(map(str, sorted(uids)))}; hosts: {', '.join(sorted(names))}")
     print("| what | count |\n|---|---:|")
     for what, n in sorted(totals.items()):
         print(f"| {what} | {n} |")

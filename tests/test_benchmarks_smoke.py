@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import hosts
 import users
 
 RUN_PY = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
@@ -225,19 +227,22 @@ def test_the_listing_benchmark_times_ls_at_each_count(tmp_path: Path, monkeypatc
     assert "| 30 | " in result["table"] and (tmp_path / "l.json").exists()
 
 
-@pytest.mark.parametrize("mode", [[], ["--team"]], ids=["one-user", "team"])
+@pytest.mark.parametrize("mode", [[], ["--team"], ["--hosts"]], ids=["one-user", "team", "hosts"])
 def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path,
                                                                  mode: list[str]) -> None:
     """``benchmarks/soak.py`` for 10 s with two workers (with ``--team``, two plain uids on
-    a shared root): each call is counted, and nothing failed (a failure makes it exit 1 and
-    print it)."""
-    reason = users.why_no_two_uids() if mode else None
+    a shared root; with ``--hosts``, two simulated hosts): each call is counted, and nothing
+    failed (a failure makes it exit 1 and print it)."""
+    reason = {"--team": users.why_no_two_uids, "--hosts": hosts.why_no_hosts}.get(
+        next(iter(mode), ""), lambda: None)()
     if reason is not None:
-        pytest.skip(reason)  # as the shared_root fixture does (CI runs as root: it runs)
+        pytest.skip(reason)  # as the fixtures do (CI runs as root: it runs)
     result = subprocess.run([sys.executable, str(RUN_PY.with_name("soak.py")),
                              "--seconds", "10", "--workers", "2", *mode], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| built |" in result.stdout and result.stdout.rstrip().endswith("no failures")
-    uids = f"{users.VICTIM_UID}, {users.ATTACKER_UID}" if mode else str(os.getuid())
-    assert f"worker uids: {uids}\n" in result.stdout  # --team: each plain uid ran workers
+    uids = f"{users.VICTIM_UID}, {users.ATTACKER_UID}" if mode == ["--team"] \
+        else str(os.getuid())
+    names = "host-a, host-b" if mode == ["--hosts"] else socket.gethostname()
+    assert f"worker uids: {uids}; hosts: {names}\n" in result.stdout  # who ran workers
