@@ -156,7 +156,8 @@ class Cache:
         template = ((options.MODES[mode], height, width), np.dtype(np.uint8))
         entry = self._rows(RowCall("images", paths, row, params, material, template, on_error,
                                    contiguous))
-        entry._labels = paths  # what entry.show() writes under each row (never pickled)
+        entry._labels = paths.array  # what entry.show() writes under row i: the i-th path
+        # (by position, whatever the Series' index; never pickled)
         return entry
 
     def map(self, fn: Callable[[Any], Any], values: Any, *,

@@ -72,6 +72,18 @@ def test_entry_show_draws_the_same_tiles_and_names_each_path(tmp_path, entry):
     assert not np.array_equal(labelled, np.asarray(Image.open(unlabelled).convert("RGB")))
 
 
+def test_entry_show_names_rows_by_position_whatever_the_columns_index(tmp_path, entry):
+    """A column cut from a DataFrame keeps its index labels (here 100-123): row 0 is the
+    column's first path all the same."""
+    built, paths = entry
+    cut = pd.Series(paths, index=range(100, 124))
+    again = cachekit.Cache(tmp_path / "cache", progress=False).images(cut, (20, 28),
+                                                                      backend="pil")
+    assert again.key == built.key
+    np.testing.assert_array_equal(np.asarray(again.show(rows=[0, 23]).convert("RGB")),
+                                  np.asarray(built.show(rows=[0, 23]).convert("RGB")))
+
+
 def test_a_grayscale_entry_and_bad_requests(tmp_path, cover_paths):
     gray = cachekit.Cache(tmp_path / "cache", progress=False).images(
         cover_paths[:4], 16, mode="L", backend="pil")
