@@ -180,13 +180,19 @@ class _Timer:
     def _run(self) -> None:
         with self._changed:
             while True:
-                now = time.monotonic()
-                for heartbeat, due in list(self._due.items()):
-                    if due <= now:
-                        heartbeat.beat_now()
-                        self._due[heartbeat] = now + heartbeat.interval
-                soonest = min(self._due.values(), default=now + self.IDLE_SECONDS)
+                soonest = self._beat_due(time.monotonic())
                 self._changed.wait(max(0.0, soonest - time.monotonic()))
+
+    def _beat_due(self, now: float) -> float:
+        """Beat each heartbeat due at ``now``; when the next one is due. A heartbeat that
+        a beat stopped (on this thread: a collection during a beat finalizes an Entry,
+        whose hold record stops beating) is neither beaten nor scheduled again."""
+        for heartbeat, due in list(self._due.items()):
+            if due <= now and heartbeat in self._due:
+                heartbeat.beat_now()
+                if heartbeat in self._due:
+                    self._due[heartbeat] = now + heartbeat.interval
+        return min(self._due.values(), default=now + self.IDLE_SECONDS)
 
 
 def _new_timer() -> None:

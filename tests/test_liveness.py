@@ -89,6 +89,20 @@ def test_a_heartbeat_runs_any_beat_on_its_timer_and_none_after_stop():
     beat.stop()  # idempotent
 
 
+def test_a_heartbeat_stopped_by_another_beat_of_its_round_beats_no_more(monkeypatch):
+    """A beat may stop another heartbeat on the timer's own thread: a collection during a
+    beat finalizes an Entry, whose hold record stops beating. The round that has both due
+    must neither beat it nor schedule it again (it would beat for good)."""
+    timer = liveness._Timer()  # driven by hand: no thread
+    monkeypatch.setattr(liveness, "_timer", timer)
+    beaten = []
+    first = liveness.Heartbeat(lambda: (beaten.append("first"), second.stop()), lease=4)
+    second = liveness.Heartbeat(lambda: beaten.append("second"), lease=4)
+    timer._due.update({first: 0.0, second: 0.0})  # both due, the first one first
+    assert timer._beat_due(1.0) == 2.0  # the first's next beat: a lease / 4 on
+    assert beaten == ["first"] and list(timer._due) == [first]
+
+
 @pytest.mark.parametrize("may_block", [False, True])
 def test_a_retargeted_heartbeat_beats_only_its_new_beat(may_block):
     old: list[float] = []
