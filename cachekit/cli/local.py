@@ -101,9 +101,11 @@ def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> Non
         pairs.append(("in use", f"by {holders(e.path) or 'a live process'}: `prune`, budgets "
                                 "and `clear --older-than` pass over it"))
     manifest: dict[str, Any] = {}
+    contiguous = False
     if e.problem is None:
         try:
-            manifest = manifests.read(e.path).to_json()
+            read = manifests.read(e.path)
+            manifest, contiguous = read.to_json(), read.contiguous
         except (OSError, CachekitError):
             pass
     builder = manifest.get("builder")
@@ -115,7 +117,7 @@ def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> Non
     if e.params is not None:
         pairs += [(f"  {name}", json.dumps(value, sort_keys=True))
                   for name, value in sorted(e.params.items())]
-    pairs += _origin_pairs(e.origin, published)
+    pairs += _origin_pairs(e.origin, published, contiguous)
     fields(pairs)
     file_fields((f["name"], f["bytes"], f["checksum"]) for f in manifest.get("files") or [])
     failed = (manifest.get("failed_rows") or [])[:20]
@@ -125,21 +127,23 @@ def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> Non
         say(f"  ... and {e.failed_rows - len(failed)} more")
 
 
-def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str]
+def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], copied: bool
                   ) -> list[tuple[str, Any]]:
     """Where the entry's rows came from: decoded by its builder, by other processes, and
-    shared with which entries (in this root or not: removed since, or never here, as for an
+    shared with which entries, or ``copied`` from them into its one file (a contiguous
+    entry); those entries in this root or not (removed since, or never here, as for an
     entry pulled from a remote)."""
     if origin is None:
         return []
     reused = origin["reused"]
-    copied = sum(rows for _, rows in reused)
+    how = "copied from" if copied else "shared with"
     pairs: list[tuple[str, Any]] = [(
         "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
-                     f"other processes (joiners, resumed builds), {copied} shared with "
+                     f"other processes (joiners, resumed builds), "
+                     f"{sum(rows for _, rows in reused)} {how} "
                      f"{len(reused)} {'entry' if len(reused) == 1 else 'entries'}")]
     for key, rows in reused:
-        pairs.append((f"  shared with {key[:SHORT_KEY]}",
+        pairs.append((f"  {how} {key[:SHORT_KEY]}",
                       f"{rows} rows{'' if key in published else ' (not in this root)'}"))
     return pairs
 

@@ -507,6 +507,12 @@ def test_progress_says_how_many_rows_are_reused_and_info_where_they_came_from(
     assert "300 shared with 2 entries" in out
     assert re.search(f"shared with {a.key[:12]}: +200 rows\n", out)
     assert re.search(f"shared with {c.key[:12]}: +100 rows \\(not in this root\\)", out)
+    flat = cache.images(column(pictures, range(0, 100)), 8, contiguous=True)  # a's rows, copied
+    assert flat.contiguous and cli_main(["--root", str(cache_root), "info", flat.key]) == 0
+    out = capsys.readouterr().out
+    assert "100 copied from 1 entry" in out and "shared with" not in out
+    donor = re.search("copied from ([0-9a-f]{12}): +100 rows\n", out)
+    assert donor is not None and donor[1] in (a.key[:12], b.key[:12])
 
 
 def test_memoize_stays_whole_call(cache):
