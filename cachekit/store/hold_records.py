@@ -48,11 +48,14 @@ class Record:
         self.name = f"{key}.{_fs.unique_suffix()}"
         self.made: Optional[tuple[int, int]] = None
         """(device, inode) of the record once written."""
+        self.removed = False
         self.heartbeat = liveness.Heartbeat(self._beat).start(at_once=False)
 
     def _beat(self) -> None:
         """Write the record, or refresh it; write it again when a removal took it for a
         dead one (this process was paused for longer than a lease)."""
+        if self.removed:
+            return
         with contextlib.suppress(OSError, CacheCorruptError), \
                 self.layout.open_folder(FOLDER, create=True) as folder:
             if self.made is not None and self._ours(folder):
@@ -65,6 +68,8 @@ class Record:
             finally:
                 os.close(fd)
             self.made = st.st_dev, st.st_ino
+            if self.removed:  # meanwhile, on this thread: a collection let the hold go
+                folder.unlink(self.name)
 
     def _ours(self, folder: _fs.DirHandle) -> bool:
         try:
@@ -76,6 +81,7 @@ class Record:
     def remove(self) -> None:
         """Stop beating and remove the record, if it is still this process's own (a forked
         child, such as a DataLoader worker, leaves its parent's record alone)."""
+        self.removed = True
         self.heartbeat.stop()
         if self.made is None or os.getpid() != self.pid:
             return
