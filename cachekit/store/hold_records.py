@@ -102,9 +102,10 @@ def held_elsewhere(layout: Layout, keys: Iterable[str]) -> set[str]:
     return {key for key, _ in _alive_elsewhere(layout, lambda key: key in wanted)}
 
 
-def holders_elsewhere(layout: Layout, key: str) -> list[tuple[str, int]]:
-    """(host, pid) of each live process of another host that holds the entry ``key``."""
-    return sorted((str(owner.get("host")), owner.get("pid", 0))
+def holders_elsewhere(layout: Layout, key: str) -> list[tuple[str, str]]:
+    """(host, pid) of each live process of another host that holds the entry ``key``, as
+    its record says them (any JSON a group member wrote: shown, never used)."""
+    return sorted((str(owner.get("host")), str(owner.get("pid")))
                   for _, owner in _alive_elsewhere(layout, lambda found: found == key))
 
 

@@ -166,6 +166,11 @@ def test_an_entry_a_process_of_another_host_holds_stays_until_its_record_stops_b
     assert [e["in_use"] for e in json.loads(listed.stdout)] == [True]
     told = hosts.finish(b.cli("info", entry.name, env=lease))
     assert f"by pid {holder.pid} on host-a: `prune`" in told.stdout, told.failure()
+    planted = a.root / hold_records.FOLDER / f"{entry.name}.planted"  # by a group member
+    planted.write_text(json.dumps({"host": "host-a", "pid": "\x1b[2J"}))
+    told = hosts.finish(b.cli("info", entry.name, env=lease))
+    assert "by pid \\x1b[2J on host-a, pid" in told.stdout, told.failure()  # shown escaped
+    planted.unlink()
     kill(holder)
     removed = hosts.finish(a.cli(*prune, env=lease))
     assert removed.ok and not entry.exists(), removed.failure()
