@@ -44,7 +44,7 @@ class Record:
 
     def __init__(self, layout: Layout, key: str) -> None:
         self.pid = os.getpid()
-        self.layout = layout
+        self.layout, self.key = layout, key
         self.name = f"{key}.{_fs.unique_suffix()}"
         self.made: Optional[tuple[int, int]] = None
         """(device, inode) of the record once written."""
@@ -52,24 +52,39 @@ class Record:
         self.heartbeat = liveness.Heartbeat(self._beat).start(at_once=False)
 
     def _beat(self) -> None:
-        """Write the record, or refresh it; write it again when a removal took it for a
+        """Refresh the record, or write it; write it again when a removal took it for a
         dead one (this process was paused for longer than a lease)."""
         if self.removed:
             return
-        with contextlib.suppress(OSError, CacheCorruptError), \
-                self.layout.open_folder(FOLDER, create=True) as folder:
-            if self.made is not None and self._ours(folder):
-                os.utime(self.name, dir_fd=folder.fd, follow_symlinks=False)
-                return
-            fd = folder.create(self.name, file_modes.file_mode())  # (the group reads it)
+        with contextlib.suppress(OSError, CacheCorruptError):
+            if self.made is not None:
+                with self.layout.open_folder(FOLDER) as folder:
+                    if self._ours(folder):
+                        os.utime(self.name, dir_fd=folder.fd, follow_symlinks=False)
+                        return
+            self._write()
+
+    def _write(self) -> None:
+        """Write the record, in a ``holds`` folder made if need be, while the entry is
+        there: never in a root removed since (a beat would make it again), nor for an
+        entry removed since (which it would not protect)."""
+        with _fs.DirHandle.open(self.layout.root, follow=True) as root:
+            with root.child("entries") as entries:
+                entries.lstat(self.key)
             try:
-                os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            self.made = st.st_dev, st.st_ino
-            if self.removed:  # meanwhile, on this thread: a collection let the hold go
-                folder.unlink(self.name)
+                root.mkdir(FOLDER, file_modes.shared_dir_mode())
+            except FileExistsError:
+                pass
+            with root.child(FOLDER) as folder:
+                fd = folder.create(self.name, file_modes.file_mode())  # (the group reads it)
+                try:
+                    os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+                self.made = st.st_dev, st.st_ino
+                if self.removed:  # meanwhile, on this thread: a collection let the hold go
+                    folder.unlink(self.name)
 
     def _ours(self, folder: _fs.DirHandle) -> bool:
         try:

@@ -63,6 +63,24 @@ def test_a_hold_kept_past_a_quarter_lease_shows_in_a_beating_record_until_let_go
     assert list(records.iterdir()) == []
 
 
+def test_a_root_removed_under_a_holder_is_not_made_again_by_its_beats(
+        tmp_path, monkeypatch, cover_paths):
+    """``rm -rf`` of a root (a temporary directory's cleanup) while a process still holds
+    an entry of it: the hold's beats neither make the root again nor write into it."""
+    import shutil
+
+    import cachekit
+
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "0.4")  # a beat every 0.1 s
+    root = tmp_path / "cache"
+    entry = cachekit.Cache(root, progress=False).images(cover_paths, size=8)
+    hosts.wait_for(lambda: (root / hold_records.FOLDER).exists(), timeout=30,
+                   what="the record")
+    shutil.rmtree(root)
+    time.sleep(0.5)
+    assert not root.exists() and len(entry) == 12
+
+
 def test_a_forked_child_keeps_the_hold_its_parent_let_go_until_it_ends(tmp_path):
     (tmp_path / "KEY").mkdir()
     taken = holds.hold(tmp_path / "KEY")
