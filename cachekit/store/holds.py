@@ -54,27 +54,21 @@ class Hold:
     Entry left in a global would find this module's names already gone (and print a
     traceback at the end of every such script)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, record: hold_records.Record) -> None:
         global _count
         self.fd = fd
         with _count_guard:
             _count += 1
-        self._records: list[hold_records.Record] = []
-        self._release = weakref.finalize(self, _release, fd, self._records)
-
-    def keep_record(self, entry_dir: Path) -> None:
-        """Show the hold to other machines too (:mod:`cachekit.store.hold_records`)."""
-        self._records.append(hold_records.record(entry_dir))
+        self._release = weakref.finalize(self, _release, fd, record)
 
     def close(self) -> None:
         self.fd = -1
         self._release()
 
 
-def _release(fd: int, records: list[hold_records.Record]) -> None:
+def _release(fd: int, record: hold_records.Record) -> None:
     global _count
-    for made in records:
-        made.remove()
+    record.remove()
     os.close(fd)
     with _count_guard:
         _count -= 1
@@ -99,18 +93,21 @@ def hold(entry_dir: Path) -> Optional[Hold]:
         fd = os.open(entry_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
-    taken = Hold(fd)
     deadline = time.monotonic() + _HELD_FOR_A_RENAME
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            taken.keep_record(entry_dir)
-            return taken
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
-    taken.close()
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return Hold(fd, hold_records.record(entry_dir))
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
     return None
 
 
