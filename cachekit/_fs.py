@@ -309,14 +309,15 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> BinaryIO
     nor hang it. The file object keeps ``path`` as its name (numpy's memmap records it).
     ``follow_symlinks`` is for user files (image paths), where links are legitimate.
     """
-    nofollow = 0 if follow_symlinks else _NOFOLLOW
+    return open(path, "rb", opener=lambda name, flags: open_regular_fd(
+        name, follow_symlinks=follow_symlinks))
 
-    def opener(name: str, flags: int) -> int:
-        fd = os.open(name, os.O_RDONLY | nofollow | _NONBLOCK)
-        _check_regular(fd, name)
-        return fd
 
-    return open(path, "rb", opener=opener)
+def open_regular_fd(path: str | Path, *, follow_symlinks: bool = False) -> int:
+    """:func:`open_regular`'s descriptor, for a caller that keeps it rather than a file."""
+    fd = os.open(path, os.O_RDONLY | (0 if follow_symlinks else _NOFOLLOW) | _NONBLOCK)
+    _check_regular(fd, path)
+    return fd
 
 
 def read_capped(path: str | Path, max_bytes: int, *,

@@ -63,7 +63,7 @@ def _log_sheet(wandb: Any, run: Any, outcome: "Outcome") -> None:
             or os.environ.get(SHEET_ENV, "1").strip().lower() in _OFF:
         return
     from . import sheet
-    from .store.row_view import open_rows
+    from .store.entry_files import open_rows
 
     array = open_rows(outcome.entry.path, manifest)
     rows = sheet.choose_rows(manifest.rows, sample=SHEET_ROWS)

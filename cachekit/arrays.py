@@ -106,9 +106,20 @@ def _map(f: BinaryIO, shape: tuple[int, ...], dtype: np.dtype, mode: str,
 def open_file(path: Path, shape: tuple[int, ...], dtype: np.dtype, mode: str = "r", *,
               expected_bytes: int | None = None) -> np.ndarray:
     """Map one validated .npy file read-only (``mode="r"``) or copy-on-write (``mode="c"``)."""
-    with _open_data(path) as f:
-        offset = _validated_offset(f, path, shape, dtype, expected_bytes)
-        return _map(f, shape, dtype, mode, offset)
+    fd = open_data(path)
+    try:
+        return map_descriptor(fd, path, shape, dtype, mode, expected_bytes=expected_bytes)
+    finally:
+        os.close(fd)
+
+
+def map_descriptor(fd: int, path: Path, shape: tuple[int, ...], dtype: np.dtype,
+                   mode: str = "r", *, expected_bytes: int | None = None) -> np.ndarray:
+    """Map the open .npy file ``fd`` (``path`` names it in errors) as :func:`open_file` maps
+    a path. Its header is read by position, so threads may map one descriptor at once."""
+    f = _Positional(fd, str(path))
+    offset = _validated_offset(f, path, shape, dtype, expected_bytes)
+    return _map(f, shape, dtype, mode, offset)
 
 
 def seal(directory: _fs.DirHandle, name: str, digest: Optional[str] = None
@@ -199,12 +210,19 @@ def read_small(directory: _fs.DirHandle, name: str, shape: tuple[int, ...], dtyp
     """Read the whole .npy file ``name`` of ``directory`` into memory, checked: its size is
     ``size`` (at most ``limit``), its checksum ``digest``, its header ``shape`` and
     ``dtype``. CacheCorruptError when anything disagrees; the array is read-only."""
-    path = directory.path / name
+    with directory.open_file(name) as f:
+        return read_small_at(f.fileno(), directory.path / name, shape, dtype, size, digest,
+                             limit)
+
+
+def read_small_at(fd: int, path: Path, shape: tuple[int, ...], dtype: np.dtype, size: int,
+                  digest: str, limit: int) -> np.ndarray:
+    """:func:`read_small` of the open file ``fd`` (``path`` names it in errors), read by
+    position."""
     if size > limit:
         raise CacheCorruptError(path, f"the file is said to be {size} bytes, more than "
                                 f"{limit}")
-    with directory.open_file(name) as f:
-        data = f.read(size + 1)
+    data = os.pread(fd, size + 1, 0)
     if len(data) != size:
         raise CacheCorruptError(path, f"file is {len(data)} bytes, expected {size}")
     if checksum_of_bytes(data) != digest:
@@ -250,15 +268,45 @@ def checksum_of(f: BinaryIO) -> tuple[int, str]:
     return size, hex_checksum(whole)
 
 
-def _open_data(path: Path) -> BinaryIO:
+def open_data(path: Path, what: str = "data file") -> int:
+    """A descriptor of the entry's file ``path`` (``what`` it is, for errors), opened
+    read-only: no symlink, no FIFO (never read outside the root); CacheCorruptError when
+    it is missing or not a file."""
     try:
-        return _fs.open_regular(path)  # no symlink, no FIFO: never read outside the root
+        return _fs.open_regular_fd(path)
     except FileNotFoundError:
-        raise CacheCorruptError(path, "data file is missing") from None
+        raise CacheCorruptError(path, f"{what} is missing") from None
     except OSError as e:
         if e.errno not in NOT_A_FILE_ERRNOS:
             raise  # an I/O error (EIO, EACCES, ...) is not evidence of a corrupt entry
-        raise CacheCorruptError(path, f"data file is not a regular file ({e})") from None
+        raise CacheCorruptError(path, f"{what} is not a regular file ({e})") from None
+
+
+class _Positional:
+    """The little of a read-only file that numpy's header parser and ``np.memmap`` use,
+    over a descriptor, with a position of its own: reads are ``pread``s, so that no two
+    users of one descriptor move each other's offset."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self._fd, self.name, self._at = fd, name, 0
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._at}.get(whence)
+        self._at = offset + (os.fstat(self._fd).st_size if base is None else base)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            size = max(0, os.fstat(self._fd).st_size - self._at)
+        data = os.pread(self._fd, size, self._at)
+        self._at += len(data)
+        return data
 
 
 def check_header(f: BinaryIO, path: Path, shape: tuple[int, ...], dtype: np.dtype) -> int:

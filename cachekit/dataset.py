@@ -1,9 +1,11 @@
 """A torch ``Dataset`` over a cache entry, fast enough that the DataLoader is not the bottleneck.
 
 ``EntryDataset`` reads a whole DataLoader batch with one sorted fancy index on the memmap
-(``__getitems__``), and pickles to worker processes as the entry's location only: each
-process maps the file itself on first use (again after a fork), so K workers share one copy
-of the data in the page cache and the pickle stays small whatever the number of rows.
+(``__getitems__``), and pickles to worker processes as the entry's location (plus, for a
+worker that ``spawn`` or ``forkserver`` starts, the descriptors of the files the entry keeps
+open): each process maps the file itself on first use (again after a fork), so K workers
+share one copy of the data in the page cache and the pickle stays small whatever the
+number of rows.
 
 This is the only cachekit module that imports torch at import time.
 """
@@ -34,8 +36,6 @@ class MappedEntry(Protocol):
     def __len__(self) -> int: ...
 
     def _map(self, mode: str = "r") -> np.ndarray: ...
-
-    def _held(self) -> Optional[np.ndarray]: ...
 
 __all__ = ["DatasetCorruptError", "EntryDataset"]
 
@@ -109,20 +109,19 @@ class EntryDataset(Dataset):
     def _array(self) -> np.ndarray:
         """The entry's rows, mapped read-only on first use in this process.
 
-        An entry removed since (``clear``, ``prune``, another process's budget) is read
-        through the mapping its :class:`~cachekit.Entry` holds, where this process has one
-        (the process whose call returned it, and the workers forked from it): a removal
-        unlinks the files, and a mapping keeps the same bytes. Elsewhere (a spawned worker)
-        it is a :class:`DatasetCorruptError` that says what to do."""
+        The entry maps the files it keeps open: in the process whose call returned it, in
+        the workers forked from it, and in the workers that ``spawn`` or ``forkserver``
+        started, which receive those descriptors. So an entry removed since (``clear``,
+        ``prune``, another process's budget) is read on there, the same bytes. A dataset
+        unpickled anywhere else maps the entry by its path, and when it is gone raises a
+        :class:`DatasetCorruptError` that says what to do."""
         pid = os.getpid()
         if self._rows is None or self._pid != pid:
             try:
                 rows = self.entry._map()  # (a derived entry's RowView gathers itself)
             except CacheCorruptError as e:
-                rows = self.entry._held()
-                if rows is None:  # gone, not damaged: the message says what to do
-                    raise DatasetCorruptError(e.path, e.reason,
-                                              not self.entry.path.exists()) from None
+                raise DatasetCorruptError(e.path, e.reason,
+                                          not self.entry.path.exists()) from None
             # A plain ndarray view: np.memmap's __array_finalize__ is a large share of a
             # batch's fancy index (docs/dataloader.md).
             self._rows = np.asarray(rows) if isinstance(rows, np.ndarray) else rows

@@ -10,7 +10,8 @@ import numpy as np
 from .errors import CacheCorruptError, InvalidArgument
 from .store import holds
 from .store import manifest as manifests
-from .store.row_view import Rows, open_rows
+from .store.entry_files import EntryFiles
+from .store.row_view import Rows
 
 if TYPE_CHECKING:
     from .obtain import Outcome
@@ -42,7 +43,10 @@ class Entry:
     the part of ``build_seconds`` spent computing rows.
 
     While it lives, it holds its entry (:mod:`cachekit.store.holds`): ``prune``, budgets
-    and ``clear --older-than`` pass over the entry as in use.
+    and ``clear --older-than`` pass over the entry as in use. It keeps the entry's files
+    open (:mod:`cachekit.store.entry_files`), so that what it reads, and what the
+    DataLoader workers it starts read, stays the same bytes even after ``clear`` removed
+    the entry.
 
     ``rows_decoded``, ``rows_joined``, ``rows_reused``: of the entry's rows, those this
     call decoded, those other processes decoded for its build (its joiners, or the dead
@@ -76,7 +80,6 @@ class Entry:
         self.manifest: dict[str, Any] = manifest.to_json()
         self.array: Rows = self._map()  # before anything sized by the manifest
         self.valid = _valid_rows(manifest)
-        self._hold = holds.hold(self.path)
 
     @classmethod
     def from_outcome(cls, outcome: "Outcome") -> "Entry":
@@ -103,8 +106,10 @@ class Entry:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the location and manifest only, a few KiB whatever N (DataLoader workers
-        get entries this way); ``array`` and ``valid`` are re-made on first use, and the
-        entry is held again then (:mod:`cachekit.store.holds`)."""
+        get entries this way), and for a child that multiprocessing starts the descriptors
+        of the open files; ``array`` and ``valid`` are re-made on first use. An entry that
+        came without descriptors opens its files by path then and holds the entry
+        (:mod:`cachekit.store.holds`)."""
         return {k: v for k, v in self.__dict__.items()
                 if k not in ("array", "valid", "_labels", "_hold")}
 
@@ -121,7 +126,6 @@ class Entry:
         # Reached only when normal lookup fails: for the attributes __getstate__ dropped.
         if name == "array":
             self.array = self._map()
-            self._hold = holds.hold(self.path)
             return self.array
         if name == "valid":
             self.valid = _valid_rows(self._manifest)
@@ -132,30 +136,31 @@ class Entry:
         return (f"<cachekit.Entry {self.key} {self._manifest.dtype}{list(self._manifest.shape)}"
                 f" {self.source}>")
 
-    def _held(self) -> Optional[Rows]:
-        """What a reader reads on through once the entry was removed (its directory gone):
-        the rows this object mapped when it was made, without mapping them again. None
-        while the entry is there (a failure to map it is then damage, never read past) and
-        once unpickled and not read since (a spawned DataLoader worker's entry)."""
-        return None if self.path.exists() else self.__dict__.get("array")
-
     def _map(self, mode: str = "r") -> Rows:
-        """Open the entry's rows again: mapped read-only ("r") or copy-on-write ("c").
+        """The entry's rows, mapped read-only ("r") or copy-on-write ("c") from the files
+        this object keeps open: the same bytes every time, after the entry was removed or
+        its key built again in place too."""
+        files = self.__dict__.get("_files")
+        if files is None:
+            files = self._files = self._open_files()
+        return files.rows(self._manifest, mode)
 
-        When the key was built again in place since this entry was opened (made contiguous,
-        or healed after a file changed), the files of its manifest are gone: the key's
-        current manifest, of the same rows, is taken up instead (a DataLoader worker opens
-        the entry it was shipped long after the call that returned it)."""
+    def _open_files(self) -> EntryFiles:
+        """Open the entry's files by path, and hold the entry. When the key was built again
+        in place since this entry was opened (made contiguous, or healed after a file
+        changed), the files of its manifest are gone: the key's current manifest, of the
+        same rows, is taken up instead (a Dask task may open an entry it was sent long
+        after the call that returned it)."""
         try:
-            return open_rows(self.path, self._manifest, mode)
+            files = EntryFiles.open(self.path, self._manifest)
         except CacheCorruptError:
             current = _rebuilt(self.path, self._manifest)
             if current is None:
                 raise
+            files = EntryFiles.open(self.path, current)
             self._manifest, self.manifest = current, current.to_json()
-            rows = open_rows(self.path, current, mode)
-            self._hold = holds.hold(self.path)  # the key's new directory
-            return rows
+        self._hold = holds.hold(self.path)
+        return files
 
     def tensor(self):
         """A torch.Tensor of the entry's rows.
@@ -163,21 +168,14 @@ class Entry:
         For a contiguous entry it maps the file copy-on-write, without copying: pages are
         shared with ``array`` and every other reader through the page cache, and a write to
         the tensor changes only this process's copy of that page, never the cache (a
-        read-only mapping would crash on write). For a derived entry it gathers the rows
-        into memory (a copy of its own), and so it does for an entry removed since this
-        object mapped it (``clear``, ``prune``, another process's budget): the mapping this
-        object holds keeps the removed files' bytes, and a new one cannot be made.
+        read-only mapping would crash on write). It maps the file this object keeps open,
+        so it does so after the entry was removed too (``clear``, ``prune``, another
+        process's budget). For a derived entry it gathers the rows into memory (a copy of
+        its own).
         """
         import torch
 
-        try:
-            rows = self._map("c")
-        except CacheCorruptError:
-            held = self._held()
-            if held is None:
-                raise
-            return torch.from_numpy(np.array(held) if isinstance(held, np.ndarray)
-                                    else np.asarray(held))
+        rows = self._map("c")
         return torch.from_numpy(rows if isinstance(rows, np.ndarray) else np.asarray(rows))
 
     def dataset(self, targets: Any = None, transform: Optional[Callable] = None):

@@ -193,7 +193,7 @@ def verify(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     """Write a contact sheet of an entry's rows as a PNG and print where."""
     from .. import sheet
-    from ..store.row_view import open_rows
+    from ..store.entry_files import open_rows
 
     found = inspect.scan(local_store(args))
     with key_errors():

@@ -13,8 +13,9 @@ it checked while their files stay the same.
 from __future__ import annotations
 
 import operator
+import os
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -204,15 +205,6 @@ Rows = Union[np.ndarray, RowView]
 """An entry's rows: a read-only memmap (contiguous) or a :class:`RowView` (derived)."""
 
 
-def open_rows(entry_dir: Path, manifest: Manifest, mode: str = "r") -> Rows:
-    """The rows of the published entry ``manifest`` describes in ``entry_dir``: its data
-    file mapped read-only (``"r"``) or copy-on-write (``"c"``), or for a derived entry a
-    :class:`RowView` over its data files, through its checked row map."""
-    if manifest.contiguous:
-        return manifest.files[0].open(entry_dir, mode)
-    return _view(entry_dir, manifest, manifest.data_files)
-
-
 def open_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Rows]:
     """The row file ``name`` (row identities or file stats) of every row, mapped as the
     rows are: the file itself for a contiguous entry, a :class:`RowView` over the
@@ -261,13 +253,6 @@ def _own_row_file(entry_dir: Path, manifest: Manifest, name: str) -> Optional[Fi
     return own
 
 
-def _view(entry_dir: Path, manifest: Manifest, records: Sequence[Any]) -> RowView:
-    """A derived entry's :class:`RowView` over ``records`` (files numbered as its data
-    files are), through its checked row map."""
-    files = [record.open(entry_dir) for record in records]
-    return RowView(files, read_row_map(entry_dir, manifest))
-
-
 def read_row_map(entry_dir: Path, manifest: Manifest) -> np.ndarray:
     """The derived entry's (rows, 2) row map, read whole, its checksum and every pair
     checked against its files' rows; CacheCorruptError when any is wrong."""
@@ -288,12 +273,31 @@ def row_map_at(directory: _fs.DirHandle, manifest: Manifest) -> np.ndarray:
     manifest records the same checksum and row counts; read-only."""
     record = manifest.row_file(ROW_MAP_FILE)
     assert record is not None
+    return _kept_row_map(manifest, directory.lstat(record.name),
+                         lambda: _read_small(directory, record), directory.path / record.name)
+
+
+def row_map_in(fd: int, path: Path, manifest: Manifest) -> np.ndarray:
+    """:func:`row_map_at` of the derived entry's row map file, open as ``fd`` (``path``
+    names it in errors)."""
+    record = manifest.row_file(ROW_MAP_FILE)
+    assert record is not None
+    return _kept_row_map(manifest, os.fstat(fd), lambda: arrays.read_small_at(
+        fd, path, record.shape, record.np_dtype, record.bytes, record.checksum,
+        ROW_FILES_LIMIT), path)
+
+
+def _kept_row_map(manifest: Manifest, st: os.stat_result, read: Callable[[], np.ndarray],
+                  path: Path) -> np.ndarray:
+    """The row map kept for this version ``st`` of its file, else ``read()`` and checked."""
+    record = manifest.row_file(ROW_MAP_FILE)
+    assert record is not None
     rows = tuple(f.shape[0] for f in manifest.data_files)
-    same = (_fs.file_version(directory.lstat(record.name)), record.checksum, rows)
+    same = (_fs.file_version(st), record.checksum, rows)
     where = _kept_maps.get(same)
     if where is None:
-        where = _read_small(directory, record)
-        check_row_map(where, rows, directory.path / record.name)
+        where = read()
+        check_row_map(where, rows, path)
         where.setflags(write=False)
         _kept_maps.put(same, where)
     return where

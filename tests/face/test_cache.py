@@ -262,10 +262,11 @@ def test_tensor_shares_the_file_without_a_warning(cache_root, cover_paths):
 
 
 @pytest.mark.parametrize("rows", ["all", "every other"])
-def test_tensor_of_an_entry_removed_after_its_call_copies_the_held_rows(cache_root,
-                                                                       cover_paths, rows):
+def test_tensor_of_an_entry_removed_after_its_call_reads_the_files_it_kept_open(
+        cache_root, cover_paths, rows):
     """Another agent's budget may evict the entry a call just returned: its tensor is then
-    the rows the entry's own mapping holds, a copy; an entry unpickled elsewhere cannot."""
+    made of the files the entry keeps open (mapped copy-on-write for a contiguous entry);
+    an entry unpickled elsewhere, which opens its files by path, cannot."""
     cache = cachekit.Cache(cache_root)
     full = cache.images(pd.Series(cover_paths), 8)
     expected = np.array(full.array)
@@ -277,8 +278,8 @@ def test_tensor_of_an_entry_removed_after_its_call_copies_the_held_rows(cache_ro
     assert not entry.path.exists()
     tensor = entry.tensor()
     np.testing.assert_array_equal(tensor.numpy(), expected[:: 1 if rows == "all" else 2])
-    tensor[0] = 0  # a copy of its own
-    assert np.asarray(entry.array[0]).any()
+    tensor[0] = 0  # its own copy of the row
+    assert np.asarray(entry.array[0]).any() and entry.tensor()[0].any()
     with pytest.raises(cachekit.CacheCorruptError):
         unpickled.tensor()
 

@@ -1,5 +1,6 @@
 """EntryDataset: items equal entry.array rows on every access path, targets follow rows,
-the pickle stays small, and a corrupt or removed entry fails clearly inside workers."""
+the pickle stays small, a corrupt entry fails clearly inside workers, and a removed one is
+read on wherever its files were kept open."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Subset, WeightedRandomSampler
 
 import cachekit
 from cachekit import arrays
 from cachekit.store import manifest as manifests
-from cachekit.obtain import obtain
+from cachekit.obtain import obtain, staleness
 from cachekit.obtain.built import Built
 from cachekit.store import LocalStore
 from cachekit.dataset import DatasetCorruptError, EntryDataset
@@ -294,19 +296,50 @@ def says_removed(error: BaseException) -> None:
     assert "cachekit clear KEY" not in message, message
 
 
-def test_removed_entry_fails_clearly_in_spawned_workers(own_entry):
-    dataset = own_entry.dataset()
-    shutil.rmtree(own_entry.path)  # the worker still unpickles the dataset, then fails to map
-    error = first_batch_error(loader(dataset, num_workers=1, multiprocessing_context="spawn"))
-    assert isinstance(error, cachekit.CacheCorruptError), repr(error)
-    says_removed(error)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_started_workers_read_what_the_entry_read_after_it_was_removed_and_built_again(
+        tmp_path, cover_paths, context):
+    """A worker that spawn or forkserver starts (Python 3.14's default) receives the files
+    its parent's Entry keeps open: after `clear` removed the entry, and after the key was
+    built again from changed images, it reads the rows its parent read, of a contiguous
+    entry and of a derived one."""
+    cache = cachekit.Cache(tmp_path / "root", progress=False, executor="threads")
+    paths = pd.Series(cover_paths)
+    full = cache.images(paths, 8)
+    fold = cache.images(paths.iloc[2:9], 8)
+    assert full.contiguous and not fold.contiguous
+    read = {entry.key: np.array(entry.array) for entry in (full, fold)}
+    datasets = [entry.dataset(targets=np.arange(len(entry))) for entry in (full, fold)]
+    cache.clear()
+    staleness.wait_for_checks()  # the fold's check of its shared rows, before they change
+    for path in cover_paths:  # other pixels under the same names: the same keys
+        Image.open(path).transpose(Image.Transpose.ROTATE_180).save(path)
+    again = cache.images(paths, 8)
+    assert again.key == full.key and not np.array_equal(np.asarray(again.array), read[full.key])
+    for dataset in datasets:
+        batches = loader(dataset, batch_size=3, num_workers=1, multiprocessing_context=context)
+        rows = read[dataset.entry.key]
+        seen = []
+        for x, y in batches:
+            np.testing.assert_array_equal(x.numpy(), rows[y.numpy()])
+            seen += y.tolist()
+        assert sorted(seen) == list(range(len(rows)))
+
+
+def test_a_pickle_for_anything_but_a_starting_worker_carries_no_descriptor(own_entry):
+    """Only a child that multiprocessing starts receives the open files: a pickle for
+    anywhere else (a Dask task) is the location, opened by path where it is read."""
+    clone = pickle.loads(pickle.dumps(own_entry))
+    assert clone.__dict__.get("_files") is None
+    np.testing.assert_array_equal(np.asarray(clone.array), DATA)
+    assert clone.__dict__.get("_files") is not None
 
 
 def test_an_entry_removed_after_its_call_is_read_on_in_its_process_and_forked_workers(
         tmp_path):
     """Another agent's budget may evict the entry a call just returned, before its Dataset
     reads a row: the process that holds the entry (and the workers it forks) read on
-    through the entry's own mapping, the same bytes; a spawned worker cannot."""
+    through the entry's own mapping, the same bytes."""
     cache = cachekit.Cache(tmp_path / "root", progress=False)
     entry = data_entry(tmp_path / "root")
     dataset = entry.dataset(targets=np.arange(ROWS))
@@ -323,8 +356,8 @@ def test_an_entry_removed_after_its_call_is_read_on_in_its_process_and_forked_wo
 
 
 def test_removed_entry_says_so_in_the_main_process_and_a_new_call_builds_it(tmp_path):
-    """A Dataset of an entry that this process does not hold (unpickled, as a spawned
-    worker gets it) says that the entry was removed and what to do."""
+    """A Dataset of an entry that this process does not hold (a plain pickle, as a Dask
+    task gets it) says that the entry was removed and what to do."""
     cache = cachekit.Cache(tmp_path / "root", progress=False)
     dataset = pickle.loads(pickle.dumps(data_entry(tmp_path / "root").dataset()))
     cache.clear([dataset.entry.key])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from filelock import FileLock
 from hypothesis import given, strategies as st
 
 import cachekit
-from cachekit import _fs, source_stats, units
+from cachekit import _fs, arrays, source_stats, units
 from cachekit.admin.local_removal import removal_for_clear
 from cachekit.cli.main import main as cli_main
 from cachekit.store import LocalStore
@@ -545,15 +546,18 @@ def test_a_map_pointing_outside_its_files_is_corrupt_never_wrong_pixels(cache, p
 
 def test_a_derived_entry_whose_row_map_is_gone_is_corrupt_to_a_dataset_never_an_os_error(
         cache, pictures):
-    """The map is read after the data files are opened: an entry removed in between (or a
-    map deleted) is a CacheCorruptError, as a removed contiguous entry is (a Dataset then
-    says the entry was removed, when its folder is gone)."""
+    """A dataset that opens its entry by path (unpickled as a Dask task gets it) finds a
+    map deleted (or an entry removed) as a CacheCorruptError, as a removed contiguous entry
+    is (a Dataset then says the entry was removed, when its folder is gone). The Entry
+    that keeps the files open reads on."""
     cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, 30)), 8)
     dataset = fold.dataset()
+    elsewhere = pickle.loads(pickle.dumps(dataset))
     (fold.path / manifests.ROW_MAP_FILE).unlink()
     with pytest.raises(cachekit.CacheCorruptError, match="row map is missing"):
-        dataset[0]
+        elsewhere[0]
+    np.testing.assert_array_equal(dataset[0].numpy(), fold.array[0])
 
 
 def test_a_hit_of_a_derived_entry_reads_its_row_map_once_and_a_new_map_again(
@@ -566,9 +570,9 @@ def test_a_hit_of_a_derived_entry_reads_its_row_map_once_and_a_new_map_again(
     cache.images(column(pictures, range(N)), 8)
     fold = cache.images(column(pictures, range(0, N, 2)), 8)
     reads = []
-    real = row_view._read_small
-    monkeypatch.setattr(row_view, "_read_small", lambda directory, record: (
-        reads.append(record.name), real(directory, record))[1])
+    real = arrays.read_small_at
+    monkeypatch.setattr(arrays, "read_small_at", lambda fd, path, *rest: (
+        reads.append(path.name), real(fd, path, *rest))[1])
     row_view._kept_maps.clear()
     for _ in range(2):
         hit = cache.images(column(pictures, range(0, N, 2)), 8)
