@@ -11,7 +11,9 @@ Each worker loops over random calls on the cache, under a budget (``--budget``) 
 evictions never stop: ``map`` over a column of 3,000 int rows of 1 KB (a subset, a fold, a
 shuffle, the whole: derived entries share rows), every row checked against its value; a
 ``clear`` of a random entry, a ``prune``, a ``verify``. Each worker holds its last three
-entries and reads a row of each again after every call. A supervisor SIGKILLs a random
+entries and reads a row of each again after every call; now and then a child that
+``forkserver`` starts reads them whole, through the files the entries keep open (as a
+DataLoader worker does; other workers clear and prune meanwhile). A supervisor SIGKILLs a random
 worker every 5-20 s and starts it again. With ``--remote`` (a loopback SeaweedFS, the tests'
 ``weed``), half the workers use a second root (another host), and a prober runs ``cachekit
 clear --remote --all``, ``verify --remote`` and ``ls --remote`` over and over; at the end
@@ -107,6 +109,9 @@ def worker(root: str, seconds: float, log: Path, budget: str) -> None:
                     if not (np.asarray(other.array[i]) == values[i]).all():
                         count("wrong", f"wrong bytes in held entry {other.key[:12]}")
                 count(entry.outcome)
+            elif pick < 0.87:
+                if held:
+                    count("read in a child", read_in_child(held))
             elif pick < 0.95:
                 keys = [e.key for e in cache.entries()]
                 if keys:
@@ -123,6 +128,35 @@ def worker(root: str, seconds: float, log: Path, budget: str) -> None:
                 count("verify", "; ".join(f"{p.key[:12]}: {p.problem}" for p in problems))
         except Exception as e:  # every other exception is a failure: counted and shown
             count("raised", f"{type(e).__name__}: {e}")
+
+
+def read_in_child(held: list) -> str:
+    """Have a child that ``forkserver`` starts read the ``held`` (entry, values) pairs
+    whole, as a DataLoader worker would: what went wrong, or ""."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    answer, reply = context.Pipe(duplex=False)
+    child = context.Process(target=_check_held, args=(held, reply))
+    child.start()
+    reply.close()
+    try:
+        found = answer.recv() if answer.poll(120) else "a child said nothing in 120 s"
+    except EOFError:
+        found = "a child ended without an answer"
+    child.join(10)
+    return found
+
+
+def _check_held(held: list, reply) -> None:
+    import numpy as np
+
+    try:
+        wrong = [entry.key[:12] for entry, values in held
+                 if not (np.asarray(entry.array) == np.asarray(values)[:, None]).all()]
+        reply.send(f"wrong bytes in a child's copy of {', '.join(wrong)}" if wrong else "")
+    except Exception as e:
+        reply.send(f"a child raised {type(e).__name__}: {e}")
 
 
 def main() -> None:
