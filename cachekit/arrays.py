@@ -294,9 +294,12 @@ class _Positional:
         return self._fd
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._at}.get(whence)
-        self._at = offset + (os.fstat(self._fd).st_size if base is None else base)
-        return self._at
+        if whence == os.SEEK_CUR:
+            offset += self._at
+        elif whence == os.SEEK_END:
+            offset += os.fstat(self._fd).st_size
+        self._at = offset
+        return offset
 
     def tell(self) -> int:
         return self._at

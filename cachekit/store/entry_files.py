@@ -17,8 +17,10 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
+
 from .. import arrays
-from .manifest import ROW_MAP_FILE, Manifest
+from .manifest import ROW_MAP_FILE, FileRecord, Manifest
 from .row_view import Rows, RowView, row_map_in
 
 PASSED_FILES = 64
@@ -61,7 +63,7 @@ class EntryFiles:
                            manifest)
         return RowView(files, where)
 
-    def _map(self, record: Any, mode: str) -> Any:
+    def _map(self, record: FileRecord, mode: str) -> np.ndarray:
         return arrays.map_descriptor(self._descriptors[record.name], self.path / record.name,
                                      record.shape, record.np_dtype, mode,
                                      expected_bytes=record.bytes)
