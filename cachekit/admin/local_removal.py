@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from .. import units
-from ..store import FAILED, LocalStore, holds
+from ..store import FAILED, LocalStore, hold_records, holds
 from ..store.row_index import INDEX_FOLDER
 from . import lock_files, permissions
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
                       resolve_keys, scan, stored_bytes, temp_dir_info)
 from .removal import (ENTRY, FAILURE_RECORD, LEFTOVER_DIRECTORY, LOCK_FILE, STRAY_INDEX, Item,
-                      Removal, Skipped)
+                      Removal, RemovalReport, Skipped)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +54,15 @@ class LocalRemoval(Removal):
     @property
     def temp_dirs(self) -> tuple[TempDir, ...]:
         return self.subjects(LEFTOVER_DIRECTORY)
+
+    def execute(self) -> RemovalReport:
+        """Remove the items, then the hold records of processes that are gone, of every
+        entry (:func:`hold_records.forget`): a holder killed, or ended by a SIGTERM that
+        ran no exit handler, leaves its record behind, which would otherwise stay as long
+        as its entry does."""
+        report = super().execute()
+        hold_records.forget(self.store.layout)
+        return report
 
     def remove(self, item: Item) -> Optional[str]:
         """Remove ``item``, then its key's lock file if free; why not when spared or gone."""

@@ -15,7 +15,7 @@ from typing import Iterable
 
 from .. import _fs
 from ..errors import CacheCorruptError
-from ..store import LocalStore, hold_records, locks
+from ..store import LocalStore, locks
 from .inspect import Scan
 
 SUFFIXES = (".lock", ".lock" + locks.SOFT_SUFFIX, ".lock" + locks.HOLDER_SUFFIX)
@@ -34,10 +34,8 @@ def lone_keys(store: LocalStore, found: Scan, failures: Iterable[str]) -> list[s
 def forget(store: LocalStore, key: str) -> bool:
     """Remove ``key``'s build lock files that no process holds (each taken at once and
     released, which removes it; a soft lock is taken over once its holder is dead), then
-    an OS lock holder's record that shows no heartbeat, and the records of holds of the
-    entry whose processes are gone (:func:`hold_records.forget`). Whether a lock file
-    went. Never makes a lock file, and never follows a ``locks`` folder that is a
-    symlink."""
+    an OS lock holder's record that shows no heartbeat. Whether a lock file went. Never
+    makes a lock file, and never follows a ``locks`` folder that is a symlink."""
     path = store.layout.lock_path(key)
     os_lock = locks.OsLock(path)
     gone = False
@@ -50,7 +48,6 @@ def forget(store: LocalStore, key: str) -> bool:
         if _there(folder, os_lock.holder_path.name) and not os_lock.holder_alive():
             folder.unlink(os_lock.holder_path.name)
             gone = True
-    hold_records.forget(store.layout, key)
     return gone
 
 

@@ -5,12 +5,13 @@ A hold (:mod:`cachekit.store.holds`) is a flock on the entry's directory, which 
 processes of one machine see, but Linux's NFS client keeps a directory's flock to the
 machine that took it. So each hold also keeps a record, ``holds/KEY.HOST.PID.UUID``: its
 owner as :func:`cachekit.processes.owner` writes it, written a lease / 4 after the hold
-was taken (a hit writes nothing) and its mtime refreshed as often by the process's
-heartbeat timer, removed as the hold is let go. A removal of unused entries passes over
-an entry that another host's record shows alive by the rule of :mod:`cachekit.liveness`
-(a heartbeat younger than the lease). This host's records are left to the flock, which
-tells exactly: a record that a killed process left holds nothing back here, and on
-another host for one lease at most.
+was taken (a hit writes nothing; as ``.KEY.HOST.PID.UUID``, named once whole) and its
+mtime refreshed as often by the process's heartbeat timer, removed as the hold is let go.
+A removal of unused entries passes over an entry that another host's record shows alive
+by the rule of :mod:`cachekit.liveness` (a heartbeat younger than the lease). This host's
+records are left to the flock, which tells exactly: a record that a killed process left
+holds nothing back here, and on another host for one lease at most; every removal of
+entries ends by removing such records (:func:`forget`).
 
 A record that cannot be written (a root this user cannot write, a ``holds`` folder that
 is a symlink) is not: the hold is then seen on its machine only, and so is a hold in its
@@ -32,6 +33,8 @@ from .layout import Layout
 FOLDER = "holds"
 _RECORD_LIMIT = 4096
 """Bytes of a record read at most: an owner is about a hundred."""
+_UNFINISHED = "."
+"""What a record's name starts with while it is written (no record's name does)."""
 
 
 class Record:
@@ -76,12 +79,18 @@ class Record:
             except FileExistsError:
                 pass
             with root.child(FOLDER) as folder:
-                fd = folder.create(self.name, file_modes.file_mode())  # (the group reads it)
+                unfinished = _UNFINISHED + self.name  # named once whole: a reader never
+                fd = folder.create(unfinished, file_modes.file_mode())  # sees it half written
                 try:
-                    os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
-                    st = os.fstat(fd)
-                finally:
-                    os.close(fd)
+                    try:
+                        os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
+                        st = os.fstat(fd)
+                    finally:
+                        os.close(fd)
+                    folder.rename(unfinished, folder, self.name)
+                except BaseException:
+                    folder.unlink(unfinished)
+                    raise
                 self.made = st.st_dev, st.st_ino
                 if self.removed:  # meanwhile, on this thread: a collection let the hold go
                     folder.unlink(self.name)
@@ -136,27 +145,42 @@ def _alive_elsewhere(layout: Layout, wanted: Callable[[str], bool]
                 yield key, owner[0]
 
 
-def forget(layout: Layout, key: str) -> None:
-    """Remove the records of the entry ``key`` whose processes are gone (killed: a process
-    removes its own as it lets go) or show no heartbeat for a lease: a removal of the
-    entry takes them with it. (A holder only paused writes its record again.)"""
-    for folder, name, found in _records(layout):
-        if found == key:
-            owner = _owner(folder, name)
-            if owner is None or not liveness.is_alive(*owner):
-                with contextlib.suppress(OSError):
-                    folder.unlink(name)
+def forget(layout: Layout) -> None:
+    """Remove the records, of any entry, whose processes are gone (killed: a process
+    removes its own as it lets go) or show no heartbeat for a lease, so that the records
+    killed holders leave do not pile up (every removal of entries ends so). A holder only
+    paused writes its record again."""
+    for folder, name, _ in _records(layout, unfinished=True):
+        if _dead(folder, name):
+            with contextlib.suppress(OSError):
+                folder.unlink(name)
 
 
-def _records(layout: Layout) -> Iterator[tuple[_fs.DirHandle, str, str]]:
-    """Each record of the root ``layout``: the open folder, its name, the key it holds."""
+def _dead(folder: _fs.DirHandle, name: str) -> bool:
+    """Whether the record ``name`` holds nothing: its process is gone or shows no
+    heartbeat for a lease, or it is no record; or, still unnamed, its writer was killed
+    before naming it (its mtime older than a lease)."""
+    if name.startswith(_UNFINISHED):
+        try:
+            return not liveness.is_alive(None, folder.lstat(name).st_mtime)
+        except OSError:
+            return False
+    owner = _owner(folder, name)
+    return owner is None or not liveness.is_alive(*owner)
+
+
+def _records(layout: Layout, unfinished: bool = False
+             ) -> Iterator[tuple[_fs.DirHandle, str, str]]:
+    """Each record of the root ``layout`` (and with ``unfinished``, each one being
+    written): the open folder, its name, the key it holds."""
     try:
         folder = layout.open_folder(FOLDER)
     except (OSError, CacheCorruptError):
         return
     with folder:
         for name in folder.names():
-            yield folder, name, name.partition(".")[0]
+            if unfinished or not name.startswith(_UNFINISHED):
+                yield folder, name, name.lstrip(_UNFINISHED).partition(".")[0]
 
 
 def _owner(folder: _fs.DirHandle, name: str) -> Optional[tuple[dict[str, Any], float]]:

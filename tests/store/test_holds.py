@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import cachekit
 import hosts
 from cachekit import _fs
 from cachekit.store import hold_records, holds
@@ -21,6 +22,13 @@ from cachekit.store import hold_records, holds
 def _free(entries: Path, key: str) -> bool:
     with _fs.DirHandle.open(entries) as folder, holds.unheld(folder, key) as free:
         return free
+
+
+def _named(records: Path) -> list[Path]:
+    """The records in the folder ``records`` (none while it is missing), without one
+    being written (its name starts with a dot until it is whole)."""
+    return [p for p in records.iterdir() if not p.name.startswith(".")] \
+        if records.exists() else []
 
 
 def test_a_hold_keeps_an_entry_in_use_until_it_is_closed(tmp_path):
@@ -45,13 +53,13 @@ def test_a_hold_kept_past_a_quarter_lease_shows_in_a_beating_record_until_let_go
     records = tmp_path / hold_records.FOLDER
     taken = holds.hold(tmp_path / "entries" / "KEY")
     assert not records.exists()  # a hit writes nothing
-    (record,) = hosts.wait_for(lambda: records.exists() and list(records.iterdir()),
+    (record,) = hosts.wait_for(lambda: _named(records),
                                timeout=30, what="the record")
     assert record.name.startswith("KEY.") and json.loads(record.read_text())["pid"] == os.getpid()
     written = record.stat().st_mtime
     hosts.wait_for(lambda: record.stat().st_mtime > written, timeout=30, what="a beat")
     record.unlink()  # as a removal does that takes it for a dead one, or a group member
-    (record,) = hosts.wait_for(lambda: list(records.iterdir()), timeout=30,
+    (record,) = hosts.wait_for(lambda: _named(records), timeout=30,
                                what="the record written again")
     child = os.fork()
     if child == 0:  # a forked DataLoader worker lets its copy of the hold go
@@ -60,7 +68,7 @@ def test_a_hold_kept_past_a_quarter_lease_shows_in_a_beating_record_until_let_go
     os.waitpid(child, 0)
     assert record.exists()  # the parent's, which it still holds
     taken.close()
-    assert list(records.iterdir()) == []
+    assert _named(records) == []
 
 
 def test_a_root_removed_under_a_holder_is_not_made_again_by_its_beats(
@@ -167,7 +175,7 @@ def test_an_entry_a_process_of_another_host_holds_stays_until_its_record_stops_b
         return holder, a.root / "entries" / key
 
     def kill(holder: hosts.HostProcess) -> Path:
-        (record,) = hosts.wait_for(lambda: list((a.root / hold_records.FOLDER).iterdir()),
+        (record,) = hosts.wait_for(lambda: _named(a.root / hold_records.FOLDER),
                                    timeout=30, what="the holder's record", watch=[holder])
         holder.kill_group()
         holder.reap()
@@ -199,3 +207,52 @@ def test_an_entry_a_process_of_another_host_holds_stays_until_its_record_stops_b
                    what="the killed holder's record to outlive the lease")
     removed = hosts.finish(b.cli(*prune, env=lease))
     assert removed.ok and not entry.exists(), removed.failure()
+
+
+KEEPER = """
+import sys, time
+from pathlib import Path
+from cachekit.store import holds
+taken = holds.hold(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_removal_takes_the_records_holders_left_of_entries_that_stay(tmp_path,
+                                                                       monkeypatch):
+    """A holder killed (or ended by a SIGTERM, which runs no exit handler) leaves its
+    record; the next clear or prune removes it, and another host's that stopped beating,
+    and one whose writer was killed before naming it, whatever entry they hold; it leaves
+    the records of live holders, and one being written."""
+    monkeypatch.setenv("CACHEKIT_LOCK_LEASE", "2")  # a record written 0.5 s after a hold
+    cache = cachekit.Cache(tmp_path / "root", progress=False)
+    entries = tmp_path / "root" / "entries"
+    for key in ("KEPT", "MINE"):
+        (entries / key).mkdir(parents=True)
+    records = tmp_path / "root" / hold_records.FOLDER
+    keeper = subprocess.Popen([sys.executable, "-c", KEEPER, str(entries / "KEPT")],
+                              stdout=subprocess.PIPE, text=True)
+    assert keeper.stdout.readline() == "held\n"
+    (left,) = hosts.wait_for(lambda: _named(records),
+                             timeout=30, what="the keeper's record")
+    keeper.kill()
+    keeper.wait()
+    keeper.stdout.close()
+    mine = holds.hold(entries / "MINE")
+    hosts.wait_for(lambda: len(_named(records)) == 2, timeout=30, what="my record")
+    away = json.dumps({"host": "host-b", "pid": 77, "pidns": "pid:[1]", "started": 1})
+    for name, text, age in (("KEPT.host-b.77.live", away, 0),
+                            ("MINE.host-b.78.stopped", away, 10),
+                            (".KEPT.host-b.79.being-written", "", 0),
+                            (".MINE.host-b.80.writer-killed", "", 10)):
+        (records / name).write_text(text)
+        os.utime(records / name, (time.time() - age,) * 2)
+    cache.prune("1G")  # removes no entry
+    assert sorted(p.name for p in entries.iterdir()) == ["KEPT", "MINE"]
+    names = sorted(p.name for p in records.iterdir())
+    assert left.name not in names and "MINE.host-b.78.stopped" not in names
+    assert ".MINE.host-b.80.writer-killed" not in names
+    assert len(names) == 3 and {"KEPT.host-b.77.live", ".KEPT.host-b.79.being-written"} < set(
+        names)  # and mine
+    mine.close()
