@@ -28,8 +28,8 @@ from ..store.row_index import INDEX_FOLDER
 from . import lock_files, permissions
 from .inspect import (BUILDING, ORPHANED, SHORT_KEY, EntryInfo, StrayIndex, TempDir, ago,
                       resolve_keys, scan, stored_bytes, temp_dir_info)
-from .removal import (ENTRY, FAILURE_RECORD, LEFTOVER_DIRECTORY, LOCK_FILE, STRAY_INDEX, Item,
-                      Removal, RemovalReport, Skipped)
+from .removal import (ENTRY, FAILURE_RECORD, HOLD_RECORD, LEFTOVER_DIRECTORY, LOCK_FILE,
+                      STRAY_INDEX, Item, Removal, Skipped)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,20 +55,13 @@ class LocalRemoval(Removal):
     def temp_dirs(self) -> tuple[TempDir, ...]:
         return self.subjects(LEFTOVER_DIRECTORY)
 
-    def execute(self) -> RemovalReport:
-        """Remove the items, then the hold records of processes that are gone, of every
-        entry (:func:`hold_records.forget`): a holder killed, or ended by a SIGTERM that
-        ran no exit handler, leaves its record behind, which would otherwise stay as long
-        as its entry does."""
-        report = super().execute()
-        hold_records.forget(self.store.layout)
-        return report
-
     def remove(self, item: Item) -> Optional[str]:
         """Remove ``item``, then its key's lock file if free; why not when spared or gone."""
         if item.noun == LOCK_FILE:
             return None if lock_files.forget(self.store, item.subject) else \
                 "a build holds it (or it is not this user's to take)"
+        if item.noun == HOLD_RECORD:
+            return hold_records.forget(self.store.layout, item.subject)
         if item.noun == STRAY_INDEX:
             return None if self.store.row_index.forget_stray(item.key) else "its entry is back"
         if item.noun == ENTRY:
@@ -119,9 +112,12 @@ def removal_for_clear(store: LocalStore, keys: Optional[Iterable[str]] = None, *
         s for s in found.stray_index if wanted is None or s.key in wanted]
     lone_locks = () if older_than is not None else [
         k for k in lock_files.lone_keys(store, found, failures) if wanted is None or k in wanted]
+    dead_holds = () if older_than is not None else [
+        n for n in hold_records.dead(store.layout)
+        if wanted is None or hold_records.key_of(n) in wanted]
     return LocalRemoval(
         items=_items(store, entries, [t for t in temps if t.removable], records, now, strays,
-                     lone_locks),
+                     lone_locks, dead_holds),
         skipped=(*(Skipped(_entry_item(e, now), holds.IN_USE) for e in in_use),
                  *(_skip(t) for t in temps if not t.removable)),
         goal=f"in {store.root}", store=store,
@@ -168,7 +164,8 @@ def removal_for_prune(store: LocalStore, max_bytes: int,
         total -= entries[-1].own_bytes
     return LocalRemoval(
         items=_items(store, entries, temps, [], now, found.stray_index,
-                     lock_files.lone_keys(store, found, store.failure_keys())),
+                     lock_files.lone_keys(store, found, store.failure_keys()),
+                     hold_records.dead(store.layout)),
         skipped=(*theirs, *(_skip(t) for t in found.temp_dirs if not t.removable)),
         goal=f"to bring {store.root} to at most {units.format_size(max_bytes)}", store=store,
         unused_since={e.key: e.last_used for e in entries},
@@ -196,9 +193,10 @@ def _freeing(entries: Iterable[EntryInfo], chosen: Iterable[EntryInfo],
 
 def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[TempDir],
            records: Iterable[str], now: float, strays: Iterable[StrayIndex] = (),
-           lone_locks: Iterable[str] = ()) -> tuple[Item, ...]:
+           lone_locks: Iterable[str] = (), dead_holds: Iterable[str] = ()
+           ) -> tuple[Item, ...]:
     """The items of a local removal: garbage (stray index files, then ``tmp/``) first,
-    then entries, then failure records, then lock files left behind."""
+    then entries, then failure records, then lock files and hold records left behind."""
     items = [Item(s.key, STRAY_INDEX, f"the row index file of {s.key[:SHORT_KEY]}",
                   store.root / INDEX_FOLDER, s.bytes,
                   f"{s.key[:SHORT_KEY]}  row index of an entry removed outside cachekit  "
@@ -210,6 +208,8 @@ def _items(store: LocalStore, entries: Iterable[EntryInfo], temps: Iterable[Temp
                    f"{k[:SHORT_KEY]}  recorded build failure", k) for k in records]
     items += [Item(k, LOCK_FILE, f"the lock file of {k[:SHORT_KEY]}", store.layout.lock_path(k),
                    0, "", k) for k in lone_locks]
+    items += [Item(hold_records.key_of(n), HOLD_RECORD, f"the hold record {n}",
+                   store.root / hold_records.FOLDER / n, 0, "", n) for n in dead_holds]
     return tuple(items)
 
 

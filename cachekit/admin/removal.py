@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Iterable, Optional, Union
 from .. import units
 
 ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "failure record"
-STRAY_INDEX, LOCK_FILE = "stray index file", "lock file"
+STRAY_INDEX, LOCK_FILE, HOLD_RECORD = "stray index file", "lock file", "hold record"
 """What an :class:`Item` is (``Item.noun``): a published entry, a directory under ``tmp/``
 left by a dead builder or an interrupted removal, a key's recorded build failure, the row
 index files of an entry removed outside cachekit, a lock file left behind (no ``line``)."""

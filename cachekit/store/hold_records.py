@@ -10,8 +10,8 @@ mtime refreshed as often by the process's heartbeat timer, removed as the hold i
 A removal of unused entries passes over an entry that another host's record shows alive
 by the rule of :mod:`cachekit.liveness` (a heartbeat younger than the lease). This host's
 records are left to the flock, which tells exactly: a record that a killed process left
-holds nothing back here, and on another host for one lease at most; every removal of
-entries ends by removing such records (:func:`forget`).
+holds nothing back here, and on another host for one lease at most; ``prune``, a budget
+and ``clear`` count and remove such records (:func:`dead`, :func:`forget`).
 
 A record that cannot be written (a root this user cannot write, a ``holds`` folder that
 is a symlink) is not: the hold is then seen on its machine only, and so is a hold in its
@@ -145,15 +145,32 @@ def _alive_elsewhere(layout: Layout, wanted: Callable[[str], bool]
                 yield key, owner[0]
 
 
-def forget(layout: Layout) -> None:
-    """Remove the records, of any entry, whose processes are gone (killed: a process
-    removes its own as it lets go) or show no heartbeat for a lease, so that the records
-    killed holders leave do not pile up (every removal of entries ends so). A holder only
-    paused writes its record again."""
-    for folder, name, _ in _records(layout, unfinished=True):
-        if _dead(folder, name):
-            with contextlib.suppress(OSError):
-                folder.unlink(name)
+def dead(layout: Layout) -> list[str]:
+    """The records of the root ``layout`` that hold nothing, of any entry: their processes
+    are gone (killed, or ended by a SIGTERM, which runs no exit handler: a process removes
+    its own as it lets go) or show no heartbeat for a lease; and those a writer killed
+    before naming them. A removal of entries takes them (:func:`forget`), so that they do
+    not pile up under entries that stay. A holder only paused writes its record again."""
+    return [name for folder, name, _ in _records(layout, unfinished=True)
+            if _dead(folder, name)]
+
+
+def forget(layout: Layout, name: str) -> Optional[str]:
+    """Remove the record ``name`` if it still holds nothing: None when it is gone, else
+    why it stays."""
+    try:
+        with layout.open_folder(FOLDER) as folder:
+            if not _dead(folder, name):
+                return "its process holds the entry again"
+            folder.unlink(name)
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def key_of(name: str) -> str:
+    """The key of the entry that the record ``name`` holds."""
+    return name.lstrip(_UNFINISHED).partition(".")[0]
 
 
 def _dead(folder: _fs.DirHandle, name: str) -> bool:
@@ -163,6 +180,8 @@ def _dead(folder: _fs.DirHandle, name: str) -> bool:
     if name.startswith(_UNFINISHED):
         try:
             return not liveness.is_alive(None, folder.lstat(name).st_mtime)
+        except FileNotFoundError:
+            return True  # (named since, or removed: nothing to keep under this name)
         except OSError:
             return False
     owner = _owner(folder, name)
@@ -180,7 +199,7 @@ def _records(layout: Layout, unfinished: bool = False
     with folder:
         for name in folder.names():
             if unfinished or not name.startswith(_UNFINISHED):
-                yield folder, name, name.lstrip(_UNFINISHED).partition(".")[0]
+                yield folder, name, key_of(name)
 
 
 def _owner(folder: _fs.DirHandle, name: str) -> Optional[tuple[dict[str, Any], float]]:

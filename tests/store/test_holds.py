@@ -248,7 +248,12 @@ def test_a_removal_takes_the_records_holders_left_of_entries_that_stay(tmp_path,
                             (".MINE.host-b.80.writer-killed", "", 10)):
         (records / name).write_text(text)
         os.utime(records / name, (time.time() - age,) * 2)
-    cache.prune("1G")  # removes no entry
+    planned = subprocess.run([sys.executable, "-m", "cachekit", "--root", str(tmp_path / "root"),
+                              "prune", "--max-size", "1G", "--dry-run"],
+                             capture_output=True, text=True)
+    assert "would remove 0 entries and 3 hold records (0 B)" in planned.stdout, planned
+    report = cache.prune("1G")  # removes no entry
+    assert sorted(item.noun for item in report.removed) == ["hold record"] * 3
     assert sorted(p.name for p in entries.iterdir()) == ["KEPT", "MINE"]
     names = sorted(p.name for p in records.iterdir())
     assert left.name not in names and "MINE.host-b.78.stopped" not in names
