@@ -22,7 +22,8 @@ ENTRY, LEFTOVER_DIRECTORY, FAILURE_RECORD = "entry", "leftover directory", "fail
 STRAY_INDEX, LOCK_FILE, HOLD_RECORD = "stray index file", "lock file", "hold record"
 """What an :class:`Item` is (``Item.noun``): a published entry, a directory under ``tmp/``
 left by a dead builder or an interrupted removal, a key's recorded build failure, the row
-index files of an entry removed outside cachekit, a lock file left behind (no ``line``)."""
+index files of an entry removed outside cachekit, a lock file left behind, and the record
+of a hold whose process is gone (these two have no ``line``: they are only counted)."""
 
 
 @dataclass(frozen=True)

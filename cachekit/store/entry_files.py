@@ -23,9 +23,10 @@ from .. import arrays
 from .manifest import ROW_MAP_FILE, FileRecord, Manifest
 from .row_view import Rows, RowView, row_map_in
 
-PASSED_FILES = 64
-"""The most descriptors of one entry that a pickle for a starting child passes
-(``forkserver`` sends at most 252 to a child); a child opens an entry of more by path."""
+PASSED_FILES = 128
+"""The most descriptors a child that multiprocessing starts is sent, all of its entries'
+together (``forkserver`` refuses to start a child sent more than 252); an entry past
+that opens its files by path there."""
 
 
 class EntryFiles:
@@ -82,8 +83,11 @@ class EntryFiles:
         ``forkserver``); in any other pickle, nothing (None)."""
         from multiprocessing import context, reduction
 
-        if (context.get_spawning_popen() is None or not self._closer.alive
-                or len(self._descriptors) > PASSED_FILES):
+        starting = context.get_spawning_popen()
+        if starting is None or not self._closer.alive:
+            return (_nothing, ())
+        sent = len(getattr(starting, "_fds", ()))  # (the child's other descriptors so far)
+        if sent + len(self._descriptors) > PASSED_FILES:
             return (_nothing, ())
         passed = {name: reduction.DupFd(fd) for name, fd in self._descriptors.items()}
         return (_received, (str(self.path), passed))

@@ -1,5 +1,5 @@
 """The files an Entry keeps open (cachekit.store.entry_files): closed when it goes, passed
-as descriptors only to a child that multiprocessing starts, and only so many of them."""
+as descriptors only to a child that multiprocessing starts, and only so many to one child."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ class _Starting:
     """What multiprocessing's spawn Popen lends a pickle that it sends to its child."""
 
     def __init__(self) -> None:
-        self.passed: list[int] = []
+        self._fds: list[int] = []  # (as spawn's and forkserver's Popen name them)
 
     def duplicate_for_child(self, fd: int) -> int:
-        self.passed.append(fd)
+        self._fds.append(fd)
         return fd
 
     class DupFd:
@@ -50,7 +50,7 @@ def _pickled_for_a_child(thing: object) -> tuple[bytes, list[int]]:
     starting = _Starting()
     context.set_spawning_popen(starting)
     try:
-        return pickle.dumps(thing), starting.passed
+        return pickle.dumps(thing), starting._fds
     finally:
         context.set_spawning_popen(None)
 
@@ -98,10 +98,15 @@ def test_only_a_child_being_started_receives_the_descriptors(entries):
         np.testing.assert_array_equal(np.asarray(received.array), np.asarray(entry.array))
 
 
-def test_an_entry_of_more_files_than_a_child_may_receive_passes_none(entries, monkeypatch):
-    full, fold = entries
-    monkeypatch.setattr(entry_files, "PASSED_FILES", 1)
-    blob, passed = _pickled_for_a_child(fold)  # a part and its row map: two
-    assert passed == [] and pickle.loads(blob).__dict__.get("_files") is None
-    blob, passed = _pickled_for_a_child(full)
+def test_a_child_is_sent_at_most_passed_files_descriptors_in_all(entries, monkeypatch):
+    """forkserver refuses to start a child sent more than 252 descriptors: past
+    PASSED_FILES, all entries together, an entry goes as its location only."""
+    full, fold = entries  # one data file; a part and its row map
+    monkeypatch.setattr(entry_files, "PASSED_FILES", 2)
+    blob, passed = _pickled_for_a_child([full, fold])
     assert len(passed) == 1
+    received_full, received_fold = pickle.loads(blob)
+    assert received_full._files is not None and received_fold.__dict__.get("_files") is None
+    np.testing.assert_array_equal(np.asarray(received_fold.array), np.asarray(fold.array))
+    blob, passed = _pickled_for_a_child([fold, full])
+    assert len(passed) == 2 and pickle.loads(blob)[1].__dict__.get("_files") is None
