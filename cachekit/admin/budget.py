@@ -8,6 +8,7 @@ from .. import units
 from ..messages import say
 from ..store import LocalStore, holds
 from ..store.manifest import Manifest
+from .inspect import stored_bytes
 from .local_removal import removal_for_prune
 from .removal import ENTRY, LEFTOVER_DIRECTORY
 
@@ -30,12 +31,14 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
                                  if item.noun in (ENTRY, LEFTOVER_DIRECTORY))
     in_use = [s.item for s in report.skipped if s.reason == holds.IN_USE]
     if in_use and left > max_size:
-        held = units.format_size(sum(item.bytes for item in in_use))
+        held = units.format_size(stored_bytes(item.subject for item in in_use))
         one = len(in_use) == 1
+        entries, share, them = ("entry", "it shares", "it") if one else (
+            "entries", "they share", "them")
         say(f"cache budget {units.format_size(max_size)}: the root holds "
-            f"{units.format_size(left)}; live processes use {len(in_use)} "
-            f"entr{'y' if one else 'ies'} ({held}) of it, kept until no process holds "
-            f"{'it' if one else 'them'}", always=True)
+            f"{units.format_size(left)}; live processes use {len(in_use)} {entries} "
+            f"({held}, the files {share} with others included) of it, kept until no "
+            f"process holds {them}", always=True)
     size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "

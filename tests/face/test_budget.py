@@ -215,8 +215,8 @@ def test_a_budget_warns_of_entries_in_use_only_when_they_leave_the_root_over_it(
 
 def test_spawn_workers_of_a_later_epoch_read_the_entry_another_process_budget_would_evict(
         tmp_path):
-    """A DataLoader with ``spawn`` workers, not persistent: each epoch's worker opens the
-    entry anew by its path. Between two epochs another process commits under a budget that
+    """A DataLoader with ``spawn`` workers, not persistent: each epoch's worker is sent
+    the entry anew. Between two epochs another process commits under a budget that
     fits only its own entry; the entry this process holds stays, and the second epoch
     reads every row (it raised "the entry was removed" when the budget evicted it)."""
     import torch
@@ -236,3 +236,20 @@ def test_spawn_workers_of_a_later_epoch_read_the_entry_another_process_budget_wo
     assert other.returncode == 0, other.stderr
     assert "live processes use 1 entry" in other.stderr
     assert torch.equal(torch.cat(list(loader)), want)
+
+
+def test_the_bytes_held_entries_keep_count_the_files_they_share(tmp_path, capsys):
+    """A fold shares its rows' file with the full entry: held, the two keep the whole
+    file, which is what the warning counts (it counted each entry's own bytes: a few KB
+    for a fold that holds no row of its own)."""
+    cache = cachekit.Cache(tmp_path, max_size="250K", workers=1, progress=False)
+    full = cache.map(_row, _column(0), version="1")  # (rows are shared under a version)
+    fold = cache.map(_row, _column(0).iloc[::2], version="1")
+    assert not fold.contiguous
+    capsys.readouterr()
+    cache.map(_row, _column(5000))
+    held = [e for e in cache.entries() if e.key in (full.key, fold.key)]
+    shared = format_size(sum(size for _, _, size in {f for e in held for f in e.files}))
+    said = capsys.readouterr().err
+    assert (f"live processes use 2 entries ({shared}, the files they share with others "
+            "included) of it") in said, said
