@@ -2,12 +2,13 @@
 those alone.
 
 While an :class:`~cachekit.Entry` lives, its process holds a shared flock(2) on the entry's
-directory (:func:`hold`); so do the DataLoader workers that unpickle it, and the workers a
-fork makes share their parent's. A removal that chose entries for being unused takes the
-lock exclusively, without waiting, around its rename (:func:`unheld`), and passes over an
-entry it cannot take: the entry is in use. Evicting it would free no disk anyway (a
-process that maps a removed file keeps its blocks), and a ``spawn`` worker started for the
-next epoch would find it gone.
+directory (:func:`hold`); so does a process that unpickles it and opens it by its path, and
+the workers a fork makes share their parent's (a worker that ``spawn`` or ``forkserver``
+starts reads the files its parent keeps open: :mod:`cachekit.store.entry_files`). A
+removal that chose entries for being unused takes the lock exclusively, without waiting,
+around its rename (:func:`unheld`), and passes over an entry it cannot take: the entry is
+in use. Evicting it would free no disk anyway (a process that maps a removed file keeps
+its blocks), and another process that opens it by its path would find it gone.
 
 The kernel drops a lock with the last descriptor of its holder: when the Entry is
 collected, or the process ends (SIGKILL too), so a hold never outlives its holder. Holds
