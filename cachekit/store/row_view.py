@@ -137,10 +137,14 @@ class RowView:
         """``self[parts]`` for a tuple index, as numpy indexes the gathered array: the rows
         its first-axis part names are gathered, and the whole index applied to them with
         that part pointing into the gathered rows (so numpy orders the axes of mixed
-        indexes, and raises its own errors). An Ellipsis or a boolean scalar before the
-        rows' part, or a boolean array of more than one axis, gathers every row."""
+        indexes, and raises its own errors). An Ellipsis first, then integers and slices
+        of the row's axes (``view[..., 0]``), reads every row a step at a time; any other
+        Ellipsis or a boolean scalar before the rows' part, or a boolean array of more
+        than one axis, gathers every row."""
         at = next((i for i, part in enumerate(parts) if part is not None), None)
         head = None if at is None else parts[at]
+        if at == 0 and head is Ellipsis and self._rows_lead(parts[1:]):
+            return self._in_steps((slice(None), *parts))
         if head is None or head is Ellipsis or isinstance(head, (bool, np.bool_)):
             return np.asarray(self)[parts]
         if _is_integer(head):
@@ -158,6 +162,29 @@ class RowView:
                 chosen = np.unique(wanted)
                 rows, head = self.take(chosen), np.searchsorted(chosen, wanted)
         return rows[(*parts[:at], head, *parts[at + 1:])]
+
+    def _rows_lead(self, after: tuple[Any, ...]) -> bool:
+        """Whether ``self[(..., *after)]`` keeps every row on its first axis: ``after``
+        holds only integers, slices and None, and leaves the Ellipsis the row's axis."""
+        basic = all(part is None or isinstance(part, slice) or _is_integer(part)
+                    for part in after)
+        return basic and len(self) > 0 and sum(p is not None for p in after) < self.ndim
+
+    def _in_steps(self, index: tuple[Any, ...]) -> np.ndarray:
+        """``np.asarray(self)[index]`` for an ``index`` that takes every row in order and
+        keeps them on the first axis, gathered a step of rows at a time (:func:`copy_step`):
+        memory holds the result and one step, not every row whole."""
+        step = copy_step(self.nbytes // len(self))
+        out: Optional[np.ndarray] = None
+        for start in range(0, len(self), step):
+            rows = np.arange(start, min(start + step, len(self)))
+            piece = self.take(rows)[index]
+            if out is None:
+                out = np.empty((len(self), *piece.shape[1:]), dtype=piece.dtype)
+            out[start:start + len(rows)] = piece
+            del piece  # (often a view of the step's rows: they go before the next step)
+        assert out is not None
+        return out
 
     def __setitem__(self, index: Any, value: Any) -> None:
         # numpy's own error for the read-only memmap of a contiguous entry: one except

@@ -105,3 +105,29 @@ def test_torch_takes_a_row_view_as_one_array():
         for made in (torch.as_tensor(view), torch.tensor(view)):
             assert made.dtype == torch.uint8
             assert torch.equal(made, torch.from_numpy(np.asarray(view)))
+
+
+@pytest.mark.parametrize("index", [(Ellipsis, 0), (Ellipsis, slice(1, 3)), (Ellipsis, 1, -1),
+                                   (Ellipsis, None, 2), (Ellipsis,), (Ellipsis, 5)],
+                         ids=["last axis", "a slice", "two axes", "a new axis", "all", "out"])
+def test_an_ellipsis_first_reads_every_row_a_step_at_a_time(index, monkeypatch):
+    """``view[..., 0]`` takes every row: it reads a step of rows at a time (a copy of
+    every row whole would be the entry's size), and gives what numpy gives."""
+    from cachekit.store import row_view
+
+    rng = np.random.default_rng(3)
+    files = [rng.integers(0, 256, (5, *ROW_SHAPE), dtype=np.uint8) for _ in range(2)]
+    where = np.array([[i % 2, i % 5] for i in range(9)], dtype="<u4")
+    view, array = RowView(files, where), np.stack([files[f][r] for f, r in where])
+    monkeypatch.setattr(row_view, "COPY_BYTES", 2 * 6)  # two rows of 6 bytes a step
+    taken = []
+    real = RowView.take
+    monkeypatch.setattr(RowView, "take", lambda self, rows: (taken.append(len(rows)),
+                                                              real(self, rows))[1])
+    want, want_error = _outcome(array, index)
+    got, got_error = _outcome(view, index)
+    assert got_error is want_error
+    if want is not None:
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+        assert max(taken) <= 2 and sum(taken) == len(array)
