@@ -21,6 +21,7 @@ written by one host and read against another host's clock.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -161,15 +162,18 @@ class _Timer:
         self._due: dict[Heartbeat, float] = {}
         self._changed = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._wakes_at = math.inf
+        """When the thread wakes next (monotonic): a heartbeat due later wakes no one."""
 
     def add(self, heartbeat: Heartbeat) -> None:
         with self._changed:
-            self._due[heartbeat] = time.monotonic() + heartbeat.interval
+            due = self._due[heartbeat] = time.monotonic() + heartbeat.interval
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cachekit-heartbeats",
                                                 daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            if due < self._wakes_at:  # (each hold adds one: most are due after the next)
+                self._changed.notify()
 
     def remove(self, heartbeat: Heartbeat) -> None:
         """Forget ``heartbeat``: once this returns, it never beats again (the beats run
@@ -180,8 +184,8 @@ class _Timer:
     def _run(self) -> None:
         with self._changed:
             while True:
-                soonest = self._beat_due(time.monotonic())
-                self._changed.wait(max(0.0, soonest - time.monotonic()))
+                self._wakes_at = self._beat_due(time.monotonic())
+                self._changed.wait(max(0.0, self._wakes_at - time.monotonic()))
 
     def _beat_due(self, now: float) -> float:
         """Beat each heartbeat due at ``now``; when the next one is due. A heartbeat that

@@ -89,6 +89,28 @@ def test_a_heartbeat_runs_any_beat_on_its_timer_and_none_after_stop():
     beat.stop()  # idempotent
 
 
+def test_a_heartbeat_due_sooner_than_the_timer_wakes_beats_on_time(monkeypatch):
+    """Adding a heartbeat wakes the timer only when it is due before the timer's next
+    wake (each hold adds one, most due after it): one due sooner still beats on time, and
+    one due later does not hold it up."""
+    timer = liveness._Timer()
+    monkeypatch.setattr(liveness, "_timer", timer)
+    slow = liveness.Heartbeat(lambda: None, lease=400).start(at_once=False)  # every 100 s
+    time.sleep(0.1)  # the timer waits for it now
+    beats: list[float] = []
+    fast = liveness.Heartbeat(lambda: beats.append(time.monotonic()),
+                              lease=0.4).start(at_once=False)  # every 0.1 s
+    later = liveness.Heartbeat(lambda: None, lease=800).start(at_once=False)
+    try:
+        deadline = time.monotonic() + 10
+        while len(beats) < 3:
+            assert time.monotonic() < deadline, "the sooner heartbeat did not beat"
+            time.sleep(0.02)
+    finally:
+        for heartbeat in (slow, fast, later):
+            heartbeat.stop()
+
+
 def test_a_heartbeat_stopped_by_another_beat_of_its_round_beats_no_more(monkeypatch):
     """A beat may stop another heartbeat on the timer's own thread: a collection during a
     beat finalizes an Entry, whose hold record stops beating. The round that has both due
