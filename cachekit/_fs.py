@@ -139,20 +139,23 @@ class DirHandle:
             fd = os.open(name, flags | _NOFOLLOW | _NONBLOCK, dir_fd=self.fd)
         return fd, _check_regular(fd, self, name)
 
-    def write_new(self, name: str, data: bytes, *, durable: bool = True) -> None:
-        """Create ``name`` fresh with ``data`` (fsynced with ``durable``); nothing left on error."""
-        fd = self.create(name)
+    def write_new(self, name: str, data: bytes, *, durable: bool = True,
+                  mode: Optional[int] = None) -> os.stat_result:
+        """Create ``name`` fresh with ``data`` (fsynced with ``durable``; ``mode`` as
+        :meth:`create` takes it); nothing left on error. The stat of the file written."""
+        fd = self.create(name, mode)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
+            return os.fstat(fd)
         except BaseException:
-            os.close(fd)
             self.unlink(name)
             raise
-        os.close(fd)
+        finally:
+            os.close(fd)
 
     def publish_new(self, name: str, data: bytes) -> bool:
         """Make ``name`` hold ``data`` (fsynced) in one step, only if it does not exist yet:
@@ -179,16 +182,19 @@ class DirHandle:
             self.unlink(tmp)
         return True
 
-    def replace_json(self, name: str, value: Any) -> None:
-        """Write ``value`` as JSON to ``name`` so readers see the old file or the new one."""
+    def replace_json(self, name: str, value: Any, *, mode: Optional[int] = None
+                     ) -> os.stat_result:
+        """Write ``value`` as JSON to ``name`` so readers see the old file or the new one
+        (written under a dot name, then renamed); the new file's stat."""
         tmp = f".{name}.{unique_suffix()}.tmp"
-        self.write_new(tmp, (json.dumps(value, sort_keys=True) + "\n").encode(),
-                       durable=False)
+        st = self.write_new(tmp, (json.dumps(value, sort_keys=True) + "\n").encode(),
+                            durable=False, mode=mode)
         try:
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
             self.unlink(tmp)
             raise
+        return st
 
     def unlink(self, name: str) -> None:
         try:

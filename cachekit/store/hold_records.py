@@ -5,7 +5,7 @@ A hold (:mod:`cachekit.store.holds`) is a flock on the entry's directory, which 
 processes of one machine see, but Linux's NFS client keeps a directory's flock to the
 machine that took it. So each hold also keeps a record, ``holds/KEY.HOST.PID.UUID``: its
 owner as :func:`cachekit.processes.owner` writes it, written a lease / 4 after the hold
-was taken (a hit writes nothing; as ``.KEY.HOST.PID.UUID``, named once whole) and its
+was taken (a hit writes nothing; under a dot name, renamed once whole) and its
 mtime refreshed as often by the process's heartbeat timer, removed as the hold is let go.
 A removal of unused entries passes over an entry that another host's record shows alive
 by the rule of :mod:`cachekit.liveness` (a heartbeat younger than the lease). This host's
@@ -34,7 +34,8 @@ FOLDER = "holds"
 _RECORD_LIMIT = 4096
 """Bytes of a record read at most: an owner is about a hundred."""
 _UNFINISHED = "."
-"""What a record's name starts with while it is written (no record's name does)."""
+"""What a record's name starts with while it is written (``DirHandle.replace_json``'s
+temporary name; no record's name does)."""
 
 
 class Record:
@@ -78,19 +79,9 @@ class Record:
                 root.mkdir(FOLDER, file_modes.shared_dir_mode())
             except FileExistsError:
                 pass
-            with root.child(FOLDER) as folder:
-                unfinished = _UNFINISHED + self.name  # named once whole: a reader never
-                fd = folder.create(unfinished, file_modes.file_mode())  # sees it half written
-                try:
-                    try:
-                        os.write(fd, json.dumps(processes.owner()).encode() + b"\n")
-                        st = os.fstat(fd)
-                    finally:
-                        os.close(fd)
-                    folder.rename(unfinished, folder, self.name)
-                except BaseException:
-                    folder.unlink(unfinished)
-                    raise
+            with root.child(FOLDER) as folder:  # (the group reads it; named once whole)
+                st = folder.replace_json(self.name, processes.owner(),
+                                         mode=file_modes.file_mode())
                 self.made = st.st_dev, st.st_ino
                 if self.removed:  # meanwhile, on this thread: a collection let the hold go
                     folder.unlink(self.name)
