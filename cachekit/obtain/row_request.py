@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from ..messages import say
-from ..store import STALE, LocalStore, Published
+from ..store import STALE, LocalStore, Published, linkers
 from ..store.manifest import Manifest
 from ..units import format_size
 from .expected import Expected
@@ -90,7 +90,7 @@ class RowRequest:
                 "shares its rows and cannot be removed here (another user's, or a "
                 "read-only root); returned as it is", always=True)
         elif self.budget is not None and outcome.committed_here \
-                and copying_shrinks(outcome.entry.manifest, self.budget):
+                and copying_shrinks(self.store, outcome.entry.manifest, self.budget):
             manifest = outcome.entry.manifest
             self.call = dataclasses.replace(self.call, contiguous=True)
             self._build_again(outcome.entry, (
@@ -184,9 +184,11 @@ class RowRequest:
         raise FileNotFoundError(errno.ENOENT, "removed to be built again", str(entry.path))
 
 
-def copying_shrinks(manifest: Manifest, budget: int) -> bool:
+def copying_shrinks(store: LocalStore, manifest: Manifest, budget: int) -> bool:
     """Whether the derived entry of ``manifest`` holds more bytes than ``budget`` (the files
     it shares, which evicting every other entry cannot free) and a contiguous copy of its
-    rows would hold fewer than its data files (the rows of theirs it does not use)."""
+    rows would hold fewer than removing it would free once the entries no live process uses
+    are evicted (the rows of its files it does not use; a file that an entry in use links
+    stays all the same, so copying its rows would only add them)."""
     return (not manifest.contiguous and manifest.bytes > budget
-            and manifest.array_bytes < sum(f.data_bytes for f in manifest.data_files))
+            and manifest.array_bytes < linkers.freeable_bytes(store.layout, manifest))

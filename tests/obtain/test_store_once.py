@@ -861,6 +861,29 @@ def test_a_fold_sharing_files_larger_than_the_budget_is_copied_so_that_the_root_
     assert again.hit and again.contiguous
 
 
+@pytest.mark.parametrize("kept", ["the full entry", "another fold"])
+def test_a_fold_is_not_copied_for_the_budget_when_an_entry_in_use_keeps_its_files(
+        cache_root, pictures, capsys, kept):
+    """As above, but a live Entry keeps the full entry's file: the full entry itself (a
+    sweep's agent holds it while it makes its folds), or another fold that links it. A
+    copy of the fold's rows would free nothing and only add them, so the fold shares the
+    file and the root grows by its row map alone."""
+    full = cachekit.Cache(cache_root, workers=1, progress=False).images(
+        column(pictures, range(N)), 8)
+    budget = root_file_bytes(cache_root) * 3 // 4
+    tight = cachekit.Cache(cache_root, workers=1, max_size=budget)
+    held = [full] if kept == "the full entry" else [
+        tight.images(column(pictures, range(0, N, 3)), 8)]
+    del full
+    before = root_file_bytes(cache_root)
+    capsys.readouterr()
+    fold = tight.images(column(pictures, range(1, N, 2)), 8)
+    assert "copying" not in capsys.readouterr().err
+    assert not fold.contiguous and (fold.rows_decoded, fold.rows_reused) == (0, N // 2)
+    assert root_file_bytes(cache_root) - before < fold.array.nbytes // 4
+    assert held[0].key in {e.key for e in tight.entries()}
+
+
 def fold_rows(entry: cachekit.Entry, pictures: list[str]) -> list[int]:
     return [pictures.index(p) for p in entry._labels]
 
