@@ -314,7 +314,7 @@ def _warn(entry: EntryId, changed: list[tuple[int, str, tuple[int, int], tuple[i
         shown = ", ".join(p for _, p, _, _ in changed[:SHOWN_PATHS])
         more = f" and {total - SHOWN_PATHS} more" if total > SHOWN_PATHS else ""
         what = f"{total} files changed since entry {key[:12]} was built ({shown}{more})"
-    served = ("the entry this call built shares" if built else "this hit serves")
+    served = ("the entry this call built holds" if built else "this hit serves")
     text = (f"{what}; {served} the pixels decoded then, because validate=\"path\" "
             "keys the paths only. The next call of this column builds the entry again, "
             "decoding only the rows whose files changed (the others are shared); pass "

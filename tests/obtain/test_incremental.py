@@ -220,7 +220,7 @@ def test_a_changed_file_the_sample_missed_is_said_by_the_background_check_and_he
     _write_picture(Path(pictures[N - 3]), 20_000)
     os.utime(pictures[N - 3], ns=(2, 2))
     fold = column(pictures, range(10, N))
-    with pytest.warns(StaleEntryWarning, match="the entry this call built shares") as caught:
+    with pytest.warns(StaleEntryWarning, match="the entry this call built holds") as caught:
         built = cache.images(fold, 8)
         staleness.wait_for_checks(timeout=60)
     assert counts(built) == (0, 0, N - 10) and pictures[N - 3] in str(caught[0].message)
