@@ -54,9 +54,10 @@ class Cache:
     ``max_size``: the root's budget in bytes (an int, or a size such as "50G"; None:
     ``$CACHEKIT_MAX_SIZE``, unset: no budget): after each build or download this process
     commits, the least recently used entries are removed until the root fits, never the
-    entry the call returns nor a live build; an entry the call made whose rows are shared
-    from files larger than the budget is first copied into one file of its own, when that
-    is smaller (docs/managing.md).
+    entry the call returns nor a live build, and before a build or download writes until
+    what it writes fits too, never the entries it shares rows with; an entry the call made
+    whose rows are shared from files larger than the budget is first copied into one file
+    of its own, when that frees bytes (docs/managing.md).
     """
 
     def __init__(self, root: Optional[PathLike] = None, *, remote: Optional[str] = None,
@@ -221,18 +222,28 @@ class Cache:
                 return opened
         raise AssertionError("unreachable")
 
+    def _make_room(self, needed: int, keep: list[str]) -> None:
+        """Leave ``needed`` bytes of room within the budget for a build or a download,
+        keeping the entries ``keep``."""
+        from .admin.budget import make_room
+
+        assert self.max_size is not None
+        make_room(self._store, self.max_size, needed, keep)
+
     def _remote_tier(self) -> Any:
         if self._remote_store is None:
             return None
         from .obtain.remote import Tier
 
-        return Tier(self._remote_store, progress=self._show_progress())
+        return Tier(self._remote_store, progress=self._show_progress(),
+                    make_room=None if self.max_size is None else self._make_room)
 
     def _rows(self, call: RowCall) -> Entry:
         """Obtain the entry of a per-row call (its rows shared with the committed entries
         of its recipe that hold them), settle it, open it and, for images keyed by their
         paths alone, check a sample of their files for changes."""
-        settings = BuildSettings(self.workers, self.executor, progress=self._show_progress())
+        settings = BuildSettings(self.workers, self.executor, progress=self._show_progress(),
+                                 make_room=None if self.max_size is None else self._make_room)
         request = RowRequest(self._store, call, settings, self.max_size)
 
         def open_entry(outcome: Outcome) -> Entry:

@@ -1,8 +1,11 @@
-"""A cache budget (``Cache(max_size=...)``, ``$CACHEKIT_MAX_SIZE``), kept after each commit:
-the least recently used entries go, as ``cachekit prune`` removes them, never the entry the
-call returns nor one that a live process uses (:mod:`cachekit.store.holds`)."""
+"""A cache budget (``Cache(max_size=...)``, ``$CACHEKIT_MAX_SIZE``), kept after each commit
+and before a build or a download writes (room made for what it writes): the least recently
+used entries go, as ``cachekit prune`` removes them, never the entry the call returns nor
+one that a live process uses (:mod:`cachekit.store.holds`)."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from .. import units
 from ..messages import say
@@ -10,7 +13,7 @@ from ..store import LocalStore, holds
 from ..store.manifest import Manifest
 from .inspect import stored_bytes
 from .local_removal import removal_for_prune
-from .removal import ENTRY, LEFTOVER_DIRECTORY
+from .removal import ENTRY, LEFTOVER_DIRECTORY, RemovalReport
 
 
 def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
@@ -22,11 +25,7 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
     key = returned.key
     removal = removal_for_prune(store, max_size, keep=[key])
     report = removal.execute()
-    removed = [item for item in report.removed if item.noun == ENTRY]
-    if removed:
-        say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
-            f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
-            f"({units.format_size(sum(item.bytes for item in removed))})")
+    _say_removed(report, max_size)
     left = removal.counted - sum(item.bytes for item in report.removed
                                  if item.noun in (ENTRY, LEFTOVER_DIRECTORY))
     in_use = [s.item for s in report.skipped if s.reason == holds.IN_USE]
@@ -44,3 +43,22 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
         say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
             f"budget of {units.format_size(max_size)}; it is returned all the same",
             always=True)
+
+
+def make_room(store: LocalStore, max_size: int, needed: int, keep: Sequence[str]) -> None:
+    """Before a build or a download writes ``needed`` bytes: remove the least recently used
+    entries until the root and those bytes fit ``max_size``, as :func:`keep_to_budget`
+    would once it commits, never the entries ``keep`` (first the key written, then the
+    entries it shares rows with). Says what went; what is left over the budget is said
+    after the commit."""
+    report = removal_for_prune(store, max(0, max_size - needed), keep=list(keep)).execute()
+    _say_removed(report, max_size, f" to make room for the {units.format_size(needed)} "
+                 f"entry {keep[0][:12]} is about to write")
+
+
+def _say_removed(report: RemovalReport, max_size: int, why: str = "") -> None:
+    removed = [item for item in report.removed if item.noun == ENTRY]
+    if removed:
+        say(f"cache budget {units.format_size(max_size)}: removed {len(removed)} least "
+            f"recently used entr{'y' if len(removed) == 1 else 'ies'} "
+            f"({units.format_size(sum(item.bytes for item in removed))}){why}")

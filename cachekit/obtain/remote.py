@@ -50,6 +50,7 @@ from ..store.lease import Lease, Watch, lease_path
 from ..units import format_size
 from . import background
 from .lookup import find_entry
+from .row_call import MakeRoom
 from .wait import WAITING, Awaited, Wait
 
 _warned: set[str] = set()
@@ -65,10 +66,12 @@ _warned_broken: set[tuple[str, str]] = set()
 
 @dataclass(frozen=True)
 class Tier:
-    """A remote store, and whether transfers show a byte progress bar."""
+    """A remote store, whether transfers show a byte progress bar, and what makes room
+    for a download within a cache budget."""
 
     store: RemoteStore
     progress: bool = False
+    make_room: Optional[MakeRoom] = None
 
 
 def download_or_lease(tier: Tier, local: LocalStore, key: str, *, wait: Wait,
@@ -257,7 +260,7 @@ def _download(tier: Tier, local: LocalStore, found: RemoteEntry,
     is no entry to download), else CacheCorruptError (a broken entry, to be replaced)."""
     try:
         published, _ = tier.store.download(found, local, progress=tier.progress,
-                                           linked=linked)
+                                           linked=linked, make_room=tier.make_room)
     except FileNotFoundError:
         remote = tier.store
         if remote.named(found.key, found.upload) == OURS:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
@@ -152,6 +153,7 @@ class RowBuild:
                 rows, found = self._donors(self._stat(self._row_identities(),
                                                       on_record=healed is None), healed)
             with found:
+                self._make_room(found, len(values))
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,
@@ -206,6 +208,19 @@ class RowBuild:
             durable=extra.linked,
             reuse=extra.reuse, origin=extra.origin,
             failure=failure)
+
+    def _make_room(self, found: donors.Donors, rows: int) -> None:
+        """Under a cache budget, have room made for the rows this build writes (those no
+        donor lends, or all of them for a contiguous copy) before it writes any, keeping its
+        donors: the root then stays within the budget during the build too, as a disk
+        sized to the budget needs."""
+        make_room, template = self.settings.make_room, self.call.template or found.template
+        written = rows if self.call.contiguous else rows - found.rows
+        if make_room is None or template is None or written <= 0:
+            return
+        shape, dtype = template
+        make_room(written * math.prod(shape) * np.dtype(dtype).itemsize,
+                  [self.key, *(donor.source.manifest.key for donor in found.donors)])
 
     def committed(self, published: Published) -> None:
         """Put the entry this build published into the row index (step 6)."""

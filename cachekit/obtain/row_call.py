@@ -13,6 +13,10 @@ from .. import keys
 
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
+MakeRoom = Callable[[int, list[str]], None]
+"""Told the bytes a build or a download is about to write and the keys it must keep (its
+own first, then the entries it shares rows with): removes the least recently used entries
+that leave that much room within the cache's budget."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,8 @@ class BuildSettings:
     executor: Any
     progress: bool
     """Progress bars."""
+    make_room: Optional[MakeRoom] = None
+    """With a cache budget, called before a build writes its rows."""
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,16 @@ WRITEBACK_BYTES = 64 << 20
 
 
 def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
-             progress: bool = False, linked: Optional[Callable[[int], None]] = None
+             progress: bool = False, linked: Optional[Callable[[int], None]] = None,
+             make_room: Optional[Callable[[int, list[str]], None]] = None
              ) -> tuple[Published, bool]:
     """Download ``entry`` into a fresh build directory of ``local``, check every size
     and checksum against its manifest, then publish it with the local store's atomic
     commit. Returns (published entry, whether this call's commit won). On any failure
     the build directory is discarded: nothing is published. The parts of a derived entry
     that local entries hold are linked, not downloaded (:mod:`.local_copies`): ``linked``
-    hears how many of the entry's bytes that saved."""
+    hears how many of the entry's bytes that saved. ``make_room`` (a cache budget) is told
+    the bytes it is about to download, once those parts are linked."""
     manifest = entry.manifest
     objects = entry.objects(bucket)
     build = local.begin(entry.key)
@@ -42,6 +44,8 @@ def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
         here = link_local_copies(local, build.dir, manifest)  # a derived entry's parts
         fetched = [(f, o) for f, o in zip(manifest.files, objects) if f.name not in here]
         check_sizes(bucket, entry.key, [f for f, _ in fetched], [o for _, o in fetched])
+        if make_room is not None and fetched:
+            make_room(sum(f.bytes for f, _ in fetched), [entry.key])
         bar = progress_bar(progress, sum(f.bytes for f, _ in fetched),
                            f"cachekit pull {entry.key[:12]}")
         done = 0

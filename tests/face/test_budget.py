@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,6 +48,24 @@ def test_each_commit_keeps_the_root_within_its_budget_least_recently_used_first(
     assert _root_bytes(tmp_path) <= 500_000
     assert "cache budget 500 KB: removed 1 least recently used entry" in capsys.readouterr().err
     np.testing.assert_array_equal(third.array[5], _row(2005))
+
+
+def test_a_build_has_room_made_for_its_rows_before_it_writes_them_keeping_its_donors(
+        tmp_path, capsys):
+    """Entries A and B (about 210 KB each, A the least recently used), a 450 KB budget, and a
+    column of A's 200 rows and 100 new ones: room for the 100 KB it writes is made before
+    the build writes them. A lends its rows, so B goes, although A was used longer ago."""
+    cache = cachekit.Cache(tmp_path, max_size="450K", workers=1)
+    lender = cache.map(_row, _column(0)).path
+    other = cache.map(_row, _column(1000)).path
+    os.utime(lender, (time.time() - 5, time.time() - 5))
+    capsys.readouterr()
+    grown = cache.map(_row, pd.Series(range(300)))
+    said = capsys.readouterr().err
+    assert re.search(r"removed 1 least recently used entry \(\d+ KB\) to make room for the "
+                     f"100 KB entry {grown.key[:12]} is about to write", said), said
+    assert not other.exists() and (grown.rows_decoded, grown.rows_reused) == (100, 200)
+    np.testing.assert_array_equal(np.asarray(grown.array), np.stack([_row(v) for v in range(300)]))
 
 
 @pytest.mark.parametrize("progress", [True, False])

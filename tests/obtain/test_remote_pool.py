@@ -324,3 +324,19 @@ def test_an_upload_whose_pool_object_goes_before_each_commit_fails_saying_what_t
     assert "before the manifest naming it was published" in said and "cachekit push" in said
     assert "remove the remote entry" not in said
     assert len(calls) == 2 and remote.lookup(fold.key) is None
+
+
+def test_a_download_under_a_budget_has_room_made_before_it_writes(s3_env, tmp_path, capsys):
+    """Host b holds an unused entry of 250 KB; its budget of 200 KB leaves no room for
+    the 164 KB entry it downloads: the old entry goes before the download writes, as it
+    does before a build."""
+    [full] = _pushed(tmp_path / "a", list(range(2000)))
+    b = cachekit.Cache(tmp_path / "b", workers=1, remote="", max_size="200K")
+    old = b.map(_int_row, list(range(5000, 7500)), version="1").path
+    capsys.readouterr()
+    pulled = cachekit.Cache(tmp_path / "b", workers=1, max_size="200K").map(
+        _int_row, list(range(2000)), version="1")
+    said = capsys.readouterr().err
+    assert pulled.outcome == "pulled" and not old.exists(), said
+    assert f"to make room for the {units.format_size(full._manifest.bytes)} entry " \
+        f"{full.key[:12]} is about to write" in said, said

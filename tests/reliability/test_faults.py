@@ -255,6 +255,22 @@ def test_without_preallocation_a_full_disk_kills_the_builder_with_sigbus(tmp_pat
         assert out.returncode == -signal.SIGBUS, (out.returncode, out.stderr[-2000:])
 
 
+@pytest.mark.skipif(not can_mount(), reason="needs root on Linux to mount a small tmpfs")
+def test_a_disk_the_budget_fits_holds_each_build_room_made_before_it_writes(
+        tmp_path, cover_paths, capsys):
+    """A 4 MB disk and a 3 MB budget: the second entry (2.1 MB) would not fit beside the
+    first (2.4 MB, no longer used), which goes before the build writes, not after."""
+    with tmpfs(tmp_path / "small", "4m") as mount:
+        cache = cachekit.Cache(mount / "cache", max_size="3M", workers=2)
+        first = cache.images(pd.Series(cover_paths * 4), 128, backend="pil").path
+        capsys.readouterr()
+        second = cache.images(pd.Series(cover_paths * 4), 120, backend="pil")
+        said = capsys.readouterr().err
+        assert f"make room for the 2.1 MB entry {second.key[:12]} is about to write" in said
+        assert second.outcome == "built" and not first.exists()
+        assert [e.key for e in cache.entries()] == [second.key]
+
+
 @pytest.mark.skipif(not can_mount(), reason="needs root on Linux to remount a tmpfs read-only")
 def test_a_read_only_root_serves_hits_and_names_itself_on_a_miss(tmp_path, cover_paths,
                                                                  reference):
