@@ -191,7 +191,8 @@ class Cache:
         """
         from .memoize import memoize
 
-        return memoize(self._obtain, fn, version=version, ignore=ignore)
+        return memoize(self._obtain, fn, version=version, ignore=ignore,
+                       make_room=None if self.max_size is None else self._make_room)
 
     def _obtain(self, request: Request, open_entry: Callable[[Outcome], Opened]) -> Opened:
         """The one path every entry takes: obtain it (a hit, or waiting for, joining or

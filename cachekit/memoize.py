@@ -30,6 +30,7 @@ from . import _fs, arrays, keys
 from .code_identity import function_identity
 from .obtain import Expected
 from .obtain.built import Built
+from .obtain.row_call import MakeRoom
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .store.manifest import MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir
@@ -47,11 +48,14 @@ files are the leaves its structure names (the shapes and dtypes are the function
 
 def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
             version: Optional[Union[str, int]] = None,
-            ignore: Union[str, Iterable[str]] = ()) -> Any:
+            ignore: Union[str, Iterable[str]] = (), make_room: Optional[MakeRoom] = None
+            ) -> Any:
     """Decorate ``fn`` (or return a decorator when ``fn`` is None) to cache its result,
-    getting entries through ``obtain``."""
+    getting entries through ``obtain``; ``make_room`` (a cache budget) is told the bytes
+    of a result before they are written."""
     if fn is None:
-        return lambda f: memoize(obtain, f, version=version, ignore=ignore)
+        return lambda f: memoize(obtain, f, version=version, ignore=ignore,
+                                 make_room=make_room)
     if not callable(fn):
         raise InvalidArgumentType(f"memoize decorates a function, not {type(fn).__qualname__} "
                                   f"{fn!r}; pass a version as memoize(version=...)")
@@ -84,6 +88,8 @@ def memoize(obtain: Obtain, fn: Optional[Callable[..., Any]] = None, *,
         def run(current: BuildDir) -> Built:
             result = fn(*args, **kwargs)
             structure, leaves = _flatten(result, qualname)
+            if make_room is not None:
+                make_room(sum(array.nbytes for array, _ in leaves), [key])
             first = _write_leaves(current.dir, leaves)
             return Built(
                 kind=MEMOIZE_KIND, rows=first.shape[0] if first.shape else 1,

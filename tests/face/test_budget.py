@@ -68,6 +68,21 @@ def test_a_build_has_room_made_for_its_rows_before_it_writes_them_keeping_its_do
     np.testing.assert_array_equal(np.asarray(grown.array), np.stack([_row(v) for v in range(300)]))
 
 
+def test_a_memoized_result_has_room_made_before_it_is_written(tmp_path, capsys):
+    cache = cachekit.Cache(tmp_path, max_size="300K", workers=1)
+    old = cache.map(_row, _column(0)).path  # about 210 KB, let go
+
+    @cache.memoize
+    def table(n: int) -> np.ndarray:
+        return np.zeros((n, 1000), np.uint8)
+
+    capsys.readouterr()
+    assert table(150).shape == (150, 1000)
+    said = capsys.readouterr().err
+    assert f"to make room for the 150 KB entry {table.cache_key(150)[:12]} is about to write" \
+        in said and not old.exists(), said
+
+
 @pytest.mark.parametrize("progress", [True, False])
 def test_an_entry_larger_than_the_budget_is_returned_and_said(tmp_path, capsys, monkeypatch,
                                                               progress):
