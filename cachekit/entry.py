@@ -155,6 +155,8 @@ class Entry:
             files = EntryFiles.open(self.path, self._manifest)
         except CacheCorruptError:
             current = _rebuilt(self.path, self._manifest)
+            if current is None and not self.path.exists():
+                raise CacheCorruptError(self.path, REMOVED, REMOVED_FIX, removed=True) from None
             if current is None:
                 raise
             files = EntryFiles.open(self.path, current)
@@ -183,6 +185,11 @@ class Entry:
         from .dataset import EntryDataset
 
         return EntryDataset(self, targets=targets, transform=transform)
+
+
+REMOVED = ("the entry was removed (`cachekit clear`, `prune` or a cache budget) after this "
+           "Entry was made, before this process opened it")
+REMOVED_FIX = "call cache.images (or map) again for the entry, built again if need be"
 
 
 def _rebuilt(path: Path, manifest: manifests.Manifest) -> Optional[manifests.Manifest]:

@@ -114,19 +114,26 @@ class NotAnArrayError(CachekitError, TypeError):
 
 
 class CacheCorruptError(CachekitError, OSError):
-    """An entry's files disagree with its manifest; its bytes are never returned."""
+    """An entry's files disagree with its manifest; its bytes are never returned. Also
+    raised, as a "removed cache entry" (``removed``), where an entry that a process was
+    sent (a pickled ``Entry``) is gone when it opens it: nothing is corrupt there, but
+    nothing can be read either."""
 
     FIX = "remove it with `cachekit clear KEY` and it will be rebuilt on next use"
+    removed = False
 
-    def __init__(self, path: str | Path, reason: str, fix: Optional[str] = None) -> None:
+    def __init__(self, path: str | Path, reason: str, fix: Optional[str] = None,
+                 removed: bool = False) -> None:
         self.path = str(path)
         self.reason = reason
         self.fix = fix
+        self.removed = removed
         # OSError treats a 2-tuple of args as (errno, strerror): pass one message instead.
-        super().__init__(f"corrupt cache entry {self.path}: {reason}; {fix or self.FIX}")
+        super().__init__(f"{'removed' if removed else 'corrupt'} cache entry {self.path}: "
+                         f"{reason}; {fix or self.FIX}")
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (self.path, self.reason, self.fix))
+        return (type(self), (self.path, self.reason, self.fix, self.removed))
 
 
 class OtherFormatError(CacheCorruptError):

@@ -250,6 +250,21 @@ def test_entry_pickle_keeps_invalid_rows(cache_root):
         clone.nothing
 
 
+def test_an_entry_sent_pickled_and_opened_after_a_clear_says_it_was_removed(cache_root):
+    """A Dask task receives an Entry by plain pickle and opens it by its path: removed
+    since, it is not corrupt, and `cachekit clear KEY` (what a corrupt one says to run)
+    would find nothing. The error says so, and pickles back (from a worker) the same."""
+    entry = cachekit.Cache(cache_root, progress=False).images(
+        pd.Series(["/nonexistent/a.jpg"]), 4, on_error="zero")
+    blob = pickle.dumps(entry)
+    cachekit.Cache(cache_root).clear()
+    with pytest.raises(cachekit.CacheCorruptError) as caught:
+        pickle.loads(blob).array
+    error = pickle.loads(pickle.dumps(caught.value))
+    assert error.removed and str(error).startswith(f"removed cache entry {entry.path}: ")
+    assert "call cache.images (or map) again" in str(error) and "clear" not in error.fix
+
+
 def first_batch_error(batches: DataLoader) -> BaseException:
     """The exception that reading the first batch raises (the test fails without one)."""
     iterator = iter(batches)
