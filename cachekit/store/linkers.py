@@ -34,8 +34,8 @@ def freeable_bytes(layout: Layout, manifest: Manifest) -> int:
         for record in manifest.data_files:
             try:
                 st = folder.lstat(record.name)
-            except FileNotFoundError:
-                continue
+            except OSError:
+                continue  # gone with the entry, removed meanwhile
             sizes[device, st.st_ino] = record.data_bytes
             if st.st_nlink > 1:
                 shared.add((device, st.st_ino))
@@ -59,13 +59,12 @@ def _linkers(layout: Layout, inodes: Iterable[Inode], other_than: str
             if key == other_than or not is_key(key):
                 continue
             try:
-                folder = entries.child(key)
+                with entries.child(key) as folder, os.scandir(folder.fd) as listing:
+                    device = os.fstat(folder.fd).st_dev
+                    for item in listing:
+                        keys = found.get((device, item.inode()))
+                        if keys is not None:
+                            keys.add(key)
             except OSError:
-                continue  # removed meanwhile, or not a directory
-            with folder, os.scandir(folder.fd) as listing:
-                device = os.fstat(folder.fd).st_dev
-                for item in listing:
-                    keys = found.get((device, item.inode()))
-                    if keys is not None:
-                        keys.add(key)
+                continue  # removed meanwhile, not a directory, or not ours to read
     return found
