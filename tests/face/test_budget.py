@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -66,6 +67,21 @@ def test_a_build_has_room_made_for_its_rows_before_it_writes_them_keeping_its_do
                      f"100 KB entry {grown.key[:12]} is about to write", said), said
     assert not other.exists() and (grown.rows_decoded, grown.rows_reused) == (100, 200)
     np.testing.assert_array_equal(np.asarray(grown.array), np.stack([_row(v) for v in range(300)]))
+
+
+def test_room_is_made_for_a_write_of_one_percent_of_the_budget_or_more(tmp_path):
+    """A smaller write goes ahead without a scan of the root (which costs more than it):
+    the commit's own check then keeps the budget."""
+    from cachekit.admin.budget import ROOM_SHARE, make_room
+    from cachekit.store import LocalStore
+
+    old = cachekit.Cache(tmp_path, workers=1).map(_row, _column(0)).path
+    budget = _root_bytes(tmp_path) + 1000  # any write of over 1,000 bytes is over it
+    small = math.ceil(budget * ROOM_SHARE) - 1
+    make_room(LocalStore(tmp_path), budget, small, ["0" * 32])
+    assert old.exists()
+    make_room(LocalStore(tmp_path), budget, small + 1, ["0" * 32])
+    assert not old.exists()
 
 
 def test_a_memoized_result_has_room_made_before_it_is_written(tmp_path, capsys):
