@@ -79,8 +79,9 @@ import s3  # noqa: E402
 SIZE = 64
 BATCH = 256
 EPOCHS = 10
-READ_PAIRS = 5
 """Epochs timed together for one sample of the "read" phase."""
+READ_PAIRS = 5
+"""Samples of each entry a "read" round takes (its ratio: their pairs' median)."""
 APPENDS = 200
 """One-row appends the "appends" phase makes (fewer with fewer covers)."""
 UNION_ENTRIES = 400
