@@ -36,8 +36,7 @@ another, and every round works in roots of its own (``Cache(workers=2)``, exact 
   (``contiguous=True``): throughput ratios (the issue asks at least 0.9x and 0.8x), each
   sample 10 epochs long (one epoch alone, which the table gives, is as short as a shared
   machine's hiccups), a round's ratio the median of :data:`READ_PAIRS` samples of each,
-  taking turns at which runs first (single samples ranged from 0.67x to 1.5x on one busy
-  day, for one tree and the one before, whose medians were 0.94x to 1.01x).
+  taking turns at which runs first (on a busy machine single samples stray far both ways).
 - "remote": on a loopback SeaweedFS server (the tests' ``weed``), a host builds the full
   entry and the 10 folds, which its background uploads push: the bucket's bytes against
   the host's root (each row data file is sent once, so about 1x); a second host that

@@ -192,7 +192,7 @@ class Cache:
         from .memoize import memoize
 
         return memoize(self._obtain, fn, version=version, ignore=ignore,
-                       make_room=None if self.max_size is None else self._make_room)
+                       make_room=self._room_maker())
 
     def _obtain(self, request: Request, open_entry: Callable[[Outcome], Opened]) -> Opened:
         """The one path every entry takes: obtain it (a hit, or waiting for, joining or
@@ -223,9 +223,13 @@ class Cache:
                 return opened
         raise AssertionError("unreachable")
 
+    def _room_maker(self) -> Optional[Callable[[int, list[str]], None]]:
+        """What leaves room within the budget for a build, a download or a memoized result
+        before it writes; None without a budget. (admin.budget is imported only when room
+        is made: a hit loads none of it.)"""
+        return None if self.max_size is None else self._make_room
+
     def _make_room(self, needed: int, keep: list[str]) -> None:
-        """Leave ``needed`` bytes of room within the budget for a build or a download,
-        keeping the entries ``keep``."""
         from .admin.budget import make_room
 
         assert self.max_size is not None
@@ -237,14 +241,14 @@ class Cache:
         from .obtain.remote import Tier
 
         return Tier(self._remote_store, progress=self._show_progress(),
-                    make_room=None if self.max_size is None else self._make_room)
+                    make_room=self._room_maker())
 
     def _rows(self, call: RowCall) -> Entry:
         """Obtain the entry of a per-row call (its rows shared with the committed entries
         of its recipe that hold them), settle it, open it and, for images keyed by their
         paths alone, check a sample of their files for changes."""
         settings = BuildSettings(self.workers, self.executor, progress=self._show_progress(),
-                                 make_room=None if self.max_size is None else self._make_room)
+                                 make_room=self._room_maker())
         request = RowRequest(self._store, call, settings, self.max_size)
 
         def open_entry(outcome: Outcome) -> Entry:

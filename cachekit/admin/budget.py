@@ -47,9 +47,9 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
 
 ROOM_SHARE = 0.01
 """The least share of the budget a build or download writes that has room made for it
-first: a scan of the root costs about 0.1 ms an entry (40 ms for 300 entries, 115 ms for
-1,000, on the 2-core machine CI runs on), more than a small build, and the root is then
-over the budget by that share at most until the commit."""
+first: the scan of the root that makes room grows with its entries and costs more than a
+small build, and the root is then over the budget by that share at most until the
+commit."""
 
 
 def make_room(store: LocalStore, max_size: int, needed: int, keep: Sequence[str]) -> None:
