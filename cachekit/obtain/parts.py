@@ -3,13 +3,12 @@ referenced instead of copied.
 
 For the rows that donors hold (:mod:`.donors`), the build hard-links each donor data file
 that holds any of them into its own directory, named by its checksum
-(:func:`~cachekit.store.manifest.part_name`, so every entry names the same bytes alike),
-and records (file, row) in its row map; only the rows no donor holds are decoded, into the
+(:func:`~cachekit.store.manifest.part_name`, so every entry names the same bytes alike), and
+records (file, row) in its row map; only the rows no donor holds are decoded, into the
 build's own ``data.npy`` (a build that decodes none has none). A linked file is the very
-inode the donor's manifest describes (opened through the donor's directory handle, its
-size and header checked, linked from the open file), and data files never change once
-written: the filesystem counts who uses each, so clearing or pruning any entry never
-breaks another.
+inode the donor's manifest describes (opened through the donor's directory handle, its size
+and header checked, linked from the open file), and data files never change once written:
+the filesystem counts who uses each, so clearing or pruning any entry never breaks another.
 
 Only this user's files are linked: a group member's file stays writable by its owner alone,
 and a link would let them change this user's entry. Where a file is another user's, or
@@ -112,6 +111,13 @@ class Parts:
         self.names = [self.names[i] for i in order]
         self.records = [self.records[i] for i in order]
         self.opened = [self.opened[i] for i in order]
+
+    @property
+    def rows_written(self) -> int:
+        """The rows the build writes into files of its own: all when its parts are not
+        linked (:meth:`materialize`), else those it decodes and those it copies."""
+        return len(self.where) if self.derived and not self.linked else int(
+            np.isin(self.where[:, 0], (-1, COPIED)).sum())
 
     @property
     def has_own(self) -> bool:

@@ -153,13 +153,16 @@ class RowBuild:
                 rows, found = self._donors(self._stat(self._row_identities(),
                                                       on_record=healed is None), healed)
             with found:
-                self._make_room(found, len(values))
+                made = self._make_room(found, len(values) if call.contiguous
+                                       else len(values) - found.rows)
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,
                                        link=not call.contiguous, report=Report(
                                            progress=settings.progress,
                                            description="cachekit copying shared rows"))
+                if held.rows_written > made:  # (it copies rows, or a donor's file did not open)
+                    self._make_room(found, held.rows_written)
                 donors.say_shared(self.key, found, len(values), held.shared,
                                   copied=call.contiguous)
                 if held.copied_files and held.linked:
@@ -209,18 +212,17 @@ class RowBuild:
             reuse=extra.reuse, origin=extra.origin,
             failure=failure)
 
-    def _make_room(self, found: donors.Donors, rows: int) -> None:
-        """Under a cache budget, have room made for the rows this build writes (those no
-        donor lends, or all of them for a contiguous copy) before it writes any, keeping its
-        donors: the root then stays within the budget during the build too, as a disk
-        sized to the budget needs."""
+    def _make_room(self, found: donors.Donors, written: int) -> int:
+        """Under a cache budget, have room made for the ``written`` rows this build writes
+        into files of its own (those no donor lends, or all of them for a copy) before it
+        writes them, keeping its donors: the root then stays within the budget during the
+        build too, as a disk sized to the budget needs. Returns ``written``."""
         make_room, template = self.settings.make_room, self.call.template or found.template
-        written = rows if self.call.contiguous else rows - found.rows
-        if make_room is None or template is None or written <= 0:
-            return
-        shape, dtype = template
-        make_room(written * math.prod(shape) * np.dtype(dtype).itemsize,
-                  [self.key, *(donor.source.manifest.key for donor in found.donors)])
+        if make_room is not None and template is not None and written > 0:
+            shape, dtype = template
+            make_room(written * math.prod(shape) * np.dtype(dtype).itemsize,
+                      [self.key, *(donor.source.manifest.key for donor in found.donors)])
+        return written
 
     def committed(self, published: Published) -> None:
         """Put the entry this build published into the row index (step 6)."""

@@ -69,6 +69,27 @@ def test_a_build_has_room_made_for_its_rows_before_it_writes_them_keeping_its_do
     np.testing.assert_array_equal(np.asarray(grown.array), np.stack([_row(v) for v in range(300)]))
 
 
+def test_a_build_whose_shared_rows_cannot_be_linked_has_room_made_for_its_copy(
+        tmp_path, capsys, monkeypatch):
+    """As above, but the lender's files cannot be linked here (another user's files, say):
+    the build copies all 300 rows, and room is made for those before it writes them, not
+    only for the 100 it expected to decode."""
+    from cachekit import _fs
+
+    cache = cachekit.Cache(tmp_path, max_size="700K", workers=1)
+    lender = cache.map(_row, _column(0)).path
+    other = cache.map(_row, _column(1000)).path
+    os.utime(lender, (time.time() - 5, time.time() - 5))
+    monkeypatch.setattr(_fs.DirHandle, "link_open_file", lambda self, f, name: False)
+    capsys.readouterr()
+    grown = cache.map(_row, pd.Series(range(300)))
+    said = capsys.readouterr().err
+    assert re.search(r"removed 1 least recently used entry \(\d+ KB\) to make room for the "
+                     f"300 KB entry {grown.key[:12]} is about to write", said), said
+    assert grown.contiguous and lender.exists() and not other.exists()
+    np.testing.assert_array_equal(np.asarray(grown.array), np.stack([_row(v) for v in range(300)]))
+
+
 def test_room_is_made_for_a_write_of_one_percent_of_the_budget_or_more(tmp_path):
     """A smaller write goes ahead without a scan of the root (which costs more than it):
     the commit's own check then keeps the budget."""
