@@ -175,18 +175,17 @@ class DatasetCorruptError(CacheCorruptError):
     same with ``num_workers=0`` and ``num_workers>0``.
     """
 
-    REMOVED = ("the entry was removed (`cachekit clear` or `prune`?) after this Dataset was "
-               "made, so there is nothing left to remove; call cache.images (or map, memoize) "
-               "again to build the entry, and make a new Dataset from the entry it returns")
-    """What to do when the entry's directory is gone (``removed=True``)."""
+    REMOVED = ("the entry was removed (`cachekit clear`, `prune` or a cache budget) after "
+               "this Dataset was made, so there is nothing left to remove")
+    """Why, when the entry's directory is gone (``removed=True``): nothing is corrupt."""
+    REMOVED_FIX = ("call cache.images (or map, memoize) again to build the entry, and make a "
+                   "new Dataset from the entry it returns")
 
     def __init__(self, path: str | Path, reason: Optional[str] = None,
                  removed: bool = False) -> None:
-        self.removed = removed
         if removed:  # not corrupt: gone; and `cachekit clear KEY` would find nothing
             self._message_only = False
-            self.path, self.reason, self.fix = str(path), reason or "removed", self.REMOVED
-            OSError.__init__(self, f"removed cache entry {self.path}: {self.REMOVED}")
+            super().__init__(path, self.REMOVED, self.REMOVED_FIX, removed=True)
             return
         if reason is not None:
             self._message_only = False

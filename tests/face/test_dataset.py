@@ -306,7 +306,8 @@ def says_removed(error: BaseException) -> None:
     the corrupt entry's advice to remove it (it is gone already)."""
     message = str(error)
     assert "removed cache entry " in message and "corrupt" not in message, message
-    assert "was removed (`cachekit clear` or `prune`?) after this Dataset was made" in message
+    assert "was removed (`cachekit clear`, `prune` or a cache budget) after this Dataset was " \
+        "made" in message
     assert "nothing left to remove; call cache.images (or map, memoize) again" in message
     assert "cachekit clear KEY" not in message, message
 
