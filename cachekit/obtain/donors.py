@@ -242,7 +242,7 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
 def say_shared(key: str, found: Donors, rows: int, taken: dict[str, int],
                copied: bool = False) -> None:
     """Say on stderr how many rows the build shares (or with ``copied``, copies: a
-    contiguous build) and with how many entries (``taken``: the rows it took from each, by
+    contiguous build, or one that cannot link their files) and with how many entries (``taken``: the rows it took from each, by
     key), and what the rows it decodes are: new, failed in the entry that holds them,
     changed, or held in an entry or a file it could not open or check; and which files of
     the row index it skipped."""

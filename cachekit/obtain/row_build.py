@@ -164,7 +164,7 @@ class RowBuild:
                 if held.rows_written > made:  # (it copies rows, or a donor's file did not open)
                     self._make_room(found, held.rows_written)
                 donors.say_shared(self.key, found, len(values), held.shared,
-                                  copied=call.contiguous)
+                                  copied=not held.linked)
                 if held.copied_files and held.linked:
                     say(f"entry {self.key[:12]}: its rows are in "
                         f"{len(held.names) + held.copied_files} files of other entries; "

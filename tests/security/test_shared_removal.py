@@ -6,7 +6,8 @@ empty its directory. Another member's ``clear``, ``prune`` and budget leave it a
 say whose it is; before, they moved it to ``tmp/deleting.*``, failed on its first file
 (exit 1) and left its bytes there, under a name its owner's next build no longer resumes.
 Its owner then removes it with the command ``cachekit ls`` names. An entry a member's live
-job uses is left by the others' ``prune`` and budget until that job ends.
+job uses is left by the others' ``prune`` and budget until that job ends, and a member's
+fold of a teammate's entry, a copy of its rows, has room made for it under a budget.
 
 Two plain uids of one group share the root the README way (tests/users.py): the "attacker"
 plays the teammate whose build died. Every child is a real interpreter; every wait is
@@ -19,6 +20,8 @@ import json
 import signal
 import textwrap
 from pathlib import Path
+
+from cachekit.units import format_size
 
 import users
 from helpers import write_pictures
@@ -33,7 +36,7 @@ BUILD = textwrap.dedent(r'''
 
     argv: ROOT CONFIG. config: paths, size, gate ([row, file], or null), umask (or null:
     the team's 002), holding (a file: created once the entry is obtained, then the child
-    holds the entry until it is killed).
+    holds the entry until it is killed), progress (say the call's notes; default: no).
     """
     import json, os, sys, time
     from pathlib import Path
@@ -46,7 +49,7 @@ BUILD = textwrap.dedent(r'''
         os.umask(config["umask"])
     if config["gate"]:
         stop_decoding_at(*config["gate"])
-    entry = cachekit.Cache(root, workers=1, progress=False).images(
+    entry = cachekit.Cache(root, workers=1, progress=config.get("progress", False)).images(
         config["paths"], config["size"], backend="pil")
     report(key=entry.key, source=entry.source, rows_decoded=entry.rows_decoded)
     if config.get("holding"):
@@ -184,3 +187,33 @@ def test_an_entry_a_teammate_uses_is_left_by_the_others_budget_and_prune_until_t
                     TIMEOUT)
     assert pruned.ok, pruned.failure()
     assert list((shared.root / "entries").iterdir()) == []
+
+
+def test_a_fold_of_a_teammates_entry_has_room_made_for_its_copy_under_a_budget(shared_root):
+    """A member's fold of a teammate's entry copies its rows: it never links another user's
+    files, which their owner could change. Under a budget, room is made for that copy
+    before it is written (the member's own entry, the least recently used, goes; the
+    teammate's, which lends the rows, stays), not only for the rows it decodes (none)."""
+    shared = shared_root
+    paths = write_pictures(shared.base / "images", 64)
+    keys = {}
+    for name, user, rows in (("own", shared.victim, paths[48:]),
+                             ("theirs", shared.attacker, paths[:48])):
+        config = shared.write_json(f"{name}.json", {"paths": rows, "size": 32, "gate": None})
+        built = finish(user.python(shared.script(BUILD), shared.root, config), TIMEOUT)
+        assert built.ok, built.failure()
+        keys[name] = built.report()["key"]
+    copy_bytes = 24 * 3 * 32 * 32
+    budget = sum(tree(shared.root / "entries").values()) + copy_bytes // 2
+    config = shared.write_json("fold.json", {"paths": paths[:48:2], "size": 32, "gate": None,
+                                             "progress": True})
+    fold = finish(shared.victim.python(shared.script(BUILD), shared.root, config,
+                                       env={"CACHEKIT_MAX_SIZE": str(budget)}), TIMEOUT)
+    assert fold.ok and fold.report()["rows_decoded"] == 0, fold.failure()
+    said, key = fold.stderr, fold.report()["key"]
+    assert f"entry {key[:12]}: copying 24 rows from 1 entry of the same recipe; nothing " \
+        "left to decode" in said, said  # (not "sharing": nothing of theirs is linked)
+    assert f"to make room for the {format_size(copy_bytes)} entry {key[:12]} is about to " \
+        "write" in said, said
+    assert sorted(p.name for p in (shared.root / "entries").iterdir()) == sorted(
+        [keys["theirs"], key])
