@@ -108,11 +108,12 @@ def find(store: LocalStore, key: str, rows: Rows,
          template: Optional[tuple[tuple[int, ...], Any]],
          healed: Optional[SharedRows] = None) -> Donors:
     """The committed entries of ``rows.recipe`` in ``store`` that hold rows of the column,
-    opened and checked, and which of their rows to share: each row from one entry, the
-    entries with the most rows first. ``template``: the row shape and dtype the build
-    makes (None: the first donor's). ``healed``: the stale entry of ``key`` itself, opened
-    before it was removed to be built again (:mod:`cachekit.obtain.staleness`): its rows
-    come first, row for row, where their files did not change."""
+    opened and checked, and which of their rows to share: each row from one entry, this
+    user's entries first, then those with the most rows. ``template``: the row shape and
+    dtype the build makes (None: the first donor's). ``healed``: the stale entry of ``key``
+    itself, opened before it was removed to be built again
+    (:mod:`cachekit.obtain.staleness`): its rows come first, row for row, where their files
+    did not change."""
     found = Donors()
     remaining = np.ones(len(rows.ids), dtype=bool)
     changed = np.zeros(len(rows.ids), dtype=bool)
@@ -241,11 +242,11 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
 
 def say_shared(key: str, found: Donors, rows: int, taken: dict[str, int],
                copied: bool = False) -> None:
-    """Say on stderr how many rows the build shares (or with ``copied``, copies: a
-    contiguous build, or one that cannot link their files) and with how many entries (``taken``: the rows it took from each, by
-    key), and what the rows it decodes are: new, failed in the entry that holds them,
-    changed, or held in an entry or a file it could not open or check; and which files of
-    the row index it skipped."""
+    """Say on stderr how many rows the build shares (or with ``copied``, copies: a build
+    that links none of their files, as a contiguous one) and with how many entries
+    (``taken``: the rows it took from each, by key), and what the rows it decodes are: new,
+    failed in the entry that holds them, changed, or held in an entry or a file it could not
+    open or check; and which files of the row index it skipped."""
     if found.index_note:
         say(found.index_note, always=True)
     if found.donors or found.unopened:

@@ -11,17 +11,18 @@ and header checked, linked from the open file), and data files never change once
 the filesystem counts who uses each, so clearing or pruning any entry never breaks another.
 
 Only this user's files are linked: a group member's file stays writable by its owner alone,
-and a link would let them change this user's entry. Where a file is another user's, or
-cannot be linked (another filesystem, a file removed meanwhile), or the caller asks for a
-contiguous entry, the rows are copied instead (:meth:`Parts.materialize`), from the files
-opened: the entry is then one data file, as a fresh build makes.
+and a link would let them change this user's entry. The rows of another user's files are
+copied into the build's own data file, this user's files still linked (the row index offers
+this user's entries first, so a member's next folds link that copy). Where a file cannot be
+linked (another filesystem, a file removed meanwhile), or the caller asks for a contiguous
+entry, every row is copied (:meth:`Parts.materialize`), from the files opened: the entry is
+then one data file, as a fresh build makes.
 
 A build links at most :data:`LINKED_PARTS` files, chosen before any is opened
-(:func:`parts_to_keep`); the rows of the others are copied before it decodes, one file
-open at a time, into the file that becomes its own data file once the rows it decodes are
-copied in beside them (:meth:`Parts.compact`): each row is written there once. So a build
-that shares rows with hundreds of entries holds a few dozen files open, not hundreds (a
-process may open 1,024 files on most systems).
+(:func:`parts_to_keep`); the rows of the others are copied before it decodes, one file open
+at a time, into the file that becomes its own data file once the rows it decodes are copied
+in beside them (:meth:`Parts.compact`): each row is written there once, and a build that
+shares rows with hundreds of entries holds a few dozen files open, not hundreds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import BinaryIO, Optional, Sequence
+from typing import BinaryIO, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -42,7 +43,7 @@ from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, sidecar_name
 from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
 from .donors import Donors
-from .offers import Offer, find_offers
+from .offers import Offer, find_offers, parts_to_keep
 
 LINKED_PARTS = 32
 """The most parts a build links. Each append to a column makes one more data file, and an
@@ -80,6 +81,8 @@ class Parts:
     its own data file will hold, in row order (the rows :meth:`compact` copies in)."""
     copied_files: int = 0
     """The donor files rows were copied from."""
+    copies_theirs: bool = False
+    """Whether some of those are another user's files (never linked)."""
 
     @property
     def todo(self) -> np.ndarray:
@@ -115,7 +118,7 @@ class Parts:
     @property
     def rows_written(self) -> int:
         """The rows the build writes into files of its own: all when its parts are not
-        linked (:meth:`materialize`), else those it decodes and those it copies."""
+        linked (:meth:`materialize`), else those no part holds (decoded, or copied)."""
         return len(self.where) if self.derived and not self.linked else int(
             np.isin(self.where[:, 0], (-1, COPIED)).sum())
 
@@ -205,51 +208,40 @@ class Parts:
         self.copies = None
 
 
-def parts_to_keep(held: np.ndarray, keep: int) -> np.ndarray:
-    """Of parts that hold ``held`` rows of a build each, the ones it keeps linked, at most
-    ``keep`` (ascending indices): it drops those that hold the fewest rows, then each next
-    one that holds no more rows than the dropped ones together. So files are merged with
-    files as large, and a row is copied a few times however many appends come (10,000
-    one-row appends to a column of 1,000 rows copy about 26,000 rows in all, where
-    dropping only the fewest would copy 1.6 million). With ``keep`` >= 1 the part that
-    holds the most rows stays."""
-    fewest = np.argsort(held, kind="stable")
-    drop = max(0, len(fewest) - keep)
-    merged = int(held[fewest[:drop]].sum())
-    while 0 < drop < len(fewest) - 1 and held[fewest[drop]] <= merged:
-        merged += int(held[fewest[drop]])
-        drop += 1
-    return np.sort(fewest[drop:])
-
-
 def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
     return np.memmap(f, dtype=record.np_dtype, mode="r", offset=offset, shape=record.shape)
 
 
 def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Sequence[str],
-              *, link: bool, report: Report = QUIET) -> Parts:
+              *, link: bool, before_writing: Callable[[int], None],
+              report: Report = QUIET) -> Parts:
     """Where each of the build's ``rows`` rows is held by ``found``'s donors: the donor data
     files that hold any, at most :data:`LINKED_PARTS` of them (:func:`parts_to_keep` of the
     rows each holds), are opened and (``link``) hard-linked into ``directory`` with their
     ``row_files`` (:data:`~cachekit.store.manifest.SIDECARS`): once a link fails, no more
-    are tried (the caller materializes). The rows of the other files are copied into
-    :data:`COPIES_FILE`, one file open at a time (shown as ``report`` asks). A data file
-    that cannot be opened, fails its checks (its checksum too, where its rows are copied:
-    :func:`_intact`) or lacks one of those row files gives no rows: they are decoded."""
+    are tried (the caller materializes). ``before_writing`` is told the rows the build
+    writes (:attr:`Parts.rows_written`), then the rows of the other files and of another
+    user's are copied into :data:`COPIES_FILE`, one file open at a time (shown as
+    ``report`` asks). A file that cannot be opened, fails its checks (its checksum too,
+    where its rows are copied: :func:`_intact`) or lacks a row file gives no rows."""
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
     try:
         offers = find_offers(found, row_files)
         linkable = np.flatnonzero([offer.linkable for offer in offers])
         kept = linkable[parts_to_keep(np.array([offers[i].rows for i in linkable],
                                                dtype=np.int64), LINKED_PARTS)]
-        taken = [offers[i] for i in kept if _take(parts, directory, offers[i])]
+        theirs: list[Offer] = []
+        taken = [offers[i] for i in kept if _take(parts, directory, offers[i], theirs)]
         verdicts: dict[tuple[int, int], bool] = {}
         if not parts.linked:  # every part's rows are copied (materialize)
             _drop_damaged(parts, directory, taken, verdicts)
-        others = [offers[i] for i in sorted(set(range(len(offers))) - set(kept.tolist()))]
+        before_writing(parts.rows_written)
+        others = theirs + [offers[i] for i in sorted(set(range(len(offers)))
+                                                     - set(kept.tolist()))]
         if others:
             assert found.template is not None  # (every donor's)
             _copy(parts, directory, others, found.template, report, verdicts)
+            parts.copies_theirs = bool(theirs)
     except BaseException:
         parts.close()
         raise
@@ -263,30 +255,38 @@ def _place(parts: Parts, source: SharedRows, dst: np.ndarray, file: int,
     parts.shared[source.key] = parts.shared.get(source.key, 0) + len(dst)
 
 
-def _take(parts: Parts, directory: _fs.DirHandle, offer: Offer) -> bool:
+def _take(parts: Parts, directory: _fs.DirHandle, offer: Offer, theirs: list[Offer]) -> bool:
     """Open ``offer``'s file from its first lender that can open it, as a part (linked
-    while links work), and place the rows of every lender there; False when none can."""
-    opened = False
+    while links work), and place the rows of every lender there; False when none can (and
+    into ``theirs``, to copy, when a lender's file was another user's, never linked)."""
+    opened, foreign = False, False
     for source, index, dst, at in offer.lenders:
         if not opened:
             try:
-                opened = _add(parts, directory, source, index, offer)
+                added = _add(parts, directory, source, index, offer)
             finally:
                 source.release()
+            opened, foreign = bool(added), foreign or added is None
             if not opened:
                 continue
         _place(parts, source, dst, len(parts.names), at)
+    if foreign and not opened:
+        theirs.append(offer)
     return opened
 
 
 def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
-         offer: Offer) -> bool:
+         offer: Offer) -> Optional[bool]:
     """Open data file ``index`` of ``source`` as the part ``offer.name`` with its row files
-    (linked while links work); False when it cannot be opened or fails its checks."""
+    (linked while links work); False when it cannot be opened or fails its checks, None
+    when links work and it is another user's file (left to copy)."""
     try:
         f, offset = source.open_data(index)
     except (OSError, ValueError):
         return False
+    if parts.linked and os.fstat(f.fileno()).st_uid != os.geteuid():
+        f.close()
+        return None
     parts.names.append(offer.name)
     parts.records.append(source.manifest.data_files[index])
     parts.opened.append((f, offset))

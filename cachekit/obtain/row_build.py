@@ -31,6 +31,7 @@ from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..messages import say, speaking
 from ..store.shared_rows import SharedRows, open_shared_rows
+from ..units import count
 from . import donors, parts, staleness
 from .built import Built
 from .donors import Rows
@@ -153,23 +154,17 @@ class RowBuild:
                 rows, found = self._donors(self._stat(self._row_identities(),
                                                       on_record=healed is None), healed)
             with found:
-                made = self._make_room(found, len(values) if call.contiguous
-                                       else len(values) - found.rows)
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
                 held = parts.reference(current.dir, found, len(values), row_files,
-                                       link=not call.contiguous, report=Report(
-                                           progress=settings.progress,
-                                           description="cachekit copying shared rows"))
-                if held.rows_written > made:  # (it copies rows, or a donor's file did not open)
-                    self._make_room(found, held.rows_written)
+                                       link=not call.contiguous,
+                                       before_writing=lambda rows: self._make_room(found, rows),
+                                       report=Report(progress=settings.progress,
+                                                     description="cachekit copying shared rows"))
                 donors.say_shared(self.key, found, len(values), held.shared,
-                                  copied=not held.linked)
+                                  copied=not (held.linked and held.names))
                 if held.copied_files and held.linked:
-                    say(f"entry {self.key[:12]}: its rows are in "
-                        f"{len(held.names) + held.copied_files} files of other entries; "
-                        f"links {len(held.names)} of them and copies the rows of the "
-                        f"other {held.copied_files} into its own file")
+                    _say_copies(self.key, held)
         finally:
             if aside is not None:
                 aside.drop()
@@ -212,17 +207,16 @@ class RowBuild:
             reuse=extra.reuse, origin=extra.origin,
             failure=failure)
 
-    def _make_room(self, found: donors.Donors, written: int) -> int:
+    def _make_room(self, found: donors.Donors, written: int) -> None:
         """Under a cache budget, have room made for the ``written`` rows this build writes
-        into files of its own (those no donor lends, or all of them for a copy) before it
-        writes them, keeping its donors: the root then stays within the budget during the
-        build too, as a disk sized to the budget needs. Returns ``written``."""
+        into files of its own (those no donor lends, the rows it copies, or all of them for
+        a copy) before it writes them, keeping its donors: the root then stays within the
+        budget during the build too, as a disk sized to the budget needs."""
         make_room, template = self.settings.make_room, self.call.template or found.template
         if make_room is not None and template is not None and written > 0:
             shape, dtype = template
             make_room(written * math.prod(shape) * np.dtype(dtype).itemsize,
                       [self.key, *(donor.source.manifest.key for donor in found.donors)])
-        return written
 
     def committed(self, published: Published) -> None:
         """Put the entry this build published into the row index (step 6)."""
@@ -303,6 +297,19 @@ class RowBuild:
             self.values(), getattr(call.row_fn, "storage_options", None),
             getattr(call.row_fn, "fetch", None))
         return dataclasses.replace(rows, stats=stats)
+
+
+def _say_copies(key: str, held: parts.Parts) -> None:
+    """Say that a build copies the rows of some files of other entries into its own file,
+    and why, when it links their other files or another user's files are the reason."""
+    why = "another user's files are copied, never linked: their owner could change them"
+    if not held.names and held.copies_theirs:  # ("copying N rows" was said)
+        say(f"entry {key[:12]}: {why}")
+        return
+    say(f"entry {key[:12]}: its rows are in "
+        f"{count(len(held.names) + held.copied_files, 'file')} of other entries; links "
+        f"{len(held.names)} of them and copies the rows of the other {held.copied_files} "
+        f"into its own file{'; ' + why if held.copies_theirs else ''}")
 
 
 def _holds_all(found: donors.Donors, rows: int) -> bool:

@@ -119,9 +119,10 @@ class RowIndex:
         """For each indexed entry of ``recipe`` (but ``exclude``), the rows still True in
         ``remaining`` whose hash (``needles``: the column's, sorted once) it holds; the
         caller clears in ``remaining`` the rows it takes before it asks for the next entry.
-        Entries with the most rows come first; an entry indexed by its row map
-        (:meth:`link`) is read through ``read_rows``. The files skipped (and why) are said
-        on stderr, or added to ``skipped`` for the caller to say (:func:`skipped_note`)."""
+        This user's entries come first, then those with the most rows; an entry indexed by
+        its row map (:meth:`link`) is read through ``read_rows``. The files skipped (and
+        why) are said on stderr, or added to ``skipped`` for the caller to say
+        (:func:`skipped_note`)."""
         said = skipped is None
         skipped = [] if skipped is None else skipped
         try:
@@ -208,10 +209,12 @@ class RowIndex:
 
     def _keys_by_size(self, folder: _fs.DirHandle, exclude: str,
                       skipped: list[str]) -> list[str]:
-        """The entries indexed in ``folder``, most rows first; with signing on, only the
+        """The entries indexed in ``folder``: this user's first (a build links their files
+        and copies another user's rows), then most rows first; with signing on, only the
         files of this user (another member's index is not signed, so not trusted)."""
         sized = []
-        trusted_uid = os.geteuid() if signing.enabled() else None
+        uid = os.geteuid()
+        trusted_uid = uid if signing.enabled() else None
         for name in folder.names():
             if name.startswith(".") and name.endswith(".tmp"):
                 _drop_if_stale(folder, name)
@@ -226,8 +229,8 @@ class RowIndex:
             if trusted_uid is not None and st.st_uid != trusted_uid:
                 skipped.append(f"{name} belongs to uid {st.st_uid}")
                 continue
-            sized.append((-st.st_size, -st.st_mtime, key))
-        return [key for _, _, key in sorted(sized)]
+            sized.append((st.st_uid != uid, -st.st_size, -st.st_mtime, key))
+        return [key for *_, key in sorted(sized)]
 
     def _match(self, folder: _fs.DirHandle, entries: _fs.DirHandle, key: str,
                needles: Needles, live: np.ndarray, skipped: list[str],

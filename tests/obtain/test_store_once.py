@@ -316,7 +316,7 @@ def test_a_healed_stale_entry_stores_only_its_changed_rows(cache, pictures, tmp_
 
 @given(st.lists(st.integers(1, 10_000), max_size=80), st.integers(0, 40))
 def test_a_build_keeps_at_most_the_bound_and_drops_the_parts_that_hold_fewest(held, keep):
-    from cachekit.obtain.parts import parts_to_keep
+    from cachekit.obtain.offers import parts_to_keep
 
     held = np.array(held, dtype=np.int64)
     kept = parts_to_keep(held, keep)
@@ -330,7 +330,7 @@ def test_a_build_keeps_at_most_the_bound_and_drops_the_parts_that_hold_fewest(he
 
 
 def test_appends_without_end_copy_each_row_a_few_times_not_once_per_append():
-    from cachekit.obtain.parts import parts_to_keep
+    from cachekit.obtain.offers import parts_to_keep
 
     def copies(keep_parts) -> int:
         """Rows copied by 10,000 one-row appends to a column of 1,000 rows, each append
