@@ -42,7 +42,8 @@ CALL = textwrap.dedent(r'''
     entry = cachekit.Cache(root, workers=1).images(config["paths"], config["size"],
                                                     backend="pil")
     np.save(config["save"], np.asarray(entry.array))
-    report(key=entry.key, rows_decoded=entry.rows_decoded, contiguous=entry.contiguous)
+    report(key=entry.key, hit=entry.hit, rows_decoded=entry.rows_decoded,
+           contiguous=entry.contiguous)
 ''')
 
 
@@ -86,6 +87,11 @@ def test_a_member_copies_a_teammates_rows_once_and_links_that_copy_after(shared_
     assert np.load(mixed_dir / "data.npy", mmap_mode="r").shape[0] == 4  # the copied rows
     assert inodes(mixed_dir) == inodes(fold_dir)
     np.testing.assert_array_equal(rows, np.concatenate([full[30:40], more[:4]]))
+    again, _, rows, _ = call(shared.victim, "again", paths[30:40] + paths[48:52])
+    assert again["hit"] and again["key"] == mixed["key"]
+    np.testing.assert_array_equal(rows, np.concatenate([full[30:40], more[:4]]))
+    checked = finish(shared.victim.cli(shared.root, "verify"), TIMEOUT)
+    assert checked.ok and "6 entries verified, no problems" in checked.stdout, checked.failure()
 
 
 def inodes(entry_dir: Path) -> set[int]:
