@@ -216,6 +216,24 @@ def test_the_storage_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) 
     assert (tmp_path / "s.json").exists()
 
 
+def test_the_team_benchmark_prints_every_figure(tmp_path: Path, monkeypatch) -> None:
+    """Two plain uids (as the shared-root tests: CI runs as root, so it runs): a member's
+    folds of a teammate's entry add one copy of the rows, each a copy of its own five."""
+    reason = users.why_no_two_uids()
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.syspath_prepend(str(RUN_PY.parent))
+    team = importlib.import_module("bench_team")
+    result = team.main(["--quick", "--covers", "40", "--json", str(tmp_path / "t.json")])
+    figures = result["rounds"][0]
+    for how in ("", ", contiguous=True"):
+        assert f"| member's 10 folds{how}: bytes added / full entry |" in result["table"]
+        assert figures[f"member's 10 fold calls{how} s / teammate's build s"] > 0
+    assert figures["member's 10 folds: bytes added / full entry"] < 1.5
+    assert figures["member's 10 folds, contiguous=True: bytes added / full entry"] > 4.5
+    assert (tmp_path / "t.json").exists()
+
+
 def test_the_listing_benchmark_times_ls_at_each_count(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(RUN_PY.parent))
     listing = importlib.import_module("bench_listing")
