@@ -241,12 +241,12 @@ def stats_on_record(found: Donors, values: np.ndarray) -> Optional[np.ndarray]:
 
 
 def say_shared(key: str, found: Donors, rows: int, taken: dict[str, int],
-               copied: bool = False) -> None:
-    """Say on stderr how many rows the build shares (or with ``copied``, copies: a build
-    that links none of their files, as a contiguous one) and with how many entries
-    (``taken``: the rows it took from each, by key), and what the rows it decodes are: new,
-    failed in the entry that holds them, changed, or held in an entry or a file it could not
-    open or check; and which files of the row index it skipped."""
+               copied: dict[str, int]) -> None:
+    """Say on stderr how many rows the build shares and with how many entries (``taken``:
+    the rows it took from each, by key), how many of them it copies (``copied``, by key: a
+    contiguous build copies them all), and what the rows it decodes are: new, failed in
+    the entry that holds them, changed, or held in an entry or a file it could not open or
+    check; and which files of the row index it skipped."""
     if found.index_note:
         say(found.index_note, always=True)
     if found.donors or found.unopened:
@@ -262,13 +262,20 @@ def say_shared(key: str, found: Donors, rows: int, taken: dict[str, int],
         if found.rows > shared:
             parts.append(f"{found.rows - shared} in files it could not open or check")
         rest = "decoding " + " and ".join(parts) if parts else "nothing left to decode"
-        lenders = sum(1 for n in taken.values() if n)
-        entries = "1 entry" if lenders == 1 else f"{lenders} entries"
-        how = (f"copying {count(shared, 'row')} from" if copied else
-               f"sharing {count(shared, 'row')} with")
-        took = (f"{how} {entries} of the same recipe{'' if copied else ' (stored once)'}; "
-                if shared else "")
-        say(f"entry {key[:12]}: {took}{rest}")
+        linked = {k: n - copied.get(k, 0) for k, n in taken.items()}
+        took = [f"sharing {count(sum(linked.values()), 'row')} with {_entries(linked)} of "
+                "the same recipe (stored once)"] if any(linked.values()) else []
+        if any(copied.values()):
+            took.append(f"copying {count(sum(copied.values()), 'row')} from "
+                        f"{_entries(copied)}{'' if took else ' of the same recipe'}")
+        lead = ", ".join(took) + "; " if took else ""
+        say(f"entry {key[:12]}: {lead}{rest}")
     for skipped in found.skipped:
         say(f"entry {key[:12]}: entry {skipped[:12]} is gone or failed its checks; its rows "
             "are not reused")
+
+
+def _entries(rows: dict[str, int]) -> str:
+    """How many entries lend rows (``rows``: how many each lends, by key), in words."""
+    lenders = sum(1 for n in rows.values() if n)
+    return "1 entry" if lenders == 1 else f"{lenders} entries"

@@ -162,7 +162,7 @@ class RowBuild:
                                        report=Report(progress=settings.progress,
                                                      description="cachekit copying shared rows"))
                 donors.say_shared(self.key, found, len(values), held.shared,
-                                  copied=not (held.linked and held.names))
+                                  _copied_rows(held, found))
                 if held.copied_files and held.linked:
                     _say_copies(self.key, held)
         finally:
@@ -297,6 +297,15 @@ class RowBuild:
             self.values(), getattr(call.row_fn, "storage_options", None),
             getattr(call.row_fn, "fetch", None))
         return dataclasses.replace(rows, stats=stats)
+
+
+def _copied_rows(held: parts.Parts, found: donors.Donors) -> dict[str, int]:
+    """The rows ``held`` copies from each of ``found``'s donors, by key: all it takes when
+    its parts are not linked (a contiguous copy), else those it does not link."""
+    if not held.linked:
+        return dict(held.shared)
+    return {donor.source.key: int(np.count_nonzero(held.where[donor.dst, 0] == parts.COPIED))
+            for donor in found.donors}
 
 
 def _say_copies(key: str, held: parts.Parts) -> None:

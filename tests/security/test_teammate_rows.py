@@ -80,6 +80,8 @@ def test_a_member_copies_a_teammates_rows_once_and_links_that_copy_after(shared_
 
     # rows of the member's copies and rows only the teammate holds: links and copies
     mixed, said, rows, mixed_dir = call(shared.victim, "mixed", paths[30:40] + paths[48:52])
+    assert f"entry {mixed['key'][:12]}: sharing 10 rows with 2 entries of the same recipe " \
+        "(stored once), copying 4 rows from 1 entry; nothing left to decode" in said, said
     assert f"entry {mixed['key'][:12]}: its rows are in 3 files of other entries; links 2 " \
         "of them and copies the rows of the other 1 into its own file; another user's files " \
         "are copied, never linked" in said, said
