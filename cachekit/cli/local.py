@@ -127,24 +127,31 @@ def _print_entry(e: inspect.EntryInfo, published: set[str], in_use: bool) -> Non
         say(f"  ... and {e.failed_rows - len(failed)} more")
 
 
-def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], copied: bool
+def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], contiguous: bool
                   ) -> list[tuple[str, Any]]:
     """Where the entry's rows came from: decoded by its builder, by other processes, and
-    shared with which entries, or ``copied`` from them into its one file (a contiguous
-    entry); those entries in this root or not (removed since, or never here, as for an
-    entry pulled from a remote)."""
+    shared with which entries (linked), or copied from them into its own file (another
+    user's rows; every row of a contiguous entry, which an entry made before copies were
+    recorded says by being contiguous); those entries in this root or not (removed since,
+    or never here, as for an entry pulled from a remote)."""
     if origin is None:
         return []
     reused = origin["reused"]
-    how = "copied from" if copied else "shared with"
+    copied = dict(origin.get("copied") or (reused if contiguous else []))
+    shared = [(key, rows - copied.get(key, 0)) for key, rows in reused
+              if rows > copied.get(key, 0)]
+    took = [(how, pairs) for how, pairs in (("shared with", shared),
+                                             ("copied from", list(copied.items())))
+            if pairs or (how == "shared with" and not copied)]
     pairs: list[tuple[str, Any]] = [(
         "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
-                     f"other processes (joiners, resumed builds), "
-                     f"{sum(rows for _, rows in reused)} {how} "
-                     f"{len(reused)} {'entry' if len(reused) == 1 else 'entries'}")]
-    for key, rows in reused:
-        pairs.append((f"  {how} {key[:SHORT_KEY]}",
-                      f"{rows} rows{'' if key in published else ' (not in this root)'}"))
+                     f"other processes (joiners, resumed builds), " + ", ".join(
+                         f"{sum(rows for _, rows in by)} {how} {len(by)} "
+                         f"{'entry' if len(by) == 1 else 'entries'}" for how, by in took))]
+    for how, by in took:
+        pairs += [(f"  {how} {key[:SHORT_KEY]}",
+                   f"{rows} rows{'' if key in published else ' (not in this root)'}")
+                  for key, rows in by]
     return pairs
 
 

@@ -161,8 +161,8 @@ class RowBuild:
                                        before_writing=lambda rows: self._make_room(found, rows),
                                        report=Report(progress=settings.progress,
                                                      description="cachekit copying shared rows"))
-                donors.say_shared(self.key, found, len(values), held.shared,
-                                  _copied_rows(held, found))
+                copied = _copied_rows(held, found)
+                donors.say_shared(self.key, found, len(values), held.shared, copied)
                 if held.copied_files and held.linked:
                     _say_copies(self.key, held)
         finally:
@@ -196,7 +196,7 @@ class RowBuild:
             failure = ImageDecodeError(filled.failures, len(values), os.getcwd())
             if len(filled.failures) == len(values):
                 raise failure  # nothing decoded: nothing to keep
-        extra = write_row_files(current.dir, rows, filled, held)
+        extra = write_row_files(current.dir, rows, filled, held, copied)
         return Built(
             kind=call.kind, rows=len(values), files=extra.files,
             failed_rows=tuple(filled.failures), params=call.params,

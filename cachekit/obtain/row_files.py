@@ -37,13 +37,14 @@ class RowFiles:
     """The parts: links to files of committed entries."""
 
 
-def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
-                    held: Parts) -> RowFiles:
+def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: Parts,
+                    copied: dict[str, int]) -> RowFiles:
     """Write the row identities, the data's block digests, (images) the file stats and (a
     derived entry) the row map into the build directory next to its data file, each
     checksummed as it is written. A derived entry that decoded none of its rows has no data
     file and writes only its row map: its parts' copies of the row files describe every
-    row."""
+    row. ``copied``: the rows of other entries copied, not linked, by key (for its
+    origin)."""
     shape, dtype = filled.shape, np.dtype(filled.dtype)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
@@ -70,6 +71,8 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled,
         files += [(name, "numpy") for name in sorted(shared)]
         digests.update((name, record.checksum) for name, record in shared.items())
         linked = frozenset(shared)
-    reused = sorted(((k, n) for k, n in held.shared.items() if n), key=lambda kn: -kn[1])
-    origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined)
+    reused, copies = ([(k, n) for k, n in sorted(by_key.items(), key=lambda kn: -kn[1]) if n]
+                      for by_key in (held.shared, copied))
+    origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined,
+                    tuple(copies))
     return RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)

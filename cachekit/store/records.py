@@ -113,6 +113,9 @@ class Origin:
     reused: tuple[tuple[str, int], ...] = ()
     decoded: int = 0
     joined: int = 0
+    copied: tuple[tuple[str, int], ...] = ()
+    """Of ``reused``, the rows copied into the entry's own data file (key, rows): not
+    linked, as another user's files, or every row of a contiguous copy."""
 
     @property
     def rows_reused(self) -> int:
@@ -122,8 +125,11 @@ class Origin:
         return self.rows_reused + self.decoded + self.joined == rows
 
     def to_json(self) -> dict[str, Any]:
-        return {"reused": [[key, rows] for key, rows in self.reused], "decoded": self.decoded,
-                "joined": self.joined}
+        out: dict[str, Any] = {"reused": [[key, rows] for key, rows in self.reused],
+                               "decoded": self.decoded, "joined": self.joined}
+        if self.copied:
+            out["copied"] = [[key, rows] for key, rows in self.copied]
+        return out
 
 
 @dataclass(frozen=True)
@@ -187,15 +193,20 @@ def parse_origin(raw: Any, kind: str, rows: int, fail: Fail) -> Optional[Origin]
     if kind == MEMOIZE_KIND or not isinstance(raw, dict) or not isinstance(
             raw.get("reused"), list):
         raise fail("bad origin field")
-    reused = []
-    for item in raw["reused"]:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
-                and is_key(item[0]) and is_count(item[1])):
-            raise fail(f"bad origin item {item!r}"[:200])
-        reused.append((item[0], item[1]))
+    if not isinstance(raw.get("copied", []), list):
+        raise fail("bad origin field")
+    pairs = []
+    for field in ("reused", "copied"):  # ("copied": not in manifests before it was kept)
+        items = []
+        for item in raw.get(field, []):
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                    and is_key(item[0]) and is_count(item[1])):
+                raise fail(f"bad origin item {item!r}"[:200])
+            items.append((item[0], item[1]))
+        pairs.append(tuple(items))
     decoded = count_field(raw.get("decoded"), "origin's decoded", fail)
     joined = count_field(raw.get("joined"), "origin's joined", fail)
-    return Origin(tuple(reused), decoded, joined)  # a report: its sum is not checked here
+    return Origin(pairs[0], decoded, joined, pairs[1])  # a report: its sum is not checked
 
 
 _PLAIN_DTYPES = {"|b1": (1, "bool"), "|i1": (1, "int8"), "|u1": (1, "uint8")} | {

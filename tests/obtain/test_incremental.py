@@ -513,6 +513,13 @@ def test_progress_says_how_many_rows_are_reused_and_info_where_they_came_from(
     assert "100 copied from 1 entry" in out and "shared with" not in out
     donor = re.search("copied from ([0-9a-f]{12}): +100 rows\n", out)
     assert donor is not None and donor[1] in (a.key[:12], b.key[:12])
+    from cachekit.cli.local import _origin_pairs
+
+    made_before = {"reused": [[a.key, 100]], "decoded": 0, "joined": 0}  # copies unrecorded
+    for contiguous, how in ((True, "copied from"), (False, "shared with")):
+        said = dict(_origin_pairs(made_before, {a.key}, contiguous))
+        assert said["rows from"].endswith(f", 100 {how} 1 entry"), said
+        assert said[f"  {how} {a.key[:12]}"] == "100 rows"
 
 
 def test_memoize_stays_whole_call(cache):

@@ -16,6 +16,7 @@ Pillow (no child imports torch).
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_a_member_copies_a_teammates_rows_once_and_links_that_copy_after(shared_
         return got, done.stderr, np.load(saved), shared.root / "entries" / got["key"]
 
     _, _, full, _ = call(shared.attacker, "full", paths[:48])
-    _, _, more, _ = call(shared.attacker, "more", paths[48:])
+    theirs, _, more, _ = call(shared.attacker, "more", paths[48:])
 
     train, said, _, train_dir = call(shared.victim, "train", paths[:36])
     assert f"entry {train['key'][:12]}: copying 36 rows from 1 entry" in said, said
@@ -92,6 +93,10 @@ def test_a_member_copies_a_teammates_rows_once_and_links_that_copy_after(shared_
     again, _, rows, _ = call(shared.victim, "again", paths[30:40] + paths[48:52])
     assert again["hit"] and again["key"] == mixed["key"]
     np.testing.assert_array_equal(rows, np.concatenate([full[30:40], more[:4]]))
+    info = finish(shared.victim.cli(shared.root, "info", mixed["key"]), TIMEOUT)
+    assert "0 by other processes (joiners, resumed builds), 10 shared with 2 entries, 4 " \
+        "copied from 1 entry\n" in info.stdout, info.failure()
+    assert re.search(f"  copied from {theirs['key'][:12]}: +4 rows\n", info.stdout), info.stdout
     checked = finish(shared.victim.cli(shared.root, "verify"), TIMEOUT)
     assert checked.ok and "6 entries verified, no problems" in checked.stdout, checked.failure()
 
