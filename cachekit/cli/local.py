@@ -140,9 +140,9 @@ def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], contigu
     copied = dict(origin.get("copied") or (reused if contiguous else []))
     shared = [(key, rows - copied.get(key, 0)) for key, rows in reused
               if rows > copied.get(key, 0)]
-    took = [(how, pairs) for how, pairs in (("shared with", shared),
-                                             ("copied from", list(copied.items())))
-            if pairs or (how == "shared with" and not copied)]
+    took = [("shared with", shared)] if shared or not copied else []
+    if copied:
+        took.append(("copied from", list(copied.items())))
     pairs: list[tuple[str, Any]] = [(
         "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
                      f"other processes (joiners, resumed builds), " + ", ".join(
