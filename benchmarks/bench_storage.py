@@ -491,6 +491,19 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
     return rounds
 
 
+def report(args: argparse.Namespace, rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """Print the table of ``rounds`` (``args.covers`` covers at :data:`SIZE`) and write it
+    with every round to ``args.json``, if given; the result, as ``main`` returns it."""
+    table = median_table(f"{args.covers:,} covers at {SIZE}x{SIZE} ({args.rounds} round"
+                         f"{'s' if args.rounds > 1 else ''}; medians, every round in brackets)",
+                         rounds)
+    print(table)
+    result = {"table": table, "rounds": rounds, "covers": args.covers}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--covers", type=int, help="default 4,000 (--quick: 200)")
@@ -518,14 +531,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             rounds = run_rounds(args, paths, extra, base, url)
         finally:
             server.stop()
-    table = median_table(f"{args.covers:,} covers at {SIZE}x{SIZE} ({args.rounds} round"
-                         f"{'s' if args.rounds > 1 else ''}; medians, every round in brackets)",
-                         rounds)
-    print(table)
-    result = {"table": table, "rounds": rounds, "covers": args.covers}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    return report(args, rounds)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ A figure is the median of the rounds, with every round's value shown.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import textwrap
@@ -30,10 +29,9 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's cachekit, whatever else is installed
-sys.path.insert(0, str(HERE))  # bench_report and bench_storage, next to this file
+sys.path.insert(0, str(HERE))  # bench_storage, next to this file
 sys.path.insert(0, str(HERE.parent / "tests"))  # users.py: the tests' plain uids
-from bench_report import median_table  # noqa: E402
-from bench_storage import SIZE, disk, fold_columns  # noqa: E402
+from bench_storage import SIZE, disk, fold_columns, report  # noqa: E402
 
 CALLS = textwrap.dedent(r'''
     """One member's calls (Pillow, one worker): config columns (lists of paths) and
@@ -112,14 +110,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 figures[f"member's 10 folds{how}: bytes added / full entry"] = added
                 figures[f"member's 10 fold calls{how} s / teammate's build s"] = calls
             rounds.append(figures)
-    table = median_table(f"{args.covers:,} covers at {SIZE}x{SIZE} ({args.rounds} round"
-                         f"{'s' if args.rounds > 1 else ''}; medians, every round in brackets)",
-                         rounds)
-    print(table)
-    result = {"table": table, "rounds": rounds, "covers": args.covers}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    return report(args, rounds)
 
 
 if __name__ == "__main__":
