@@ -27,6 +27,7 @@ from .entry import Entry
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .messages import quiet
 from .obtain import BuildSettings, Outcome, Request, RowCall, RowRequest, obtain, staleness
+from .obtain.row_call import MakeRoom
 from .store import LocalStore, default_root
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -223,7 +224,7 @@ class Cache:
                 return opened
         raise AssertionError("unreachable")
 
-    def _room_maker(self) -> Optional[Callable[[int, list[str]], None]]:
+    def _room_maker(self) -> Optional[MakeRoom]:
         """What leaves room within the budget for a build, a download or a memoized result
         before it writes; None without a budget. (admin.budget is imported only when room
         is made: a hit loads none of it.)"""
