@@ -19,9 +19,9 @@ from .removal import ENTRY, LEFTOVER_DIRECTORY, RemovalReport
 def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None:
     """Remove the least recently used entries until the root fits ``max_size``, never
     the entry of manifest ``returned`` (which a call returns now); say what went (a note of
-    the call's work), and warn, a quiet call too, when the root is left over the budget:
-    for entries live processes use, or for that entry alone (its bytes on disk, as
-    ``cachekit ls`` counts them)."""
+    the call's work), and warn in one line, a quiet call too, when the root is left over the
+    budget: for that entry alone (its bytes on disk, as ``cachekit ls`` counts them), else
+    for entries live processes use."""
     key = returned.key
     removal = removal_for_prune(store, max_size, keep=[key])
     report = removal.execute()
@@ -29,20 +29,21 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
     left = removal.counted - sum(item.bytes for item in report.removed
                                  if item.noun in (ENTRY, LEFTOVER_DIRECTORY))
     in_use = [s.item for s in report.skipped if s.reason == holds.IN_USE]
-    if in_use and left > max_size:
-        held = units.format_size(stored_bytes(item.subject for item in in_use))
-        one = len(in_use) == 1
-        entries, share, them = ("entry", "it shares", "it") if one else (
-            "entries", "they share", "them")
+    entries = "entry" if len(in_use) == 1 else "entries"
+    size = next((e.bytes for e in removal.kept), returned.bytes)
+    if size > max_size:  # the root could not fit whatever else went: one line says why
+        held = (f"; the root holds {units.format_size(left)}, with {len(in_use)} {entries} "
+                "live processes use" if in_use and left > size else "")
+        say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
+            f"budget of {units.format_size(max_size)}; it is returned all the same{held}",
+            always=True)
+    elif in_use and left > max_size:
+        shown = units.format_size(stored_bytes(item.subject for item in in_use))
+        share, them = ("it shares", "it") if len(in_use) == 1 else ("they share", "them")
         say(f"cache budget {units.format_size(max_size)}: the root holds "
             f"{units.format_size(left)}; live processes use {len(in_use)} {entries} "
-            f"({held}, the files {share} with others included) of it, kept until no "
+            f"({shown}, the files {share} with others included) of it, kept until no "
             f"process holds {them}", always=True)
-    size = next((e.bytes for e in removal.kept), returned.bytes)
-    if size > max_size:
-        say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
-            f"budget of {units.format_size(max_size)}; it is returned all the same",
-            always=True)
 
 
 ROOM_SHARE = 0.01

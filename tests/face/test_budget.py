@@ -136,6 +136,29 @@ def test_an_entry_larger_than_the_budget_is_returned_and_said(tmp_path, capsys, 
            "cache budget of 100 KB; it is returned all the same" in capsys.readouterr().err
 
 
+def test_a_fold_larger_than_the_budget_is_said_in_one_line_while_others_are_held(tmp_path,
+                                                                                 capsys):
+    """A fold links the file of its full entry, which alone exceeds the budget, and this
+    process holds the full entry and an earlier fold. The root could not fit whatever else
+    went: one line says so, the bytes held included (a second line warned of the entries
+    held, as if letting go of them would make the root fit)."""
+    cache = cachekit.Cache(tmp_path, workers=1, progress=False)
+    full = cache.map(_row, _column(0), version="1")  # (rows are shared under a version)
+    first = cache.map(_row, _column(0).iloc[::2], version="1")
+    capsys.readouterr()
+    budget = cachekit.Cache(tmp_path, max_size="100K", workers=1, progress=False)
+    fold = budget.map(_row, _column(0).iloc[1::2], version="1")
+    assert not fold.contiguous and {full.key, first.key} <= {e.key for e in cache.entries()}
+    said = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines()
+            if "100 KB" in line]
+    root = format_size(sum(size for _, _, size in {f for e in cache.entries()
+                                                   for f in e.files}))
+    [listed] = [e for e in cache.entries() if e.key == fold.key]
+    assert said == [f"entry {fold.key[:12]} alone ({format_size(listed.bytes)}) is "
+                    "larger than the cache budget of 100 KB; it is returned all the same; the "
+                    f"root holds {root}, with 2 entries live processes use"], said
+
+
 def test_a_bad_budget_is_refused(tmp_path, monkeypatch):
     with pytest.raises(cachekit.InvalidArgument, match="must not be negative"):
         cachekit.Cache(tmp_path, max_size="-5G")
