@@ -32,9 +32,10 @@ def keep_to_budget(store: LocalStore, max_size: int, returned: Manifest) -> None
     entries = "entry" if len(in_use) == 1 else "entries"
     size = next((e.bytes for e in removal.kept), returned.bytes)
     if size > max_size:  # the root could not fit whatever else went: one line says why
-        held = (f"; the root holds {units.format_size(left)}, with {len(in_use)} {entries} "
-                "live processes use" if in_use and left > size else "")
-        say(f"entry {key[:12]} alone ({units.format_size(size)}) is larger than the cache "
+        alone, root = units.format_size(size), units.format_size(left)
+        held = (f"; the root holds {root}, with {len(in_use)} {entries} live processes use"
+                if in_use and root != alone else "")  # (not "24.7 MB" again, a few KB more)
+        say(f"entry {key[:12]} alone ({alone}) is larger than the cache "
             f"budget of {units.format_size(max_size)}; it is returned all the same{held}",
             always=True)
     elif in_use and left > max_size:
