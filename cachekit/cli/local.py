@@ -132,8 +132,9 @@ def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], contigu
     """Where the entry's rows came from: decoded by its builder, by other processes, and
     shared with which entries (linked), or copied from them into its own file (another
     user's rows; every row of a contiguous entry, which an entry made before copies were
-    recorded says by being contiguous); those entries in this root or not (removed since,
-    or never here, as for an entry pulled from a remote)."""
+    recorded says by being contiguous), and repeating earlier rows of its column; those
+    entries in this root or not (removed since, or never here, as for an entry pulled from
+    a remote)."""
     if origin is None:
         return []
     reused = origin["reused"]
@@ -147,7 +148,9 @@ def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], contigu
         "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
                      f"other processes (joiners, resumed builds), " + ", ".join(
                          f"{sum(rows for _, rows in by)} {how} {len(by)} "
-                         f"{'entry' if len(by) == 1 else 'entries'}" for how, by in took))]
+                         f"{'entry' if len(by) == 1 else 'entries'}" for how, by in took)
+                     + (f", {origin['repeated']} repeating earlier rows of its column"
+                        if origin.get("repeated") else ""))]
     for how, by in took:
         pairs += [(f"  {how} {key[:SHORT_KEY]}",
                    f"{rows} rows{'' if key in published else ' (not in this root)'}")

@@ -28,7 +28,6 @@ shares rows with hundreds of entries holds a few dozen files open, not hundreds.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Optional, Sequence
 
@@ -38,10 +37,10 @@ from .. import _fs, arrays
 from ..engine.filling import plan
 from ..engine.filling.claimed import QUIET, Report
 from ..engine.filling.progress import progress
-from ..messages import prefix
 from ..store.manifest import DATA_FILE, SIDECARS, FileRecord, sidecar_name
 from ..store.shared_rows import SharedRows
 from ..store.row_view import RowView, copy_step
+from . import donor_files
 from .donors import Donors
 from .offers import Offer, find_offers, parts_to_keep
 
@@ -57,6 +56,9 @@ COPIES_FILE = "data.npy.copies"
 not link: :meth:`Parts.compact` copies the decoded rows in and renames it ``data.npy``."""
 COPIED = -2
 """The file of a row copied into :data:`COPIES_FILE`, in :attr:`Parts.where`."""
+REPEATED = -3
+"""The file of a row that repeats an earlier row of the column the build decodes, in
+:attr:`Parts.where` (its row: that row), until :meth:`Parts.own` points it at that row's."""
 
 
 @dataclass
@@ -83,6 +85,11 @@ class Parts:
     """The donor files rows were copied from."""
     copies_theirs: bool = False
     """Whether some of those are another user's files (never linked)."""
+    repeated: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    """The rows that repeat an earlier row the build decodes (:meth:`repeat`), decoded
+    once: where it links parts and copies no rows, its data file holds that row once and
+    the row map points both at it; else :meth:`compact` copies it into each of their rows
+    (an entry's format has a row map only with parts)."""
 
     @property
     def todo(self) -> np.ndarray:
@@ -91,14 +98,25 @@ class Parts:
 
     @property
     def own_rows(self) -> np.ndarray:
-        """The rows of the build's own data file, in its order (after :meth:`own`)."""
-        return np.flatnonzero(self.where[:, 0] == 0)
+        """The row of the column each row of the build's own data file is, in its order
+        (after :meth:`own`; the first of rows that repeat it)."""
+        rows = np.flatnonzero(self.where[:, 0] == 0)
+        _, first = np.unique(self.where[rows, 1], return_index=True)
+        return rows[first]
 
     @property
     def derived(self) -> bool:
         """Whether any row is another entry's (linked, or copied and not yet joined to the
-        build's own rows)."""
-        return bool(self.names) or self.copies is not None
+        build's own rows), or repeats another (:meth:`repeat`): the entry has a row map."""
+        return bool(self.names) or self.copies is not None or len(self.repeated) > 0
+
+    def repeat(self, first: np.ndarray) -> None:
+        """Point each row left to decode that repeats an earlier one at it (``first``: the
+        first row of each row's identity), which alone is decoded and stored."""
+        rows = np.flatnonzero((self.where[:, 0] == -1) & (first != np.arange(len(first))))
+        rows = rows[self.where[first[rows], 0] == -1]
+        self.where[rows, 0], self.where[rows, 1] = REPEATED, first[rows]
+        self.repeated = rows
 
     def own(self) -> None:
         """Number the decoded rows (``todo``) as the rows of the build's own data file, and
@@ -106,6 +124,7 @@ class Parts:
         todo = self.todo
         self.where[todo, 0] = 0
         self.where[todo, 1] = np.arange(len(todo))
+        self.where[self.repeated] = self.where[self.where[self.repeated, 1]]
         order = np.argsort(self.names, kind="stable")
         renumber = np.zeros(len(order) + 1, dtype=np.int64)
         renumber[order + 1] = np.arange(1, len(order) + 1)
@@ -117,10 +136,12 @@ class Parts:
 
     @property
     def rows_written(self) -> int:
-        """The rows the build writes into files of its own: all when its parts are not
-        linked (:meth:`materialize`), else those no part holds (decoded, or copied)."""
-        return len(self.where) if self.derived and not self.linked else int(
-            np.isin(self.where[:, 0], (-1, COPIED)).sum())
+        """The rows the build writes into files of its own: all when it links no part
+        (:meth:`materialize`, or its rows repeat others: :meth:`compact`), else those no
+        part holds (decoded, or copied)."""
+        if self.derived and not (self.linked and self.names):
+            return len(self.where)
+        return int(np.isin(self.where[:, 0], (-1, COPIED)).sum())
 
     @property
     def has_own(self) -> bool:
@@ -140,19 +161,20 @@ class Parts:
         """Copy every row into a new ``data.npy`` of the build in row order, from its own
         decoded rows and the parts' open files, and unlink the parts it linked: a
         contiguous entry, as a fresh build makes (call after :meth:`own`)."""
-        self.compact(directory, keep=0)
+        self.compact(directory, keep=0, whole=True)
         self.linked = True
 
-    def compact(self, directory: _fs.DirHandle, keep: int) -> None:
+    def compact(self, directory: _fs.DirHandle, keep: int, whole: bool = False) -> None:
         """Keep at most ``keep`` parts, and copy the rows of the others, with the rows the
         build decoded, into its own ``data.npy`` in row order: into :data:`COPIES_FILE`,
         beside the rows copied there before, which then becomes ``data.npy``; or into a new
         file. Unlink the parts it drops and close their files (call after :meth:`own`).
-        Nothing to do when it has ``keep`` parts or fewer and copied no row.
+        Nothing to do when it has ``keep`` parts or fewer and copied no row, unless
+        ``whole`` asks for each row in a row of the file, the rows that repeat others too.
 
         Which parts it keeps: :func:`parts_to_keep`."""
         n = len(self.names)
-        if n <= keep and self.copies is None:
+        if n <= keep and self.copies is None and not (whole and len(self.repeated)):
             return
         fileno = np.where(self.where[:, 0] == COPIED, n + 1, self.where[:, 0])
         held = np.bincount(fileno, minlength=n + 2)[1:n + 1]
@@ -168,7 +190,7 @@ class Parts:
         if own:
             files[0] = arrays.open_readonly(directory, OWN_FILE if out is None else DATA_FILE)
         for i in dropped:
-            files[i + 1] = _mapped(*self.opened[i], self.records[i])
+            files[i + 1] = donor_files.mapped(*self.opened[i], self.records[i])
         if out is not None:  # it has a slot for each of ours: fill the others'
             todo = ours[fileno[ours] != n + 1]
             slots = np.searchsorted(ours, todo)
@@ -200,6 +222,7 @@ class Parts:
                 self.sidecars.pop(name, None)
         self.names, self.records, self.opened = ([items[i] for i in kept] for items
                                                  in (self.names, self.records, self.opened))
+        self.repeated = self.repeated[:0]  # (each row now has a row of the file)
 
     def close(self) -> None:
         for f, _ in self.opened:
@@ -208,22 +231,21 @@ class Parts:
         self.copies = None
 
 
-def _mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
-    return np.memmap(f, dtype=record.np_dtype, mode="r", offset=offset, shape=record.shape)
-
-
 def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Sequence[str],
               *, link: bool, before_writing: Callable[[int], None],
-              report: Report = QUIET) -> Parts:
+              first: Optional[np.ndarray] = None, report: Report = QUIET) -> Parts:
     """Where each of the build's ``rows`` rows is held by ``found``'s donors: the donor data
     files that hold any, at most :data:`LINKED_PARTS` of them (:func:`parts_to_keep` of the
     rows each holds), are opened and (``link``) hard-linked into ``directory`` with their
     ``row_files`` (:data:`~cachekit.store.manifest.SIDECARS`): once a link fails, no more
     are tried (the caller materializes). ``before_writing`` is told the rows the build
     writes (:attr:`Parts.rows_written`), then the rows of the other files and of another
-    user's are copied into :data:`COPIES_FILE`, one file open at a time (shown as
-    ``report`` asks). A file that cannot be opened, fails its checks (its checksum too,
-    where its rows are copied: :func:`_intact`) or lacks a row file gives no rows."""
+    user's are copied into :data:`COPIES_FILE`, one file open at a time (shown as ``report``
+    asks). A file that cannot be opened, fails its checks (its checksum too, where its rows
+    are copied: :func:`.donor_files.intact`) or lacks a row file gives no rows. The rows
+    left to decode that repeat an earlier one (``first``: the first row of each row's
+    identity, None when none repeats) are pointed at it (:meth:`Parts.repeat`), before room
+    is made where no row is copied, else after the copies."""
     parts = Parts(np.full((rows, 2), -1, dtype=np.int64), linked=link)
     try:
         offers = find_offers(found, row_files)
@@ -235,13 +257,17 @@ def reference(directory: _fs.DirHandle, found: Donors, rows: int, row_files: Seq
         verdicts: dict[tuple[int, int], bool] = {}
         if not parts.linked:  # every part's rows are copied (materialize)
             _drop_damaged(parts, directory, taken, verdicts)
-        before_writing(parts.rows_written)
         others = theirs + [offers[i] for i in sorted(set(range(len(offers)))
                                                      - set(kept.tolist()))]
+        if first is not None and not others:
+            parts.repeat(first)  # (before room is made: a repeat is not written)
+        before_writing(parts.rows_written)
         if others:
             assert found.template is not None  # (every donor's)
             _copy(parts, directory, others, found.template, report, verdicts)
             parts.copies_theirs = bool(theirs)
+            if first is not None:  # (each repeat has a row of the copies, compact fills it)
+                parts.repeat(first)
     except BaseException:
         parts.close()
         raise
@@ -292,40 +318,21 @@ def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
     parts.opened.append((f, offset))
     parts.sidecars.update((here, record) for here, (_, record) in offer.row_files.items())
     if parts.linked:  # only this user's files: no other member can change what we share
-        parts.linked = _link(directory, f, offer.name) and all(
-            _link_row_file(directory, source, there, record, here)
+        parts.linked = donor_files.link(directory, f, offer.name) and all(
+            donor_files.link_row_file(directory, source, there, record, here)
             for here, (there, record) in offer.row_files.items())
     return True
 
 
-def _intact(f: BinaryIO, record: FileRecord, verdicts: dict[tuple[int, int], bool]) -> bool:
-    """Whether the open donor file ``f`` holds the bytes its manifest's ``record`` names,
-    read whole once per file (``verdicts``, by device and inode). Rows are copied out of a
-    file only once it is: a copy would carry damage into an entry whose own checksum then
-    covers it, where a linked file stays the donor's, which ``verify`` checks in both."""
-    stat = os.fstat(f.fileno())
-    inode = (stat.st_dev, stat.st_ino)
-    if inode not in verdicts:
-        verdicts[inode] = arrays.checksum_of(f) == (record.bytes, record.checksum)
-    return verdicts[inode]
-
-
-def _warn_damaged(source: SharedRows, record: FileRecord) -> None:
-    warnings.warn(f"{prefix()}: {record.name} of entry {source.key[:12]} differs from its "
-                  "checksum (damaged on disk), so its rows are decoded, not copied; "
-                  f"`cachekit verify {source.key[:12]}` names every entry that uses it",
-                  RuntimeWarning, stacklevel=2)
-
-
 def _drop_damaged(parts: Parts, directory: _fs.DirHandle, taken: list[Offer],
                   verdicts: dict[tuple[int, int], bool]) -> None:
-    """Drop each part whose file is not :func:`_intact` (``taken``: the offer of each
+    """Drop each part whose file is not :func:`.donor_files.intact` (``taken``: the offer of each
     part), with what it linked here: its rows are left to decode."""
     for i in reversed(range(len(parts.names))):
         f, record = parts.opened[i][0], parts.records[i]
-        if _intact(f, record, verdicts):
+        if donor_files.intact(f, record, verdicts):
             continue
-        _warn_damaged(taken[i].lenders[0][0], record)
+        donor_files.warn_damaged(taken[i].lenders[0][0], record)
         file = i + 1
         for source, _, dst, _ in taken[i].lenders:
             lent = int(np.count_nonzero(parts.where[dst, 0] == file))
@@ -347,7 +354,7 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
     """Copy the rows of ``offers`` from each lender's file in turn (each closed before the
     next is opened) into :data:`COPIES_FILE`, which has a slot for each row its own data
     file will hold, in row order: every row not in a part, or every row when the parts are
-    not linked (the caller materializes). A file not :func:`_intact` lends no rows."""
+    not linked (the caller materializes). A file not :func:`.donor_files.intact` lends no rows."""
     shape, dtype = template
     ours = (np.flatnonzero(parts.where[:, 0] < 0) if parts.linked
             else np.arange(len(parts.where)))
@@ -367,10 +374,10 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
             slots = np.searchsorted(ours, dst)
             record = source.manifest.data_files[index]
             with f:
-                if not _intact(f, record, verdicts):
-                    _warn_damaged(source, record)
+                if not donor_files.intact(f, record, verdicts):
+                    donor_files.warn_damaged(source, record)
                     continue
-                rows = _mapped(f, offset, record)
+                rows = donor_files.mapped(f, offset, record)
                 for start in range(0, len(at), step):
                     out[slots[start:start + step]] = rows[at[start:start + step]]
                     shown.update(len(at[start:start + step]))
@@ -384,17 +391,3 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
     else:  # (no file could be opened: their rows are decoded)
         del out
         directory.unlink(COPIES_FILE)
-
-
-def _link(directory: _fs.DirHandle, f: BinaryIO, name: str) -> bool:
-    return os.fstat(f.fileno()).st_uid == os.geteuid() and directory.link_open_file(f, name)
-
-
-def _link_row_file(directory: _fs.DirHandle, source: SharedRows, there: str,
-                   record: FileRecord, here: str) -> bool:
-    """Link the row file ``there`` of ``source`` as ``here``, if its size is its record's."""
-    try:
-        with source.open_file(there) as f:
-            return os.fstat(f.fileno()).st_size == record.bytes and _link(directory, f, here)
-    except OSError:
-        return False

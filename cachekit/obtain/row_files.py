@@ -38,13 +38,13 @@ class RowFiles:
 
 
 def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: Parts,
-                    copied: dict[str, int]) -> RowFiles:
+                    copied: dict[str, int], repeated: int = 0) -> RowFiles:
     """Write the row identities, the data's block digests, (images) the file stats and (a
     derived entry) the row map into the build directory next to its data file, each
     checksummed as it is written. A derived entry that decoded none of its rows has no data
     file and writes only its row map: its parts' copies of the row files describe every
-    row. ``copied``: the rows of other entries copied, not linked, by key (for its
-    origin)."""
+    row. ``copied``: the rows of other entries copied, not linked, by key, and ``repeated``:
+    the rows that repeat an earlier row of the column (for its origin)."""
     shape, dtype = filled.shape, np.dtype(filled.dtype)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
@@ -74,5 +74,5 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
     reused, copies = ([(k, n) for k, n in sorted(by_key.items(), key=lambda kn: -kn[1]) if n]
                       for by_key in (held.shared, copied))
     origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined,
-                    tuple(copies))
+                    tuple(copies), repeated)
     return RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)

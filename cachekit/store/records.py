@@ -106,7 +106,8 @@ class RowReuse:
 class Origin:
     """Where a per-row entry's rows came from when it was built: shared with other entries
     (key, rows), decoded by its builder, decoded by other processes for this build (its
-    joiners, or the dead builds it resumed). The three add up to the entry's rows when its
+    joiners, or the dead builds it resumed), or repeating an earlier row of the column
+    (stored once). They add up to the entry's rows when its
     builder wrote them (:meth:`adds_up`); a manifest is read without that check, since
     nothing but reports depends on it."""
 
@@ -116,10 +117,13 @@ class Origin:
     copied: tuple[tuple[str, int], ...] = ()
     """Of ``reused``, the rows copied into the entry's own data file (key, rows): not
     linked, as another user's files, or every row of a contiguous copy."""
+    repeated: int = 0
+    """The rows that repeat an earlier row of the column, which holds their bytes."""
 
     @property
     def rows_reused(self) -> int:
-        return sum(rows for _, rows in self.reused)
+        """The rows shared with other entries or with an earlier row of the column."""
+        return sum(rows for _, rows in self.reused) + self.repeated
 
     def adds_up(self, rows: int) -> bool:
         return self.rows_reused + self.decoded + self.joined == rows
@@ -129,6 +133,8 @@ class Origin:
                                "decoded": self.decoded, "joined": self.joined}
         if self.copied:
             out["copied"] = [[key, rows] for key, rows in self.copied]
+        if self.repeated:
+            out["repeated"] = self.repeated
         return out
 
 
@@ -196,7 +202,7 @@ def parse_origin(raw: Any, kind: str, rows: int, fail: Fail) -> Optional[Origin]
     if not isinstance(raw.get("copied", []), list):
         raise fail("bad origin field")
     pairs = []
-    for field in ("reused", "copied"):  # ("copied": not in manifests before it was kept)
+    for field in ("reused", "copied"):  # ("copied", "repeated": not in older manifests)
         items = []
         for item in raw.get(field, []):
             if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
@@ -206,7 +212,8 @@ def parse_origin(raw: Any, kind: str, rows: int, fail: Fail) -> Optional[Origin]
         pairs.append(tuple(items))
     decoded = count_field(raw.get("decoded"), "origin's decoded", fail)
     joined = count_field(raw.get("joined"), "origin's joined", fail)
-    return Origin(pairs[0], decoded, joined, pairs[1])  # a report: its sum is not checked
+    repeated = count_field(raw.get("repeated", 0), "origin's repeated", fail)
+    return Origin(pairs[0], decoded, joined, pairs[1], repeated)  # (a report: sum unchecked)
 
 
 _PLAIN_DTYPES = {"|b1": (1, "bool"), "|i1": (1, "int8"), "|u1": (1, "uint8")} | {

@@ -321,7 +321,11 @@ def test_two_agents_share_one_build_of_a_url_column(covers, tmp_path, s3_env):
 
     work = tmp_path / "work"
     work.mkdir()
-    column = covers.urls * 3  # 72 rows: long enough for the second agent to join
+    column = covers.urls + [covers.put(f"copies/{copy}/{Path(local).name}",
+                                       Path(local).read_bytes())
+                            for copy in (1, 2) for local in covers.local]
+    # 72 distinct objects (a row that repeats another is decoded once): long enough for
+    # the second agent to join
     (work / "column.json").write_text(json.dumps(column))
     (work / "agent.py").write_text(AGENT)
     env = hosts.child_env({**s3_env, "CACHEKIT_DIR": str(tmp_path / "root"),

@@ -53,22 +53,23 @@ AGENT = textwrap.dedent('''
     Path(ready).touch()
     while not os.path.exists(start):
         time.sleep(0.001)
-    entry = cache.map(slow, pd.Series(range(first, last)))
-    assert (np.asarray(entry.array)[:, 0] == np.arange(first, last)).all()
+    values = np.repeat(np.arange(first, last), int(os.environ.get("REPEAT", "1")))
+    entry = cache.map(slow, pd.Series(values))
+    assert (np.asarray(entry.array)[:, 0] == values).all()
     print(json.dumps({"pid": os.getpid(), "source": entry.source, "key": entry.key,
                       "counts": [entry.rows_decoded, entry.rows_joined, entry.rows_reused]}))
 ''')
 
 
 def run_agents(work: Path, root: Path, rows: tuple[int, int], agents: int, *,
-               crash_at: int = -1) -> list[dict]:
-    """Start ``agents`` agents on ``range(*rows)`` behind a start barrier; their reports
-    (None for an agent that died)."""
+               crash_at: int = -1, repeat: int = 1) -> list[dict]:
+    """Start ``agents`` agents on ``range(*rows)`` (each value on ``repeat`` rows in a row)
+    behind a start barrier; their reports (None for an agent that died)."""
     script = work / "agent.py"
     script.write_text(AGENT)
     log, start = work / "computed.log", work / f"start-{time.monotonic_ns()}"
     ready = [work / f"ready-{i}-{time.monotonic_ns()}" for i in range(agents)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "REPEAT": str(repeat)}
     procs = [subprocess.Popen([sys.executable, str(script), str(root), str(log), str(start),
                                str(r), str(rows[0]), str(rows[1]), str(crash_at)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -128,6 +129,21 @@ def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
     mine = sum(1 for pid, _ in rows if pid == joined["pid"])
     assert joined["counts"][0] == mine == built["counts"][1] > 0
     assert built["counts"][0] == sum(1 for pid, _ in rows if pid == built["pid"])
+
+
+def test_a_builder_and_its_joiner_compute_a_repeated_value_once_between_them(
+        tmp_path: Path) -> None:
+    """Each value of the column is on three rows: the build computes each once (its
+    joiner too, from the rows the journal names), and the repeats count as reused."""
+    reports = run_agents(tmp_path, tmp_path / "cache", (0, 120), 2, repeat=3)
+    rows = computed(tmp_path)
+    assert sorted(v for _, v in rows) == list(range(120)), reports
+    by_source = {r["source"]: r for r in reports}
+    assert set(by_source) == {"built", "joined"}, reports
+    built, joined = by_source["built"], by_source["joined"]
+    assert built["counts"][2] == 240 and sum(built["counts"]) == sum(joined["counts"]) == 360
+    assert joined["counts"][0] == built["counts"][1] == sum(
+        1 for pid, _ in rows if pid == joined["pid"]) > 0
 
 
 def test_a_build_that_dies_in_its_rest_is_resumed_without_computing_it_again(

@@ -1,0 +1,119 @@
+"""A column that names a file on several rows (one row per label or box of an image, an
+oversampled class) has it decoded once (cachekit/obtain/parts.py: ``Parts.repeat``). A
+build that links the files of other entries stores the row once and points its row map at
+it; a build that links none copies it into each of its rows, one contiguous file as ever.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import cachekit
+from cachekit.cli.main import main as cli_main
+from cachekit.store import manifest as manifests
+from helpers import write_pictures
+
+CALLS: list[int] = []
+
+
+def _counted(v: int) -> np.ndarray:
+    CALLS.append(v)
+    return np.full(4, v, np.uint8)
+
+
+@pytest.fixture
+def pictures(tmp_path: Path) -> list[str]:
+    return write_pictures(tmp_path / "pictures", 60)
+
+
+def _cache(root: Path, progress: bool = False) -> cachekit.Cache:
+    return cachekit.Cache(root, workers=1, progress=progress)
+
+
+def _column(paths: list[str], rows) -> pd.Series:
+    return pd.Series([paths[i] for i in rows], name="img_path")
+
+
+def _pixels(tmp_path: Path, paths: list[str]) -> np.ndarray:
+    """Every picture's pixels, from a cache of their own: row ``i`` is picture ``i``."""
+    entry = _cache(tmp_path / "every").images(_column(paths, range(len(paths))), 8)
+    assert entry.contiguous and entry.rows_decoded == len(paths)
+    return np.array(entry.array)
+
+
+def _origin(entry: cachekit.Entry) -> dict:
+    return json.loads((entry.path / manifests.MANIFEST_FILE).read_text())["origin"]
+
+
+def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path, pictures,
+                                                                      capsys):
+    rows = [0, 1, 0, 2, 1, 0]
+    entry = _cache(tmp_path / "root", progress=True).images(_column(pictures, rows), 8)
+    assert entry.contiguous and (entry.rows_decoded, entry.rows_reused) == (3, 3)
+    assert _origin(entry)["repeated"] == 3
+    assert np.load(entry.path / manifests.DATA_FILE, mmap_mode="r").shape[0] == 6
+    np.testing.assert_array_equal(entry.array, _pixels(tmp_path, pictures)[rows])
+    assert (f"entry {entry.key[:12]}: 3 rows repeat earlier rows of its column; each is "
+            "decoded once\n") in capsys.readouterr().err
+    again = _cache(tmp_path / "root").images(_column(pictures, rows), 8)
+    assert again.hit and np.array_equal(again.array, entry.array)
+
+
+def test_a_memoized_function_runs_once_for_a_repeated_value(tmp_path):
+    CALLS.clear()
+    entry = _cache(tmp_path).map(_counted, pd.Series([5, 7, 5, 5, 9, 7]))
+    assert sorted(CALLS) == [5, 7, 9]
+    assert np.asarray(entry.array)[:, 0].tolist() == [5, 7, 5, 5, 9, 7]
+
+
+def test_a_build_that_links_stores_each_repeated_new_row_once(tmp_path, pictures, capsys):
+    """A fold of a full entry plus two new pictures, each on several rows: the build links
+    the full entry's file, decodes the two once, and its own data file holds them once,
+    which its row map points every repeat at. A second process reads the same pixels."""
+    root = tmp_path / "root"
+    full = _cache(root).images(_column(pictures, range(40)), 8)
+    rows = [*range(20), 50, 51, 50, 3, 50, 51]
+    fold = _cache(root, progress=True).images(_column(pictures, rows), 8)
+    assert not fold.contiguous and (fold.rows_decoded, fold.rows_reused) == (2, 24)
+    assert np.load(fold.path / manifests.DATA_FILE, mmap_mode="r").shape[0] == 2
+    row_map = np.load(fold.path / manifests.ROW_MAP_FILE)
+    assert (row_map[[22, 24]] == row_map[20]).all() and (row_map[25] == row_map[21]).all()
+    [part] = [p for p in fold.path.iterdir() if manifests.is_part_name(p.name)
+              and p.name.count(".") == 1]
+    assert part.stat().st_ino == (full.path / manifests.DATA_FILE).stat().st_ino
+    assert "3 rows repeat earlier rows of its column; each is decoded once and stored " \
+           "once" in capsys.readouterr().err
+    want = _pixels(tmp_path, pictures)[rows]
+    np.testing.assert_array_equal(np.asarray(fold.array), want)
+    again = _cache(root).images(_column(pictures, rows), 8)
+    assert again.hit and np.array_equal(np.asarray(again.array), want)
+    assert cli_main(["--root", str(root), "info", fold.key]) == 0
+    said = capsys.readouterr().out
+    assert ("2 decoded by its builder, 0 by other processes (joiners, resumed builds), 21 "
+            "shared with 1 entry, 3 repeating earlier rows of its column") in said
+    copy = _cache(root).images(_column(pictures, rows), 8, contiguous=True)
+    assert copy.contiguous and np.array_equal(copy.array, want)
+    assert _cache(root).verify() == []
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+def test_a_repeated_file_that_fails_fails_on_each_of_its_rows(tmp_path, pictures, on_error):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a picture")
+    col = pd.Series([pictures[0], str(bad), pictures[1], str(bad), pictures[0]])
+    cache = _cache(tmp_path / "root")
+    if on_error == "raise":
+        with pytest.raises(cachekit.ImageDecodeError) as raised:
+            cache.images(col, 8)
+        assert [row for row, _, _ in raised.value.failures] == [1, 3]
+        return
+    entry = cache.images(col, 8, on_error="zero")
+    assert entry.valid.tolist() == [True, False, True, False, True]
+    assert not np.asarray(entry.array)[[1, 3]].any()
+    np.testing.assert_array_equal(np.asarray(entry.array)[[0, 2, 4]],
+                                  _pixels(tmp_path, pictures)[[0, 1, 0]])
