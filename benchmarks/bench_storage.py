@@ -31,6 +31,13 @@ another, and every round works in roots of its own (``Cache(workers=2)``, exact 
 - "retry": N covers of which one is a broken file build and fail (the good rows are
   kept), the file is fixed and the call retried: what the retry adds to the root, against
   one row plus the row map (the issue: at most the failed rows plus the map).
+- "repeats": a column that names each of a quarter of the covers on 4 rows in a row (one
+  row per box or label of an image, as annotations in long format are), built in a root of
+  its own, against a build of those covers once (each file is decoded once: 1x, where
+  decoding every row took about 4x); then, in the same root, the second half of them and
+  as many new covers, again each on 4 rows: the bytes that build adds to the root, against
+  its new rows stored once plus its row map (it links the first entry's file and stores
+  each new row once, where a copy for each row took about 4x).
 - "read": shuffled ``DataLoader`` epochs (batch 256) and sequential ones over a fold entry
   (its rows in the full entry's file) against the same rows as a contiguous entry
   (``contiguous=True``): throughput ratios (the issue asks at least 0.9x and 0.8x), each
@@ -354,6 +361,26 @@ def retry(paths: list[str], work: Path) -> dict[str, float]:
             "retry: bytes added / full entry": added / before}
 
 
+def repeated_rows(paths: list[str], work: Path) -> dict[str, float]:
+    import pandas as pd
+
+    quarter = paths[:len(paths) // 4]
+    on_four_rows = [path for path in quarter for _ in range(4)]
+    once_s, _ = timed(lambda: cache(work / "once").images(pd.Series(quarter), SIZE))
+    root = work / "repeats"
+    repeated_s, entry = timed(lambda: cache(root).images(pd.Series(on_four_rows), SIZE))
+    assert entry.rows_decoded == len(quarter), entry.rows_decoded
+    before = disk(root)
+    new = paths[len(quarter):len(quarter) + len(quarter) // 2]
+    column = [path for path in quarter[len(quarter) // 2:] + new for _ in range(4)]
+    grown = cache(root).images(pd.Series(column), SIZE)
+    assert grown.rows_decoded == len(new) and not grown.contiguous, grown
+    new_bytes = len(new) * 3 * SIZE * SIZE + 8 * len(column)
+    return {"repeats: covers on 4 rows s / once s": repeated_s / once_s,
+            "repeats: bytes a fold adds / (its new rows once + map)":
+                (disk(root) - before) / new_bytes}
+
+
 def read(paths: list[str], work: Path, rounds: int = 3) -> dict[str, float]:
     import numpy as np
     import pandas as pd
@@ -465,6 +492,7 @@ def run_rounds(args: argparse.Namespace, paths: list[str], extra: list[str], bas
               "appends": lambda work, i: appends(paths, work),
               "union": lambda work, i: union(paths, work),
               "retry": lambda work, i: retry(paths, work),
+              "repeats": lambda work, i: repeated_rows(paths, work),
               "read": lambda work, i: read(paths, work, repeats),
               "remote": lambda work, i: remote(paths, work, f"{url}/{i}"),
               "heal": lambda work, i: heal(paths, work, f"{url}/heal-{i}")}
