@@ -326,8 +326,8 @@ def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
 
 def _drop_damaged(parts: Parts, directory: _fs.DirHandle, taken: list[Offer],
                   verdicts: dict[tuple[int, int], bool]) -> None:
-    """Drop each part whose file is not :func:`.donor_files.intact` (``taken``: the offer of each
-    part), with what it linked here: its rows are left to decode."""
+    """Drop each part whose file is not :func:`.donor_files.intact` (``taken``: the offer of
+    each part), with what it linked here: its rows are left to decode."""
     for i in reversed(range(len(parts.names))):
         f, record = parts.opened[i][0], parts.records[i]
         if donor_files.intact(f, record, verdicts):

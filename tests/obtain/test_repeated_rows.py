@@ -117,3 +117,32 @@ def test_a_repeated_file_that_fails_fails_on_each_of_its_rows(tmp_path, pictures
     assert not np.asarray(entry.array)[[1, 3]].any()
     np.testing.assert_array_equal(np.asarray(entry.array)[[0, 2, 4]],
                                   _pixels(tmp_path, pictures)[[0, 1, 0]])
+
+
+def test_a_pulled_entry_keeps_what_its_origin_says_of_repeats_and_copies(s3_env, tmp_path,
+                                                                          pictures, capsys):
+    """A host's fold with repeated new rows and a contiguous copy of another fold are
+    uploaded; a second host pulls both: the same pixels, and ``info`` says which rows
+    repeat and which were copied, as on the host that built them."""
+    from cachekit.obtain import background
+
+    here = _cache(tmp_path / "a")
+    here.images(_column(pictures, range(40)), 8)
+    fold_rows, copy_rows = [*range(0, 40, 2), 50, 51, 50, 51], list(range(1, 40, 2))
+    fold = here.images(_column(pictures, fold_rows), 8)
+    copy = here.images(_column(pictures, copy_rows), 8, contiguous=True)
+    assert not fold.contiguous and copy.contiguous
+    background.wait_all()
+    there, want = _cache(tmp_path / "b"), _pixels(tmp_path, pictures)
+    for entry, rows in ((fold, fold_rows), (copy, copy_rows)):
+        pulled = there.images(_column(pictures, rows), 8, contiguous=entry.contiguous)
+        assert pulled.source == "remote" and pulled.key == entry.key
+        np.testing.assert_array_equal(np.asarray(pulled.array), want[rows])
+        assert _origin(pulled) == _origin(entry)
+    capsys.readouterr()
+    for entry in (fold, copy):
+        assert cli_main(["--root", str(tmp_path / "b"), "info", entry.key]) == 0
+    said = capsys.readouterr().out
+    assert ("2 decoded by its builder, 0 by other processes (joiners, resumed builds), 20 "
+            "shared with 1 entry, 2 repeating earlier rows of its column") in said, said
+    assert "20 copied from 1 entry" in said, said
