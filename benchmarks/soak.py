@@ -9,7 +9,8 @@
 The race tests in ``tests/`` aim at one race each; a soak runs them all at once, at length.
 Each worker loops over random calls on the cache, under a budget (``--budget``) so that
 evictions never stop: ``map`` over a column of 3,000 int rows of 1 KB (a subset, a fold, a
-shuffle, the whole: derived entries share rows), every row checked against its value; a
+shuffle, the whole: derived entries share rows; now and then with some values on several
+rows, each computed once), every row checked against its value; a
 ``clear`` of a random entry, a ``prune``, a ``verify``. Each worker holds its last three
 entries and reads a row of each again after every call; now and then a child that
 ``forkserver`` starts reads them whole, through the files the entries keep open (as a
@@ -100,6 +101,8 @@ def worker(root: str, seconds: float, log: Path, budget: str) -> None:
                 column = list(pool[rng.randrange(len(pool))])
                 if rng.random() < 0.3:
                     rng.shuffle(column)
+                if rng.random() < 0.15:  # values on several rows: each computed once
+                    column += rng.choices(column, k=rng.randrange(1, 100))
                 entry = cache.map(row, column, version="1")
                 if not (np.asarray(entry.array) == np.asarray(column)[:, None]).all():
                     count("wrong", f"wrong bytes in {entry.key[:12]} ({entry.outcome})")
