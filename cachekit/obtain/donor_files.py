@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import BinaryIO
+from typing import BinaryIO, Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +31,28 @@ def intact(f: BinaryIO, record: FileRecord, verdicts: dict[tuple[int, int], bool
     if inode not in verdicts:
         verdicts[inode] = arrays.checksum_of(f) == (record.bytes, record.checksum)
     return verdicts[inode]
+
+
+def open_intact(lenders: Sequence[tuple[SharedRows, int, np.ndarray, np.ndarray]],
+                verdicts: dict[tuple[int, int], bool]
+                ) -> Optional[tuple[BinaryIO, np.ndarray]]:
+    """The file that ``lenders`` (an offer's: each donor, and the file's index in its
+    manifest) lend, open and mapped, from the first that opens it :func:`intact` (the
+    same bytes under one name: a lender cleared meanwhile or whose copy is damaged leaves
+    it to the next); None when none does."""
+    for source, index, _, _ in lenders:
+        try:
+            f, offset = source.open_data(index)
+        except (OSError, ValueError):
+            continue
+        finally:
+            source.release()
+        record = source.manifest.data_files[index]
+        if intact(f, record, verdicts):
+            return f, mapped(f, offset, record)
+        warn_damaged(source, record)
+        f.close()
+    return None
 
 
 def warn_damaged(source: SharedRows, record: FileRecord) -> None:

@@ -283,22 +283,24 @@ def _place(parts: Parts, source: SharedRows, dst: np.ndarray, file: int,
 
 def _take(parts: Parts, directory: _fs.DirHandle, offer: Offer, theirs: list[Offer]) -> bool:
     """Open ``offer``'s file from its first lender that can open it, as a part (linked
-    while links work), and place the rows of every lender there; False when none can (and
-    into ``theirs``, to copy, when a lender's file was another user's, never linked)."""
-    opened, foreign = False, False
-    for source, index, dst, at in offer.lenders:
-        if not opened:
-            try:
-                added = _add(parts, directory, source, index, offer)
-            finally:
-                source.release()
-            opened, foreign = bool(added), foreign or added is None
-            if not opened:
-                continue
-        _place(parts, source, dst, len(parts.names), at)
-    if foreign and not opened:
+    while links work), and place the rows of every lender there: those of a lender that
+    could not open it too (a lender cleared meanwhile: the same bytes); False when none
+    can (and into ``theirs``, to copy, when a lender's file was another user's, never
+    linked)."""
+    foreign = False
+    for source, index, _, _ in offer.lenders:
+        try:
+            added = _add(parts, directory, source, index, offer)
+        finally:
+            source.release()
+        if added:
+            for lender, _, dst, at in offer.lenders:
+                _place(parts, lender, dst, len(parts.names), at)
+            return True
+        foreign = foreign or added is None
+    if foreign:
         theirs.append(offer)
-    return opened
+    return False
 
 
 def _add(parts: Parts, directory: _fs.DirHandle, source: SharedRows, index: int,
@@ -351,10 +353,11 @@ def _drop_damaged(parts: Parts, directory: _fs.DirHandle, taken: list[Offer],
 def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
           template: tuple[tuple[int, ...], np.dtype], report: Report,
           verdicts: dict[tuple[int, int], bool]) -> None:
-    """Copy the rows of ``offers`` from each lender's file in turn (each closed before the
-    next is opened) into :data:`COPIES_FILE`, which has a slot for each row its own data
-    file will hold, in row order: every row not in a part, or every row when the parts are
-    not linked (the caller materializes). A file not :func:`.donor_files.intact` lends no rows."""
+    """Copy the rows of ``offers`` from each offer's file in turn (each closed before the
+    next is opened; :func:`.donor_files.open_intact`: a file no lender opens intact lends no
+    rows) into :data:`COPIES_FILE`, which has a slot for each row its own data file will
+    hold, in row order: every row not in a part, or every row when the parts are not linked
+    (the caller materializes)."""
     shape, dtype = template
     ours = (np.flatnonzero(parts.where[:, 0] < 0) if parts.linked
             else np.arange(len(parts.where)))
@@ -363,28 +366,19 @@ def _copy(parts: Parts, directory: _fs.DirHandle, offers: list[Offer],
     step = copy_step(out.nbytes // max(1, len(out)))
     shown = progress(sum(offer.rows for offer in offers), report)
     for offer in offers:
-        copied = False
-        for source, index, dst, at in offer.lenders:
-            try:
-                f, offset = source.open_data(index)
-            except (OSError, ValueError):
-                continue
-            finally:
-                source.release()
-            slots = np.searchsorted(ours, dst)
-            record = source.manifest.data_files[index]
-            with f:
-                if not donor_files.intact(f, record, verdicts):
-                    donor_files.warn_damaged(source, record)
-                    continue
-                rows = donor_files.mapped(f, offset, record)
+        opened = donor_files.open_intact(offer.lenders, verdicts)
+        if opened is None:
+            continue
+        f, rows = opened
+        with f:
+            for lender, _, dst, at in offer.lenders:
+                slots = np.searchsorted(ours, dst)
                 for start in range(0, len(at), step):
                     out[slots[start:start + step]] = rows[at[start:start + step]]
                     shown.update(len(at[start:start + step]))
-                del rows
-            _place(parts, source, dst, COPIED, slots)
-            copied = True
-        parts.copied_files += copied
+                _place(parts, lender, dst, COPIED, slots)
+            del rows
+        parts.copied_files += 1
     shown.close()
     if parts.copied_files:
         parts.copies = out
