@@ -27,8 +27,8 @@ from .entry import Entry
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .messages import quiet
 from .obtain import BuildSettings, Outcome, Request, RowCall, RowRequest, obtain, staleness
-from .obtain.row_call import MakeRoom
 from .store import LocalStore, default_root
+from .store.local import MakeRoom
 
 PathLike = Union[str, "os.PathLike[str]"]
 Opened = TypeVar("Opened")

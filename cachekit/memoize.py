@@ -30,7 +30,7 @@ from . import _fs, arrays, keys
 from .code_identity import function_identity
 from .obtain import Expected
 from .obtain.built import Built
-from .obtain.row_call import MakeRoom
+from .store.local import MakeRoom
 from .errors import CacheCorruptError, InvalidArgument, InvalidArgumentType
 from .store.manifest import MEMOIZE_KIND, MANIFEST_FILE, Manifest, file_name
 from .store import BuildDir

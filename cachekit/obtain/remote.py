@@ -50,7 +50,7 @@ from ..store.lease import Lease, Watch, lease_path
 from ..units import format_size
 from . import background
 from .lookup import find_entry
-from .row_call import MakeRoom
+from ..store.local import MakeRoom
 from .wait import WAITING, Awaited, Wait
 
 _warned: set[str] = set()

@@ -10,13 +10,10 @@ from functools import cached_property
 from typing import Any, Callable, Optional
 
 from .. import keys
+from ..store.local import MakeRoom
 
 Template = Optional[tuple[tuple[int, ...], Any]]
 """The row shape and dtype a build makes (None: the first row's)."""
-MakeRoom = Callable[[int, list[str]], None]
-"""Told the bytes a build or a download is about to write and the keys it must keep (its
-own first, then the entries it shares rows with): removes the least recently used entries
-that leave that much room within the cache's budget."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,12 @@ from .layout import Layout, Published, Refused, check_root
 from .manifest import FileRecord, Manifest
 from .temp_names import build_dir_name, parse_build_dir_name, trash_name
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "MakeRoom"]
+
+MakeRoom = Callable[[int, list[str]], None]
+"""Told the bytes a build or a download is about to write into a local store and the keys
+it must keep (its own first, then the entries it shares rows with): removes the least
+recently used entries that leave that much room within the cache's budget."""
 
 
 class LocalStore:

@@ -16,7 +16,7 @@ from .. import checksums
 from ..errors import CacheCorruptError, RemoteUnavailableError
 from .bucket import Bucket
 from .layout import Published
-from .local import LocalStore
+from .local import LocalStore, MakeRoom
 from .local_copies import link_local_copies
 from .manifest import FileRecord
 from .remote_entry import RemoteEntry, check_sizes, fix_for
@@ -27,7 +27,7 @@ WRITEBACK_BYTES = 64 << 20
 
 def download(bucket: Bucket, entry: RemoteEntry, local: LocalStore, *,
              progress: bool = False, linked: Optional[Callable[[int], None]] = None,
-             make_room: Optional[Callable[[int, list[str]], None]] = None
+             make_room: Optional[MakeRoom] = None
              ) -> tuple[Published, bool]:
     """Download ``entry`` into a fresh build directory of ``local``, check every size
     and checksum against its manifest, then publish it with the local store's atomic
