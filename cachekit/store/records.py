@@ -106,10 +106,9 @@ class RowReuse:
 class Origin:
     """Where a per-row entry's rows came from when it was built: shared with other entries
     (key, rows), decoded by its builder, decoded by other processes for this build (its
-    joiners, or the dead builds it resumed), or repeating an earlier row of the column
-    (stored once). They add up to the entry's rows when its
-    builder wrote them (:meth:`adds_up`); a manifest is read without that check, since
-    nothing but reports depends on it."""
+    joiners, or the dead builds it resumed), or repeating an earlier row of the column.
+    They add up to the entry's rows when its builder wrote them (:meth:`adds_up`); a
+    manifest is read without that check, since nothing but reports depends on it."""
 
     reused: tuple[tuple[str, int], ...] = ()
     decoded: int = 0
@@ -118,7 +117,7 @@ class Origin:
     """Of ``reused``, the rows copied into the entry's own data file (key, rows): not
     linked, as another user's files, or every row of a contiguous copy."""
     repeated: int = 0
-    """The rows that repeat an earlier row of the column, which holds their bytes."""
+    """The rows that repeat an earlier row of the column: decoded once, for that row."""
 
     @property
     def rows_reused(self) -> int:
