@@ -146,18 +146,21 @@ def test_a_builder_and_its_joiner_compute_a_repeated_value_once_between_them(
         1 for pid, _ in rows if pid == joined["pid"]) > 0
 
 
+@pytest.mark.parametrize("repeat", [1, 3])
 def test_a_build_that_dies_in_its_rest_is_resumed_without_computing_it_again(
-        tmp_path: Path) -> None:
+        tmp_path: Path, repeat: int) -> None:
+    """With ``repeat`` 3 each value is on three rows: the rows that repeat one are no
+    part of the build's work, dead or resumed (they count as reused)."""
     root = tmp_path / "cache"
     run_agents(tmp_path, root, (0, 40), 1)
     computed(tmp_path)
-    assert run_agents(tmp_path, root, (20, 140), 1, crash_at=100) == [None]
+    assert run_agents(tmp_path, root, (20, 140), 1, crash_at=100, repeat=repeat) == [None]
     before = sorted(v for _, v in computed(tmp_path))
     assert before == list(range(40, 100))
-    [after] = run_agents(tmp_path, root, (20, 140), 1)
+    [after] = run_agents(tmp_path, root, (20, 140), 1, repeat=repeat)
     again = sorted(v for _, v in computed(tmp_path))
     decoded, joined, reused = after["counts"]
-    assert after["source"] == "built" and reused == 20
+    assert after["source"] == "built" and reused == 20 * repeat + 100 * (repeat - 1)
     assert decoded == len(again) and decoded + joined == 100
     assert joined > 0 and set(again) >= set(range(100, 140))  # a dead build's rows: joined
     assert not list((root / "tmp").glob(f"{after['key']}.*"))
