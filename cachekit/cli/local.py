@@ -141,16 +141,16 @@ def _origin_pairs(origin: Optional[dict[str, Any]], published: set[str], contigu
     copied = dict(origin.get("copied") or (reused if contiguous else []))
     shared = [(key, rows - copied.get(key, 0)) for key, rows in reused
               if rows > copied.get(key, 0)]
-    took = [("shared with", shared)] if shared or not copied else []
+    took = [("shared with", shared)] if shared else []
     if copied:
         took.append(("copied from", list(copied.items())))
-    pairs: list[tuple[str, Any]] = [(
-        "rows from", f"{origin['decoded']} decoded by its builder, {origin['joined']} by "
-                     f"other processes (joiners, resumed builds), " + ", ".join(
-                         f"{sum(rows for _, rows in by)} {how} {len(by)} "
-                         f"{'entry' if len(by) == 1 else 'entries'}" for how, by in took)
-                     + (f", {origin['repeated']} repeating earlier rows of its column"
-                        if origin.get("repeated") else ""))]
+    clauses = [f"{origin['decoded']} decoded by its builder",
+               f"{origin['joined']} by other processes (joiners, resumed builds)"]
+    clauses += [f"{sum(rows for _, rows in by)} {how} {len(by)} "
+                f"{'entry' if len(by) == 1 else 'entries'}" for how, by in took]
+    if origin.get("repeated"):
+        clauses.append(f"{origin['repeated']} repeating earlier rows of its column")
+    pairs: list[tuple[str, Any]] = [("rows from", ", ".join(clauses))]
     for how, by in took:
         pairs += [(f"  {how} {key[:SHORT_KEY]}",
                    f"{rows} rows{'' if key in published else ' (not in this root)'}")

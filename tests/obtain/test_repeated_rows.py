@@ -62,6 +62,12 @@ def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path,
             "decoded once\n") in capsys.readouterr().err
     again = _cache(tmp_path / "root").images(_column(pictures, rows), 8)
     assert again.hit and np.array_equal(again.array, entry.array)
+    assert cli_main(["--root", str(tmp_path / "root"), "info", entry.key]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("rows from:")]
+    assert line.split(":", 1)[1].strip() == ("3 decoded by its builder, 0 by other processes "
+                                             "(joiners, resumed builds), 3 repeating earlier "
+                                             "rows of its column")  # (not "0 shared with 0")
 
 
 def test_a_memoized_function_runs_once_for_a_repeated_value(tmp_path):
