@@ -169,8 +169,8 @@ class RowBuild:
                     _say_copies(self.key, held)
                 repeated = held.repeated
                 if len(repeated):
-                    say(f"entry {self.key[:12]}: {count(len(repeated), 'row')} repeat "
-                        "earlier rows of its column; each is decoded once"
+                    say(f"entry {self.key[:12]}: {len(repeated)} of the rows left to decode "
+                        "repeat earlier rows of its column; each is decoded once"
                         + (" and stored once" if held.names and held.linked
                            and held.copies is None else ""))
         finally:

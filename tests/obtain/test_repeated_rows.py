@@ -58,8 +58,8 @@ def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path,
     assert _origin(entry)["repeated"] == 3
     assert np.load(entry.path / manifests.DATA_FILE, mmap_mode="r").shape[0] == 6
     np.testing.assert_array_equal(entry.array, _pixels(tmp_path, pictures)[rows])
-    assert (f"entry {entry.key[:12]}: 3 rows repeat earlier rows of its column; each is "
-            "decoded once\n") in capsys.readouterr().err
+    assert (f"entry {entry.key[:12]}: 3 of the rows left to decode repeat earlier rows of its "
+            "column; each is decoded once\n") in capsys.readouterr().err
     again = _cache(tmp_path / "root").images(_column(pictures, rows), 8)
     assert again.hit and np.array_equal(again.array, entry.array)
     assert cli_main(["--root", str(tmp_path / "root"), "info", entry.key]) == 0
@@ -92,8 +92,8 @@ def test_a_build_that_links_stores_each_repeated_new_row_once(tmp_path, pictures
     [part] = [p for p in fold.path.iterdir() if manifests.is_part_name(p.name)
               and p.name.count(".") == 1]
     assert part.stat().st_ino == (full.path / manifests.DATA_FILE).stat().st_ino
-    assert "3 rows repeat earlier rows of its column; each is decoded once and stored " \
-           "once" in capsys.readouterr().err
+    assert "3 of the rows left to decode repeat earlier rows of its column; each is decoded " \
+           "once and stored once" in capsys.readouterr().err
     want = _pixels(tmp_path, pictures)[rows]
     np.testing.assert_array_equal(np.asarray(fold.array), want)
     again = _cache(root).images(_column(pictures, rows), 8)
