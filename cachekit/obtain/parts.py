@@ -9,6 +9,7 @@ build's own ``data.npy`` (a build that decodes none has none). A linked file is 
 inode the donor's manifest describes (opened through the donor's directory handle, its size
 and header checked, linked from the open file), and data files never change once written:
 the filesystem counts who uses each, so clearing or pruning any entry never breaks another.
+A row that repeats an earlier row left to decode is decoded once (:meth:`Parts.repeat`).
 
 Only this user's files are linked: a group member's file stays writable by its owner alone,
 and a link would let them change this user's entry. The rows of another user's files are
@@ -63,12 +64,13 @@ REPEATED = -3
 
 @dataclass
 class Parts:
-    """Where each row of a build is: ``where`` (rows, 2) holds (file, row), file 0 being
-    the build's own data file and file ``i`` the ``i``-th of ``names`` (-1: decoded by the
+    """Where each row of a build is: ``where`` (rows, 2) holds (file, row), file 0 being the
+    build's own data file and file ``i`` the ``i``-th of ``names`` (-1: decoded by the
     build, placed by :meth:`own`; :data:`COPIED`: the row of :data:`COPIES_FILE`;
-    :meth:`row_map` numbers the files as the manifest lists them). ``opened``: each part's
-    donor file, open, and the byte its rows start at; ``linked``: whether every part is
-    linked into the build directory; ``shared``: rows referenced or copied, by donor key."""
+    :data:`REPEATED`: the earlier row it repeats; :meth:`row_map` numbers the files as the
+    manifest lists them). ``opened``: each part's donor file, open, and the byte its rows
+    start at; ``linked``: whether every part is linked into the build directory; ``shared``:
+    rows referenced or copied, by donor key."""
 
     where: np.ndarray
     names: list[str] = field(default_factory=list)
