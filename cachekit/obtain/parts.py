@@ -103,6 +103,8 @@ class Parts:
         """The row of the column each row of the build's own data file is, in its order
         (after :meth:`own`; the first of rows that repeat it)."""
         rows = np.flatnonzero(self.where[:, 0] == 0)
+        if not len(self.repeated):  # (one row of the column a row of the file: no sort)
+            return rows
         _, first = np.unique(self.where[rows, 1], return_index=True)
         return rows[first]
 
