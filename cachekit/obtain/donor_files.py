@@ -13,7 +13,13 @@ import numpy as np
 from .. import _fs, arrays
 from ..messages import prefix
 from ..store.manifest import FileRecord
+from ..store.kept import Kept
 from ..store.shared_rows import SharedRows
+
+_INTACT: Kept[bool] = Kept(1 << 16, lambda verdict: 64)
+"""The files this process found :func:`intact`, by version and checksum: committed files
+never change, so a file that several builds copy rows out of (a teammate's full entry, for
+each of a member's folds) is read whole once while it stays the same."""
 
 
 def mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
@@ -23,13 +29,18 @@ def mapped(f: BinaryIO, offset: int, record: FileRecord) -> np.ndarray:
 
 def intact(f: BinaryIO, record: FileRecord, verdicts: dict[tuple[int, int], bool]) -> bool:
     """Whether the open donor file ``f`` holds the bytes its manifest's ``record`` names,
-    read whole once per file (``verdicts``, by device and inode). Rows are copied out of a
+    read whole once per file (``verdicts``, by device and inode) and, found so, once per
+    process while its version stays the same (:data:`_INTACT`). Rows are copied out of a
     file only once it is: a copy would carry damage into an entry whose own checksum then
     covers it, where a linked file stays the donor's, which ``verify`` checks in both."""
     stat = os.fstat(f.fileno())
     inode = (stat.st_dev, stat.st_ino)
     if inode not in verdicts:
-        verdicts[inode] = arrays.checksum_of(f) == (record.bytes, record.checksum)
+        stamp = (_fs.file_version(stat), record.checksum)
+        verdicts[inode] = bool(_INTACT.get(stamp)) or (
+            arrays.checksum_of(f) == (record.bytes, record.checksum))
+        if verdicts[inode]:
+            _INTACT.put(stamp, True)
     return verdicts[inode]
 
 

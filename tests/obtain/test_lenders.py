@@ -1,10 +1,13 @@
 """Several entries may lend rows of one data file (folds that link the file of a full entry
 cleared since): a build opens the file once, from the first lender that can open it, and
 takes the rows of every lender from it (cachekit/obtain/parts.py: ``_take``, ``_copy``),
-so a lender cleared between the lookup and the build costs no decode.
+so a lender cleared between the lookup and the build costs no decode; a file rows are
+copied out of is checked whole once a process while it stays the same.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -70,3 +73,31 @@ def test_rows_copied_from_a_file_two_lenders_hold_come_through_the_one_that_open
     assert len(first_open_fails) == 2
     assert entry.rows_decoded == 0 and entry.rows_reused == 100 and entry.contiguous
     assert np.asarray(entry.array)[:, 0].tolist() == list(range(100))
+
+
+def test_a_file_rows_are_copied_from_is_read_whole_once_a_process_while_it_stays_the_same(
+        tmp_path, monkeypatch):
+    """Two builds copy rows out of the full entry's file (no part linked: the bound set to
+    0), as a member's folds copy a teammate's: the first reads it whole to check it, the
+    second does not; once the file's mtime changes it is read whole again."""
+    from cachekit import arrays
+
+    cache = cachekit.Cache(tmp_path, workers=1, progress=False)
+    full = cache.map(_row, list(range(100)), version="2")
+    monkeypatch.setattr(parts, "LINKED_PARTS", 0)
+    real, read = arrays.checksum_of, []
+
+    def checksum_of(f):
+        read.append(os.fstat(f.fileno()).st_ino)
+        return real(f)
+
+    monkeypatch.setattr(arrays, "checksum_of", checksum_of)
+    data = full.path / manifests.DATA_FILE
+    for rows in (range(0, 50), range(50, 90)):
+        entry = cache.map(_row, list(rows), version="2")
+        assert entry.contiguous and entry.rows_decoded == 0
+        assert np.asarray(entry.array)[:, 0].tolist() == list(rows)
+    assert read == [data.stat().st_ino]
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 1))
+    entry = cache.map(_row, list(range(90, 100)), version="2")
+    assert entry.rows_decoded == 0 and read == [data.stat().st_ino] * 2
