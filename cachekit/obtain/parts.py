@@ -89,9 +89,7 @@ class Parts:
     """Whether some of those are another user's files (never linked)."""
     repeated: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     """The rows that repeat an earlier row the build decodes (:meth:`repeat`), decoded
-    once: where it links parts and copies no rows, its data file holds that row once and
-    the row map points both at it; else :meth:`compact` copies it into each of their rows
-    (an entry's format has a row map only with parts)."""
+    once and stored once or in each of them (:attr:`keeps_repeats`)."""
 
     @property
     def todo(self) -> np.ndarray:
@@ -113,6 +111,13 @@ class Parts:
         """Whether any row is another entry's (linked, or copied and not yet joined to the
         build's own rows), or repeats another (:meth:`repeat`): the entry has a row map."""
         return bool(self.names) or self.copies is not None or len(self.repeated) > 0
+
+    @property
+    def keeps_repeats(self) -> bool:
+        """Whether the rows that repeat others stay pointed at one row of its own data file:
+        it links parts and copies no row; else :meth:`compact` copies that row into each of
+        theirs (an entry has a row map only with parts)."""
+        return bool(self.names) and self.linked and self.copies is None
 
     def repeat(self, first: np.ndarray) -> None:
         """Point each row left to decode that repeats an earlier one at it (``first``: the

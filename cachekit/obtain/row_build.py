@@ -171,8 +171,7 @@ class RowBuild:
                 if len(repeated):
                     say(f"entry {self.key[:12]}: {len(repeated)} of the rows left to decode "
                         "repeat earlier rows of its column; each is decoded once"
-                        + (" and stored once" if held.names and held.linked
-                           and held.copies is None else ""))
+                        + (" and stored once" if held.keeps_repeats else ""))
         finally:
             if aside is not None:
                 aside.drop()
@@ -198,7 +197,7 @@ class RowBuild:
                         "removed meanwhile); copied its rows into one file instead")
                 held.materialize(current.dir)
             else:  # (the rows it copied join those it decoded; repeats, unless it links)
-                held.compact(current.dir, keep=len(held.names), whole=not held.names)
+                held.compact(current.dir, keep=len(held.names), whole=not held.keeps_repeats)
         failures = _with_repeats(filled.failures, repeated, first)
         failure = None
         if failures and call.on_error == "raise":
