@@ -250,7 +250,7 @@ def test_the_listing_benchmark_times_ls_at_each_count(tmp_path: Path, monkeypatc
 @pytest.mark.parametrize("mode", [[], ["--team"], ["--hosts"]], ids=["one-user", "team", "hosts"])
 def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path,
                                                                  mode: list[str]) -> None:
-    """``benchmarks/soak.py`` for 10 s with two workers (with ``--team``, two plain uids on
+    """``benchmarks/soak.py`` for 5 s with two workers (with ``--team``, two plain uids on
     a shared root; with ``--hosts``, two simulated hosts): each call is counted, and nothing
     failed (a failure makes it exit 1 and print it)."""
     reason = {"--team": users.why_no_two_uids, "--hosts": hosts.why_no_hosts}.get(
@@ -258,7 +258,7 @@ def test_a_short_soak_runs_its_workers_and_reports_what_they_did(tmp_path: Path,
     if reason is not None:
         pytest.skip(reason)  # as the fixtures do (CI runs as root: it runs)
     result = subprocess.run([sys.executable, str(RUN_PY.with_name("soak.py")),
-                             "--seconds", "10", "--workers", "2", *mode], cwd=tmp_path,
+                             "--seconds", "5", "--workers", "2", *mode], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| built |" in result.stdout and result.stdout.rstrip().endswith("no failures")
