@@ -80,10 +80,11 @@ class Outcome:
         shared with other entries): ``Entry.rows_decoded``, ``rows_joined``, ``rows_reused``.
 
         A builder's come from its manifest's origin (a build that resumed dead builds counts
-        their rows as joined: other processes decoded them); a joiner decoded the rows it
-        filled, and everyone else decoded or copied the rest, counted as joined. They add up
-        to the entry's rows, and are all 0 on a hit (unless :attr:`carried` says this call
-        built the entry before it was built again)."""
+        their rows as joined: other processes decoded them). A joiner decoded the rows it
+        filled, shares the rows the build shares (the origin's reused rows), and counts the
+        rest as joined: the builder and the other joiners decoded them. They add up to the
+        entry's rows, and are all 0 on a hit (unless :attr:`carried` says this call built
+        the entry before it was built again)."""
         decoded, joined, reused = self._own_row_counts()
         if self.carried == (0, 0):
             return decoded, joined, reused
@@ -94,14 +95,17 @@ class Outcome:
 
     def _own_row_counts(self) -> tuple[int, int, int]:
         manifest = self.entry.manifest
+        origin = manifest.origin
+        if origin is not None and not origin.adds_up(manifest.rows):
+            origin = None  # not this build's
         if self.source == "built":
-            origin = manifest.origin
-            if origin is None or not origin.adds_up(manifest.rows):
-                return manifest.rows, 0, 0  # no origin (memoize), or one that is not ours
+            if origin is None:  # (memoize has none)
+                return manifest.rows, 0, 0
             return origin.decoded, origin.joined, origin.rows_reused
         if self.source == "joined":
-            decoded = min(self.rows_filled, manifest.rows)
-            return decoded, manifest.rows - decoded, 0
+            reused = 0 if origin is None else origin.rows_reused
+            decoded = min(self.rows_filled, manifest.rows - reused)
+            return decoded, manifest.rows - reused - decoded, reused
         return 0, 0, 0
 
 
