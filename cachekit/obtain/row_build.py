@@ -26,13 +26,13 @@ from ..engine.filling.builder import DeadBuilds, Filled, fill as fill_build
 from ..engine.filling.claimed import ChunkCallback, Report, RowSpec
 from ..engine.filling.cores import Spare, runs_at_once
 from ..engine.filling.joiner import Joined, join as join_build
-from ..errors import Failure, ImageDecodeError
+from ..errors import ImageDecodeError
 from ..store import BuildDir, LocalStore, Published
 from ..store import manifest as manifests
 from ..messages import say, speaking
 from ..store.shared_rows import SharedRows, open_shared_rows
 from ..units import count
-from . import donors, parts, staleness
+from . import donors, parts, repeats, staleness
 from .built import Built
 from .donors import Rows
 from .row_call import BuildSettings, RowCall, Template
@@ -156,7 +156,7 @@ class RowBuild:
             with found:
                 row_files = (manifests.ROW_IDS_FILE,) + (
                     (manifests.ROW_STATS_FILE,) if rows.stats is not None else ())
-                first = _first_rows(rows)
+                first = repeats.first_rows(rows)
                 held = parts.reference(current.dir, found, len(values), row_files,
                                        link=not call.contiguous,
                                        before_writing=lambda rows: self._make_room(found, rows),
@@ -169,9 +169,8 @@ class RowBuild:
                     _say_copies(self.key, held)
                 repeated = held.repeated
                 if len(repeated):
-                    say(f"entry {self.key[:12]}: {len(repeated)} of the rows left to decode "
-                        "repeat earlier rows of its column; each is decoded once"
-                        + (" and stored once" if held.keeps_repeats else ""))
+                    repeats.say_repeats(self.key, len(repeated), held, fresh=not (
+                        held.names or call.contiguous))
         finally:
             if aside is not None:
                 aside.drop()
@@ -198,7 +197,7 @@ class RowBuild:
                 held.materialize(current.dir)
             else:  # (the rows it copied join those it decoded; repeats, unless it links)
                 held.compact(current.dir, keep=len(held.names), whole=not held.keeps_repeats)
-        failures = _with_repeats(filled.failures, repeated, first)
+        failures = repeats.with_repeats(filled.failures, repeated, first)
         failure = None
         if failures and call.on_error == "raise":
             failure = ImageDecodeError(failures, len(values), os.getcwd())
@@ -305,32 +304,6 @@ class RowBuild:
             self.values(), getattr(call.row_fn, "storage_options", None),
             getattr(call.row_fn, "fetch", None))
         return dataclasses.replace(rows, stats=stats)
-
-
-def _first_rows(rows: Rows) -> Optional[np.ndarray]:
-    """The first row of each row's identity (and file stat, where taken) in the column,
-    or None when no row repeats another: a column that names a file on several rows (one
-    row per label or box of an image) has it decoded and stored once."""
-    if not (np.diff(rows.needles.sorted) == 0).any():  # (sorted once for the row index)
-        return None
-    words = rows.ids if rows.stats is None else np.concatenate(
-        [rows.ids, np.ascontiguousarray(rows.stats).view("<u8").reshape(len(rows.ids), -1)],
-        axis=1)
-    words = np.ascontiguousarray(words, dtype="<u8")
-    keys = words.view(np.dtype((np.void, words.dtype.itemsize * words.shape[1]))).ravel()
-    _, index, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    return None if len(index) == len(keys) else index[inverse.ravel()]
-
-
-def _with_repeats(failures: list[Failure], repeated: np.ndarray,
-                  first: Optional[np.ndarray]) -> list[Failure]:
-    """``failures`` with each row that repeats a failed row (``repeated``, of ``first``),
-    which fails with it, in row order."""
-    if not failures or not len(repeated) or first is None:
-        return failures
-    failed = {row: (path, why) for row, path, why in failures}
-    return sorted(failures + [(int(row), *failed[int(first[row])]) for row in repeated
-                              if int(first[row]) in failed])
 
 
 def _copied_rows(held: parts.Parts, found: donors.Donors) -> dict[str, int]:

@@ -59,7 +59,9 @@ def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path,
     assert np.load(entry.path / manifests.DATA_FILE, mmap_mode="r").shape[0] == 6
     np.testing.assert_array_equal(entry.array, _pixels(tmp_path, pictures)[rows])
     assert (f"entry {entry.key[:12]}: 3 of the rows left to decode repeat earlier rows of its "
-            "column; each is decoded once\n") in capsys.readouterr().err
+            "column; each is decoded once and copied into each of its rows (to store each "
+            "once, cache the column's distinct files first: this column then links that "
+            "entry)\n") in capsys.readouterr().err
     again = _cache(tmp_path / "root").images(_column(pictures, rows), 8)
     assert again.hit and np.array_equal(again.array, entry.array)
     assert cli_main(["--root", str(tmp_path / "root"), "info", entry.key]) == 0
