@@ -31,19 +31,21 @@ def first_rows(rows: Rows) -> Optional[np.ndarray]:
     return None if len(index) == len(keys) else index[inverse.ravel()]
 
 
-def say_repeats(key: str, repeated: int, held: parts.Parts, fresh: bool) -> None:
+def say_repeats(key: str, repeated: int, held: parts.Parts, fresh: bool, kind: str) -> None:
     """Say that ``repeated`` rows repeat earlier rows of the column, and whether each is
     stored once (``held`` links parts) or in each of its rows; a ``fresh`` build, which
-    links none and is one contiguous file, adds how to store each once."""
+    links none and is one contiguous file, adds how to store each once (its column's
+    distinct files, or values for ``kind`` "map", cached first)."""
+    what = "files" if kind == "images" else "values"
     how = (" and stored once" if held.keeps_repeats else
-           " and copied into each of its rows (to store each once, cache the column's "
-           "distinct files first: this column then links that entry)" if fresh else "")
+           f" and copied into each of its rows (to store each once, cache the column's "
+           f"distinct {what} first: this column then links that entry)" if fresh else "")
     say(f"entry {key[:12]}: {repeated} of the rows left to decode repeat earlier rows of "
         f"its column; each is decoded once{how}")
 
 
 def with_repeats(failures: list[Failure], repeated: np.ndarray,
-                  first: Optional[np.ndarray]) -> list[Failure]:
+                 first: Optional[np.ndarray]) -> list[Failure]:
     """``failures`` with each row that repeats a failed row (``repeated``, of ``first``),
     which fails with it, in row order."""
     if not failures or not len(repeated) or first is None:

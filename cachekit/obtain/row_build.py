@@ -170,7 +170,7 @@ class RowBuild:
                 repeated = held.repeated
                 if len(repeated):
                     repeats.say_repeats(self.key, len(repeated), held, fresh=not (
-                        held.names or call.contiguous))
+                        held.names or call.contiguous), kind=call.kind)
         finally:
             if aside is not None:
                 aside.drop()

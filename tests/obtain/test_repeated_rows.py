@@ -72,11 +72,12 @@ def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path,
                                              "rows of its column")  # (not "0 shared with 0")
 
 
-def test_a_memoized_function_runs_once_for_a_repeated_value(tmp_path):
+def test_a_memoized_function_runs_once_for_a_repeated_value(tmp_path, capsys):
     CALLS.clear()
-    entry = _cache(tmp_path).map(_counted, pd.Series([5, 7, 5, 5, 9, 7]))
+    entry = _cache(tmp_path, progress=True).map(_counted, pd.Series([5, 7, 5, 5, 9, 7]))
     assert sorted(CALLS) == [5, 7, 9]
     assert np.asarray(entry.array)[:, 0].tolist() == [5, 7, 5, 5, 9, 7]
+    assert "cache the column's distinct values first" in capsys.readouterr().err
 
 
 def test_a_build_that_links_stores_each_repeated_new_row_once(tmp_path, pictures, capsys):
