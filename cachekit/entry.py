@@ -50,9 +50,9 @@ class Entry:
 
     ``rows_decoded``, ``rows_joined``, ``rows_reused``: of the entry's rows, those this call
     decoded, those other processes decoded for its build (its joiners, or the dead builds it
-    resumed; for a joiner, everyone else's rows), and those it shares with other entries of
-    the same recipe or with an earlier row of its column. For a call that built or joined
-    they add up to ``len(entry)``; on a hit all three are 0.
+    resumed; for a joiner, the builder and the other joiners), and those its build shares
+    with other entries of the same recipe or with an earlier row of its column. For a call
+    that built or joined they add up to ``len(entry)``; on a hit all three are 0.
     """
 
     def __init__(self, path: Path, manifest: manifests.Manifest, *, source: str,

@@ -31,15 +31,16 @@ def first_rows(rows: Rows) -> Optional[np.ndarray]:
     return None if len(index) == len(keys) else index[inverse.ravel()]
 
 
-def say_repeats(key: str, repeated: int, held: parts.Parts, fresh: bool, kind: str) -> None:
+def say_repeats(key: str, repeated: int, held: parts.Parts, kind: str) -> None:
     """Say that ``repeated`` rows repeat earlier rows of the column, and whether each is
-    stored once (``held`` links parts) or in each of its rows; a ``fresh`` build, which
-    links none and is one contiguous file, adds how to store each once (its column's
-    distinct files, or values for ``kind`` "map", cached first)."""
+    stored once (``held`` links parts) or in each of its rows. A build that may link but
+    found nothing to link (a fresh build, one contiguous file) adds how to store each once:
+    its column's distinct files (values, for ``kind`` "map") cached first."""
     what = "files" if kind == "images" else "values"
     how = (" and stored once" if held.keeps_repeats else
            f" and copied into each of its rows (to store each once, cache the column's "
-           f"distinct {what} first: this column then links that entry)" if fresh else "")
+           f"distinct {what} first: this column then links that entry)"
+           if held.linked and not held.names else "")
     say(f"entry {key[:12]}: {repeated} of the rows left to decode repeat earlier rows of "
         f"its column; each is decoded once{how}")
 

@@ -169,8 +169,7 @@ class RowBuild:
                     _say_copies(self.key, held)
                 repeated = held.repeated
                 if len(repeated):
-                    repeats.say_repeats(self.key, len(repeated), held, fresh=not (
-                        held.names or call.contiguous), kind=call.kind)
+                    repeats.say_repeats(self.key, len(repeated), held, call.kind)
         finally:
             if aside is not None:
                 aside.drop()

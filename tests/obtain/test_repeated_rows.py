@@ -62,6 +62,10 @@ def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path,
             "column; each is decoded once and copied into each of its rows (to store each "
             "once, cache the column's distinct files first: this column then links that "
             "entry)\n") in capsys.readouterr().err
+    copy = _cache(tmp_path / "asked", progress=True).images(_column(pictures, rows), 8,
+                                                            contiguous=True)
+    said = capsys.readouterr().err  # asked for one file: no advice to store it otherwise
+    assert copy.contiguous and "each is decoded once\n" in said and "to store" not in said
     again = _cache(tmp_path / "root").images(_column(pictures, rows), 8)
     assert again.hit and np.array_equal(again.array, entry.array)
     assert cli_main(["--root", str(tmp_path / "root"), "info", entry.key]) == 0
