@@ -33,11 +33,11 @@ another, and every round works in roots of its own (``Cache(workers=2)``, exact 
   one row plus the row map (the issue: at most the failed rows plus the map).
 - "repeats": a column that names each of a quarter of the covers on 4 rows in a row (one
   row per box or label of an image, as annotations in long format are), built in a root of
-  its own, against a build of those covers once (each file is decoded once: 1x, where
-  decoding every row took about 4x); then, in the same root, the second half of them and
-  as many new covers, again each on 4 rows: the bytes that build adds to the root, against
-  its new rows stored once plus its row map (it links the first entry's file and stores
-  each new row once, where a copy for each row took about 4x).
+  its own, against a build of those covers once (each file is decoded once, and the
+  entry, one contiguous file, holds each of its 4 rows); then, in the same root, the
+  second half of them and as many new covers, again each on 4 rows: the bytes that build
+  adds to the root, against its new rows stored once plus its row map (it links the first
+  entry's file and stores each new row once).
 - "read": shuffled ``DataLoader`` epochs (batch 256) and sequential ones over a fold entry
   (its rows in the full entry's file) against the same rows as a contiguous entry
   (``contiguous=True``): throughput ratios (the issue asks at least 0.9x and 0.8x), each
