@@ -9,7 +9,10 @@ build's own ``data.npy`` (a build that decodes none has none). A linked file is 
 inode the donor's manifest describes (opened through the donor's directory handle, its size
 and header checked, linked from the open file), and data files never change once written:
 the filesystem counts who uses each, so clearing or pruning any entry never breaks another.
-A row that repeats an earlier row left to decode is decoded once (:meth:`Parts.repeat`).
+A row that repeats an earlier row left to decode is decoded and stored once
+(:meth:`Parts.repeat`): the row map points it at that row, in the build's own file (a
+build that links no part keeps that file as a part of its own, since the format has a row
+map only with parts: :func:`.row_files.write_row_files`).
 
 Only this user's files are linked: a group member's file stays writable by its owner alone,
 and a link would let them change this user's entry. The rows of another user's files are
@@ -115,9 +118,10 @@ class Parts:
     @property
     def keeps_repeats(self) -> bool:
         """Whether the rows that repeat others stay pointed at one row of its own data file:
-        it links parts and copies no row; else :meth:`compact` copies that row into each of
-        theirs (an entry has a row map only with parts)."""
-        return bool(self.names) and self.linked and self.copies is None
+        it may link and copies no row; else :meth:`compact` copies that row into each of
+        theirs. A build that links no part then stores its own file as a part
+        (:func:`.row_files.write_row_files`): an entry has a row map only with parts."""
+        return self.linked and self.copies is None
 
     def repeat(self, first: np.ndarray) -> None:
         """Point each row left to decode that repeats an earlier one at it (``first``: the
@@ -145,10 +149,10 @@ class Parts:
 
     @property
     def rows_written(self) -> int:
-        """The rows the build writes into files of its own: all when it links no part
-        (:meth:`materialize`, or its rows repeat others: :meth:`compact`), else those no
-        part holds (decoded, or copied)."""
-        if self.derived and not (self.linked and self.names):
+        """The rows the build writes into files of its own: all when it may not link
+        (:meth:`materialize`), else those no part holds (decoded, or copied), but the rows
+        that repeat others where it keeps them (:attr:`keeps_repeats`)."""
+        if not self.linked:
             return len(self.where)
         return int(np.isin(self.where[:, 0], (-1, COPIED)).sum())
 

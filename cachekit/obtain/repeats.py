@@ -31,18 +31,13 @@ def first_rows(rows: Rows) -> Optional[np.ndarray]:
     return None if len(index) == len(keys) else index[inverse.ravel()]
 
 
-def say_repeats(key: str, repeated: int, held: parts.Parts, kind: str) -> None:
+def say_repeats(key: str, repeated: int, held: parts.Parts) -> None:
     """Say that ``repeated`` rows repeat earlier rows of the column, and whether each is
-    stored once (``held`` links parts) or in each of its rows. A build that may link but
-    found nothing to link (a fresh build, one contiguous file) adds how to store each once:
-    its column's distinct files (values, for ``kind`` "map") cached first."""
-    what = "files" if kind == "images" else "values"
-    how = (" and stored once" if held.keeps_repeats else
-           f" and copied into each of its rows (to store each once, cache the column's "
-           f"distinct {what} first: this column then links that entry)"
-           if held.linked and not held.names else "")
+    stored once (``held`` keeps them pointed at one row) or, in a contiguous file, in each
+    of its rows."""
+    how = "stored once" if held.keeps_repeats else "copied into each of its rows"
     say(f"entry {key[:12]}: {repeated} of the rows left to decode repeat earlier rows of "
-        f"its column; each is decoded once{how}")
+        f"its column; each is decoded once and {how}")
 
 
 def with_repeats(failures: list[Failure], repeated: np.ndarray,

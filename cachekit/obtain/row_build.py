@@ -169,7 +169,7 @@ class RowBuild:
                     _say_copies(self.key, held)
                 repeated = held.repeated
                 if len(repeated):
-                    repeats.say_repeats(self.key, len(repeated), held, call.kind)
+                    repeats.say_repeats(self.key, len(repeated), held)
         finally:
             if aside is not None:
                 aside.drop()

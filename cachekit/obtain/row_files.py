@@ -43,8 +43,11 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
     derived entry) the row map into the build directory next to its data file, each
     checksummed as it is written. A derived entry that decoded none of its rows has no data
     file and writes only its row map: its parts' copies of the row files describe every
-    row. ``copied``: the rows of other entries copied, not linked, by key, and ``repeated``:
-    the rows that repeat an earlier row of the column (for its origin)."""
+    row. One whose rows only repeat others (it links no part) renames its data file to a
+    part of its own, with that part's row files (:func:`_own_part`): the format's row map
+    comes with parts, and a later build links that file as it links any part. ``copied``:
+    the rows of other entries copied, not linked, by key, and ``repeated``: the rows that
+    repeat an earlier row of the column (for its origin)."""
     shape, dtype = filled.shape, np.dtype(filled.dtype)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     block_rows = max(1, BLOCK_BYTES // max(1, row_bytes))
@@ -56,8 +59,14 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
         digests[name] = arrays.write_small(directory, name, array)
         files.append((name, "numpy"))
 
-    linked: frozenset[str] = frozenset()
-    if not held.derived or held.has_own:
+    shared = {**dict(zip(held.names, held.records)), **held.sidecars}
+    linked = frozenset(shared)
+    if held.derived and held.has_own and not held.names:
+        write(manifests.ROW_MAP_FILE, held.row_map())  # (its file 0: the part, listed first)
+        for name, digest in _own_part(directory, rows, own):
+            digests[name] = digest
+            files.append((name, "numpy"))
+    elif not held.derived or held.has_own:
         whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
         digests[manifests.DATA_FILE] = whole
         files.append((manifests.DATA_FILE, "numpy"))
@@ -65,14 +74,31 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
         write(manifests.ROW_BLOCKS_FILE, blocks)
         if rows.stats is not None:
             write(manifests.ROW_STATS_FILE, np.asarray(rows.stats[own], dtype="<i8"))
-    if held.derived:
+    if held.derived and held.names:
         write(manifests.ROW_MAP_FILE, held.row_map())
-        shared = {**dict(zip(held.names, held.records)), **held.sidecars}
         files += [(name, "numpy") for name in sorted(shared)]
         digests.update((name, record.checksum) for name, record in shared.items())
-        linked = frozenset(shared)
     reused, copies = ([(k, n) for k, n in sorted(by_key.items(), key=lambda kn: -kn[1]) if n]
                       for by_key in (held.shared, copied))
     origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined,
                     tuple(copies), repeated)
     return RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)
+
+
+def _own_part(directory: _fs.DirHandle, rows: Rows, own: np.ndarray
+              ) -> list[tuple[str, str]]:
+    """Rename the build's data file to the part its checksum names, and write that part's
+    row files (the identities, and stats, of ``own``, the rows it holds): the (name,
+    checksum) of each, in name order, as the manifest lists parts."""
+    with directory.open_file(manifests.DATA_FILE) as f:
+        _, digest = arrays.checksum_of(f)
+    part = manifests.part_name(digest)
+    directory.rename(manifests.DATA_FILE, directory, part)
+    written = {part: digest}
+    described = {manifests.ROW_IDS_FILE: rows.ids[own]}
+    if rows.stats is not None:
+        described[manifests.ROW_STATS_FILE] = np.asarray(rows.stats[own], dtype="<i8")
+    for row_file, array in described.items():
+        name = manifests.sidecar_name(part, row_file)
+        written[name] = arrays.write_small(directory, name, array)
+    return sorted(written.items())

@@ -344,7 +344,7 @@ def test_two_agents_share_one_build_of_a_url_column(covers, tmp_path, s3_env):
     assert len({r["key"] for r in reports}) == 1 and len({r["sha"] for r in reports}) == 1
     assert sorted(r["source"] for r in reports)[0] == "built"
     local = new_cache(tmp_path / "local").images(covers.local * 3, SIZE)
-    assert reports[0]["sha"] == hashlib.sha256(local.array.tobytes()).hexdigest()
+    assert reports[0]["sha"] == hashlib.sha256(np.asarray(local.array).tobytes()).hexdigest()
 
 
 def test_cachekits_worker_processes_fetch_url_rows(covers, tmp_path):

@@ -1,7 +1,7 @@
 """A column that names a file on several rows (one row per label or box of an image, an
-oversampled class) has it decoded once (cachekit/obtain/parts.py: ``Parts.repeat``). A
-build that links the files of other entries stores the row once and points its row map at
-it; a build that links none copies it into each of its rows, one contiguous file as ever.
+oversampled class) has it decoded once (cachekit/obtain/parts.py: ``Parts.repeat``) and
+stored once: the build's row map points each repeat at it. Only a contiguous entry
+(``contiguous=True``) copies it into each of its rows.
 """
 
 from __future__ import annotations
@@ -50,38 +50,54 @@ def _origin(entry: cachekit.Entry) -> dict:
     return json.loads((entry.path / manifests.MANIFEST_FILE).read_text())["origin"]
 
 
-def test_a_fresh_build_decodes_a_repeated_file_once_and_stays_one_file(tmp_path, pictures,
-                                                                      capsys):
+def test_a_fresh_build_decodes_and_stores_a_repeated_file_once(tmp_path, pictures, capsys):
+    """No entry holds the column's rows: its three files are decoded once and stored once,
+    in one file of its own, which its row map points each of the six rows at. That file is
+    a part as the format has it (named by its checksum, with its row files), so a later
+    column of the same files links it; ``contiguous=True`` still writes every row."""
     rows = [0, 1, 0, 2, 1, 0]
-    entry = _cache(tmp_path / "root", progress=True).images(_column(pictures, rows), 8)
-    assert entry.contiguous and (entry.rows_decoded, entry.rows_reused) == (3, 3)
+    root = tmp_path / "root"
+    entry = _cache(root, progress=True).images(_column(pictures, rows), 8)
+    assert not entry.contiguous and (entry.rows_decoded, entry.rows_reused) == (3, 3)
     assert _origin(entry)["repeated"] == 3
-    assert np.load(entry.path / manifests.DATA_FILE, mmap_mode="r").shape[0] == 6
-    np.testing.assert_array_equal(entry.array, _pixels(tmp_path, pictures)[rows])
+    assert not (entry.path / manifests.DATA_FILE).exists()
+    [part] = [p for p in entry.path.iterdir() if manifests.is_part_name(p.name)]
+    assert np.load(part, mmap_mode="r").shape[0] == 3 and part.stat().st_nlink == 1
+    assert np.load(entry.path / manifests.ROW_MAP_FILE).tolist() == [
+        [0, 0], [0, 1], [0, 0], [0, 2], [0, 1], [0, 0]]
+    every = _pixels(tmp_path, pictures)
+    want = every[rows]
+    np.testing.assert_array_equal(np.asarray(entry.array), want)
     assert (f"entry {entry.key[:12]}: 3 of the rows left to decode repeat earlier rows of its "
-            "column; each is decoded once and copied into each of its rows (to store each "
-            "once, cache the column's distinct files first: this column then links that "
-            "entry)\n") in capsys.readouterr().err
-    copy = _cache(tmp_path / "asked", progress=True).images(_column(pictures, rows), 8,
-                                                            contiguous=True)
-    said = capsys.readouterr().err  # asked for one file: no advice to store it otherwise
-    assert copy.contiguous and "each is decoded once\n" in said and "to store" not in said
-    again = _cache(tmp_path / "root").images(_column(pictures, rows), 8)
-    assert again.hit and np.array_equal(again.array, entry.array)
-    assert cli_main(["--root", str(tmp_path / "root"), "info", entry.key]) == 0
+            "column; each is decoded once and stored once\n") in capsys.readouterr().err
+    again = _cache(root).images(_column(pictures, rows), 8)
+    assert again.hit and np.array_equal(np.asarray(again.array), want)
+    assert cli_main(["--root", str(root), "info", entry.key]) == 0
     [line] = [line for line in capsys.readouterr().out.splitlines()
               if line.startswith("rows from:")]
     assert line.split(":", 1)[1].strip() == ("3 decoded by its builder, 0 by other processes "
                                              "(joiners, resumed builds), 3 repeating earlier "
                                              "rows of its column")  # (not "0 shared with 0")
+    distinct = _cache(root).images(_column(pictures, [2, 0, 1]), 8)  # links that one file
+    assert (distinct.rows_decoded, distinct.rows_reused) == (0, 3)
+    [linked] = [p for p in distinct.path.iterdir() if manifests.is_part_name(p.name)]
+    assert linked.stat().st_ino == part.stat().st_ino and part.stat().st_nlink == 2
+    np.testing.assert_array_equal(np.asarray(distinct.array), every[[2, 0, 1]])
+    assert _cache(root).verify() == []
+    copy = _cache(tmp_path / "asked", progress=True).images(_column(pictures, rows), 8,
+                                                            contiguous=True)
+    assert copy.contiguous and "each is decoded once and copied into each of its rows\n" \
+        in capsys.readouterr().err
+    assert np.load(copy.path / manifests.DATA_FILE, mmap_mode="r").shape[0] == 6
+    np.testing.assert_array_equal(copy.array, want)
 
 
 def test_a_memoized_function_runs_once_for_a_repeated_value(tmp_path, capsys):
     CALLS.clear()
     entry = _cache(tmp_path, progress=True).map(_counted, pd.Series([5, 7, 5, 5, 9, 7]))
-    assert sorted(CALLS) == [5, 7, 9]
+    assert sorted(CALLS) == [5, 7, 9] and not entry.contiguous
     assert np.asarray(entry.array)[:, 0].tolist() == [5, 7, 5, 5, 9, 7]
-    assert "cache the column's distinct values first" in capsys.readouterr().err
+    assert "each is decoded once and stored once" in capsys.readouterr().err
 
 
 def test_a_build_that_links_stores_each_repeated_new_row_once(tmp_path, pictures, capsys):

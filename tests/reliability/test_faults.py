@@ -221,8 +221,8 @@ DISK_FULL_CHILD = textwrap.dedent("""
     cache = cachekit.Cache(root, workers=2, progress=False, lock_timeout=0)
     report = {}
     try:
-        # 48 x 3 x 128 x 128: about 2.4 MB. pil: as in FSIZE_CHILD
-        cache.images(pd.Series(paths * 4), 128, backend="pil")
+        # 12 x 3 x 256 x 256: about 2.4 MB. pil: as in FSIZE_CHILD
+        cache.images(pd.Series(paths), 256, backend="pil")
     except OSError as e:
         report["errno"], report["message"] = e.errno, str(e)
     report["tmp"] = os.listdir(Path(root) / "tmp")
@@ -262,9 +262,9 @@ def test_a_disk_the_budget_fits_holds_each_build_room_made_before_it_writes(
     first (2.4 MB, no longer used), which goes before the build writes, not after."""
     with tmpfs(tmp_path / "small", "4m") as mount:
         cache = cachekit.Cache(mount / "cache", max_size="3M", workers=2)
-        first = cache.images(pd.Series(cover_paths * 4), 128, backend="pil").path
+        first = cache.images(pd.Series(cover_paths), 256, backend="pil").path
         capsys.readouterr()
-        second = cache.images(pd.Series(cover_paths * 4), 120, backend="pil")
+        second = cache.images(pd.Series(cover_paths), 240, backend="pil")
         said = capsys.readouterr().err
         assert f"make room for the 2.1 MB entry {second.key[:12]} is about to write" in said
         assert second.outcome == "built" and not first.exists()
