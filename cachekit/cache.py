@@ -121,8 +121,9 @@ class Cache:
         fsspec's own configuration; never part of the key nor shown in a message.
 
         Rows that committed entries of the same recipe hold are shared with them, not
-        decoded or stored again: such an entry is derived (``entry.contiguous`` is False,
-        ``entry.array`` a read-only row view). ``contiguous=True`` returns an entry whose
+        decoded or stored again, and a file named on several rows is decoded and stored
+        once: such an entry is derived (``entry.contiguous`` is False, ``entry.array`` a
+        read-only row view). ``contiguous=True`` returns an entry whose
         rows are one file of its own (``entry.array`` a memmap), copying them when needed;
         it is not part of the key.
         """

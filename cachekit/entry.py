@@ -92,8 +92,9 @@ class Entry:
     @property
     def contiguous(self) -> bool:
         """Whether the rows are one data file's, in order (``array`` is then a memmap);
-        False for a derived entry, whose rows are shared with other entries (see
-        ``cache.images(..., contiguous=True)``)."""
+        False for a derived entry, whose rows are shared with other entries or repeat
+        earlier rows of its column, each stored once (see ``cache.images(...,
+        contiguous=True)``)."""
         return self._manifest.contiguous
 
     @property

@@ -336,11 +336,15 @@ def index_entry(store: LocalStore, published: Published, ids: Optional[np.ndarra
     """Put the committed entry ``published`` into the row index (step 6, best effort), with
     its row identities ``ids`` (None: read from the entry, checked). An entry that holds no
     row of its own is indexed by a link to its row map: no new file (a file create is the
-    slowest step of such a call on a busy disk)."""
+    slowest step of such a call on a busy disk). One whose only file is a part of its own
+    (its rows repeat others) gets an index file, as any entry that decoded rows: a lookup
+    reads an index file's sorted hashes, an entry's rows only where no such file has them."""
     manifest = published.manifest
     if manifest.reuse is None:
         return
-    if manifest.holds_no_row and manifest.failed_count == 0 and \
+    origin = manifest.origin
+    decoded = origin is not None and origin.decoded + origin.joined > 0
+    if manifest.parts_only and not decoded and manifest.failed_count == 0 and \
             store.row_index.link(manifest.reuse.recipe, manifest.key):
         return
     if ids is None:

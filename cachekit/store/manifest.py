@@ -172,19 +172,20 @@ class Manifest:
         return {} if self.kind == MEMOIZE_KIND else {f.name: f for f in self.files}
 
     @property
-    def holds_no_row(self) -> bool:
-        """Whether this is a derived entry that decoded none of its rows: every row is a
-        part's, and it lists no data file and no row files of its own (the parts' copies of
-        :data:`SIDECARS` describe its rows)."""
+    def parts_only(self) -> bool:
+        """Whether this is a derived entry whose every row is a part's: it lists no data file
+        and no row files of its own (the parts' copies of :data:`SIDECARS` describe its
+        rows). Its parts are other entries' files, or (its rows repeat others) a part of
+        its own that holds the rows it decoded."""
         return self.own is None
 
     def has_row_records(self, name: str) -> bool:
         """Whether every row has a record in the row file ``name`` (:data:`SIDECARS`): in
-        the entry's own file, or for an entry that :attr:`holds_no_row`, in every part's
+        the entry's own file, or for an entry that :attr:`parts_only`, in every part's
         copy."""
         if self.row_file(name) is not None:
             return True
-        return self.holds_no_row and all(
+        return self.parts_only and all(
             self.row_file(sidecar_name(part.name, name)) is not None
             for part in self.parts)
 

@@ -65,6 +65,8 @@ def test_a_fresh_build_decodes_and_stores_a_repeated_file_once(tmp_path, picture
     assert np.load(part, mmap_mode="r").shape[0] == 3 and part.stat().st_nlink == 1
     assert np.load(entry.path / manifests.ROW_MAP_FILE).tolist() == [
         [0, 0], [0, 1], [0, 0], [0, 2], [0, 1], [0, 0]]
+    [indexed] = (root / "index").glob(f"*/{entry.key}.npy")  # its own index file, as the
+    assert indexed.stat().st_nlink == 1  # rows it decoded are no other entry's (no link)
     every = _pixels(tmp_path, pictures)
     want = every[rows]
     np.testing.assert_array_equal(np.asarray(entry.array), want)

@@ -174,7 +174,7 @@ def test_a_derived_entry_that_decoded_no_row_lists_its_row_map_first_and_no_data
     (part,) = manifest.parts
     ids = manifests.sidecar_name(part.name, manifests.ROW_IDS_FILE)
     assert [f.name for f in manifest.files] == [manifests.ROW_MAP_FILE, *sorted([part.name, ids])]
-    assert manifest.own is None and manifest.holds_no_row and manifest.data_files == (part,)
+    assert manifest.own is None and manifest.parts_only and manifest.data_files == (part,)
     assert (manifest.shape, manifest.dtype) == ((2, 2), np.dtype(np.int8))
     assert (fold.manifest["shape"], fold.manifest["dtype"]) == ([2, 2], "|i1")
     np.testing.assert_array_equal(np.asarray(fold.array), [[3, 3], [1, 1]])
