@@ -23,6 +23,7 @@ import pandas as pd
 import pytest
 
 import cachekit
+from cachekit.store import manifest as manifests
 from helpers import write_pictures
 
 AGENT = textwrap.dedent('''
@@ -135,8 +136,13 @@ def test_joiners_compute_only_rows_that_nobody_copies(tmp_path: Path) -> None:
 def test_a_builder_and_its_joiner_compute_a_repeated_value_once_between_them(
         tmp_path: Path) -> None:
     """Each value of the column is on three rows: the build computes each once (its
-    joiner too, from the rows the journal names), and the repeats count as reused."""
+    joiner too, from the rows the journal names) and stores each once, in a part of its
+    own, and the repeats count as reused."""
     reports = run_agents(tmp_path, tmp_path / "cache", (0, 120), 2, repeat=3)
+    [entry] = (tmp_path / "cache" / "entries").iterdir()
+    [part] = [p for p in entry.iterdir() if manifests.is_part_name(p.name)]
+    assert np.load(part, mmap_mode="r").shape == (120, 512)  # (no data.npy of 360 rows)
+    assert not (entry / manifests.DATA_FILE).exists()
     rows = computed(tmp_path)
     assert sorted(v for _, v in rows) == list(range(120)), reports
     by_source = {r["source"]: r for r in reports}
