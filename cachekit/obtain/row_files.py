@@ -60,13 +60,8 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
         files.append((name, "numpy"))
 
     shared = {**dict(zip(held.names, held.records)), **held.sidecars}
-    linked = frozenset(shared)
-    if held.derived and held.has_own and not held.names:
-        write(manifests.ROW_MAP_FILE, held.row_map())  # (its file 0: the part, listed first)
-        for name, digest in _own_part(directory, rows, own):
-            digests[name] = digest
-            files.append((name, "numpy"))
-    elif not held.derived or held.has_own:
+    own_part = held.derived and held.has_own and not held.names
+    if not own_part and (not held.derived or held.has_own):
         whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
         digests[manifests.DATA_FILE] = whole
         files.append((manifests.DATA_FILE, "numpy"))
@@ -74,22 +69,25 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
         write(manifests.ROW_BLOCKS_FILE, blocks)
         if rows.stats is not None:
             write(manifests.ROW_STATS_FILE, np.asarray(rows.stats[own], dtype="<i8"))
-    if held.derived and held.names:
-        write(manifests.ROW_MAP_FILE, held.row_map())
-        files += [(name, "numpy") for name in sorted(shared)]
-        digests.update((name, record.checksum) for name, record in shared.items())
+    if held.derived:
+        write(manifests.ROW_MAP_FILE, held.row_map())  # (first, with no data file)
+        parts = {name: record.checksum for name, record in shared.items()}
+        if own_part:  # (the row map's file 0)
+            parts.update(_own_part(directory, rows, own))
+        files += [(name, "numpy") for name in sorted(parts)]
+        digests.update(parts)
     reused, copies = ([(k, n) for k, n in sorted(by_key.items(), key=lambda kn: -kn[1]) if n]
                       for by_key in (held.shared, copied))
     origin = Origin(tuple(reused), filled.decoded, filled.resumed + filled.rows_joined,
                     tuple(copies), repeated)
-    return RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin, linked)
+    return RowFiles(tuple(files), digests, RowReuse(rows.recipe, block_rows), origin,
+                    frozenset(shared))
 
 
-def _own_part(directory: _fs.DirHandle, rows: Rows, own: np.ndarray
-              ) -> list[tuple[str, str]]:
+def _own_part(directory: _fs.DirHandle, rows: Rows, own: np.ndarray) -> dict[str, str]:
     """Rename the build's data file to the part its checksum names, and write that part's
-    row files (the identities, and stats, of ``own``, the rows it holds): the (name,
-    checksum) of each, in name order, as the manifest lists parts."""
+    row files (the identities, and stats, of ``own``, the rows it holds): the checksum of
+    each, by name."""
     with directory.open_file(manifests.DATA_FILE) as f:
         _, digest = arrays.checksum_of(f)
     part = manifests.part_name(digest)
@@ -101,4 +99,4 @@ def _own_part(directory: _fs.DirHandle, rows: Rows, own: np.ndarray
     for row_file, array in described.items():
         name = manifests.sidecar_name(part, row_file)
         written[name] = arrays.write_small(directory, name, array)
-    return sorted(written.items())
+    return written
