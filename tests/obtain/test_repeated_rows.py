@@ -152,24 +152,30 @@ def test_a_repeated_file_that_fails_fails_on_each_of_its_rows(tmp_path, pictures
 
 def test_a_pulled_entry_keeps_what_its_origin_says_of_repeats_and_copies(s3_env, tmp_path,
                                                                           pictures, capsys):
-    """A host's fold with repeated new rows and a contiguous copy of another fold are
-    uploaded; a second host pulls both: the same pixels, and ``info`` says which rows
-    repeat and which were copied, as on the host that built them."""
+    """A host's fold with repeated new rows, a contiguous copy of another fold and a fresh
+    build of files on several rows (its own part) are uploaded; a second host pulls each:
+    the same pixels, and ``info`` says which rows repeat and which were copied, as on the
+    host that built them."""
     from cachekit.obtain import background
 
     here = _cache(tmp_path / "a")
     here.images(_column(pictures, range(40)), 8)
     fold_rows, copy_rows = [*range(0, 40, 2), 50, 51, 50, 51], list(range(1, 40, 2))
+    fresh_rows = [55, 56, 55, 57, 56, 55]
     fold = here.images(_column(pictures, fold_rows), 8)
     copy = here.images(_column(pictures, copy_rows), 8, contiguous=True)
-    assert not fold.contiguous and copy.contiguous
+    fresh = here.images(_column(pictures, fresh_rows), 8)
+    assert not fold.contiguous and copy.contiguous and not fresh.contiguous
+    assert fresh.rows_decoded == 3
     background.wait_all()
     there, want = _cache(tmp_path / "b"), _pixels(tmp_path, pictures)
-    for entry, rows in ((fold, fold_rows), (copy, copy_rows)):
+    for entry, rows in ((fold, fold_rows), (copy, copy_rows), (fresh, fresh_rows)):
         pulled = there.images(_column(pictures, rows), 8, contiguous=entry.contiguous)
         assert pulled.source == "remote" and pulled.key == entry.key
         np.testing.assert_array_equal(np.asarray(pulled.array), want[rows])
         assert _origin(pulled) == _origin(entry)
+    distinct = there.images(_column(pictures, [57, 55, 56]), 8)  # in the part pulled
+    assert distinct.source == "built" and distinct.rows_decoded == 0  # (it was indexed)
     capsys.readouterr()
     for entry in (fold, copy):
         assert cli_main(["--root", str(tmp_path / "b"), "info", entry.key]) == 0
