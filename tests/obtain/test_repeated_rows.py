@@ -1,7 +1,8 @@
 """A column that names a file on several rows (one row per label or box of an image, an
 oversampled class) has it decoded once (cachekit/obtain/parts.py: ``Parts.repeat``) and
-stored once: the build's row map points each repeat at it. Only a contiguous entry
-(``contiguous=True``) copies it into each of its rows.
+stored once: the build's row map points each repeat at it. A contiguous entry
+(``contiguous=True``), or a build that copies rows of other entries' files, copies it into
+each of its rows.
 """
 
 from __future__ import annotations
