@@ -65,10 +65,11 @@ def write_row_files(directory: _fs.DirHandle, rows: Rows, filled: Filled, held: 
         whole, blocks = arrays.block_checksums(directory, manifests.DATA_FILE, block_rows)
         digests[manifests.DATA_FILE] = whole
         files.append((manifests.DATA_FILE, "numpy"))
-        write(manifests.ROW_IDS_FILE, rows.ids[own])
+        described = _described(rows, own)
+        write(manifests.ROW_IDS_FILE, described.pop(manifests.ROW_IDS_FILE))
         write(manifests.ROW_BLOCKS_FILE, blocks)
-        if rows.stats is not None:
-            write(manifests.ROW_STATS_FILE, np.asarray(rows.stats[own], dtype="<i8"))
+        for name, array in described.items():
+            write(name, array)
     if held.derived:
         write(manifests.ROW_MAP_FILE, held.row_map())  # (first, with no data file)
         parts = {name: record.checksum for name, record in shared.items()}
@@ -93,10 +94,16 @@ def _own_part(directory: _fs.DirHandle, rows: Rows, own: np.ndarray) -> dict[str
     part = manifests.part_name(digest)
     directory.rename(manifests.DATA_FILE, directory, part)
     written = {part: digest}
-    described = {manifests.ROW_IDS_FILE: rows.ids[own]}
-    if rows.stats is not None:
-        described[manifests.ROW_STATS_FILE] = np.asarray(rows.stats[own], dtype="<i8")
-    for row_file, array in described.items():
+    for row_file, array in _described(rows, own).items():
         name = manifests.sidecar_name(part, row_file)
         written[name] = arrays.write_small(directory, name, array)
     return written
+
+
+def _described(rows: Rows, own: np.ndarray | slice) -> dict[str, np.ndarray]:
+    """The row files that describe the rows ``own`` of a data file, by name: their
+    identities, and (images) their files' stats."""
+    described = {manifests.ROW_IDS_FILE: rows.ids[own]}
+    if rows.stats is not None:
+        described[manifests.ROW_STATS_FILE] = np.asarray(rows.stats[own], dtype="<i8")
+    return described

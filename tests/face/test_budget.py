@@ -120,6 +120,23 @@ def test_a_memoized_result_has_room_made_before_it_is_written(tmp_path, capsys):
         in said and not old.exists(), said
 
 
+def test_a_column_that_repeats_files_has_room_made_for_each_file_once(tmp_path, capsys):
+    """20 rows naming 10 files, each on two rows: the build writes 10 rows (the repeats
+    point at them), so it asks room for 10 rows' bytes before it writes, not 20."""
+    from helpers import write_pictures
+
+    pictures = write_pictures(tmp_path / "pictures", 30)
+    row = 3 * 64 * 64
+    cache = cachekit.Cache(tmp_path / "root", max_size=25 * row, workers=1)
+    old = cache.images(pd.Series(pictures[:20]), 64).path  # 20 rows, let go
+    capsys.readouterr()
+    twice = cache.images(pd.Series([p for p in pictures[20:] for _ in range(2)]), 64)
+    said = capsys.readouterr().err
+    assert f"to make room for the {format_size(10 * row)} entry {twice.key[:12]} is about " \
+           "to write" in said and not old.exists(), said
+    assert len(twice) == 20 and twice.rows_decoded == 10
+
+
 @pytest.mark.parametrize("progress", [True, False])
 def test_an_entry_larger_than_the_budget_is_returned_and_said(tmp_path, capsys, monkeypatch,
                                                               progress):
